@@ -1,0 +1,25 @@
+# `make demo` and `make test` work on a fresh machine: they build .venv themselves.
+VENV ?= .venv
+STAMP := $(VENV)/.mmm-installed
+NPROC ?= 4
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: demo test test-fast venv clean
+
+$(STAMP): pyproject.toml scripts/bootstrap.sh
+	bash scripts/bootstrap.sh $(VENV)
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/launch -n $(NPROC) python3 -m mmm --tp 2
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q --durations=15
+
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache

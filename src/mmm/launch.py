@@ -1,0 +1,486 @@
+"""``launch``: turn a scheduler allocation (or a laptop) into the right launcher command.
+
+    launch -n 4 python3 -m mmm --tp 2          # local: 4 ranks on this machine
+    launch python3 -m mmm.examples.fsdp_tp     # inside a PBS or Slurm job: every allocated rank
+    launch --dry-run python3 train.py          # print the command, run nothing
+
+Detection, in order: PBS (``PBS_NODEFILE``), Slurm (``SLURM_JOB_ID``), else no scheduler.
+``--hostfile`` replaces the scheduler's host list. Ranks per host default to the
+accelerators found on this host (NVIDIA via ``CUDA_VISIBLE_DEVICES`` or ``/dev/nvidia*``;
+``MMM_GPUS_PER_NODE`` overrides), else the scheduler's slots per host, else (no
+scheduler, CPU only) up to 4.
+
+Launchers: ``mpiexec`` under PBS (Open MPI, MPICH/Intel MPI Hydra and Cray PALS flags),
+``srun`` under Slurm, and with no scheduler the ``mpiexec`` of this virtual environment
+if it has one, else a built-in torchrun-style spawner (no torch import, so it starts
+fast). ``launch`` sets ``MASTER_ADDR``/``MASTER_PORT`` (unless already set),
+``OMP_NUM_THREADS`` (unless set: cores per host / ranks per host) and ``MMM_LAUNCH_TIME``
+(for startup timing), and returns the command's exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mmm.errors import ArgumentParser, UsageError, print_error
+
+PROG = "launch"
+MPI_FLAVORS = ("openmpi", "hydra", "pals")
+LAUNCHERS = ("auto", "mpiexec", "srun", "local")
+LOCAL_CPU_RANKS = 4
+FORWARDED_ENV = ("MASTER_ADDR", "MASTER_PORT", "MMM_LAUNCH_TIME", "OMP_NUM_THREADS", "MMM_LAUNCHER")
+
+
+# --------------------------------------------------------------------------- host lists
+def _split_top_level(text: str) -> list[str]:
+    parts, depth, cur = [], 0, []
+    for ch in text:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    parts.append("".join(cur))
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _expand_one(item: str) -> list[str]:
+    m = re.search(r"\[([^\]]*)\]", item)
+    if not m:
+        return [item]
+    head, tail = item[: m.start()], item[m.end():]
+    out: list[str] = []
+    for rng in m.group(1).split(","):
+        rng = rng.strip()
+        if "-" in rng:
+            lo, hi = rng.split("-", 1)
+            if not (lo.isdigit() and hi.isdigit()) or int(hi) < int(lo):
+                raise UsageError(f"bad range {rng!r} in Slurm node list {item!r}")
+            out += [f"{head}{n:0{len(lo)}d}" for n in range(int(lo), int(hi) + 1)]
+        elif rng.isdigit():
+            out.append(f"{head}{rng}")
+        else:
+            raise UsageError(f"bad entry {rng!r} in Slurm node list {item!r}")
+    return [host + rest for host in out for rest in _expand_one(tail)]
+
+
+def expand_nodelist(text: str) -> list[str]:
+    """Slurm's compressed host list: ``"nid[001-003,010],login1"`` -> 4 + 1 hosts, zero padding kept."""
+    if text.count("[") != text.count("]"):
+        raise UsageError(f"unbalanced brackets in Slurm node list {text!r}")
+    return [h for item in _split_top_level(text) for h in _expand_one(item)]
+
+
+def read_hostfile(path: str | os.PathLike) -> tuple[list[str], list[int]]:
+    """Hosts in first-seen order and slots per host, from a PBS nodefile or an MPI hostfile.
+
+    Accepts one host per line (repeats count as slots, as in ``PBS_NODEFILE``),
+    ``host slots=N`` (Open MPI) and ``host:N`` (Hydra). ``#`` starts a comment.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"hostfile {str(path)!r} does not exist or is not a file")
+    slots: dict[str, int] = {}
+    for raw in p.read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        fields_ = line.split()
+        host, n = fields_[0], 1
+        if ":" in host:
+            host, _, count = host.partition(":")
+            n = int(count) if count.isdigit() else 1
+        for f in fields_[1:]:
+            if f.startswith(("slots=", "max_slots=")) and f.split("=", 1)[1].isdigit():
+                n = int(f.split("=", 1)[1]) if f.startswith("slots=") else n
+        slots[host] = slots.get(host, 0) + n
+    if not slots:
+        raise UsageError(f"hostfile {str(path)!r} lists no hosts")
+    return list(slots), list(slots.values())
+
+
+# --------------------------------------------------------------------------- allocation
+@dataclass
+class Allocation:
+    scheduler: str  # "pbs", "slurm" or "none"
+    hosts: list[str]
+    slots_per_host: int | None  # what the scheduler says (PBS mpiprocs, Slurm tasks per node)
+    accelerators_per_host: int
+    hostfile: str | None = None
+    job_id: str | None = None
+
+    @property
+    def num_hosts(self) -> int:
+        return len(self.hosts)
+
+
+def count_accelerators(env: Mapping[str, str] | None = None) -> int:
+    """Accelerators on this host without importing torch (fast)."""
+    env = os.environ if env is None else env
+    if env.get("MMM_GPUS_PER_NODE"):
+        try:
+            return int(env["MMM_GPUS_PER_NODE"])
+        except ValueError:
+            raise UsageError(f"MMM_GPUS_PER_NODE={env['MMM_GPUS_PER_NODE']!r} is not an integer") from None
+    for var in ("CUDA_VISIBLE_DEVICES", "ZE_AFFINITY_MASK"):
+        if var in env:
+            return len([d for d in env[var].split(",") if d.strip() and d.strip() != "-1"])
+    return len([p for p in Path("/dev").glob("nvidia*") if re.fullmatch(r"nvidia\d+", p.name)])
+
+
+def detect_allocation(env: Mapping[str, str] | None = None, hostfile: str | None = None) -> Allocation:
+    env = os.environ if env is None else env
+    accel = count_accelerators(env)
+    if env.get("PBS_NODEFILE"):
+        path = hostfile or env["PBS_NODEFILE"]
+        hosts, slots = read_hostfile(path)
+        return Allocation("pbs", hosts, max(slots), accel, path, env.get("PBS_JOBID"))
+    if env.get("SLURM_JOB_ID"):
+        if hostfile:
+            hosts, slots = read_hostfile(hostfile)
+            per = max(slots)
+        else:
+            nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or socket.gethostname()
+            hosts = expand_nodelist(nodelist)
+            per = None
+            tpn = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+            if tpn:
+                from mmm.dist import parse_tasks_per_node
+
+                try:
+                    per = max(parse_tasks_per_node(tpn))
+                except ValueError:
+                    per = None
+        return Allocation("slurm", hosts, per, accel, hostfile, env.get("SLURM_JOB_ID"))
+    if hostfile:
+        hosts, slots = read_hostfile(hostfile)
+        return Allocation("none", hosts, max(slots), accel, hostfile)
+    return Allocation("none", [socket.gethostname()], None, accel)
+
+
+# --------------------------------------------------------------------------- MPI
+def venv_mpiexec() -> str | None:
+    cand = Path(sys.executable).parent / "mpiexec"
+    return str(cand) if cand.is_file() and os.access(cand, os.X_OK) else None
+
+
+def find_mpiexec() -> str | None:
+    return venv_mpiexec() or shutil.which("mpiexec")
+
+
+def mpi_flavor(mpiexec: str) -> str:
+    """openmpi, hydra (MPICH, Intel MPI) or pals (Cray/HPE), from ``mpiexec --version``."""
+    forced = os.environ.get("MMM_MPI_FLAVOR")
+    if forced:
+        if forced not in MPI_FLAVORS:
+            raise UsageError(f"MMM_MPI_FLAVOR={forced!r}; choose one of: {', '.join(MPI_FLAVORS)}")
+        return forced
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=20)
+        text = (out.stdout + out.stderr).lower()
+    except (OSError, subprocess.TimeoutExpired):
+        text = ""
+    if "open mpi" in text or "openrte" in text or "prte" in text:
+        return "openmpi"
+    if "hydra" in text or "intel(r) mpi" in text or "mpich" in text:
+        return "hydra"
+    if "pals" in text or "cray" in text or "hpe" in text:
+        return "pals"
+    return "hydra"
+
+
+# --------------------------------------------------------------------------- plan
+@dataclass
+class LaunchPlan:
+    launcher: str  # "mpiexec", "srun" or "local"
+    argv: list[str]  # the full command for mpiexec/srun; the per-rank command for local
+    nproc: int
+    ppn: int
+    allocation: Allocation
+    env: dict[str, str] = field(default_factory=dict)  # added to the environment
+    mpi_flavor: str | None = None
+
+    def describe(self) -> str:
+        a = self.allocation
+        where = f"{a.num_hosts} host{'s' if a.num_hosts != 1 else ''}" if a.scheduler != "none" or a.hostfile \
+            else "this machine"
+        return (f"{self.nproc} ranks ({self.ppn} per host) on {where} via {self.launcher}"
+                f"{f' ({self.mpi_flavor})' if self.mpi_flavor else ''}; scheduler: {a.scheduler}")
+
+    def command_line(self) -> str:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        cmd = shlex.join(self.argv)
+        if self.launcher == "local":
+            cmd = f"<{self.nproc} ranks, RANK=0..{self.nproc - 1}> {cmd}"
+        return f"{env} {cmd}" if env else cmd
+
+
+def _resolve_python(cmd: list[str]) -> list[str]:
+    """A bare ``python``/``python3`` means this environment's interpreter, on every rank."""
+    if cmd and cmd[0] in {"python", "python3"}:
+        return [sys.executable, *cmd[1:]]
+    return cmd
+
+
+def plan_launch(
+    command: Sequence[str],
+    *,
+    nproc: int | None = None,
+    ppn: int | None = None,
+    hostfile: str | None = None,
+    launcher: str = "auto",
+    mpi_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    flavor: str | None = None,
+) -> LaunchPlan:
+    env = os.environ if env is None else env
+    if not command:
+        raise UsageError("no command to launch; e.g. `launch -n 4 python3 -m mmm --tp 2`")
+    if launcher not in LAUNCHERS:
+        raise UsageError(f"--launcher {launcher!r}; choose one of: {', '.join(LAUNCHERS)}")
+    for name, value in (("-n/--nproc", nproc), ("--ppn", ppn)):
+        if value is not None and value < 1:
+            raise UsageError(f"{name} {value} must be >= 1")
+    alloc = detect_allocation(env, hostfile)
+    if launcher == "auto":
+        launcher = {"pbs": "mpiexec", "slurm": "srun"}.get(alloc.scheduler) or (
+            "mpiexec" if (venv_mpiexec() or alloc.hostfile) else "local")
+    if launcher == "local" and alloc.num_hosts > 1:
+        raise UsageError(
+            f"--launcher local runs on this machine only, but the allocation has {alloc.num_hosts} hosts; "
+            "use --launcher mpiexec or srun"
+        )
+    cpus = os.cpu_count() or 1
+    on_this_machine = alloc.scheduler == "none" and not alloc.hostfile
+    if ppn is None:
+        if on_this_machine and nproc is not None:
+            ppn = nproc
+        elif alloc.accelerators_per_host:
+            ppn = alloc.accelerators_per_host
+        elif alloc.slots_per_host and alloc.slots_per_host > 1:
+            ppn = alloc.slots_per_host
+        elif nproc is not None:
+            ppn = -(-nproc // alloc.num_hosts)
+        else:
+            ppn = max(2, min(LOCAL_CPU_RANKS, cpus)) if on_this_machine else 1
+    total = nproc if nproc is not None else ppn * alloc.num_hosts
+    if not on_this_machine and total > ppn * alloc.num_hosts:
+        raise UsageError(
+            f"-n {total} needs more ranks than {alloc.num_hosts} host(s) x --ppn {ppn} = {ppn * alloc.num_hosts}; "
+            f"lower -n or raise --ppn"
+        )
+    nodes = -(-total // ppn)
+    hosts = alloc.hosts[:nodes]
+    add_env: dict[str, str] = {}
+    if not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
+        add_env["MASTER_ADDR"] = "127.0.0.1" if on_this_machine or nodes == 1 and _is_this_host(hosts[0]) \
+            else hosts[0]
+        add_env["MASTER_PORT"] = str(_free_port())
+    if not env.get("OMP_NUM_THREADS"):
+        add_env["OMP_NUM_THREADS"] = str(max(1, cpus // ppn if not on_this_machine else cpus // max(total, 1)))
+    add_env["MMM_LAUNCH_TIME"] = repr(time.time())
+    add_env["MMM_LAUNCHER"] = f"launch/{launcher}"
+    cmd = _resolve_python(list(command))
+
+    if launcher == "local":
+        return LaunchPlan("local", cmd, total, ppn, alloc, add_env)
+    if launcher == "srun":
+        exe = shutil.which("srun")
+        if exe is None:
+            raise UsageError("--launcher srun: no srun on PATH; run inside a Slurm job or choose --launcher mpiexec")
+        argv = [exe, f"--nodes={nodes}", f"--ntasks={total}", f"--ntasks-per-node={ppn}", "--export=ALL",
+                *mpi_args, *cmd]
+        return LaunchPlan("srun", argv, total, ppn, alloc, add_env)
+    exe = find_mpiexec()
+    if exe is None:
+        raise UsageError(
+            f"--launcher mpiexec: no mpiexec in {Path(sys.executable).parent} or on PATH; install MPI "
+            "(pip install 'mmm[mpi]' puts Open MPI's mpiexec in the virtual environment) or use --launcher local"
+        )
+    flavor = flavor or mpi_flavor(exe)
+    argv = [exe, *_mpiexec_flags(flavor, total, ppn, alloc, nodes, on_this_machine, add_env, cpus), *mpi_args, *cmd]
+    return LaunchPlan("mpiexec", argv, total, ppn, alloc, add_env, flavor)
+
+
+def _mpiexec_flags(flavor: str, total: int, ppn: int, alloc: Allocation, nodes: int, local: bool,
+                   add_env: Mapping[str, str], cpus: int) -> list[str]:
+    names = [*add_env, *(k for k in FORWARDED_ENV if k not in add_env and k in os.environ)]
+    if flavor == "openmpi":
+        flags = ["-n", str(total)]
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            flags.append("--allow-run-as-root")
+        if local:
+            if total > cpus:
+                flags.append("--oversubscribe")
+        else:
+            flags += ["--map-by", f"ppr:{ppn}:node"]
+            if alloc.hostfile:
+                flags += ["--hostfile", alloc.hostfile]
+            else:
+                flags += ["--host", ",".join(f"{h}:{ppn}" for h in alloc.hosts[:nodes])]
+        for k in names:
+            flags += ["-x", k]
+        return flags
+    if flavor == "pals":
+        flags = ["-n", str(total), "--ppn", str(ppn)]
+        if alloc.hostfile:
+            flags += ["--hostfile", alloc.hostfile]
+        for k in names:
+            flags += ["--env", f"{k}={add_env.get(k, os.environ.get(k, ''))}"]
+        return flags
+    flags = ["-n", str(total), "-ppn", str(ppn)]  # hydra
+    if alloc.hostfile:
+        flags += ["-hostfile", alloc.hostfile]
+    elif not local:
+        flags += ["-hosts", ",".join(alloc.hosts[:nodes])]
+    for k in names:
+        flags += ["-genv", k, add_env.get(k, os.environ.get(k, ""))]
+    return flags
+
+
+def _is_this_host(host: str) -> bool:
+    return host in {"localhost", "127.0.0.1", socket.gethostname(), socket.gethostname().split(".")[0]}
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- run
+def spawn_local(cmd: Sequence[str], nproc: int, env: Mapping[str, str], *, grace_s: float = 10.0) -> int:
+    """Run ``nproc`` copies of ``cmd`` with torchrun-style variables; stop all when one fails.
+
+    Returns 0 if every rank exited 0, else the first failing rank's code (128+N for a
+    signal). SIGINT/SIGTERM are forwarded to the ranks; stragglers get SIGKILL after
+    ``grace_s`` seconds.
+    """
+    procs: list[subprocess.Popen] = []
+    base = dict(env)
+    for rank in range(nproc):
+        rank_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                    "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "NODE_RANK": "0"}
+        try:
+            procs.append(subprocess.Popen(list(cmd), env=rank_env))
+        except OSError as e:
+            for p in procs:
+                p.kill()
+            raise UsageError(f"cannot start {cmd[0]!r}: {e.strerror}") from None
+
+    signalled: list[int] = []
+
+    def forward(signum, frame):
+        signalled.append(signum)
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    p.send_signal(signum)
+                except ProcessLookupError:
+                    pass
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    code = 0
+    deadline: float | None = None
+    try:
+        while True:
+            running = [p for p in procs if p.poll() is None]
+            for rank, p in enumerate(procs):
+                rc = p.returncode
+                if rc not in (None, 0) and code == 0:
+                    code = 128 - rc if rc < 0 else rc
+                    if running:
+                        if not signalled:  # after a forwarded signal, exits are expected, not news
+                            print_error(f"rank {rank} exited with code {code}; stopping the other "
+                                        f"{len(running)} rank(s)", prog=PROG)
+                        for q in running:
+                            q.send_signal(signal.SIGTERM)
+                        deadline = time.monotonic() + grace_s
+            if not running:
+                return code
+            if deadline is not None and time.monotonic() > deadline:
+                for q in running:
+                    q.kill()
+                deadline = None
+            time.sleep(0.05)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(
+        prog=PROG,
+        description="Run a command on every rank of this allocation (PBS, Slurm) or on this machine.",
+        epilog="examples:\n"
+        "  launch -n 4 python3 -m mmm --tp 2\n"
+        "  launch python3 -m mmm.examples.fsdp_tp --tpsize 2   # inside a PBS/Slurm job\n"
+        "  launch --dry-run --ppn 4 python3 train.py\n\n"
+        "Environment: MMM_GPUS_PER_NODE (ranks per host default), MMM_MPI_FLAVOR (openmpi|hydra|pals).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("-n", "--nproc", "--np", dest="nproc", type=int, default=None, metavar="N",
+                   help="total ranks (default: hosts x ranks per host)")
+    p.add_argument("--ppn", type=int, default=None, metavar="N",
+                   help="ranks per host (default: accelerators per host, else scheduler slots, else up to 4 CPU ranks)")
+    p.add_argument("--hostfile", default=None, metavar="FILE",
+                   help="hosts to use instead of the scheduler's (one per line; 'host slots=N' or 'host:N')")
+    p.add_argument("--launcher", choices=LAUNCHERS, default="auto",
+                   help="auto: mpiexec under PBS, srun under Slurm, else this venv's mpiexec if any, else local")
+    p.add_argument("--mpi-args", default="", metavar="ARGS",
+                   help="extra launcher flags, one quoted string (e.g. \"--cpu-bind depth -d 8\")")
+    p.add_argument("--dry-run", action="store_true", help="print the command and exit")
+    p.add_argument("-q", "--quiet", action="store_true", help="do not print the launch line")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        command = args.command[1:] if args.command[:1] == ["--"] else args.command
+        plan = plan_launch(command, nproc=args.nproc, ppn=args.ppn, hostfile=args.hostfile,
+                           launcher=args.launcher, mpi_args=shlex.split(args.mpi_args))
+    except UsageError as e:
+        print_error(str(e), prog=PROG)
+        return 2
+    if args.dry_run:
+        print(f"# {plan.describe()}")
+        print(plan.command_line())
+        return 0
+    if not args.quiet:
+        print(f"launch: {plan.describe()}", file=sys.stderr, flush=True)
+    env = {**os.environ, **plan.env}
+    if plan.launcher == "local":
+        try:
+            return spawn_local(plan.argv, plan.nproc, env)
+        except UsageError as e:
+            print_error(str(e), prog=PROG)
+            return 2
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execvpe(plan.argv[0], plan.argv, env)  # the launcher takes over: signals and exit code are its own
+    except OSError as e:
+        print_error(f"cannot run {plan.argv[0]!r}: {e.strerror}", prog=PROG)
+        return 127
+
+
+if __name__ == "__main__":
+    sys.exit(main())

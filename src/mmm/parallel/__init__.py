@@ -1,0 +1,9 @@
+"""Parallelism over a named DeviceMesh.
+
+``from mmm.parallel import init_mesh`` is light: it needs only torch's DeviceMesh.
+Heavy optional packages (deepspeed, ...) load only inside the helpers that use them.
+"""
+
+from mmm.parallel.mesh import AXES, FLAT_VIEWS, Mesh, MeshError, ParallelDims, check_degrees, init_mesh
+
+__all__ = ["AXES", "FLAT_VIEWS", "Mesh", "MeshError", "ParallelDims", "check_degrees", "init_mesh"]

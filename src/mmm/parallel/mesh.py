@@ -1,0 +1,310 @@
+"""The one owner of mesh topology: degrees, validation, the DeviceMesh and its named views.
+
+Axis order, outermost to innermost: ``pp, dp_replicate, dp_shard, cp, tp``. TP is
+innermost so that its ranks are neighbours (one node) under any launcher that places
+consecutive ranks together. Flattened views built once and kept:
+
+- ``dp``          = dp_replicate x dp_shard  (data parallel: batch split, gradient reduce)
+- ``dp_shard_cp`` = dp_shard x cp            (what FSDP shards parameters over when CP is on)
+- ``dp_cp``       = dp_replicate x dp_shard x cp  (loss / gradient averaging group)
+
+Only axes of degree > 1 become mesh dimensions; ``mesh.get("tp")`` is None when tp is off
+and ``mesh["tp"]`` says so in its error. A world of one gets a 1-D mesh of size one.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from mmm.errors import UsageError
+from mmm.log import get_logger
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed.device_mesh import DeviceMesh
+
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+FLAT_VIEWS = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
+AXIS_TITLES = {
+    "pp": "pipeline parallel",
+    "dp_replicate": "data parallel (replicate)",
+    "dp_shard": "data parallel (shard)",
+    "cp": "context parallel",
+    "tp": "tensor parallel",
+}
+
+log = get_logger("mesh")
+
+
+class MeshError(UsageError):
+    """Degrees that do not fit the world size; the message lists every problem found."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_degrees(world_size: int, **degrees: int) -> tuple[dict[str, int], list[str]]:
+    """Validate mesh degrees against a world size without touching torch.
+
+    Returns ``(resolved, problems)``: ``resolved`` has the one ``-1`` replaced by the
+    inferred degree (when possible); ``problems`` lists every violation, each naming
+    the values and a fix. Unknown names are problems too.
+    """
+    problems: list[str] = []
+    unknown = sorted(set(degrees) - set(AXES))
+    if unknown:
+        problems.append(f"unknown mesh axis {', '.join(unknown)}; axes are {', '.join(AXES)}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        return {}, problems + [f"world size {world_size!r} must be a positive integer"]
+    resolved: dict[str, int] = {}
+    inferred: list[str] = []
+    for axis in AXES:
+        d = degrees.get(axis, 1)
+        if isinstance(d, bool) or not isinstance(d, int) or (d < 1 and d != -1):
+            problems.append(f"{axis}={d!r} is invalid; a degree is a positive integer, or -1 to infer it")
+            continue
+        if d == -1:
+            inferred.append(axis)
+            continue
+        if world_size % d:
+            valid = ", ".join(map(str, _divisors(world_size)))
+            problems.append(
+                f"{axis}={d} does not divide world size {world_size}; valid {axis} for {world_size} ranks: {valid}"
+            )
+        resolved[axis] = d
+    if len(inferred) > 1:
+        problems.append(f"only one degree may be -1 (inferred); got -1 for {' and '.join(inferred)}")
+    fixed = [a for a in AXES if a in resolved]
+    product = math.prod(resolved.values())
+    if problems:
+        return resolved, problems
+    if inferred:
+        axis = inferred[0]
+        if world_size % product:
+            set_ = ", ".join(f"{a}={resolved[a]}" for a in fixed if resolved[a] > 1)
+            problems.append(
+                f"the fixed degrees ({set_}) multiply to {product}, which does not divide world size "
+                f"{world_size}, so {axis}=-1 cannot be inferred; choose degrees whose product divides {world_size}"
+            )
+        else:
+            resolved[axis] = world_size // product
+    elif product != world_size:
+        expr = " x ".join(f"{a}={resolved[a]}" for a in AXES)
+        problems.append(
+            f"{expr} = {product} ranks, but the world size is {world_size}; "
+            f"set one degree to -1 to infer it (e.g. dp_shard=-1) or launch {product} ranks"
+        )
+    return {a: resolved.get(a, 1) for a in AXES}, problems
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Validated mesh degrees for a world size (one of them may be given as -1)."""
+
+    world_size: int
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    cp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        resolved, problems = check_degrees(self.world_size, **{a: getattr(self, a) for a in AXES})
+        if problems:
+            raise MeshError(f"invalid mesh for {self.world_size} ranks: " + "; ".join(problems))
+        for axis, d in resolved.items():
+            object.__setattr__(self, axis, d)
+
+    # ---- derived degrees
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        return {a: getattr(self, a) for a in AXES}
+
+    def size(self, name: str) -> int:
+        if name in AXES:
+            return getattr(self, name)
+        if name in FLAT_VIEWS:
+            return math.prod(getattr(self, a) for a in FLAT_VIEWS[name])
+        raise KeyError(name)
+
+    # ---- flags
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """Parameters are sharded (over dp_shard, and cp when CP is on)."""
+        return self.dp_shard_enabled or self.cp_enabled
+
+    def enabled_axes(self) -> tuple[str, ...]:
+        return tuple(a for a in AXES if getattr(self, a) > 1)
+
+    def __str__(self) -> str:
+        return " x ".join(f"{a}={getattr(self, a)}" for a in AXES) + f" ({self.world_size} ranks)"
+
+
+class Mesh:
+    """A named DeviceMesh with its flattened views, degrees and this rank's coordinates.
+
+    ``mesh["tp"]`` / ``mesh.get("tp")`` give sub-meshes (``get`` returns None for an axis
+    of degree 1); ``mesh.root`` is the DeviceMesh itself; ``mesh.dims`` the degrees;
+    ``mesh.coord("dp")`` this rank's index along an axis or view.
+    """
+
+    def __init__(self, dims: ParallelDims, root: DeviceMesh, views: dict[str, DeviceMesh]) -> None:
+        self.dims = dims
+        self.root = root
+        self._views = views
+
+    # ---- access
+    @property
+    def device_type(self) -> str:
+        return self.root.device_type
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every named sub-mesh this mesh has (enabled axes, then flattened views)."""
+        return tuple(self._views)
+
+    def get(self, name: str) -> DeviceMesh | None:
+        if name not in AXES and name not in FLAT_VIEWS:
+            raise KeyError(f"unknown mesh name {name!r}; names are {', '.join(AXES + tuple(FLAT_VIEWS))}")
+        return self._views.get(name)
+
+    def __getitem__(self, name: str) -> DeviceMesh:
+        sub = self.get(name)
+        if sub is None:
+            raise KeyError(
+                f"mesh axis {name!r} has degree 1 in {self.dims}; check mesh.{name}_enabled "
+                f"or use mesh.get({name!r}), which returns None"
+            )
+        return sub
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._views
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._views)
+
+    def size(self, name: str) -> int:
+        return self.dims.size(name)
+
+    def coord(self, name: str) -> int:
+        """This rank's index along an axis or flattened view (0 for an axis of degree 1)."""
+        sub = self.get(name)
+        return 0 if sub is None else sub.get_local_rank()
+
+    def group(self, name: str):
+        """The process group of a sub-mesh (None when the axis has degree 1)."""
+        sub = self.get(name)
+        return None if sub is None else sub.get_group()
+
+    def __getattr__(self, name: str):
+        # pp_enabled, dp, dp_shard, tp_enabled, ... come from the degrees
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.dims, name)
+
+    # ---- description
+    def coordinates(self) -> dict[str, tuple[int, int]]:
+        """``{"pp": (index, size), "dp": ..., "cp": ..., "tp": ...}`` for this rank."""
+        return {n: (self.coord(n), self.size(n)) for n in ("pp", "dp", "cp", "tp")}
+
+    def describe(self, rank: int | None = None) -> str:
+        """This rank's coordinate line: ``[host][ 3/7][pp:0/0][dp:1/1][tp:1/1]`` (index/last)."""
+        import torch.distributed as dist
+
+        world = self.dims.world_size
+        rank = dist.get_rank() if rank is None else rank
+        width = len(str(world - 1))
+        parts = [f"[{socket.gethostname()}]", f"[{rank:>{width}}/{world - 1}]"]
+        for name, (idx, size) in self.coordinates().items():
+            if name != "cp" or self.dims.cp_enabled:
+                parts.append(f"[{name}:{idx}/{size - 1}]")
+        return "".join(parts)
+
+    def __repr__(self) -> str:
+        return f"Mesh({self.dims}, device_type={self.device_type!r}, names={list(self.names)})"
+
+
+def init_mesh(
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    dp_replicate: int = 1,
+    dp_shard: int = -1,
+    device_type: str | None = None,
+    log_coordinates: bool = True,
+) -> Mesh:
+    """Build the job's named DeviceMesh: ``pp x dp_replicate x dp_shard x cp x tp``.
+
+    One degree may be -1 (default: ``dp_shard``) and is inferred from the world size.
+    Every violation is reported at once, before any collective, in a :class:`MeshError`
+    that names the values and valid choices. Starts the process group with
+    :func:`mmm.dist.setup` if nobody has. Rank 0 logs the degrees; each rank logs its
+    coordinate line (visible with ``LOG_FROM_ALL_RANKS=1``).
+    """
+    from mmm import dist as mdist
+
+    info = mdist.info()
+    dims = ParallelDims(world_size=info.world_size, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard,
+                        cp=cp, tp=tp)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_type = device_type or info.device.type
+    axes = dims.enabled_axes() or ("dp_shard",)
+    shape = tuple(getattr(dims, a) for a in axes)
+    for axis in dims.enabled_axes():
+        log.info("initializing %s with size %d", AXIS_TITLES[axis], getattr(dims, axis))
+    root = init_device_mesh(device_type, shape, mesh_dim_names=axes)
+    views: dict[str, DeviceMesh] = {a: root[a] for a in dims.enabled_axes()}
+    for view, parts in FLAT_VIEWS.items():
+        on = tuple(a for a in parts if getattr(dims, a) > 1)
+        if len(on) == 1:
+            views[view] = views[on[0]]
+        elif len(on) > 1:
+            views[view] = root[on]._flatten(view)
+    mesh = Mesh(dims, root, views)
+    log.info("device mesh %s over %s: %s", "x".join(map(str, shape)), device_type, dims)
+    if log_coordinates:
+        log.info("%s", mesh.describe(info.rank))
+    return mesh
+
+
+def mesh_degrees_from_args(args) -> dict[str, int]:
+    """Degrees from parsed flags made by :func:`mmm.cli.add_mesh_args`."""
+    return {a: getattr(args, a) for a in AXES}

@@ -1,0 +1,73 @@
+"""Helpers for tests that launch real ranks (gloo on CPU) under torchrun, mpiexec and `launch`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+SCRIPTS = Path(__file__).parent / "scripts"
+_STRIP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PBS_NODEFILE",
+          "PBS_JOBID", "SLURM_JOB_ID", "SLURM_PROCID", "SLURM_STEP_ID", "MMM_DEVICE", "MMM_BACKEND",
+          "LOG_FROM_ALL_RANKS", "MMM_LOG_ALL_RANKS", "MMM_LAUNCH_TIME", "MMM_LAUNCHER", "CUDA_VISIBLE_DEVICES")
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _STRIP and not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MMM_RICH="0")
+    env.update(extra)
+    return env
+
+
+def run(cmd: list[str], *, env: dict[str, str] | None = None, timeout: float = 120, cwd=None) -> Result:
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run(cmd, env=env or clean_env(), capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                           stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"timed out after {timeout}s (a hang): {cmd}\n{e.stdout}\n{e.stderr}")
+    return Result(p.returncode, p.stdout, p.stderr, time.monotonic() - t0)
+
+
+def torchrun(n: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", *args]
+
+
+def mpiexec(n: int, *args: str) -> list[str]:
+    return [str(BIN / "mpiexec"), "--allow-run-as-root", "--oversubscribe", "-n", str(n), sys.executable, *args]
+
+
+def launch(*args: str) -> list[str]:
+    return [str(BIN / "launch"), *args]
+
+
+def error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "error:" in line]
+
+
+def assert_clean_user_error(res: Result, *needles: str) -> None:
+    """Non-zero exit, no traceback, and an error line that names each needle."""
+    assert res.returncode != 0, res.output
+    assert "Traceback" not in res.output, res.output
+    lines = error_lines(res.stderr)
+    assert lines, res.output
+    for needle in needles:
+        assert any(needle in line for line in lines), (needle, res.output)

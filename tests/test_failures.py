@@ -1,0 +1,117 @@
+"""Bad input, dead ranks, signals and teardown, with real processes: clear, fast, never a hang."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from conftest import SCRIPTS, assert_clean_user_error, clean_env, launch, mpiexec, run, torchrun
+
+
+@pytest.mark.parametrize("runner", ["launch-local", "mpiexec"])
+def test_invalid_degrees_one_line_every_rank_fails(runner):
+    args = ("-m", "mmm", "--tp", "3", "--pp", "0")
+    cmd = launch("--launcher", "local", "-n", "4", "python3", *args) if runner == "launch-local" else mpiexec(4, *args)
+    res = run(cmd, timeout=60)
+    # argparse rejects pp=0 before anything starts
+    assert_clean_user_error(res, "argument --pp/--ppsize: 0 is not a degree")
+    res = run(launch("--launcher", "local", "-n", "4", "python3", "-m", "mmm", "--tp", "3") if runner == "launch-local"
+              else mpiexec(4, "-m", "mmm", "--tp", "3"), timeout=60)
+    assert_clean_user_error(res, "tp=3 does not divide world size 4; valid tp for 4 ranks: 1, 2, 4")
+    mmm_errors = [line for line in res.stderr.splitlines() if "python -m mmm: error:" in line]
+    assert len(mmm_errors) == 1, res.stderr  # printed once (rank 0), yet every rank exits non-zero
+    assert res.seconds < 30
+
+
+def test_every_rank_exits_nonzero_on_bad_input(tmp_path):
+    # torchrun reports each failed rank's exit code: all four must be 2.
+    res = run(torchrun(4, "-m", "mmm", "--tp", "3"), timeout=60)
+    assert res.returncode != 0
+    for rank in range(4):
+        assert f"rank      : {rank} (local_rank: {rank})\n  exitcode  : 2" in res.stderr or \
+            f"exitcode  : 2" in res.stderr, res.stderr
+    assert "Traceback" not in res.stdout
+
+
+@pytest.mark.parametrize("device, needle", [
+    ("cuda", "device 'cuda' was MMM_DEVICE but this machine has none"),
+    ("gpu", "unknown device 'gpu' (MMM_DEVICE); choose one of: auto, cpu, cuda, xpu, mps"),
+])
+def test_unavailable_or_unknown_device(device, needle):
+    res = run(launch("--launcher", "local", "-n", "2", "python3", "-m", "mmm"), env=clean_env(MMM_DEVICE=device),
+              timeout=60)
+    assert_clean_user_error(res, needle)
+
+
+def test_report_dir_that_is_a_file(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    res = run([sys.executable, "-m", "mmm", "--report-dir", str(f)])
+    assert_clean_user_error(res, f"--report-dir {f} exists and is not a directory")
+
+
+@pytest.mark.parametrize("runner", ["launch-local", "mpiexec", "torchrun"])
+@pytest.mark.parametrize("mode", ["exit", "raise"])
+def test_a_dead_rank_does_not_leave_the_others_waiting(runner, mode):
+    script = str(SCRIPTS / "dead_rank.py")
+    cmd = {"launch-local": launch("--launcher", "local", "-n", "3", "python3", script, mode),
+           "mpiexec": mpiexec(3, script, mode),
+           "torchrun": torchrun(3, script, mode)}[runner]
+    res = run(cmd, env=clean_env(MMM_TIMEOUT="300"), timeout=90)
+    assert res.returncode != 0, res.output
+    assert res.seconds < 60, res.seconds  # far below the 300 s collective timeout
+    if mode == "raise":
+        assert "RuntimeError: rank 1 failed on purpose" in res.stderr
+        assert "[rank 1] Traceback" in res.stderr
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_launch_forwards_signals_and_ranks_exit_cleanly(sig, code):
+    p = subprocess.Popen(launch("--launcher", "local", "-n", "2", "python3", str(SCRIPTS / "wait_forever.py")),
+                         env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         stdin=subprocess.DEVNULL)
+    seen: list[str] = []
+    reader = threading.Thread(target=lambda: seen.extend(iter(p.stdout.readline, "")), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 60
+    while "".join(seen).count("READY") < 2 and time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.1)
+    assert "".join(seen).count("READY") == 2, seen
+    p.send_signal(sig)
+    try:
+        _, err = p.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        pytest.fail("launch did not stop after a forwarded signal")
+    assert p.returncode == code, err
+    if sig == signal.SIGTERM:
+        assert err.count("terminated by SIGTERM") == 2, err
+    assert "exited with code" not in err  # a forwarded signal is not reported as a rank failure
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runner", ["torchrun", "mpiexec"])
+def test_ten_consecutive_four_rank_runs_exit_zero(runner):
+    """PLATFORM.md 'Exit abort': every finished run must exit 0 on every rank (10 + 10 runs = 20)."""
+    script = str(SCRIPTS / "ddp_step.py")
+    codes = []
+    for _ in range(10):
+        res = run(torchrun(4, script) if runner == "torchrun" else mpiexec(4, script), timeout=120)
+        codes.append(res.returncode)
+        assert "terminate called" not in res.output, res.output
+        assert res.returncode == 0, res.output
+        assert "ok loss_sum=" in res.stdout
+    assert codes == [0] * 10
+
+
+def test_import_mmm_and_parallel_stay_light():
+    code = ("import sys, mmm; assert 'torch' not in sys.modules, 'import mmm pulled torch'\n"
+            "from mmm.parallel import init_mesh\n"
+            "heavy = [m for m in ('deepspeed', 'xarray', 'matplotlib', 'plotext', 'torchinfo', 'mpi4py')"
+            " if m in sys.modules]\n"
+            "assert not heavy, heavy\nprint('light')")
+    res = run([sys.executable, "-c", code])
+    assert res.returncode == 0 and res.stdout.strip() == "light", res.output

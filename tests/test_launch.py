@@ -1,0 +1,158 @@
+"""`launch`: scheduler detection, host lists, the commands it builds, and its errors."""
+
+import sys
+
+import pytest
+from conftest import clean_env, launch, run
+
+from mmm import launch as L
+from mmm.errors import UsageError
+
+
+@pytest.mark.parametrize("text, hosts", [
+    ("nid[001-003,010]", ["nid001", "nid002", "nid003", "nid010"]),
+    ("login1,gpu[8-10]", ["login1", "gpu8", "gpu9", "gpu10"]),
+    ("x[1-2]-ib[0-1]", ["x1-ib0", "x1-ib1", "x2-ib0", "x2-ib1"]),
+    ("node0042", ["node0042"]),
+    ("a[09-11],b[1,3]", ["a09", "a10", "a11", "b1", "b3"]),
+])
+def test_slurm_nodelist_expansion(text, hosts):
+    assert L.expand_nodelist(text) == hosts
+
+
+@pytest.mark.parametrize("text", ["nid[001-003", "nid[5-2]", "nid[a-b]"])
+def test_bad_nodelists_are_named(text):
+    with pytest.raises(UsageError, match="Slurm node list"):
+        L.expand_nodelist(text)
+
+
+def test_pbs_nodefile_repeats_count_as_slots(tmp_path):
+    f = tmp_path / "nodefile"
+    f.write_text("x1001.hsn\nx1001.hsn\nx1002.hsn\nx1002.hsn\n")
+    assert L.read_hostfile(f) == (["x1001.hsn", "x1002.hsn"], [2, 2])
+    g = tmp_path / "hosts"
+    g.write_text("# comment\nnodeA slots=4\nnodeB:8\n\n")
+    assert L.read_hostfile(g) == (["nodeA", "nodeB"], [4, 8])
+
+
+def test_detect_pbs_slurm_and_none(tmp_path):
+    f = tmp_path / "nodefile"
+    f.write_text("h1\nh2\nh3\n")
+    pbs = L.detect_allocation({"PBS_NODEFILE": str(f), "PBS_JOBID": "123.pbs", "MMM_GPUS_PER_NODE": "4"})
+    assert (pbs.scheduler, pbs.hosts, pbs.accelerators_per_host, pbs.hostfile) == ("pbs", ["h1", "h2", "h3"], 4, str(f))
+    slurm = L.detect_allocation({"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "nid[001-002]",
+                                 "SLURM_NTASKS_PER_NODE": "8", "CUDA_VISIBLE_DEVICES": ""})
+    assert (slurm.scheduler, slurm.hosts, slurm.slots_per_host, slurm.accelerators_per_host) == \
+        ("slurm", ["nid001", "nid002"], 8, 0)
+    none = L.detect_allocation({"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert (none.scheduler, none.num_hosts, none.accelerators_per_host) == ("none", 1, 2)
+
+
+def _pbs_env(tmp_path, hosts=("h1", "h2"), gpus="4"):
+    f = tmp_path / "nodefile"
+    f.write_text("".join(f"{h}\n" for h in hosts))
+    return {"PBS_NODEFILE": str(f), "PBS_JOBID": "1.pbs", "MMM_GPUS_PER_NODE": gpus}, str(f)
+
+
+def test_pbs_openmpi_command(tmp_path):
+    env, nodefile = _pbs_env(tmp_path)
+    plan = L.plan_launch(["python3", "train.py", "--tp", "2"], env=env, flavor="openmpi")
+    assert plan.launcher == "mpiexec" and plan.nproc == 8 and plan.ppn == 4
+    argv = plan.argv
+    assert argv[1:3] == ["-n", "8"]
+    assert argv[argv.index("--map-by") + 1] == "ppr:4:node"
+    assert argv[argv.index("--hostfile") + 1] == nodefile
+    assert plan.env["MASTER_ADDR"] == "h1" and plan.env["OMP_NUM_THREADS"].isdigit()
+    for k in ("MASTER_ADDR", "MASTER_PORT", "MMM_LAUNCH_TIME"):
+        assert argv[argv.index(k) - 1] == "-x"
+    assert argv[-3:] == ["train.py", "--tp", "2"] and argv[-4] == sys.executable
+
+
+def test_pbs_hydra_and_pals_commands(tmp_path):
+    env, nodefile = _pbs_env(tmp_path, hosts=("h1", "h2", "h3"), gpus="12")
+    hydra = L.plan_launch(["python3", "t.py"], env=env, flavor="hydra", nproc=24)
+    a = hydra.argv
+    assert a[1:5] == ["-n", "24", "-ppn", "12"] and a[a.index("-hostfile") + 1] == nodefile
+    assert "-genv" in a and "MASTER_ADDR" in a
+    pals = L.plan_launch(["python3", "t.py"], env=env, flavor="pals", ppn=6)
+    b = pals.argv
+    assert b[1:5] == ["-n", "18", "--ppn", "6"] and f"MASTER_ADDR=h1" in b
+
+
+def test_slurm_srun_command(tmp_path, monkeypatch):
+    fake = tmp_path / "srun"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    env = {"SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "gpu[1-4]", "MMM_GPUS_PER_NODE": "4"}
+    plan = L.plan_launch(["python3", "t.py"], env=env, nproc=12)
+    assert plan.launcher == "srun"
+    assert plan.argv[:6] == [str(fake), "--nodes=3", "--ntasks=12", "--ntasks-per-node=4", "--export=ALL",
+                             sys.executable]
+    assert plan.env["MASTER_ADDR"] == "gpu1"
+
+
+def test_too_many_ranks_for_the_allocation(tmp_path):
+    env, _ = _pbs_env(tmp_path, gpus="4")
+    with pytest.raises(UsageError, match=r"-n 16 needs more ranks than 2 host\(s\) x --ppn 4 = 8"):
+        L.plan_launch(["python3", "t.py"], env=env, nproc=16, flavor="openmpi")
+
+
+def test_preset_master_address_is_kept(tmp_path):
+    env, _ = _pbs_env(tmp_path)
+    env.update(MASTER_ADDR="10.0.0.5", MASTER_PORT="29400")
+    plan = L.plan_launch(["python3", "t.py"], env=env, flavor="openmpi")
+    assert "MASTER_ADDR" not in plan.env
+
+
+def test_missing_mpiexec_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python3"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert L.main(["--launcher", "mpiexec", "-n", "2", "python3", "-c", "pass"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("launch: error: --launcher mpiexec: no mpiexec in")
+    assert "pip install 'mmm[mpi]'" in err[0]
+
+
+def test_dry_run_local_cli():
+    res = run(launch("--dry-run", "--launcher", "local", "-n", "3", "python3", "-m", "mmm", "--tp", "3"))
+    assert res.returncode == 0, res.output
+    head, cmd = res.stdout.strip().splitlines()
+    assert head == "# 3 ranks (3 per host) on this machine via local; scheduler: none"
+    assert "<3 ranks, RANK=0..2>" in cmd and cmd.endswith(f"{sys.executable} -m mmm --tp 3")
+    assert "MASTER_ADDR=127.0.0.1" in cmd and "MMM_LAUNCH_TIME=" in cmd
+
+
+def test_dry_run_under_fake_slurm_cli(tmp_path):
+    fake = tmp_path / "srun"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    env = clean_env(SLURM_JOB_ID="1", SLURM_JOB_NODELIST="nid[001-002]", SLURM_NTASKS_PER_NODE="2",
+                    PATH=f"{tmp_path}:/usr/bin:/bin")
+    res = run(launch("--dry-run", "python3", "-c", "pass"), env=env)
+    assert res.returncode == 0, res.output
+    assert "4 ranks (2 per host) on 2 hosts via srun; scheduler: slurm" in res.stdout
+    assert "--nodes=2 --ntasks=4 --ntasks-per-node=2" in res.stdout
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["-n", "0", "python3"], "-n/--nproc 0 must be >= 1"),
+    (["--launcher", "pbs", "python3"], "argument --launcher: invalid choice: 'pbs'"),
+    ([], "no command to launch"),
+    (["--hostfile", "/nonexistent/hosts", "python3"], "hostfile '/nonexistent/hosts' does not exist"),
+])
+def test_bad_launch_input(args, needle):
+    res = run(launch(*args))
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], res.output
+
+
+@pytest.mark.parametrize("launcher", ["local", "mpiexec"])
+def test_exit_code_of_the_command_is_returned(launcher):
+    res = run(launch("--launcher", launcher, "-n", "2", "python3", "-c",
+                     "import os, sys; sys.exit(0 if os.environ.get('RANK', os.environ.get('OMPI_COMM_WORLD_RANK'))"
+                     " == '0' else 7)"))
+    assert res.returncode == 7 if launcher == "local" else res.returncode != 0, res.output
+    ok = run(launch("--launcher", launcher, "-n", "2", "python3", "-c", "pass"))
+    assert ok.returncode == 0, ok.output

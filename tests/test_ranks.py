@@ -1,0 +1,114 @@
+"""Rank discovery, rendezvous and seeds from launcher environments (pure functions)."""
+
+import pytest
+
+from mmm.dist import (RankInfo, data_seed, derived_port, discover_ranks, parse_tasks_per_node, pick_device,
+                      rendezvous)
+from mmm.errors import UsageError
+
+
+def test_torchrun_variables():
+    env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
+    assert discover_ranks(env) == RankInfo(5, 8, 1, 4, "torchrun")
+    assert discover_ranks(env).num_nodes == 2
+
+
+def test_openmpi_variables():
+    env = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "12", "OMPI_COMM_WORLD_LOCAL_RANK": "3",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "PMIX_RANK": "3"}
+    info = discover_ranks(env)
+    assert (info.rank, info.world_size, info.local_rank, info.local_world_size, info.source) == (3, 12, 3, 4, "openmpi")
+    assert info.num_nodes == 3
+
+
+def test_mpich_hydra_and_cray_pals():
+    hydra = {"PMI_RANK": "6", "PMI_SIZE": "8", "MPI_LOCALRANKID": "2", "MPI_LOCALNRANKS": "4"}
+    assert discover_ranks(hydra) == RankInfo(6, 8, 2, 4, "mpich")
+    pals = {"PALS_RANKID": "13", "PMI_SIZE": "24", "PALS_LOCAL_RANKID": "1", "PMI_LOCAL_SIZE": "12",
+            "PMI_RANK": "13"}
+    assert discover_ranks(pals) == RankInfo(13, 24, 1, 12, "pals")
+
+
+def test_torchrun_wins_over_mpi_variables():
+    env = {"RANK": "1", "WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1"}
+    assert discover_ranks(env).source == "torchrun"
+
+
+def test_slurm_step_with_uneven_tasks_per_node():
+    env = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_PROCID": "9", "SLURM_STEP_NUM_TASKS": "11",
+           "SLURM_LOCALID": "1", "SLURM_NODEID": "2", "SLURM_STEP_TASKS_PER_NODE": "4(x2),3"}
+    assert discover_ranks(env) == RankInfo(9, 11, 1, 3, "slurm")
+
+
+def test_slurm_batch_script_without_a_step_is_a_single_process():
+    env = {"SLURM_JOB_ID": "77", "SLURM_PROCID": "0", "SLURM_NTASKS": "8"}
+    assert discover_ranks(env) == RankInfo(0, 1, 0, 1, "single")
+
+
+def test_no_launcher_is_a_single_process():
+    assert discover_ranks({}) == RankInfo(0, 1, 0, 1, "single")
+
+
+def test_parse_tasks_per_node():
+    assert parse_tasks_per_node("4(x2),3") == [4, 4, 3]
+    assert parse_tasks_per_node("8") == [8]
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x'"),
+    ({"RANK": "4", "WORLD_SIZE": "4"}, "RANK=4 with WORLD_SIZE=4"),
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "0"}, "OMPI_COMM_WORLD_SIZE=0"),
+])
+def test_malformed_variables_are_named(env, needle):
+    with pytest.raises(UsageError, match=None) as e:
+        discover_ranks(env)
+    assert needle in str(e.value)
+
+
+def test_pmix_without_sizes_or_mpi4py_says_how_to_fix(monkeypatch):
+    monkeypatch.setenv("MMM_NO_MPI4PY", "1")
+    with pytest.raises(UsageError) as e:
+        discover_ranks({"PMIX_RANK": "2"})
+    assert "PMIX_RANK=2" in str(e.value) and "mpi4py" in str(e.value)
+
+
+def test_rendezvous_honours_preset_address():
+    info = RankInfo(1, 4, 1, 4, "torchrun")
+    assert rendezvous(info, {"MASTER_ADDR": "node7", "MASTER_PORT": "29555"}) == ("node7", 29555)
+    with pytest.raises(UsageError, match="MASTER_PORT='http'"):
+        rendezvous(info, {"MASTER_ADDR": "node7", "MASTER_PORT": "http"})
+
+
+def test_rendezvous_slurm_first_node_and_a_port_all_ranks_agree_on():
+    env = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "1", "SLURM_STEP_NODELIST": "gpu[07-08]"}
+    a = rendezvous(RankInfo(0, 8, 0, 4, "slurm"), env)
+    b = rendezvous(RankInfo(7, 8, 3, 4, "slurm"), env)
+    assert a == b and a[0] == "gpu07" and 10000 <= a[1] < 30000
+    assert a[1] == derived_port("4242.1")
+
+
+def test_rendezvous_single_node_mpi_without_mpi4py(monkeypatch):
+    monkeypatch.setenv("MMM_NO_MPI4PY", "1")
+    env = {"PMIX_NAMESPACE": "prterun-host-123@1"}
+    assert rendezvous(RankInfo(2, 4, 2, 4, "openmpi"), env) == ("127.0.0.1", derived_port("prterun-host-123@1"))
+
+
+def test_rendezvous_multi_node_without_any_hint_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("MMM_NO_MPI4PY", "1")
+    with pytest.raises(UsageError, match="MASTER_ADDR"):
+        rendezvous(RankInfo(2, 8, 2, 4, "openmpi"), {})
+
+
+def test_data_seeds_never_collide_and_peers_share_streams():
+    seeds = {data_seed(s, r) for s in range(50) for r in range(64)}
+    assert len(seeds) == 50 * 64
+    assert data_seed(7, 3) == data_seed(7, 3)
+
+
+def test_unknown_and_missing_devices(monkeypatch):
+    with pytest.raises(UsageError, match="unknown device 'gpu'"):
+        pick_device(0, "gpu")
+    with pytest.raises(UsageError, match="device 'cuda' was requested but this machine has none"):
+        pick_device(0, "cuda")
+    monkeypatch.setenv("MMM_DEVICE", "cpu")
+    assert pick_device(3).type == "cpu"
