@@ -1,0 +1,254 @@
+"""Train a Llama-style model with tensor/sequence parallel + FSDP2 (or HSDP, or DDP) on a (dp, tp) mesh.
+
+    launch -n 4 python3 -m mmm.examples.fsdp_tp --tpsize 2          # dp=2 x tp=2 on CPU ranks
+    launch python3 -m mmm.examples.fsdp_tp --tp 4 --dim 2048 ...     # a GPU allocation, same flags
+
+--batch-size is the GLOBAL batch (sequences per optimizer step), split evenly over dp ranks;
+with the same --seed and global batch the per-step losses are the same on any mesh.
+Writes history.jsonl (live), history.nc, summary.json and plots/ to --outdir.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+
+from mmm.cli import ArgumentParser, add_mesh_args, positive_int
+from mmm.errors import UsageError
+
+EXAMPLE = "fsdp_tp"
+
+
+def build_parser() -> ArgumentParser:
+    from mmm.data import DATASETS
+    from mmm.parallel.activation_checkpoint import AC_MODES
+    from mmm.parallel.plan import STRATEGIES
+
+    p = ArgumentParser(prog=f"python -m mmm.examples.{EXAMPLE}", description=__doc__.split("\n\n")[0],
+                       epilog=__doc__.split("\n\n", 2)[2])
+    add_mesh_args(p)
+    g = p.add_argument_group("data parallelism")
+    g.add_argument("--strategy", choices=STRATEGIES, default="fsdp",
+                   help="fsdp: FSDP2 over all dp ranks; hsdp: replicate x shard (needs --dp-replicate); "
+                        "ddp: classic DDP (no TP) [fsdp]")
+    g = p.add_argument_group("model (Llama-style)")
+    g.add_argument("--dim", type=positive_int, default=256, help="model width [256]")
+    g.add_argument("--n-layers", "--n_layers", dest="n_layers", type=positive_int, default=4,
+                   help="transformer blocks [4]")
+    g.add_argument("--n-heads", "--n_heads", dest="n_heads", type=positive_int, default=8,
+                   help="attention heads (divisible by tp) [8]")
+    g.add_argument("--n-kv-heads", "--n_kv_heads", dest="n_kv_heads", type=positive_int, default=None,
+                   help="key/value heads for grouped-query attention [= n-heads]")
+    g.add_argument("--vocab-size", "--vocab_size", dest="vocab_size", type=positive_int, default=256,
+                   help="vocabulary; 256 for byte-level data [256]")
+    g.add_argument("--seq-len", "--seq_len", dest="seq_len", type=positive_int, default=128,
+                   help="tokens per sequence [128]")
+    g = p.add_argument_group("training")
+    g.add_argument("--batch-size", "--batch_size", dest="batch_size", type=positive_int, default=16,
+                   help="GLOBAL batch in sequences per step, divisible by dp [16]")
+    g.add_argument("--max-iters", "--max_iters", dest="max_iters", type=positive_int, default=40,
+                   help="optimizer steps [40]")
+    g.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate [3e-3]")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay [0]")
+    g.add_argument("--seed", type=int, default=0, help="seed of weights and data [0]")
+    g.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="compute dtype; bf16 keeps fp32 master weights and fp32 gradient reduction [fp32]")
+    g.add_argument("--compile", action="store_true", help="torch.compile each block")
+    g.add_argument("--ac", choices=AC_MODES, default="none",
+                   help="activation checkpointing: full block, or selective (keep matmul outputs) [none]")
+    g.add_argument("--dataset", choices=DATASETS, default="synthetic",
+                   help="synthetic (learnable sequences) or pydoc (byte-level English text shipped with "
+                        "Python) [synthetic]")
+    g = p.add_argument_group("output")
+    g.add_argument("--outdir", default=None, help="output folder [outputs/fsdp_tp/<UTC timestamp>]")
+    g.add_argument("--log-every", "--log_every", dest="log_every", type=positive_int, default=1,
+                   help="print every N steps [1]")
+    g.add_argument("--warmup", type=int, default=2, help="steps excluded from timing statistics [2]")
+    g.add_argument("--no-plots", action="store_true", help="skip text and image plots at the end")
+    return p
+
+
+def check_args(args, world_size: int) -> None:
+    """Every problem with the flags for this world size, at once, as one UsageError."""
+    from mmm.data import dataset_problems
+    from mmm.parallel import ParallelDims, check_degrees
+    from mmm.parallel.plan import strategy_problems
+    from mmm.parallel.tensor import tp_problems
+
+    degrees = {a: getattr(args, a) for a in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
+    _, problems = check_degrees(world_size, **degrees)
+    mesh_ok = not problems
+    cfg = model_config(args)
+    problems += cfg.problems()
+    if mesh_ok:
+        dims = ParallelDims(world_size=world_size, **degrees)
+        if dims.pp > 1 or dims.cp > 1:
+            problems.append(f"this trainer runs dp x tp meshes; got pp={dims.pp}, cp={dims.cp} (use 1)")
+        problems += strategy_problems(args.strategy, dims)
+        problems += tp_problems(tp=dims.tp, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+                                vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
+        if args.batch_size % dims.dp:
+            ok = dims.dp * max(1, round(args.batch_size / dims.dp))
+            problems.append(f"--batch-size {args.batch_size} is not divisible by dp={dims.dp} data-parallel ranks; "
+                            f"use a multiple of {dims.dp} (e.g. {ok})")
+    problems += dataset_problems(args.dataset, vocab_size=args.vocab_size)
+    if args.warmup < 0:
+        problems.append(f"--warmup {args.warmup} must be >= 0")
+    if problems:
+        raise UsageError("; ".join(problems))
+
+
+def model_config(args):
+    from mmm.models.llama import LlamaConfig
+
+    return LlamaConfig(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
+                       vocab_size=args.vocab_size, seq_len=args.seq_len)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from mmm.training import Startup
+
+    startup = Startup()
+    args = build_parser().parse_args(argv)
+    from mmm import dist
+
+    info = dist.setup(seed=args.seed)
+    startup.mark("setup")
+    check_args(args, info.world_size)
+    from mmm.training import resolve_outdir
+
+    outdir = resolve_outdir(args.outdir, EXAMPLE)
+    return train(args, info, outdir, startup)
+
+
+def train(args, info, outdir, startup) -> int:
+    import torch
+    import torch.nn.functional as F
+
+    from mmm.data import local_batches, make_dataset
+    from mmm.history import History
+    from mmm.log import get_logger
+    from mmm.models.llama import Llama
+    from mmm.parallel import init_mesh
+    from mmm.parallel.plan import parallelize_llama, state_shards, uses_fsdp
+    from mmm.parallel.tensor import loss_parallel_context
+    from mmm.training import (format_step, gather_objects, peak_memory, state_bytes, synchronize, versions)
+
+    log = get_logger()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    mesh = init_mesh(tp=args.tp, pp=args.pp, cp=args.cp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard)
+    startup.mark("mesh")
+    cfg = model_config(args)
+    device = info.device
+    dataset = make_dataset(args.dataset, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
+
+    torch.manual_seed(args.seed)  # identical weights on every rank
+    model = Llama(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    if info.is_main:
+        log.info("model: %s", cfg)
+        log.info("%s", _torchinfo(model))
+    model.to(device)
+    startup.mark("model")
+    model = parallelize_llama(model, mesh, strategy=args.strategy, dtype=args.dtype, ac=args.ac,
+                              compile=args.compile, device=device)
+    if info.is_main:
+        log.info("model after parallelisation (%s, %s):\n%s", args.strategy, mesh.dims, model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    startup.mark("parallelize")
+
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16)
+                if args.dtype == "bf16" and not uses_fsdp(mesh, args.strategy) else contextlib.nullcontext())
+    dp_group = mesh.group("dp")
+    batches = local_batches(dataset, seed=args.seed, global_batch=args.batch_size, dp_rank=mesh.coord("dp"),
+                            dp_size=mesh.dp, device=device)
+    tokens_per_step = args.batch_size * cfg.seq_len
+    hist = History(outdir, write=info.is_main, warmup=args.warmup)
+    if info.is_main:
+        log.info("training %d steps: global batch %d x %d tokens (%d per dp rank), dataset=%s, dtype=%s, out=%s",
+                 args.max_iters, args.batch_size, cfg.seq_len, args.batch_size // mesh.dp, dataset.name,
+                 args.dtype, outdir)
+
+    model.train()
+    for step in range(1, args.max_iters + 1):
+        t0 = time.perf_counter()
+        inputs, labels = next(batches)
+        optimizer.zero_grad(set_to_none=True)
+        with loss_parallel_context(mesh.tp_enabled):
+            with autocast:
+                logits = model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+            synchronize(device)
+            t1 = time.perf_counter()
+            loss.backward()
+            synchronize(device)
+            t2 = time.perf_counter()
+        optimizer.step()
+        loss_value = _global_mean(loss, dp_group)
+        t3 = time.perf_counter()
+        if not torch.isfinite(torch.tensor(loss_value)):
+            raise RuntimeError(f"loss is {loss_value} at iter {step}; lower --lr or use --dtype fp32")
+        dt = t3 - t0
+        rec = hist.update(step, loss=loss_value, dt=dt, dtf=t1 - t0, dtb=t2 - t1, tps=tokens_per_step / dt)
+        if step == 1:
+            startup.mark("first_step")
+            if info.is_main:
+                log.info("%s", startup.line())
+        if step % args.log_every == 0 or step == args.max_iters:
+            log.info("%s", format_step(rec))
+
+    memory = {**state_bytes(model, optimizer), **peak_memory(device)}
+    per_rank = gather_objects(memory)
+    unsharded = n_params * 4 * 4  # fp32 param + grad + AdamW exp_avg + exp_avg_sq
+    extra = {
+        "example": EXAMPLE, "world_size": info.world_size, "num_nodes": info.num_nodes, "launcher": info.launcher,
+        "device": str(device), "backend": info.backend, "mesh": mesh.dims.degrees, "strategy": args.strategy,
+        "dtype": args.dtype, "ac": args.ac, "compile": args.compile, "dataset": dataset.name,
+        "model": {**vars(cfg), "num_params": n_params}, "global_batch": args.batch_size,
+        "tokens_per_step": tokens_per_step, "final_loss": hist.rows[-1]["loss"],
+        "memory_per_rank": per_rank,
+        "state_bytes_unsharded": unsharded,
+        "state_shards": state_shards(mesh, args.strategy),
+        "state_bytes_ratio_to_ideal": max(m["total_bytes"] for m in per_rank) / (unsharded / state_shards(mesh, args.strategy)),
+        "mfu": None,  # needs a peak FLOP/s figure for the device
+        "startup_s": startup.total_s, "startup_phases": startup.phases(),
+        "versions": versions(),
+    }
+    summary = hist.finalize(extra, plots=not args.no_plots)
+    if info.is_main:
+        st = summary["stats"]
+        log.info("done: final loss %.4f | mean dt %.4fs dtf %.4fs dtb %.4fs | %.0f tokens/s | state %.2f MiB/rank "
+                 "(%.3fx of unsharded/%d) | %s", summary["final_loss"], st["dt"]["mean"], st["dtf"]["mean"],
+                 st["dtb"]["mean"], st["tps"]["mean"], max(m["total_bytes"] for m in per_rank) / 2**20,
+                 extra["state_bytes_ratio_to_ideal"], extra["state_shards"], outdir)
+    return 0
+
+
+def _global_mean(loss, dp_group) -> float:
+    """The loss averaged over data-parallel ranks (TP peers already agree)."""
+    import torch
+    import torch.distributed as dist
+
+    value = loss.detach()
+    if hasattr(value, "full_tensor"):
+        value = value.full_tensor()
+    value = value.float().reshape(1).clone()
+    if dp_group is not None:
+        dist.all_reduce(value, group=dp_group)
+        value /= dist.get_world_size(dp_group)
+    return value.item()
+
+
+def _torchinfo(model) -> str:
+    try:
+        import torchinfo
+    except ImportError:
+        return f"{sum(p.numel() for p in model.parameters()):,} parameters (pip install torchinfo for a summary)"
+    return str(torchinfo.summary(model, depth=2, verbose=0, col_names=("num_params",)))
+
+
+if __name__ == "__main__":
+    from mmm.dist import run_main
+
+    run_main(main, prog=f"python -m mmm.examples.{EXAMPLE}")

@@ -1,0 +1,219 @@
+"""Per-step training history: live ``history.jsonl``, then an xarray dataset, summary and plots.
+
+Usable by any training loop::
+
+    hist = History("outputs/run1", write=(rank == 0))
+    for step in range(n):
+        ...
+        hist.update(step, loss=loss, dt=dt, dtf=dtf, dtb=dtb, tokens_per_s=tps)   # floats or 0-d tensors
+    summary = hist.finalize(extra={"world_size": 4})   # history.nc, summary.json, plots/
+
+``update`` appends one JSON line per step and flushes it, so a crash loses nothing that
+finished. ``finalize`` writes ``history.nc`` (netCDF via xarray), ``summary.json``
+(mean/std/min/max of each metric with the first ``warmup`` steps excluded, plus
+``extra``) and ``plots/<metric>.txt`` (plotext) and ``plots/<metric>.png`` (matplotlib),
+each file written to a temporary name and renamed into place. There are no hidden
+collectives: gathering across ranks is the caller's explicit choice. Heavy packages
+(xarray, plotext, matplotlib) load only inside ``finalize``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+DEFAULT_WARMUP = 2
+TEXT_PLOT_POINTS = 400  # plotext draws at most this many points (evenly strided)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _scalar(v: Any) -> float | int | None:
+    if v is None or isinstance(v, (int, float)):
+        return v
+    item = getattr(v, "item", None)  # torch/numpy 0-d
+    if item is not None:
+        return item()
+    return float(v)
+
+
+def _json_line(rec: dict) -> str:
+    """``json.dumps(rec) + "\\n"`` for flat records of identifier keys and numbers, about 2x faster."""
+    parts = []
+    for k, v in rec.items():
+        if type(v) is float and math.isfinite(v) or type(v) is int:
+            parts.append(f'"{k}": {v!r}')
+        else:  # None, bool, nan/inf: let json spell them
+            parts.append(f'"{k}": {json.dumps(v)}')
+    return "{" + ", ".join(parts) + "}\n"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class History:
+    """Collects per-step scalars; see the module docstring."""
+
+    def __init__(self, outdir: str | os.PathLike | None = None, *, write: bool = True, warmup: int = DEFAULT_WARMUP,
+                 jsonl_name: str = "history.jsonl", step_key: str = "iter") -> None:
+        self.outdir = Path(outdir) if outdir is not None else None
+        self.write = write and self.outdir is not None
+        self.warmup = warmup
+        self.step_key = step_key
+        self.rows: list[dict[str, float | int | None]] = []
+        self._file = None
+        if self.write:
+            self.outdir.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.outdir / jsonl_name, "a", buffering=1)  # line-buffered: one flush per step
+
+    def update(self, step: int | None = None, /, **metrics: Any) -> dict:
+        """Record one step's metrics (floats, ints or 0-d tensors); returns the record."""
+        rec = {self.step_key: len(self.rows) if step is None else int(step)}
+        for k, v in metrics.items():
+            t = type(v)
+            rec[k] = v if t is float or t is int or v is None else _scalar(v)
+        self.rows.append(rec)
+        if self._file is not None:
+            self._file.write(_json_line(rec))
+        return rec
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def metrics(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for r in self.rows:
+            for k in r:
+                if k != self.step_key:
+                    seen.setdefault(k, None)
+        return list(seen)
+
+    def series(self, name: str) -> list[float]:
+        return [math.nan if r.get(name) is None else float(r[name]) for r in self.rows]
+
+    def steps(self) -> list[int]:
+        return [int(r[self.step_key]) for r in self.rows]
+
+    # ------------------------------------------------------------------ summaries
+    def stats(self, warmup: int | None = None) -> dict[str, dict[str, float]]:
+        """mean/std/min/max/last of every metric, the first ``warmup`` records excluded
+        (all records are used when there are no more than ``warmup``)."""
+        warmup = self.warmup if warmup is None else warmup
+        out = {}
+        for name in self.metrics:
+            values = self.series(name)
+            kept = values[warmup:] if len(values) > warmup else values
+            kept = [v for v in kept if not math.isnan(v)]
+            if not kept:
+                continue
+            mean = sum(kept) / len(kept)
+            var = sum((v - mean) ** 2 for v in kept) / len(kept)
+            out[name] = {"mean": mean, "std": math.sqrt(var), "min": min(kept), "max": max(kept),
+                         "last": values[-1], "n": len(kept)}
+        return out
+
+    def to_dataset(self, attrs: Mapping[str, Any] | None = None):
+        """The history as an ``xarray.Dataset`` with one variable per metric along ``iter``."""
+        import numpy as np
+        import xarray as xr
+
+        coords = {self.step_key: np.asarray(self.steps(), dtype=np.int64)}
+        data = {m: ((self.step_key,), np.asarray(self.series(m), dtype=np.float64)) for m in self.metrics}
+        ds = xr.Dataset(data, coords=coords)
+        for k, v in (attrs or {}).items():
+            # netCDF attributes: numbers and strings only (no bool, None or nesting)
+            plain = isinstance(v, (int, float, str)) and not isinstance(v, bool)
+            ds.attrs[k] = v if plain else json.dumps(v, default=str)
+        return ds
+
+    # ------------------------------------------------------------------ finalize
+    def finalize(self, extra: Mapping[str, Any] | None = None, *, plots: bool = True, print_plots: bool = True,
+                 metrics_to_plot: Iterable[str] | None = None) -> dict[str, Any]:
+        """Write ``history.nc``, ``summary.json`` and plots; returns the summary (also on non-writing ranks)."""
+        summary: dict[str, Any] = {"steps": len(self.rows), "warmup_excluded": self.warmup,
+                                   "stats": self.stats(), **(extra or {})}
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if not self.write or not self.rows:
+            return summary
+        ds = self.to_dataset(attrs={k: v for k, v in summary.items() if k != "stats"})
+        nc = self.outdir / "history.nc"
+        tmp = self.outdir / ".history.nc.tmp"
+        ds.to_netcdf(tmp, engine=_netcdf_engine())
+        os.replace(tmp, nc)
+        atomic_write_text(self.outdir / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
+        if plots:
+            names = list(metrics_to_plot) if metrics_to_plot is not None else self.metrics
+            self._plots(names, print_plots)
+        return summary
+
+    def _plots(self, names: list[str], print_plots: bool) -> None:
+        pdir = self.outdir / "plots"
+        pdir.mkdir(exist_ok=True)
+        steps = self.steps()
+        texts = []
+        for name in names:
+            text = text_plot(steps, self.series(name), title=name, xlabel=self.step_key)
+            atomic_write_text(pdir / f"{name}.txt", text + "\n")
+            texts.append(text)
+        if print_plots and texts:
+            sys.stdout.write("\n".join(texts) + "\n")
+            sys.stdout.flush()
+        image_plots(steps, {n: self.series(n) for n in names}, pdir, xlabel=self.step_key)
+
+
+def _netcdf_engine() -> str | None:
+    for module, engine in (("h5netcdf", "h5netcdf"), ("netCDF4", "netcdf4"), ("scipy", "scipy")):
+        try:
+            __import__(module)
+            return engine
+        except ImportError:
+            continue
+    raise ImportError("writing history.nc needs h5netcdf (pip install 'mmm[history]'), netCDF4 or scipy")
+
+
+def text_plot(x: list[int], y: list[float], *, title: str, xlabel: str = "iter", width: int = 100,
+              height: int = 18) -> str:
+    """A plotext line plot as plain text (no colour codes), at most TEXT_PLOT_POINTS points."""
+    import plotext as plt
+
+    stride = max(1, -(-len(x) // TEXT_PLOT_POINTS))
+    pts = [(a, b) for a, b in zip(x[::stride], y[::stride]) if not math.isnan(b)]
+    plt.clf()
+    plt.theme("clear")
+    plt.plotsize(width, height)
+    if pts:
+        plt.plot([p[0] for p in pts], [p[1] for p in pts], marker="braille")
+    plt.title(title)
+    plt.xlabel(xlabel)
+    return _ANSI.sub("", plt.build())
+
+
+def image_plots(x: list[int], series: Mapping[str, list[float]], outdir: Path, *, xlabel: str = "iter") -> None:
+    """One PNG per metric (matplotlib, Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    for name, y in series.items():
+        fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
+        ax.plot(x, y, lw=1)
+        ax.set_xlabel(xlabel)
+        ax.set_title(name)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        tmp = outdir / f".{name}.png.tmp"
+        fig.savefig(tmp, format="png")
+        plt.close(fig)
+        os.replace(tmp, outdir / f"{name}.png")

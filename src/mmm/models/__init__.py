@@ -1,0 +1,1 @@
+"""Plain single-device models; parallelism is applied from outside (mmm.parallel)."""

@@ -1,0 +1,181 @@
+"""A Llama-style decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU, causal SDPA.
+
+Plain single-device code. It is laid out so that parallelism can be applied from outside:
+layers live in a ``ModuleDict`` keyed "0", "1", ... (names stay stable when a pipeline
+stage drops some), the top-level forward loops over them, and attention infers its local
+head count from the projection width (``view(..., -1, head_dim)``) so a tensor-parallel
+plan can shard heads without the model knowing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class LlamaConfig:
+    dim: int = 256
+    """Model (residual stream) width."""
+    n_layers: int = 4
+    """Transformer blocks."""
+    n_heads: int = 8
+    """Query heads; dim must be divisible by it."""
+    n_kv_heads: int | None = None
+    """Key/value heads for grouped-query attention (default: n_heads); must divide n_heads."""
+    vocab_size: int = 256
+    """Vocabulary (256 = bytes)."""
+    seq_len: int = 128
+    """Longest sequence the rotary table covers."""
+    multiple_of: int = 32
+    """The SwiGLU hidden width is rounded up to a multiple of this."""
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden(self) -> int:
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * -(-hidden // self.multiple_of)
+
+    def problems(self) -> list[str]:
+        """Shape constraints that do not depend on parallelism, each naming the values."""
+        out = []
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len"):
+            if getattr(self, name) < 1:
+                out.append(f"--{name.replace('_', '-')} {getattr(self, name)} must be >= 1")
+        if out:
+            return out
+        if self.dim % self.n_heads:
+            out.append(f"--dim {self.dim} is not divisible by --n-heads {self.n_heads}")
+        elif self.head_dim % 2:
+            out.append(f"head dim {self.head_dim} (= dim / n_heads) must be even for rotary embeddings")
+        if self.n_heads % self.n_kv_heads:
+            out.append(f"--n-heads {self.n_heads} is not divisible by --n-kv-heads {self.n_kv_heads}")
+        return out
+
+    def num_params(self, *, embedding: bool = True) -> int:
+        d, h, kv = self.dim, self.head_dim, self.n_kv_heads
+        attn = d * self.n_heads * h + 2 * d * kv * h + self.n_heads * h * d
+        ffn = 3 * d * self.ffn_hidden
+        block = attn + ffn + 2 * d
+        total = self.n_layers * block + d + self.vocab_size * d  # final norm + output
+        return total + (self.vocab_size * d if embedding else 0)
+
+
+def rope_table(head_dim: int, seq_len: int, theta: float) -> torch.Tensor:
+    """cos/sin for rotary embeddings: shape (seq_len, head_dim // 2, 2)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), freqs)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of x (batch, seq, heads, head_dim) by the table rows for its positions."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    cos, sin = table[: x.shape[1], None, :, 0], table[: x.shape[1], None, :, 1]
+    a, b = xf[..., 0], xf[..., 1]
+    out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.n_rep = cfg.n_heads // cfg.n_kv_heads
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        # -1: the local head count, which a TP plan divides by the TP degree
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if self.n_rep > 1:
+            k = k.repeat_interleave(self.n_rep, dim=2)
+            v = v.repeat_interleave(self.n_rep, dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.register_buffer("rope", rope_table(cfg.head_dim, cfg.seq_len, cfg.rope_theta), persistent=False)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """Deterministic given the torch seed: the same weights on every rank."""
+        nn.init.normal_(self.tok_embeddings.weight, std=1.0)
+        depth_std = 0.02 / (2 * self.cfg.n_layers) ** 0.5
+        for block in self.layers.values():
+            for lin in (block.attention.wq, block.attention.wk, block.attention.wv, block.feed_forward.w1):
+                nn.init.trunc_normal_(lin.weight, std=0.02)
+            for lin in (block.attention.wo, block.feed_forward.w2, block.feed_forward.w3):
+                nn.init.trunc_normal_(lin.weight, std=depth_std)
+        nn.init.trunc_normal_(self.output.weight, std=self.cfg.dim ** -0.5)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h

@@ -1,0 +1,78 @@
+"""Tensor + sequence parallelism (TP/SP) plans, applied from outside the model.
+
+The Llama plan follows PyTorch's TP tutorial: attention and feed-forward projections are
+column-wise then row-wise sharded (heads split over TP ranks), norms run sequence-parallel
+on a sequence-sharded residual stream, the embedding is row-wise sharded and hands out a
+sequence-sharded activation, and the output projection is column-wise sharded over the
+vocabulary so that the loss can be computed without gathering logits (loss parallel).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+def tp_problems(*, tp: int, n_heads: int, n_kv_heads: int, vocab_size: int, seq_len: int,
+                sequence_parallel: bool = True) -> list[str]:
+    """What a TP degree requires of a transformer's shapes, each problem naming the values."""
+    if tp <= 1:
+        return []
+    out = []
+    if n_heads % tp:
+        out.append(f"--n-heads {n_heads} is not divisible by tp={tp}; heads are split over TP ranks "
+                   f"(use tp in {{{', '.join(str(d) for d in range(1, n_heads + 1) if n_heads % d == 0)}}})")
+    if n_kv_heads % tp:
+        out.append(f"--n-kv-heads {n_kv_heads} is not divisible by tp={tp}; key/value heads are split over TP ranks")
+    if vocab_size % tp:
+        out.append(f"--vocab-size {vocab_size} is not divisible by tp={tp}; embedding and output are vocab-sharded")
+    if sequence_parallel and seq_len % tp:
+        out.append(f"--seq-len {seq_len} is not divisible by tp={tp}; sequence parallelism splits the sequence")
+    return out
+
+
+def apply_tp_llama(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool = True) -> nn.Module:
+    """Shard a :class:`mmm.models.llama.Llama` over ``tp_mesh`` (in place) with sequence parallelism."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
+    })
+    block_plan = {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan)
+    return model
+
+
+def loss_parallel_context(enabled: bool):
+    """``torch.distributed.tensor.parallel.loss_parallel()`` when TP shards the logits, else a no-op.
+
+    Wrap both the loss and its backward in it.
+    """
+    if not enabled:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()

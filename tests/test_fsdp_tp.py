@@ -1,0 +1,129 @@
+"""fsdp_tp trainer: every mesh/strategy gives the single-process losses (fp32, real ranks), outputs, bad input."""
+
+import json
+import sys
+
+import pytest
+from conftest import assert_clean_user_error, clean_env, launch, run, torchrun
+
+# Tiny but complete: GQA (8 query / 4 kv heads), 2 blocks, every TP split in the matrix valid.
+MODEL = ["--dim", "64", "--n-layers", "2", "--n-heads", "8", "--n-kv-heads", "4", "--seq-len", "32",
+         "--batch-size", "8", "--max-iters", "6", "--lr", "3e-3", "--seed", "3", "--no-plots"]
+RTOL = 1e-5
+MODULE = ["-m", "mmm.examples.fsdp_tp"]
+
+
+def losses(outdir):
+    return [json.loads(line)["loss"] for line in (outdir / "history.jsonl").read_text().splitlines()]
+
+
+def max_rel_diff(a, b):
+    assert len(a) == len(b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single")
+    res = run([sys.executable, *MODULE, *MODEL, "--outdir", str(out)], timeout=180)
+    assert res.returncode == 0, res.output
+    return losses(out)
+
+
+MATRIX = [
+    # id, ranks, flags, runner
+    ("fsdp-dp4-tp1", 4, ["--tp", "1"], "torchrun"),
+    ("fsdp-dp2-tp2", 4, ["--tpsize", "2"], "launch"),
+    ("fsdp-dp1-tp4", 4, ["--tp", "4"], "torchrun"),
+    ("ddp-dp4", 4, ["--strategy", "ddp"], "launch"),
+    ("hsdp-2x2", 4, ["--strategy", "hsdp", "--dp-replicate", "2"], "torchrun"),
+    ("fsdp-dp4-tp2", 8, ["--tp", "2"], "launch"),
+    ("fsdp-dp2-tp4", 8, ["--tp", "4"], "torchrun"),
+    ("fsdp-dp2-tp2-ac-selective", 4, ["--tp", "2", "--ac", "selective"], "torchrun"),
+    ("hsdp-2x2-tp2-ac-full", 8, ["--strategy", "hsdp", "--dp-replicate", "2", "--tp", "2", "--ac", "full"], "launch"),
+]
+
+
+@pytest.mark.parametrize("name, n, flags, runner", MATRIX, ids=[m[0] for m in MATRIX])
+def test_parallel_losses_match_single_process(reference, tmp_path, name, n, flags, runner):
+    args = [*MODULE, *MODEL, *flags, "--outdir", str(tmp_path)]
+    cmd = torchrun(n, *args) if runner == "torchrun" else launch("-n", str(n), "python3", *args)
+    res = run(cmd, timeout=240)
+    assert res.returncode == 0, res.output
+    got = losses(tmp_path)
+    assert max_rel_diff(got, reference) <= RTOL, (got, reference)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["world_size"] == n and len(summary["memory_per_rank"]) == n
+
+
+def test_outputs_and_log_lines(tmp_path):
+    res = run(launch("-n", "4", "python3", *MODULE, *MODEL[:-1], "--tpsize", "2", "--outdir", str(tmp_path)),
+              timeout=240)
+    assert res.returncode == 0, res.output
+    step_lines = [line for line in res.stdout.splitlines() if " iter=" in line]
+    assert len(step_lines) == 6  # one line per step, rank 0 only
+    for key in ("loss=", "dt=", "dtf=", "dtb=", "tps="):
+        assert key in step_lines[0]
+    assert "initializing tensor parallel with size 2" in res.stdout
+    assert "Total params" in res.stdout  # torchinfo summary
+    assert "FSDPTransformerBlock" in res.stdout or "FSDP" in res.stdout  # the model after parallelisation
+    assert "startup " in res.stdout
+    s = json.loads((tmp_path / "summary.json").read_text())
+    for key in ("world_size", "mesh", "strategy", "final_loss", "stats", "memory_per_rank", "startup_s",
+                "startup_phases", "versions", "mfu"):
+        assert key in s, key
+    assert s["mesh"]["tp"] == 2 and s["mesh"]["dp_shard"] == 2
+    for metric in ("dt", "dtf", "dtb", "tps"):
+        assert s["stats"][metric]["n"] == 4  # 6 steps, 2 warmup excluded
+    assert {"history.jsonl", "history.nc", "summary.json", "plots"} <= {p.name for p in tmp_path.iterdir()}
+    assert (tmp_path / "plots" / "loss.txt").exists() and (tmp_path / "plots" / "loss.png").exists()
+
+
+def test_fsdp_state_is_a_quarter_on_four_ranks(tmp_path):
+    res = run(torchrun(4, *MODULE, *MODEL, "--outdir", str(tmp_path)), timeout=240)
+    assert res.returncode == 0, res.output
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["state_shards"] == 4
+    quarter = s["state_bytes_unsharded"] / 4
+    for rank_mem in s["memory_per_rank"]:
+        assert rank_mem["total_bytes"] <= 1.05 * quarter, (rank_mem, quarter)
+
+
+@pytest.mark.parametrize("dataset", ["synthetic", "pydoc"])
+def test_loss_falls(tmp_path, dataset):
+    res = run(launch("-n", "2", "python3", *MODULE, "--dim", "64", "--n-layers", "2", "--n-heads", "4",
+                     "--seq-len", "64", "--batch-size", "8", "--max-iters", "30", "--dataset", dataset,
+                     "--no-plots", "--tp", "2", "--outdir", str(tmp_path)), timeout=240)
+    assert res.returncode == 0, res.output
+    got = losses(tmp_path)
+    first, last = sum(got[:3]) / 3, sum(got[-3:]) / 3
+    assert last < 0.75 * first, (first, last)
+
+
+def test_bf16_runs_and_stays_close_to_fp32(reference, tmp_path):
+    res = run(torchrun(4, *MODULE, *MODEL, "--tp", "2", "--dtype", "bf16", "--outdir", str(tmp_path)), timeout=240)
+    assert res.returncode == 0, res.output
+    assert max_rel_diff(losses(tmp_path), reference) < 3e-2
+
+
+@pytest.mark.parametrize("n, flags, needles", [
+    (4, ["--tpsize", "3"], ["tp=3 does not divide world size 4; valid tp for 4 ranks: 1, 2, 4"]),
+    (4, ["--n-heads", "6", "--tpsize", "4"], ["--n-heads 6 is not divisible by tp=4"]),
+    (2, ["--batch-size", "3"], ["--batch-size 3 is not divisible by dp=2", "use a multiple of 2"]),
+    (2, ["--dtype", "fp13"], ["argument --dtype: invalid choice: 'fp13'"]),
+    (2, ["--max-iters", "0"], ["argument --max-iters/--max_iters: 0 must be >= 1"]),
+    (2, ["--strategy", "ddp", "--tp", "2"], ["--strategy ddp does not compose with tp"]),
+])
+def test_bad_input_one_line_every_rank(n, flags, needles):
+    res = run(launch("--launcher", "local", "-n", str(n), "python3", *MODULE, *flags), timeout=60)
+    assert_clean_user_error(res, *needles)
+    assert res.returncode == 2
+    assert len([line for line in res.stderr.splitlines() if "error:" in line and "launch:" not in line]) == 1
+    assert res.seconds < 30
+
+
+def test_outdir_that_is_a_file(tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("")
+    res = run(launch("--launcher", "local", "-n", "2", "python3", *MODULE, "--outdir", str(f)), timeout=60)
+    assert_clean_user_error(res, f"--outdir '{f}' is a file")

@@ -1,0 +1,72 @@
+"""History: live jsonl, warmup-excluded stats, netCDF, summary.json and plots, with real packages."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mmm.history import History
+
+
+def test_update_appends_a_line_per_step_immediately(tmp_path):
+    h = History(tmp_path, warmup=1)
+    h.update(1, loss=torch.tensor(2.5), dt=0.1)
+    # visible before finalize: a crash after this step loses nothing
+    assert json.loads((tmp_path / "history.jsonl").read_text()) == {"iter": 1, "loss": 2.5, "dt": 0.1}
+    h.update(2, loss=2.0, dt=0.2, tps=torch.tensor(1000, dtype=torch.int64))
+    lines = (tmp_path / "history.jsonl").read_text().splitlines()
+    assert [json.loads(x)["iter"] for x in lines] == [1, 2] and json.loads(lines[1])["tps"] == 1000
+
+
+def test_stats_exclude_warmup():
+    h = History(None, warmup=2)
+    for i, dt in enumerate([10.0, 5.0, 1.0, 2.0, 3.0], start=1):
+        h.update(i, dt=dt)
+    s = h.stats()["dt"]
+    assert (s["mean"], s["min"], s["max"], s["n"], s["last"]) == (2.0, 1.0, 3.0, 3, 3.0)
+    assert math.isclose(s["std"], math.sqrt(2 / 3))
+    short = History(None, warmup=5)
+    short.update(1, dt=4.0)
+    assert short.stats()["dt"]["mean"] == 4.0  # too few steps: nothing excluded
+
+
+def test_finalize_writes_dataset_summary_and_plots(tmp_path, capsys):
+    import xarray as xr
+
+    h = History(tmp_path, warmup=1)
+    for i in range(1, 21):
+        h.update(i, loss=1.0 / i, dt=0.01 * i, dtf=0.004 * i, dtb=0.006 * i)
+    h.update(21, loss=0.04)  # a metric may be missing on a step
+    summary = h.finalize({"world_size": 4, "strategy": "fsdp", "compile": False, "mfu": None})
+    ds = xr.open_dataset(tmp_path / "history.nc")
+    assert list(ds["iter"].values) == list(range(1, 22))
+    assert ds["loss"].values[0] == 1.0 and math.isnan(float(ds["dt"].values[-1]))
+    assert ds.attrs["world_size"] == 4 and ds.attrs["strategy"] == "fsdp"
+    ds.close()
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk == json.loads(json.dumps(summary))
+    assert on_disk["stats"]["dt"]["n"] == 19 and on_disk["world_size"] == 4
+    for metric in ("loss", "dt", "dtf", "dtb"):
+        text = (tmp_path / "plots" / f"{metric}.txt").read_text()
+        assert metric in text and "\x1b[" not in text  # plain text, no colour codes
+        png = (tmp_path / "plots" / f"{metric}.png").read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "loss" in capsys.readouterr().out  # the text plots are printed too
+    assert not list(tmp_path.glob(".*tmp"))  # atomic writes leave no temporaries
+
+
+def test_non_writing_rank_writes_nothing_but_returns_summary(tmp_path):
+    h = History(tmp_path / "r1", write=False)
+    h.update(1, loss=1.0)
+    assert h.finalize({"x": 1})["stats"]["loss"]["mean"] == 1.0
+    assert not (tmp_path / "r1").exists()
+
+
+def test_import_history_is_light():
+    code = ("import sys, mmm.history\n"
+            "print([m for m in ('xarray', 'matplotlib', 'plotext', 'torch') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
