@@ -4,7 +4,7 @@ STAMP := $(VENV)/.mmm-installed
 NPROC ?= 4
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test test-fast venv clean
+.PHONY: demo smoke test test-fast venv clean
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh
 	bash scripts/bootstrap.sh $(VENV)
@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml scripts/bootstrap.sh
 venv: $(STAMP)
 
 demo: $(STAMP)
+	$(VENV)/bin/launch -n $(NPROC) python3 -m mmm.examples.fsdp_tp --tpsize 2
+
+smoke: $(STAMP)
 	$(VENV)/bin/launch -n $(NPROC) python3 -m mmm --tp 2
 
 test: $(STAMP)

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from mmm import __version__
 from mmm.cli import ArgumentParser, add_mesh_args
 
 
@@ -35,15 +33,6 @@ def build_parser() -> ArgumentParser:
     return p
 
 
-def _versions() -> dict[str, str]:
-    import torch
-
-    out = {"mmm": __version__, "python": platform.python_version(), "torch": torch.__version__}
-    if "mpi4py" in sys.modules:
-        out["mpi4py"] = sys.modules["mpi4py"].__version__
-    return out
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.report_dir is not None and args.report_dir.exists() and not args.report_dir.is_dir():
@@ -60,11 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
     import torch.distributed as tdist
 
-    log.info(
-        "mmm %s | launcher=%s world=%d nodes=%d local_world=%d | device=%s backend=%s | %s",
-        __version__, info.launcher, info.world_size, info.num_nodes, info.local_world_size, info.device,
-        info.backend, " ".join(f"{k}={v}" for k, v in _versions().items()),
-    )
+    log.info("%s", dist.banner(info))
     mesh = init_mesh(tp=args.tp, pp=args.pp, cp=args.cp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard)
 
     checks: list[dict] = []

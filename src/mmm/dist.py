@@ -330,6 +330,21 @@ def info() -> DistInfo:
     return _INFO if _INFO is not None else setup()
 
 
+def banner(di: DistInfo | None = None) -> str:
+    """One line on where this job runs: launcher, ranks, nodes, device, backend, versions."""
+    import platform
+
+    import torch
+
+    from mmm import __version__
+
+    di = di or info()
+    mpi = f" mpi4py={sys.modules['mpi4py'].__version__}" if "mpi4py" in sys.modules else ""
+    return (f"mmm {__version__} | launcher={di.launcher} world={di.world_size} nodes={di.num_nodes} "
+            f"local_world={di.local_world_size} | device={di.device} backend={di.backend} | "
+            f"python={platform.python_version()} torch={torch.__version__}{mpi}")
+
+
 def launch_time() -> float | None:
     """Wall-clock time ``launch`` started (``MMM_LAUNCH_TIME``), if launched by it."""
     raw = os.environ.get("MMM_LAUNCH_TIME")

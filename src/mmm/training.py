@@ -24,15 +24,13 @@ def synchronize(device: torch.device) -> None:
 
 
 def process_start_time() -> float:
-    """Wall-clock time this process started (Linux /proc), else now."""
+    """Wall-clock time this process started (Linux /proc, 10 ms resolution), else now."""
     try:
         with open("/proc/self/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        start_ticks = int(fields[19])
-        with open("/proc/stat") as f:
-            btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return btime + start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - age
+    except (OSError, ValueError, IndexError, AttributeError):
         return time.time()
 
 

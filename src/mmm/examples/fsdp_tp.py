@@ -115,6 +115,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     info = dist.setup(seed=args.seed)
     startup.mark("setup")
+    if info.is_main:
+        from mmm.log import get_logger
+
+        get_logger().info("%s", dist.banner(info))
     check_args(args, info.world_size)
     from mmm.training import resolve_outdir
 
@@ -130,7 +134,7 @@ def train(args, info, outdir, startup) -> int:
     from mmm.history import History
     from mmm.log import get_logger
     from mmm.models.llama import Llama
-    from mmm.parallel import init_mesh
+    from mmm.parallel import describe_sharding, init_mesh
     from mmm.parallel.plan import parallelize_llama, state_shards, uses_fsdp
     from mmm.parallel.tensor import loss_parallel_context
     from mmm.training import (format_step, gather_objects, peak_memory, state_bytes, synchronize, versions)
@@ -154,7 +158,8 @@ def train(args, info, outdir, startup) -> int:
     model = parallelize_llama(model, mesh, strategy=args.strategy, dtype=args.dtype, ac=args.ac,
                               compile=args.compile, device=device)
     if info.is_main:
-        log.info("model after parallelisation (%s, %s):\n%s", args.strategy, mesh.dims, model)
+        log.info("model after parallelisation (%s, %s):\n%s\n%s", args.strategy, mesh.dims, model,
+                 describe_sharding(model))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     startup.mark("parallelize")
 

@@ -5,5 +5,7 @@ Heavy optional packages (deepspeed, ...) load only inside the helpers that use t
 """
 
 from mmm.parallel.mesh import AXES, FLAT_VIEWS, Mesh, MeshError, ParallelDims, check_degrees, init_mesh
+from mmm.parallel.report import describe_sharding
 
-__all__ = ["AXES", "FLAT_VIEWS", "Mesh", "MeshError", "ParallelDims", "check_degrees", "init_mesh"]
+__all__ = ["AXES", "FLAT_VIEWS", "Mesh", "MeshError", "ParallelDims", "check_degrees", "describe_sharding",
+           "init_mesh"]
