@@ -6,7 +6,7 @@ import argparse
 
 from mmm.errors import ArgumentParser
 
-__all__ = ["ArgumentParser", "add_mesh_args", "positive_int"]
+__all__ = ["ArgumentParser", "add_mesh_args", "add_output_args", "add_strategy_args", "nonnegative_int", "positive_int"]
 
 
 def positive_int(text: str) -> int:
@@ -43,3 +43,39 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g.add_argument("--dp-shard", "--dp_shard", dest="dp_shard", type=degree, default=-1, metavar="N",
                    help="data-parallel shards (FSDP axis); -1 infers it from the world size [-1]")
     return g
+
+
+def add_strategy_args(parser: argparse.ArgumentParser, *, default: str = "fsdp"):
+    """``--strategy`` (ddp, fsdp, hsdp, zero1/2/3), ``--dp-replicate``, ``--offload-optimizer``."""
+    from mmm.parallel.strategy import STRATEGIES
+
+    g = parser.add_argument_group("data parallelism")
+    g.add_argument("--strategy", choices=STRATEGIES, default=default,
+                   help="ddp: DDP; fsdp: FSDP2 over all dp ranks; hsdp: FSDP2 replicate x shard (needs "
+                        f"--dp-replicate); zero1/zero2/zero3: DeepSpeed ZeRO stages [{default}]")
+    g.add_argument("--dp-replicate", "--dp_replicate", dest="dp_replicate", type=positive_int, default=1,
+                   metavar="N", help="HSDP replicas (with --strategy hsdp) [1]")
+    g.add_argument("--offload-optimizer", action="store_true",
+                   help="zero1/2/3 only: keep optimizer state on the CPU (DeepSpeed's own AdamW)")
+    return g
+
+
+def add_output_args(parser: argparse.ArgumentParser, example: str, *, log_every: int = 1):
+    """``--outdir``, ``--log-every``, ``--warmup``, ``--no-plots``."""
+    g = parser.add_argument_group("output")
+    g.add_argument("--outdir", default=None, help=f"output folder [outputs/{example}/<UTC timestamp>]")
+    g.add_argument("--log-every", "--log_every", dest="log_every", type=positive_int, default=log_every,
+                   help=f"print every N steps [{log_every}]")
+    g.add_argument("--warmup", type=nonnegative_int, default=2, help="steps excluded from timing statistics [2]")
+    g.add_argument("--no-plots", action="store_true", help="skip text and image plots at the end")
+    return g
+
+
+def nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value

@@ -63,16 +63,19 @@ class History:
     """Collects per-step scalars; see the module docstring."""
 
     def __init__(self, outdir: str | os.PathLike | None = None, *, write: bool = True, warmup: int = DEFAULT_WARMUP,
-                 jsonl_name: str = "history.jsonl", step_key: str = "iter") -> None:
+                 name: str = "history", step_key: str = "iter") -> None:
+        """``name`` names the files (``<name>.jsonl``, ``<name>.nc``; plots ``<name>_<metric>`` unless
+        it is "history"), so one run can keep per-step and per-epoch histories side by side."""
         self.outdir = Path(outdir) if outdir is not None else None
         self.write = write and self.outdir is not None
         self.warmup = warmup
+        self.name = name
         self.step_key = step_key
         self.rows: list[dict[str, float | int | None]] = []
         self._file = None
         if self.write:
             self.outdir.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.outdir / jsonl_name, "a", buffering=1)  # line-buffered: one flush per step
+            self._file = open(self.outdir / f"{name}.jsonl", "a", buffering=1)  # line-buffered: one flush per step
 
     def update(self, step: int | None = None, /, **metrics: Any) -> dict:
         """Record one step's metrics (floats, ints or 0-d tensors); returns the record."""
@@ -137,8 +140,10 @@ class History:
 
     # ------------------------------------------------------------------ finalize
     def finalize(self, extra: Mapping[str, Any] | None = None, *, plots: bool = True, print_plots: bool = True,
-                 metrics_to_plot: Iterable[str] | None = None) -> dict[str, Any]:
-        """Write ``history.nc``, ``summary.json`` and plots; returns the summary (also on non-writing ranks)."""
+                 metrics_to_plot: Iterable[str] | None = None, summary_file: str | None = "summary.json"
+                 ) -> dict[str, Any]:
+        """Write ``<name>.nc``, ``summary.json`` (unless ``summary_file=None``) and plots; returns the
+        summary (also on non-writing ranks)."""
         summary: dict[str, Any] = {"steps": len(self.rows), "warmup_excluded": self.warmup,
                                    "stats": self.stats(), **(extra or {})}
         if self._file is not None:
@@ -147,11 +152,11 @@ class History:
         if not self.write or not self.rows:
             return summary
         ds = self.to_dataset(attrs={k: v for k, v in summary.items() if k != "stats"})
-        nc = self.outdir / "history.nc"
-        tmp = self.outdir / ".history.nc.tmp"
+        tmp = self.outdir / f".{self.name}.nc.tmp"
         ds.to_netcdf(tmp, engine=_netcdf_engine())
-        os.replace(tmp, nc)
-        atomic_write_text(self.outdir / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
+        os.replace(tmp, self.outdir / f"{self.name}.nc")
+        if summary_file:
+            atomic_write_text(self.outdir / summary_file, json.dumps(summary, indent=2, default=str) + "\n")
         if plots:
             names = list(metrics_to_plot) if metrics_to_plot is not None else self.metrics
             self._plots(names, print_plots)
@@ -162,14 +167,15 @@ class History:
         pdir.mkdir(exist_ok=True)
         steps = self.steps()
         texts = []
+        prefix = "" if self.name == "history" else f"{self.name}_"
         for name in names:
-            text = text_plot(steps, self.series(name), title=name, xlabel=self.step_key)
-            atomic_write_text(pdir / f"{name}.txt", text + "\n")
+            text = text_plot(steps, self.series(name), title=f"{prefix}{name}", xlabel=self.step_key)
+            atomic_write_text(pdir / f"{prefix}{name}.txt", text + "\n")
             texts.append(text)
         if print_plots and texts:
             sys.stdout.write("\n".join(texts) + "\n")
             sys.stdout.flush()
-        image_plots(steps, {n: self.series(n) for n in names}, pdir, xlabel=self.step_key)
+        image_plots(steps, {f"{prefix}{n}": self.series(n) for n in names}, pdir, xlabel=self.step_key)
 
 
 def _netcdf_engine() -> str | None:

@@ -365,12 +365,14 @@ def _free_port() -> int:
 
 
 # --------------------------------------------------------------------------- run
-def spawn_local(cmd: Sequence[str], nproc: int, env: Mapping[str, str], *, grace_s: float = 10.0) -> int:
+def spawn_local(cmd: Sequence[str], nproc: int, env: Mapping[str, str], *, settle_s: float = 3.0,
+                grace_s: float = 10.0) -> int:
     """Run ``nproc`` copies of ``cmd`` with torchrun-style variables; stop all when one fails.
 
-    Returns 0 if every rank exited 0, else the first failing rank's code (128+N for a
-    signal). SIGINT/SIGTERM are forwarded to the ranks; stragglers get SIGKILL after
-    ``grace_s`` seconds.
+    When a rank fails the others get ``settle_s`` seconds to exit on their own (bad input
+    fails every rank alike, and each says so), then SIGTERM, then SIGKILL after ``grace_s``
+    more. Returns 0 if every rank exited 0, else the first failing rank's code (128+N for a
+    signal). SIGINT/SIGTERM are forwarded to the ranks at once.
     """
     procs: list[subprocess.Popen] = []
     base = dict(env)
@@ -397,27 +399,31 @@ def spawn_local(cmd: Sequence[str], nproc: int, env: Mapping[str, str], *, grace
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     code = 0
-    deadline: float | None = None
+    failed_rank: int | None = None
+    term_at: float | None = None
+    kill_at: float | None = None
     try:
         while True:
             running = [p for p in procs if p.poll() is None]
             for rank, p in enumerate(procs):
                 rc = p.returncode
                 if rc not in (None, 0) and code == 0:
-                    code = 128 - rc if rc < 0 else rc
-                    if running:
-                        if not signalled:  # after a forwarded signal, exits are expected, not news
-                            print_error(f"rank {rank} exited with code {code}; stopping the other "
-                                        f"{len(running)} rank(s)", prog=PROG)
-                        for q in running:
-                            q.send_signal(signal.SIGTERM)
-                        deadline = time.monotonic() + grace_s
+                    code, failed_rank = (128 - rc if rc < 0 else rc), rank
+                    term_at = time.monotonic() + (0.0 if signalled else settle_s)
             if not running:
                 return code
-            if deadline is not None and time.monotonic() > deadline:
+            now = time.monotonic()
+            if term_at is not None and now >= term_at:
+                if not signalled:  # after a forwarded signal, exits are expected, not news
+                    print_error(f"rank {failed_rank} exited with code {code}; stopping the other "
+                                f"{len(running)} rank(s)", prog=PROG)
+                for q in running:
+                    q.send_signal(signal.SIGTERM)
+                term_at, kill_at = None, now + grace_s
+            if kill_at is not None and now >= kill_at:
                 for q in running:
                     q.kill()
-                deadline = None
+                kill_at = None
             time.sleep(0.05)
     finally:
         for s, h in old.items():

@@ -64,6 +64,25 @@ class Startup:
         return f"startup {self.total_s:.2f}s from launch to first finished step: {parts}"
 
 
+# --------------------------------------------------------------------------- start of a trainer
+def start(example: str, parser, argv, check_args) -> tuple[Any, Any, Path, Startup]:
+    """Parse flags, set up the distributed job, log the banner, validate, pick the output folder.
+
+    ``check_args(args, world_size)`` raises one UsageError listing every problem.
+    """
+    from mmm import dist
+    from mmm.log import get_logger
+
+    startup = Startup()
+    args = parser.parse_args(argv)
+    info = dist.setup(seed=args.seed)
+    startup.mark("setup")
+    if info.is_main:
+        get_logger().info("%s", dist.banner(info))
+    check_args(args, info.world_size)
+    return args, info, resolve_outdir(args.outdir, example), startup
+
+
 # --------------------------------------------------------------------------- output folder
 def resolve_outdir(outdir: str | os.PathLike | None, example: str) -> Path:
     """``--outdir`` or ``outputs/<example>/<UTC timestamp>``; a path that is a file is an error."""
@@ -141,6 +160,13 @@ def versions(extra: Iterable[str] = ()) -> dict[str, str]:
     return out
 
 
+def torchinfo_summary(model: torch.nn.Module, depth: int = 2) -> str:
+    """torchinfo's parameter table of a (single-device) model."""
+    import torchinfo
+
+    return str(torchinfo.summary(model, depth=depth, verbose=0, col_names=("num_params",)))
+
+
 def format_step(values: dict[str, float]) -> str:
     """``iter=3 loss=4.1234 dt=0.123 ...``: the one-line-per-step format of every trainer."""
     parts = []
@@ -152,3 +178,110 @@ def format_step(values: dict[str, float]) -> str:
         else:
             parts.append(f"{k}={v:.4f}")
     return " ".join(parts)
+
+
+# --------------------------------------------------------------------------- the step
+def mean_over(value: torch.Tensor, group) -> float:
+    """A scalar averaged over a process group (e.g. the loss over data-parallel ranks)."""
+    import torch.distributed as dist
+
+    value = value.detach()
+    if hasattr(value, "full_tensor"):  # a replicated DTensor (loss parallel)
+        value = value.full_tensor()
+    value = value.float().reshape(1).clone()
+    if group is not None:
+        dist.all_reduce(value, group=group)
+        value /= dist.get_world_size(group)
+    return value.item()
+
+
+def train_step(engine, inputs, targets, loss_fn, *, device: torch.device, t_start: float, context=None,
+               after_backward=None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Forward, loss, backward, optimizer step, each timed with the device synchronised.
+
+    Returns the loss and ``{"dt", "dtf", "dtb"}``: the whole step since ``t_start`` (data
+    included), forward with the loss, and backward. ``context`` wraps forward and backward
+    (e.g. loss parallel); ``after_backward()`` runs before the optimizer step (when gradients
+    exist: the moment to measure memory).
+    """
+    import contextlib
+
+    with context if context is not None else contextlib.nullcontext():
+        t0 = time.perf_counter()
+        loss = loss_fn(engine(inputs), targets)
+        synchronize(device)
+        t1 = time.perf_counter()
+        engine.backward(loss)
+        synchronize(device)
+        t2 = time.perf_counter()
+    if after_backward is not None:
+        after_backward()
+    engine.step()
+    synchronize(device)
+    return loss, {"dt": time.perf_counter() - t_start, "dtf": t1 - t0, "dtb": t2 - t1}
+
+
+class Run:
+    """What the trainers share around their loop: History, step lines, startup, summary.
+
+    ``record(step, ...)`` appends to ``history.jsonl`` and prints ``iter=.. loss=..`` every
+    ``log_every`` steps (rank 0); the first call closes the startup clock. ``finish`` gathers
+    per-rank memory, writes ``history.nc``/``summary.json``/plots and prints the closing line.
+    """
+
+    def __init__(self, example: str, *, info, outdir: Path, startup: Startup, warmup: int = 2, log_every: int = 1,
+                 step_key: str = "iter") -> None:
+        from mmm.history import History
+        from mmm.log import get_logger
+
+        self.example, self.info, self.outdir, self.startup = example, info, outdir, startup
+        self.log = get_logger()
+        self.log_every = log_every
+        self.hist = History(outdir, write=info.is_main, warmup=warmup, step_key=step_key)
+        self.memory: dict[str, int] | None = None
+
+    def record(self, step: int, *, force_log: bool = False, **metrics) -> dict:
+        rec = self.hist.update(step, **metrics)
+        if len(self.hist) == 1:
+            self.startup.mark("first_step")
+            self.log.info("%s", self.startup.line())
+        if force_log or step % self.log_every == 0:
+            self.log.info("%s", format_step(rec))
+        return rec
+
+    def capture_memory(self, engine) -> None:
+        """Per-rank parameter + gradient + optimizer bytes, taken while gradients exist."""
+        self.memory = engine.state_bytes()
+
+    def finish(self, engine, extra: dict[str, Any], *, plots: bool = True, unsharded_bytes: int | None = None,
+               shards: int = 1, rate_key: str = "tps") -> dict[str, Any]:
+        memory = {**(self.memory or engine.state_bytes()), **peak_memory(self.info.device)}
+        per_rank = gather_objects(memory)
+        summary_extra: dict[str, Any] = {
+            "example": self.example, "world_size": self.info.world_size, "num_nodes": self.info.num_nodes,
+            "launcher": self.info.launcher, "device": str(self.info.device), "backend": self.info.backend,
+            **extra,
+            "final_loss": self.hist.rows[-1].get("loss") if self.hist.rows else None,
+            "memory_per_rank": per_rank,
+            "mfu": None,  # needs a peak FLOP/s figure for the device
+            "startup_s": self.startup.total_s, "startup_phases": self.startup.phases(),
+            "versions": versions(),
+        }
+        worst = max(m["total_bytes"] for m in per_rank)
+        if unsharded_bytes:
+            summary_extra["state_bytes_unsharded"] = unsharded_bytes
+            summary_extra["state_shards"] = shards
+            summary_extra["state_bytes_ratio_to_ideal"] = worst / (unsharded_bytes / shards)
+        summary = self.hist.finalize(summary_extra, plots=plots)
+        if self.info.is_main:
+            st = summary["stats"]
+            parts = [f"final loss {summary['final_loss']:.4f}"] if summary["final_loss"] is not None else []
+            if "dt" in st:
+                parts.append(" ".join(f"{k} {st[k]['mean']:.4f}s" for k in ("dt", "dtf", "dtb") if k in st))
+            if rate_key in st:
+                parts.append(f"{st[rate_key]['mean']:.0f} {rate_key}")
+            ratio = (f" ({summary_extra['state_bytes_ratio_to_ideal']:.3f}x of unsharded/{shards})"
+                     if unsharded_bytes else "")
+            parts.append(f"state {worst / 2**20:.2f} MiB/rank{ratio}")
+            self.log.info("done: %s | %s", " | ".join(parts), self.outdir)
+        return summary

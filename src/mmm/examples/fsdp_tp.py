@@ -10,12 +10,13 @@ Writes history.jsonl (live), history.nc, summary.json and plots/ to --outdir.
 
 from __future__ import annotations
 
-import contextlib
+import math
 import time
 from collections.abc import Sequence
 
 from mmm.cli import ArgumentParser, add_mesh_args, positive_int
 from mmm.errors import UsageError
+from mmm.training import torchinfo_summary
 
 EXAMPLE = "fsdp_tp"
 
@@ -23,7 +24,7 @@ EXAMPLE = "fsdp_tp"
 def build_parser() -> ArgumentParser:
     from mmm.data import DATASETS
     from mmm.parallel.activation_checkpoint import AC_MODES
-    from mmm.parallel.plan import STRATEGIES
+    from mmm.parallel.strategy import STRATEGIES
 
     p = ArgumentParser(prog=f"python -m mmm.examples.{EXAMPLE}", description=__doc__.split("\n\n")[0],
                        epilog=__doc__.split("\n\n", 2)[2])
@@ -31,7 +32,9 @@ def build_parser() -> ArgumentParser:
     g = p.add_argument_group("data parallelism")
     g.add_argument("--strategy", choices=STRATEGIES, default="fsdp",
                    help="fsdp: FSDP2 over all dp ranks; hsdp: replicate x shard (needs --dp-replicate); "
-                        "ddp: classic DDP (no TP) [fsdp]")
+                        "ddp: classic DDP; zero1/2/3: DeepSpeed ZeRO (ddp and zero: no tp) [fsdp]")
+    g.add_argument("--offload-optimizer", action="store_true",
+                   help="ZeRO only: keep optimizer state on the CPU (DeepSpeed's own AdamW)")
     g = p.add_argument_group("model (Llama-style)")
     g.add_argument("--dim", type=positive_int, default=256, help="model width [256]")
     g.add_argument("--n-layers", "--n_layers", dest="n_layers", type=positive_int, default=4,
@@ -73,7 +76,7 @@ def check_args(args, world_size: int) -> None:
     """Every problem with the flags for this world size, at once, as one UsageError."""
     from mmm.data import dataset_problems
     from mmm.parallel import ParallelDims, check_degrees
-    from mmm.parallel.plan import strategy_problems
+    from mmm.parallel.strategy import strategy_problems
     from mmm.parallel.tensor import tp_problems
 
     degrees = {a: getattr(args, a) for a in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
@@ -85,7 +88,7 @@ def check_args(args, world_size: int) -> None:
         dims = ParallelDims(world_size=world_size, **degrees)
         if dims.pp > 1 or dims.cp > 1:
             problems.append(f"this trainer runs dp x tp meshes; got pp={dims.pp}, cp={dims.cp} (use 1)")
-        problems += strategy_problems(args.strategy, dims)
+        problems += strategy_problems(args.strategy, dims, offload_optimizer=args.offload_optimizer)
         problems += tp_problems(tp=dims.tp, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                                 vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
         if args.batch_size % dims.dp:
@@ -131,16 +134,14 @@ def train(args, info, outdir, startup) -> int:
     import torch.nn.functional as F
 
     from mmm.data import local_batches, make_dataset
-    from mmm.history import History
     from mmm.log import get_logger
     from mmm.models.llama import Llama
     from mmm.parallel import describe_sharding, init_mesh
-    from mmm.parallel.plan import parallelize_llama, state_shards, uses_fsdp
-    from mmm.parallel.tensor import loss_parallel_context
-    from mmm.training import (format_step, gather_objects, peak_memory, state_bytes, synchronize, versions)
+    from mmm.parallel.strategy import build_engine, state_shards
+    from mmm.parallel.tensor import apply_tp_llama, loss_parallel_context
+    from mmm.training import Run, mean_over, train_step
 
     log = get_logger()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     mesh = init_mesh(tp=args.tp, pp=args.pp, cp=args.cp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard)
     startup.mark("mesh")
     cfg = model_config(args)
@@ -152,105 +153,54 @@ def train(args, info, outdir, startup) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     if info.is_main:
         log.info("model: %s", cfg)
-        log.info("%s", _torchinfo(model))
+        log.info("%s", torchinfo_summary(model))
     model.to(device)
     startup.mark("model")
-    model = parallelize_llama(model, mesh, strategy=args.strategy, dtype=args.dtype, ac=args.ac,
-                              compile=args.compile, device=device)
+    engine = build_engine(
+        model, mesh, strategy=args.strategy, device=device, dtype=args.dtype, blocks_attr="layers",
+        tp_plan=apply_tp_llama, ac=args.ac, compile=args.compile, global_batch=args.batch_size,
+        make_optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay),
+        optimizer_args={"lr": args.lr, "weight_decay": args.weight_decay},
+        offload_optimizer=args.offload_optimizer)
     if info.is_main:
-        log.info("model after parallelisation (%s, %s):\n%s\n%s", args.strategy, mesh.dims, model,
-                 describe_sharding(model))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        log.info("model after parallelisation (%s, %s):\n%s\n%s", args.strategy, mesh.dims, engine.module,
+                 describe_sharding(engine.module))
     startup.mark("parallelize")
 
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16)
-                if args.dtype == "bf16" and not uses_fsdp(mesh, args.strategy) else contextlib.nullcontext())
     dp_group = mesh.group("dp")
     batches = local_batches(dataset, seed=args.seed, global_batch=args.batch_size, dp_rank=mesh.coord("dp"),
                             dp_size=mesh.dp, device=device)
     tokens_per_step = args.batch_size * cfg.seq_len
-    hist = History(outdir, write=info.is_main, warmup=args.warmup)
+    run = Run(EXAMPLE, info=info, outdir=outdir, startup=startup, warmup=args.warmup, log_every=args.log_every)
     if info.is_main:
         log.info("training %d steps: global batch %d x %d tokens (%d per dp rank), dataset=%s, dtype=%s, out=%s",
                  args.max_iters, args.batch_size, cfg.seq_len, args.batch_size // mesh.dp, dataset.name,
                  args.dtype, outdir)
 
-    model.train()
+    def loss_fn(logits, labels):
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+    engine.train()
     for step in range(1, args.max_iters + 1):
         t0 = time.perf_counter()
         inputs, labels = next(batches)
-        optimizer.zero_grad(set_to_none=True)
-        with loss_parallel_context(mesh.tp_enabled):
-            with autocast:
-                logits = model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
-            synchronize(device)
-            t1 = time.perf_counter()
-            loss.backward()
-            synchronize(device)
-            t2 = time.perf_counter()
-        optimizer.step()
-        loss_value = _global_mean(loss, dp_group)
-        t3 = time.perf_counter()
-        if not torch.isfinite(torch.tensor(loss_value)):
+        last = step == args.max_iters
+        loss, times = train_step(engine, inputs, labels, loss_fn, device=device, t_start=t0,
+                                 context=loss_parallel_context(mesh.tp_enabled),
+                                 after_backward=(lambda: run.capture_memory(engine)) if last else None)
+        loss_value = mean_over(loss, dp_group)
+        if not math.isfinite(loss_value):
             raise RuntimeError(f"loss is {loss_value} at iter {step}; lower --lr or use --dtype fp32")
-        dt = t3 - t0
-        rec = hist.update(step, loss=loss_value, dt=dt, dtf=t1 - t0, dtb=t2 - t1, tps=tokens_per_step / dt)
-        if step == 1:
-            startup.mark("first_step")
-            if info.is_main:
-                log.info("%s", startup.line())
-        if step % args.log_every == 0 or step == args.max_iters:
-            log.info("%s", format_step(rec))
+        run.record(step, force_log=last, loss=loss_value, **times, tps=tokens_per_step / times["dt"])
 
-    memory = {**state_bytes(model, optimizer), **peak_memory(device)}
-    per_rank = gather_objects(memory)
-    unsharded = n_params * 4 * 4  # fp32 param + grad + AdamW exp_avg + exp_avg_sq
     extra = {
-        "example": EXAMPLE, "world_size": info.world_size, "num_nodes": info.num_nodes, "launcher": info.launcher,
-        "device": str(device), "backend": info.backend, "mesh": mesh.dims.degrees, "strategy": args.strategy,
-        "dtype": args.dtype, "ac": args.ac, "compile": args.compile, "dataset": dataset.name,
-        "model": {**vars(cfg), "num_params": n_params}, "global_batch": args.batch_size,
-        "tokens_per_step": tokens_per_step, "final_loss": hist.rows[-1]["loss"],
-        "memory_per_rank": per_rank,
-        "state_bytes_unsharded": unsharded,
-        "state_shards": state_shards(mesh, args.strategy),
-        "state_bytes_ratio_to_ideal": max(m["total_bytes"] for m in per_rank) / (unsharded / state_shards(mesh, args.strategy)),
-        "mfu": None,  # needs a peak FLOP/s figure for the device
-        "startup_s": startup.total_s, "startup_phases": startup.phases(),
-        "versions": versions(),
+        "mesh": mesh.dims.degrees, "strategy": args.strategy, "dtype": args.dtype, "ac": args.ac,
+        "compile": args.compile, "dataset": dataset.name, "model": {**vars(cfg), "num_params": n_params},
+        "global_batch": args.batch_size, "tokens_per_step": tokens_per_step,
     }
-    summary = hist.finalize(extra, plots=not args.no_plots)
-    if info.is_main:
-        st = summary["stats"]
-        log.info("done: final loss %.4f | mean dt %.4fs dtf %.4fs dtb %.4fs | %.0f tokens/s | state %.2f MiB/rank "
-                 "(%.3fx of unsharded/%d) | %s", summary["final_loss"], st["dt"]["mean"], st["dtf"]["mean"],
-                 st["dtb"]["mean"], st["tps"]["mean"], max(m["total_bytes"] for m in per_rank) / 2**20,
-                 extra["state_bytes_ratio_to_ideal"], extra["state_shards"], outdir)
+    run.finish(engine, extra, plots=not args.no_plots, unsharded_bytes=n_params * 4 * 4,  # fp32 p + g + 2 moments
+               shards=state_shards(mesh, args.strategy))
     return 0
-
-
-def _global_mean(loss, dp_group) -> float:
-    """The loss averaged over data-parallel ranks (TP peers already agree)."""
-    import torch
-    import torch.distributed as dist
-
-    value = loss.detach()
-    if hasattr(value, "full_tensor"):
-        value = value.full_tensor()
-    value = value.float().reshape(1).clone()
-    if dp_group is not None:
-        dist.all_reduce(value, group=dp_group)
-        value /= dist.get_world_size(dp_group)
-    return value.item()
-
-
-def _torchinfo(model) -> str:
-    try:
-        import torchinfo
-    except ImportError:
-        return f"{sum(p.numel() for p in model.parameters()):,} parameters (pip install torchinfo for a summary)"
-    return str(torchinfo.summary(model, depth=2, verbose=0, col_names=("num_params",)))
 
 
 if __name__ == "__main__":

@@ -76,3 +76,21 @@ def loss_parallel_context(enabled: bool):
     from torch.distributed.tensor.parallel import loss_parallel
 
     return loss_parallel()
+
+
+def vit_tp_problems(*, tp: int, num_heads: int) -> list[str]:
+    if tp > 1 and num_heads % tp:
+        return [f"--num-heads {num_heads} is not divisible by tp={tp}; heads are split over TP ranks"]
+    return []
+
+
+def apply_tp_vit(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """Shard a :class:`mmm.models.vit.ViT`'s blocks over ``tp_mesh``: q/k/v and fc1 column-wise,
+    proj and fc2 row-wise (heads and MLP width split; activations between blocks replicated)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+            "attn.proj": RowwiseParallel(), "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
+    for block in model.blocks.values():
+        parallelize_module(block, tp_mesh, plan)
+    return model

@@ -1,0 +1,203 @@
+"""Train a small CNN on real handwritten digits with DDP, FSDP2, HSDP or DeepSpeed ZeRO-1/2/3.
+
+    launch -n 2 python3 -m mmm.examples.fsdp                        # FSDP2, bundled 8x8 digits
+    launch -n 4 python3 -m mmm.examples.fsdp --strategy zero3       # DeepSpeed ZeRO-3
+    launch -n 4 python3 -m mmm.examples.fsdp --data-dir ~/data/mnist  # MNIST IDX files
+
+Data: MNIST when --data-dir holds its IDX files (plain or .gz), else scikit-learn's bundled
+8x8 digits (no download). --batch-size is the GLOBAL batch, split over data-parallel ranks;
+the same --seed and global batch give the same losses on any number of ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+from mmm.cli import ArgumentParser, add_output_args, add_strategy_args, positive_int
+from mmm.errors import UsageError
+
+EXAMPLE = "fsdp"
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog=f"python -m mmm.examples.{EXAMPLE}", description=__doc__.split("\n\n")[0],
+                       epilog=__doc__.split("\n\n", 2)[2])
+    add_strategy_args(p)
+    g = p.add_argument_group("training")
+    g.add_argument("--epochs", type=positive_int, default=8, help="passes over the training set [8]")
+    g.add_argument("--steps-per-epoch", type=positive_int, default=None,
+                   help="stop each epoch after N steps (quick runs) [all full batches]")
+    g.add_argument("--batch-size", "--batch_size", dest="batch_size", type=positive_int, default=64,
+                   help="GLOBAL training batch, divisible by the data-parallel ranks [64]")
+    g.add_argument("--test-batch-size", "--test_batch_size", dest="test_batch_size", type=positive_int,
+                   default=256, help="evaluation batch per rank [256]")
+    g.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate [3e-3]")
+    g.add_argument("--gamma", type=float, default=0.7, help="learning-rate decay per epoch [0.7]")
+    g.add_argument("--dropout", type=float, default=0.0, help="dropout probability [0]")
+    g.add_argument("--seed", type=int, default=1, help="seed of weights and data order [1]")
+    g.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype [fp32]")
+    g.add_argument("--data-dir", "--data_dir", dest="data_dir", default=None,
+                   help="folder with MNIST IDX files [bundled 8x8 digits]")
+    g.add_argument("--save-model", "--save_model", dest="save_model", action="store_true",
+                   help="save the trained weights (full state dict) to <outdir>/model.pt")
+    add_output_args(p, EXAMPLE, log_every=50)
+    return p
+
+
+def check_args(args, world_size: int) -> None:
+    from mmm.parallel import ParallelDims, check_degrees
+    from mmm.parallel.strategy import strategy_problems
+
+    degrees = {"dp_replicate": args.dp_replicate, "dp_shard": -1}
+    _, problems = check_degrees(world_size, **degrees)
+    if not problems:
+        dims = ParallelDims(world_size=world_size, **degrees)
+        problems += strategy_problems(args.strategy, dims, offload_optimizer=args.offload_optimizer)
+        if args.batch_size % dims.dp:
+            problems.append(f"--batch-size {args.batch_size} is not divisible by {dims.dp} data-parallel ranks; "
+                            f"use a multiple of {dims.dp} (e.g. {dims.dp * max(1, round(args.batch_size / dims.dp))})")
+    if not 0.0 <= args.dropout < 1.0:
+        problems.append(f"--dropout {args.dropout} must be in [0, 1)")
+    if args.lr <= 0:
+        problems.append(f"--lr {args.lr} must be > 0")
+    if problems:
+        raise UsageError("; ".join(problems))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from mmm.training import start
+
+    args, info, outdir, startup = start(EXAMPLE, build_parser(), argv, check_args)
+    return train(args, info, outdir, startup)
+
+
+def train(args, info, outdir, startup) -> int:
+    import torch
+
+    from mmm.data.images import load_digits_data
+    from mmm.history import History
+    from mmm.log import get_logger
+    from mmm.models.cnn import DigitsCNN, log_softmax_nll
+    from mmm.parallel import init_mesh
+    from mmm.parallel.strategy import build_engine, state_shards
+    from mmm.training import Run, mean_over, torchinfo_summary, train_step
+
+    log = get_logger()
+    data = load_digits_data(args.data_dir)
+    if len(data.train.labels) < args.batch_size:
+        raise UsageError(f"--batch-size {args.batch_size} is larger than the {len(data.train.labels)} training "
+                         f"samples of {data.name}")
+    mesh = init_mesh(dp_replicate=args.dp_replicate, dp_shard=-1)
+    startup.mark("mesh")
+    device = info.device
+    torch.manual_seed(args.seed)
+    model = DigitsCNN(img_size=data.img_size, dropout=args.dropout)
+    n_params = sum(p.numel() for p in model.parameters())
+    if info.is_main:
+        log.info("data: %s, %d train / %d test images of %dx%d", data.name, len(data.train.labels),
+                 len(data.test.labels), data.img_size, data.img_size)
+        log.info("%s", torchinfo_summary(model))
+    model.to(device)
+    startup.mark("model")
+    engine = build_engine(
+        model, mesh, strategy=args.strategy, device=device, dtype=args.dtype, global_batch=args.batch_size,
+        make_optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr),
+        optimizer_args={"lr": args.lr}, offload_optimizer=args.offload_optimizer)
+    if info.is_main:
+        log.info("model after parallelisation (%s over %d ranks):\n%s", args.strategy, mesh.dp, engine.module)
+    startup.mark("parallelize")
+
+    dp_group, dp_rank, dp = mesh.group("dp"), mesh.coord("dp"), mesh.dp
+    local = args.batch_size // dp
+    run = Run(EXAMPLE, info=info, outdir=outdir, startup=startup, warmup=args.warmup, log_every=args.log_every)
+    epochs = History(outdir, write=info.is_main, warmup=0, name="epochs", step_key="epoch")
+    train_x, train_y = data.train.images.to(device), data.train.labels.to(device)
+    step = 0
+    for epoch in range(1, args.epochs + 1):
+        from mmm.data.images import epoch_batches
+
+        t_epoch = time.perf_counter()
+        engine.train()
+        batches = epoch_batches(len(train_y), global_batch=args.batch_size, seed=args.seed, epoch=epoch)
+        batches = batches[:args.steps_per_epoch] if args.steps_per_epoch else batches
+        losses = []
+        for i, idx in enumerate(batches):
+            t0 = time.perf_counter()
+            step += 1
+            mine = idx[dp_rank * local:(dp_rank + 1) * local].to(device)
+            last = epoch == args.epochs and i == len(batches) - 1
+            loss, times = train_step(engine, train_x[mine], train_y[mine], log_softmax_nll, device=device, t_start=t0,
+                                     after_backward=(lambda: run.capture_memory(engine)) if last else None)
+            loss_value = mean_over(loss, dp_group)
+            if not math.isfinite(loss_value):
+                raise RuntimeError(f"loss is {loss_value} at epoch {epoch} iter {step}; lower --lr")
+            losses.append(loss_value)
+            run.record(step, loss=loss_value, **times, samples_per_s=args.batch_size / times["dt"])
+        test_loss, test_acc = evaluate(engine, data.test, batch=args.test_batch_size, rank=dp_rank, world=dp,
+                                       group=dp_group, device=device)
+        rec = epochs.update(epoch, dt=time.perf_counter() - t_epoch, train_loss=sum(losses) / len(losses),
+                            test_loss=test_loss, test_acc=test_acc, lr=engine.param_groups[0]["lr"])
+        log.info("epoch=%d dt=%.2f train_loss=%.4f test_loss=%.4f test_acc=%.4f", epoch, rec["dt"],
+                 rec["train_loss"], test_loss, test_acc)
+        for group in engine.param_groups:
+            group["lr"] *= args.gamma
+    epochs.finalize(plots=not args.no_plots, print_plots=False, summary_file=None)
+    if args.save_model:
+        save_full_model(engine, outdir / "model.pt", is_main=info.is_main)
+    last_epoch = epochs.rows[-1]
+    extra = {"mesh": mesh.dims.degrees, "strategy": args.strategy, "dtype": args.dtype, "dataset": data.name,
+             "model": {"type": "DigitsCNN", "num_params": n_params}, "global_batch": args.batch_size,
+             "epochs": epochs.rows, "test_acc": last_epoch["test_acc"], "test_loss": last_epoch["test_loss"]}
+    run.finish(engine, extra, plots=not args.no_plots, unsharded_bytes=n_params * 16,
+               shards=state_shards(mesh, args.strategy), rate_key="samples_per_s")
+    return 0
+
+
+def evaluate(engine, split, *, batch: int, rank: int, world: int, group, device) -> tuple[float, float]:
+    """Loss and accuracy over the whole test set: each rank a padded shard, sums reduced over ranks."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from mmm.data.images import padded_shard
+
+    idx, mask = padded_shard(len(split.labels), rank=rank, world=world)
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+    engine.eval()
+    with torch.no_grad():
+        for i in range(0, len(idx), batch):
+            j, m = idx[i:i + batch], mask[i:i + batch].to(device)
+            x, y = split.images[j].to(device), split.labels[j].to(device)
+            logits = engine(x).float()
+            nll = F.cross_entropy(logits, y, reduction="none")
+            totals[0] += (nll * m).sum().double()
+            totals[1] += ((logits.argmax(1) == y) & m).sum().double()
+            totals[2] += m.sum().double()
+    if group is not None:
+        dist.all_reduce(totals, group=group)
+    return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
+
+
+def save_full_model(engine, path, *, is_main: bool) -> None:
+    """Gather the full (unsharded) weights and save them on rank 0."""
+    import torch
+
+    if engine.strategy.startswith("zero"):
+        state = engine.ds._zero3_consolidated_16bit_state_dict() if engine.strategy == "zero3" \
+            else engine.ds.module.state_dict()
+    else:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(engine.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if is_main:
+        tmp = path.with_name(f".{path.name}.tmp")
+        torch.save({k: v.detach().cpu() for k, v in state.items()}, tmp)
+        tmp.replace(path)
+
+
+if __name__ == "__main__":
+    from mmm.dist import run_main
+
+    run_main(main, prog=f"python -m mmm.examples.{EXAMPLE}")

@@ -1,0 +1,200 @@
+"""Data-parallel strategies behind one small interface, :class:`Engine`.
+
+``ddp``, ``fsdp`` and ``hsdp`` are plain torch (DDP, FSDP2, FSDP2 on a 2-D mesh) with a torch
+optimizer; ``zero1/2/3`` run through DeepSpeed's engine. A trainer calls
+``engine(x)``, ``engine.backward(loss)``, ``engine.step()`` and never needs to know which.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from mmm.parallel.activation_checkpoint import wrap_block
+from mmm.parallel.fsdp import DTYPES, apply_ddp, apply_fsdp
+from mmm.parallel.mesh import Mesh, ParallelDims
+from mmm.parallel.zero import ZERO_STAGES, deepspeed_available, zero_config
+from mmm.parallel.zero import initialize as zero_initialize
+
+TORCH_STRATEGIES = ("ddp", "fsdp", "hsdp")
+STRATEGIES = (*TORCH_STRATEGIES, *ZERO_STAGES)
+
+
+def strategy_problems(strategy: str, dims: ParallelDims, *, offload_optimizer: bool = False) -> list[str]:
+    """How a data-parallel strategy must fit the mesh, each problem naming the values and a fix."""
+    if strategy not in STRATEGIES:
+        return [f"unknown --strategy {strategy!r}; choose one of: {', '.join(STRATEGIES)}"]
+    out = []
+    if strategy == "hsdp" and not (dims.dp_replicate > 1 and dims.dp_shard > 1):
+        out.append(f"--strategy hsdp needs dp_replicate > 1 and dp_shard > 1 (got dp_replicate={dims.dp_replicate}, "
+                   f"dp_shard={dims.dp_shard}); set --dp-replicate, or use --strategy fsdp")
+    if strategy in ("fsdp", *ZERO_STAGES) and dims.dp_replicate > 1:
+        out.append(f"--strategy {strategy} shards over all data-parallel ranks; --dp-replicate {dims.dp_replicate} "
+                   "needs --strategy hsdp")
+    others = {"tp": dims.tp, "cp": dims.cp, "pp": dims.pp}
+    bad = {k: v for k, v in others.items() if v > 1}
+    if strategy == "ddp" and bad:
+        out.append(f"--strategy ddp does not compose with tp/cp/pp (got {', '.join(f'{k}={v}' for k, v in bad.items())})"
+                   ": DDP cannot hold sharded (DTensor) parameters; use --strategy fsdp")
+    if strategy in ZERO_STAGES and bad:
+        out.append(f"--strategy {strategy} (DeepSpeed) runs pure data parallel here; got "
+                   f"{', '.join(f'--{k} {v}' for k, v in bad.items())}: use --strategy fsdp to combine with "
+                   "tp/cp/pp")
+    if offload_optimizer and strategy not in ZERO_STAGES:
+        out.append(f"--offload-optimizer needs --strategy zero1, zero2 or zero3 (got {strategy})")
+    if strategy in ZERO_STAGES and not deepspeed_available():
+        out.append(f"--strategy {strategy} needs DeepSpeed, which is not installed: pip install 'mmm[deepspeed]' "
+                   "(or pip install deepspeed); or use --strategy fsdp")
+    return out
+
+
+def uses_fsdp(mesh: Mesh, strategy: str) -> bool:
+    """FSDP2 wraps the model (and so handles mixed precision) only with fsdp/hsdp and dp > 1."""
+    return strategy in ("fsdp", "hsdp") and mesh.dp_enabled
+
+
+def state_shards(mesh: Mesh, strategy: str) -> int:
+    """Ways each parameter is split across ranks (ZeRO-1/2 keep whole parameters)."""
+    dp = {"fsdp": mesh.dp, "hsdp": mesh.dp_shard}.get(strategy, 1) if uses_fsdp(mesh, strategy) else 1
+    if strategy == "zero3":
+        dp = mesh.dp
+    return dp * mesh.tp
+
+
+def data_parallel_mesh(mesh: Mesh, strategy: str):
+    """The mesh FSDP shards over: 1-D ``dp`` for fsdp/ddp, 2-D (dp_replicate, dp_shard) for hsdp."""
+    if strategy == "hsdp":
+        return mesh.root["dp_replicate", "dp_shard"]
+    return mesh.get("dp")
+
+
+class Engine:
+    """A model ready to train: forward, backward, optimizer step, whatever the strategy."""
+
+    strategy: str
+    module: nn.Module
+
+    def __call__(self, *args, **kwargs):
+        with self.autocast():
+            return self.module(*args, **kwargs)
+
+    def autocast(self):
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    def state_bytes(self) -> dict[str, int]:
+        raise NotImplementedError
+
+
+class TorchEngine(Engine):
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, strategy: str,
+                 autocast_dtype: torch.dtype | None = None, device_type: str = "cpu") -> None:
+        self.module, self.optimizer, self.strategy = module, optimizer, strategy
+        self._autocast_dtype, self._device_type = autocast_dtype, device_type
+
+    def autocast(self):
+        if self._autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self._device_type, dtype=self._autocast_dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def state_bytes(self) -> dict[str, int]:
+        from mmm.training import state_bytes
+
+        return state_bytes(self.module, self.optimizer)
+
+
+class DeepSpeedEngine(Engine):
+    def __init__(self, ds_engine, *, strategy: str) -> None:
+        self.ds, self.strategy = ds_engine, strategy
+        self.module = ds_engine  # forward through the engine: ZeRO-3 gathers parameters in its hooks
+        self._dtype = next((p.dtype for p in ds_engine.module.parameters()), torch.float32)
+
+    def __call__(self, *args, **kwargs):
+        # DeepSpeed bf16 keeps the module in bf16 and does not cast inputs
+        args = tuple(a.to(self._dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+        return self.ds(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.ds.backward(loss)
+
+    def step(self) -> None:
+        self.ds.step()  # also zeroes gradients
+
+    @property
+    def param_groups(self):
+        return self.ds.optimizer.param_groups
+
+    def state_bytes(self) -> dict[str, int]:
+        from mmm.parallel.zero_memory import zero_state_bytes
+
+        return zero_state_bytes(self.ds)
+
+
+def build_engine(model: nn.Module, mesh: Mesh, *, strategy: str, make_optimizer: Callable[[Any], torch.optim.Optimizer],
+                 device: torch.device, dtype: str = "fp32", blocks_attr: str | None = None,
+                 tp_plan: Callable[[nn.Module, Any], nn.Module] | None = None, ac: str = "none",
+                 compile: bool = False, global_batch: int | None = None, offload_optimizer: bool = False,
+                 optimizer_args: dict[str, Any] | None = None) -> Engine:
+    """Apply parallelism in torchtitan's order (TP -> activation checkpointing -> compile -> data
+    parallel) and pair the model with its optimizer.
+
+    ``blocks_attr`` names the ``ModuleDict``/``ModuleList`` of repeated blocks (FSDP units,
+    checkpoint and compile units); ``tp_plan(model, tp_mesh)`` shards it over ``mesh["tp"]``.
+    """
+    if tp_plan is not None and mesh.tp_enabled:
+        tp_plan(model, mesh["tp"])
+    blocks = getattr(model, blocks_attr) if blocks_attr else None
+    if blocks is not None:
+        items = blocks.items() if isinstance(blocks, nn.ModuleDict) else enumerate(blocks)
+        for key, block in list(items):
+            block = wrap_block(block, ac)
+            blocks[key] = torch.compile(block) if compile else block
+    if strategy in ZERO_STAGES:
+        args = optimizer_args or {}
+        cfg = zero_config(stage=ZERO_STAGES[strategy], global_batch=global_batch, dp=mesh.dp, dtype=dtype,
+                          offload_optimizer=offload_optimizer, **args)
+        optimizer = None if offload_optimizer else make_optimizer(model.parameters())
+        return DeepSpeedEngine(zero_initialize(model, optimizer, config=cfg, device_type=device.type),
+                               strategy=strategy)
+    dp_mesh = data_parallel_mesh(mesh, strategy)
+    autocast_dtype = None
+    if uses_fsdp(mesh, strategy):
+        units = list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks or [])
+        apply_fsdp(model, dp_mesh, blocks=units, param_dtype=DTYPES[dtype])
+    else:
+        if strategy == "ddp" and dp_mesh is not None:
+            model = apply_ddp(model, dp_mesh, device=device)
+        autocast_dtype = DTYPES[dtype] if dtype != "fp32" else None
+    return TorchEngine(model, make_optimizer(model.parameters()), strategy=strategy, autocast_dtype=autocast_dtype,
+                       device_type=device.type)

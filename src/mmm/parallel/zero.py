@@ -1,0 +1,96 @@
+"""ZeRO-1/2/3 through DeepSpeed's engine (optional dependency, imported only here).
+
+The config is built from the trainer's flags: stage, micro-batch per rank (global batch /
+dp), bf16, and optimizer offload to CPU when asked. With no offload the trainer's own
+``torch.optim`` optimizer is handed to DeepSpeed; offload needs DeepSpeed's own optimizer
+(named in the config), which it builds (a one-time JIT compile of its CPU Adam).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from typing import Any
+
+from torch import nn
+
+from mmm.errors import UsageError
+
+ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
+INSTALL_HINT = "pip install 'mmm[deepspeed]' (or pip install deepspeed)"
+
+
+def import_deepspeed():
+    """``import deepspeed`` quietly, or a UsageError that says how to install it."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import deepspeed
+    except ImportError:
+        raise UsageError(f"the zero1/zero2/zero3 strategies need DeepSpeed, which is not installed: {INSTALL_HINT}; "
+                         "or use --strategy fsdp") from None
+    level = logging.DEBUG if os.environ.get("MMM_LOG_LEVEL", "").upper() == "DEBUG" else logging.WARNING
+    deepspeed.utils.logger.setLevel(level)
+    # DeepSpeed calls the tensor collectives torch has renamed; their FutureWarnings say nothing to users.
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)",
+                            category=FutureWarning)
+    return deepspeed
+
+
+def deepspeed_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def zero_config(*, stage: int, global_batch: int, dp: int, dtype: str, offload_optimizer: bool = False,
+                lr: float = 1e-3, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
+                eps: float = 1e-8) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": stage}
+    cfg: dict[str, Any] = {
+        "train_batch_size": global_batch,
+        "train_micro_batch_size_per_gpu": global_batch // dp,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+    }
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "betas": list(betas), "eps": eps,
+                                                        "weight_decay": weight_decay}}
+    return cfg
+
+
+def _skip_inference_shm_kernel(deepspeed) -> None:
+    """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce kernel at init (20 s to
+    minutes on a fresh machine) that only its inference all-reduce uses; training collectives go
+    through torch.distributed. Skip building it on CPU unless ``MMM_DS_SHM=1``."""
+    if os.environ.get("MMM_DS_SHM") == "1":
+        return
+    import deepspeed.comm.torch as ds_torch
+
+    ds_torch.build_shm_op = lambda: None
+
+
+def initialize(model: nn.Module, optimizer, *, config: dict[str, Any], device_type: str):
+    """``deepspeed.initialize`` on the existing process group; returns the DeepSpeed engine."""
+    deepspeed = import_deepspeed()
+    if device_type == "cpu":
+        _skip_inference_shm_kernel(deepspeed)
+    import torch.distributed as dist
+
+    backend = dist.get_backend() if dist.is_initialized() else "gloo"
+    deepspeed.init_distributed(dist_backend=backend)
+    kwargs = {"model": model, "config": config}
+    if optimizer is not None:
+        kwargs["optimizer"] = optimizer
+    else:
+        kwargs["model_parameters"] = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(**kwargs)
+    return engine

@@ -1,0 +1,156 @@
+"""fsdp (CNN on digits) and vit trainers: every data-parallel strategy, DeepSpeed ZeRO included, gives
+the single-process losses on 2 and 4 real ranks (fp32); accuracy, outputs, aliases and bad input."""
+
+import gzip
+import json
+import struct
+import sys
+
+import pytest
+import torch
+from conftest import assert_clean_user_error, clean_env, launch, run, torchrun
+
+RTOL = 1e-5
+STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
+CNN = ["-m", "mmm.examples.fsdp", "--epochs", "2", "--steps-per-epoch", "3", "--batch-size", "32", "--no-plots"]
+VIT = ["-m", "mmm.examples.vit", "--max-iters", "5", "--depth", "2", "--num-heads", "4", "--head-dim", "8",
+       "--img-size", "16", "--batch-size", "8", "--no-plots"]
+
+
+def jsonl(path, key="loss"):
+    return [json.loads(line)[key] for line in path.read_text().splitlines()]
+
+
+def max_rel_diff(a, b):
+    assert len(a) == len(b) and a
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def _single(tmp_path_factory, args, name):
+    out = tmp_path_factory.mktemp(name)
+    res = run([sys.executable, *args, "--outdir", str(out)], timeout=180)
+    assert res.returncode == 0, res.output
+    return out
+
+
+@pytest.fixture(scope="module")
+def cnn_reference(tmp_path_factory):
+    return _single(tmp_path_factory, CNN, "cnn1")
+
+
+@pytest.fixture(scope="module")
+def vit_reference(tmp_path_factory):
+    return _single(tmp_path_factory, VIT, "vit1")
+
+
+def _parallel(n, args, tmp_path, runner):
+    cmd = torchrun(n, *args, "--outdir", str(tmp_path)) if runner == "torchrun" else \
+        launch("-n", str(n), "python3", *args, "--outdir", str(tmp_path))
+    res = run(cmd, timeout=300)
+    assert res.returncode == 0, res.output
+    return res
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_cnn_strategies_match_single_process(cnn_reference, tmp_path, strategy, n):
+    _parallel(n, [*CNN, "--strategy", strategy], tmp_path, "launch" if n == 2 else "torchrun")
+    assert max_rel_diff(jsonl(tmp_path / "history.jsonl"), jsonl(cnn_reference / "history.jsonl")) <= RTOL
+    for key in ("train_loss", "test_loss"):
+        assert max_rel_diff(jsonl(tmp_path / "epochs.jsonl", key), jsonl(cnn_reference / "epochs.jsonl", key)) <= RTOL
+    assert jsonl(tmp_path / "epochs.jsonl", "test_acc") == jsonl(cnn_reference / "epochs.jsonl", "test_acc")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_vit_strategies_match_single_process(vit_reference, tmp_path, strategy, n):
+    _parallel(n, [*VIT, "--strategy", strategy], tmp_path, "torchrun" if n == 2 else "launch")
+    assert max_rel_diff(jsonl(tmp_path / "history.jsonl"), jsonl(vit_reference / "history.jsonl")) <= RTOL
+
+
+def test_vit_tp2_x_fsdp2_matches_single_process(vit_reference, tmp_path):
+    res = _parallel(4, [*VIT, "--tp", "2"], tmp_path, "launch")
+    assert max_rel_diff(jsonl(tmp_path / "history.jsonl"), jsonl(vit_reference / "history.jsonl")) <= RTOL
+    assert "tp:Shard(0)" in res.stdout  # the sharding table shows the TP plan
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["mesh"]["tp"] == 2 and s["mesh"]["dp_shard"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", STRATEGIES + ["hsdp"])
+def test_cnn_defaults_reach_95_percent_on_two_ranks(tmp_path, strategy):
+    n = 4 if strategy == "hsdp" else 2
+    extra = ["--dp-replicate", "2"] if strategy == "hsdp" else []
+    res = run(launch("-n", str(n), "python3", "-m", "mmm.examples.fsdp", "--strategy", strategy, *extra,
+                     "--no-plots", "--outdir", str(tmp_path)), timeout=300)
+    assert res.returncode == 0, res.output
+    assert res.seconds < 120
+    epochs = [line for line in res.stdout.splitlines() if " epoch=" in line]
+    assert len(epochs) == 8 and all(k in epochs[0] for k in ("dt=", "train_loss=", "test_loss=", "test_acc="))
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["test_acc"] >= 0.95, s["test_acc"]
+
+
+def _write_idx(path, array):
+    dims = array.shape
+    header = struct.pack(">HBB", 0, 0x08, len(dims)) + struct.pack(f">{len(dims)}I", *dims)
+    with gzip.open(path, "wb") as f:
+        f.write(header + array.numpy().tobytes())
+
+
+def test_mnist_idx_files_and_saved_model(tmp_path):
+    data = tmp_path / "mnist"
+    data.mkdir()
+    g = torch.Generator().manual_seed(0)
+    for prefix, n in (("train", 128), ("t10k", 40)):
+        labels = torch.randint(0, 10, (n,), generator=g, dtype=torch.int64)
+        images = (torch.rand(n, 28, 28, generator=g) * 60 + labels[:, None, None] * 19).clamp(0, 255).to(torch.uint8)
+        _write_idx(data / f"{prefix}-images-idx3-ubyte.gz", images)
+        _write_idx(data / f"{prefix}-labels-idx1-ubyte.gz", labels.to(torch.uint8))
+    out = tmp_path / "out"
+    res = run(launch("-n", "2", "python3", "-m", "mmm.examples.fsdp", "--data-dir", str(data), "--epochs", "1",
+                     "--batch-size", "32", "--strategy", "zero3", "--save-model", "--no-plots", "--outdir", str(out)),
+              timeout=300)
+    assert res.returncode == 0, res.output
+    assert "data: mnist, 128 train / 40 test images of 28x28" in res.stdout
+    from mmm.models.cnn import DigitsCNN
+
+    model = DigitsCNN(img_size=28)
+    state = torch.load(out / "model.pt")
+    model.load_state_dict(state)  # full, unsharded weights with the single-device names
+    assert json.loads((out / "summary.json").read_text())["dataset"] == "mnist"
+
+
+def test_old_spellings_run_the_same_programs():
+    for mod in ("mmm.trainer.vit", "mmm.trainer.fsdp", "mmm.trainer.fsdp_tp"):
+        res = run([sys.executable, "-m", mod, "--help"])
+        assert res.returncode == 0 and "--strategy" in res.stdout, res.output
+    res = run([sys.executable, "-m", "mmm.trainer.vit", "--help"])
+    assert "--img-size" in res.stdout and "--max-iters" in res.stdout
+
+
+@pytest.mark.parametrize("module, n, flags, needles", [
+    ("vit", 2, ["--strategy", "zero4"], ["argument --strategy: invalid choice: 'zero4'"]),
+    ("vit", 4, ["--strategy", "zero2", "--tp", "2"], ["--strategy zero2 (DeepSpeed) runs pure data parallel here",
+                                                      "--tp 2"]),
+    ("fsdp", 2, ["--data-dir", "/tmp"], ["--data-dir '/tmp' holds no MNIST: missing train-images-idx3-ubyte"]),
+    ("fsdp", 4, ["--batch-size", "30"], ["--batch-size 30 is not divisible by 4 data-parallel ranks"]),
+    ("vit", 2, ["--batch-size", "5"], ["--batch-size 5 is not divisible by 2 data-parallel ranks"]),
+    ("fsdp", 2, ["--offload-optimizer"], ["--offload-optimizer needs --strategy zero1, zero2 or zero3"]),
+    ("vit", 2, ["--num-heads", "3", "--tp", "2"], ["--num-heads 3 is not divisible by tp=2"]),
+])
+def test_bad_input(module, n, flags, needles):
+    res = run(launch("--launcher", "local", "-n", str(n), "python3", "-m", f"mmm.examples.{module}", *flags),
+              timeout=90)
+    assert_clean_user_error(res, *needles)
+    assert len([line for line in res.stderr.splitlines() if "error:" in line and "launch:" not in line]) == 1
+    assert res.seconds < 30
+
+
+def test_zero_without_deepspeed_says_how_to_install(tmp_path):
+    # a stand-in package that fails to import, as an absent DeepSpeed would
+    (tmp_path / "deepspeed").mkdir()
+    (tmp_path / "deepspeed" / "__init__.py").write_text("raise ImportError('No module named deepspeed')\n")
+    res = run(launch("--launcher", "local", "-n", "2", "python3", *VIT, "--strategy", "zero1"),
+              env=clean_env(PYTHONPATH=str(tmp_path)), timeout=90)
+    assert_clean_user_error(res, "need DeepSpeed, which is not installed: pip install 'mmm[deepspeed]'")
