@@ -66,6 +66,26 @@ def test_cnn_strategies_match_single_process(cnn_reference, tmp_path, strategy, 
 def test_vit_strategies_match_single_process(vit_reference, tmp_path, strategy, n):
     _parallel(n, [*VIT, "--strategy", strategy], tmp_path, "torchrun" if n == 2 else "launch")
     assert max_rel_diff(jsonl(tmp_path / "history.jsonl"), jsonl(vit_reference / "history.jsonl")) <= RTOL
+    s = json.loads((tmp_path / "summary.json").read_text())
+    for m in s["memory_per_rank"]:  # parameters and optimizer state are sharded as they should be (FSDP pads)
+        for part in ("param_bytes", "optim_bytes"):
+            assert abs(m[part] / s["state_bytes_theory"][part] - 1) <= 0.10, (strategy, part, m)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_state_bytes_per_rank_match_zero_theory(tmp_path, strategy):
+    """Per-rank parameter + gradient + optimizer bytes on 4 ranks within 10% of the ZeRO paper's figures."""
+    big = ["-m", "mmm.examples.vit", "--depth", "4", "--num-heads", "8", "--head-dim", "32", "--img-size", "16",
+           "--batch-size", "8", "--max-iters", "2", "--no-plots", "--strategy", strategy]
+    _parallel(4, big, tmp_path, "launch")
+    s = json.loads((tmp_path / "summary.json").read_text())
+    theory = s["state_bytes_theory"]
+    assert s["model"]["num_params"] > 3_000_000
+    for m in s["memory_per_rank"]:
+        # ZeRO-1 holds every full gradient while backward runs, then keeps only its partition
+        grads = m["grad_peak_bytes"] if strategy == "zero1" else m["grad_bytes"]
+        total = m["param_bytes"] + grads + m["optim_bytes"]
+        assert abs(total / theory["total_bytes"] - 1) <= 0.10, (strategy, m, theory)
 
 
 def test_vit_tp2_x_fsdp2_matches_single_process(vit_reference, tmp_path):

@@ -211,6 +211,8 @@ def train_step(engine, inputs, targets, loss_fn, *, device: torch.device, t_star
         loss = loss_fn(engine(inputs), targets)
         synchronize(device)
         t1 = time.perf_counter()
+        if after_backward is not None and hasattr(engine, "arm_memory_probe"):
+            engine.arm_memory_probe()
         engine.backward(loss)
         synchronize(device)
         t2 = time.perf_counter()
@@ -253,8 +255,11 @@ class Run:
         """Per-rank parameter + gradient + optimizer bytes, taken while gradients exist."""
         self.memory = engine.state_bytes()
 
-    def finish(self, engine, extra: dict[str, Any], *, plots: bool = True, unsharded_bytes: int | None = None,
-               shards: int = 1, rate_key: str = "tps") -> dict[str, Any]:
+    def finish(self, engine, extra: dict[str, Any], *, mesh, num_params: int, plots: bool = True,
+               rate_key: str = "tps") -> dict[str, Any]:
+        """Gather per-rank memory, compare it with the strategy's theoretical figure, write the outputs."""
+        from mmm.parallel.strategy import theoretical_state_bytes
+
         memory = {**(self.memory or engine.state_bytes()), **peak_memory(self.info.device)}
         per_rank = gather_objects(memory)
         summary_extra: dict[str, Any] = {
@@ -268,10 +273,9 @@ class Run:
             "versions": versions(),
         }
         worst = max(m["total_bytes"] for m in per_rank)
-        if unsharded_bytes:
-            summary_extra["state_bytes_unsharded"] = unsharded_bytes
-            summary_extra["state_shards"] = shards
-            summary_extra["state_bytes_ratio_to_ideal"] = worst / (unsharded_bytes / shards)
+        theory = theoretical_state_bytes(engine.strategy, num_params=num_params, mesh=mesh)
+        summary_extra["state_bytes_theory"] = theory
+        summary_extra["state_bytes_ratio_to_theory"] = worst / theory["total_bytes"]
         summary = self.hist.finalize(summary_extra, plots=plots)
         if self.info.is_main:
             st = summary["stats"]
@@ -280,8 +284,7 @@ class Run:
                 parts.append(" ".join(f"{k} {st[k]['mean']:.4f}s" for k in ("dt", "dtf", "dtb") if k in st))
             if rate_key in st:
                 parts.append(f"{st[rate_key]['mean']:.0f} {rate_key}")
-            ratio = (f" ({summary_extra['state_bytes_ratio_to_ideal']:.3f}x of unsharded/{shards})"
-                     if unsharded_bytes else "")
-            parts.append(f"state {worst / 2**20:.2f} MiB/rank{ratio}")
+            parts.append(f"state {worst / 2**20:.2f} MiB/rank ({worst / theory['total_bytes']:.3f}x of "
+                         f"{engine.strategy}'s theoretical {theory['total_bytes'] / 2**20:.2f})")
             self.log.info("done: %s | %s", " | ".join(parts), self.outdir)
         return summary

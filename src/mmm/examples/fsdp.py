@@ -81,7 +81,7 @@ def train(args, info, outdir, startup) -> int:
     from mmm.log import get_logger
     from mmm.models.cnn import DigitsCNN, log_softmax_nll
     from mmm.parallel import init_mesh
-    from mmm.parallel.strategy import build_engine, state_shards
+    from mmm.parallel.strategy import build_engine
     from mmm.training import Run, mean_over, torchinfo_summary, train_step
 
     log = get_logger()
@@ -150,8 +150,7 @@ def train(args, info, outdir, startup) -> int:
     extra = {"mesh": mesh.dims.degrees, "strategy": args.strategy, "dtype": args.dtype, "dataset": data.name,
              "model": {"type": "DigitsCNN", "num_params": n_params}, "global_batch": args.batch_size,
              "epochs": epochs.rows, "test_acc": last_epoch["test_acc"], "test_loss": last_epoch["test_loss"]}
-    run.finish(engine, extra, plots=not args.no_plots, unsharded_bytes=n_params * 16,
-               shards=state_shards(mesh, args.strategy), rate_key="samples_per_s")
+    run.finish(engine, extra, mesh=mesh, num_params=n_params, plots=not args.no_plots, rate_key="samples_per_s")
     return 0
 
 

@@ -137,7 +137,7 @@ def train(args, info, outdir, startup) -> int:
     from mmm.log import get_logger
     from mmm.models.llama import Llama
     from mmm.parallel import describe_sharding, init_mesh
-    from mmm.parallel.strategy import build_engine, state_shards
+    from mmm.parallel.strategy import build_engine
     from mmm.parallel.tensor import apply_tp_llama, loss_parallel_context
     from mmm.training import Run, mean_over, train_step
 
@@ -198,8 +198,7 @@ def train(args, info, outdir, startup) -> int:
         "compile": args.compile, "dataset": dataset.name, "model": {**vars(cfg), "num_params": n_params},
         "global_batch": args.batch_size, "tokens_per_step": tokens_per_step,
     }
-    run.finish(engine, extra, plots=not args.no_plots, unsharded_bytes=n_params * 4 * 4,  # fp32 p + g + 2 moments
-               shards=state_shards(mesh, args.strategy))
+    run.finish(engine, extra, mesh=mesh, num_params=n_params, plots=not args.no_plots)
     return 0
 
 

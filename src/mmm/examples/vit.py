@@ -95,7 +95,7 @@ def train(args, info, outdir, startup) -> int:
     from mmm.log import get_logger
     from mmm.models.vit import ViT
     from mmm.parallel import describe_sharding, init_mesh
-    from mmm.parallel.strategy import build_engine, state_shards
+    from mmm.parallel.strategy import build_engine
     from mmm.parallel.tensor import apply_tp_vit
     from mmm.training import Run, mean_over, torchinfo_summary, train_step
 
@@ -149,8 +149,7 @@ def train(args, info, outdir, startup) -> int:
     extra = {"mesh": mesh.dims.degrees, "strategy": args.strategy, "dtype": args.dtype, "ac": args.ac,
              "compile": args.compile, "model": {**vars(cfg), "num_params": n_params},
              "global_batch": args.batch_size}
-    run.finish(engine, extra, plots=not args.no_plots, unsharded_bytes=n_params * 16,
-               shards=state_shards(mesh, args.strategy), rate_key="samples_per_s")
+    run.finish(engine, extra, mesh=mesh, num_params=n_params, plots=not args.no_plots, rate_key="samples_per_s")
     return 0
 
 

@@ -57,12 +57,23 @@ def uses_fsdp(mesh: Mesh, strategy: str) -> bool:
     return strategy in ("fsdp", "hsdp") and mesh.dp_enabled
 
 
-def state_shards(mesh: Mesh, strategy: str) -> int:
-    """Ways each parameter is split across ranks (ZeRO-1/2 keep whole parameters)."""
-    dp = {"fsdp": mesh.dp, "hsdp": mesh.dp_shard}.get(strategy, 1) if uses_fsdp(mesh, strategy) else 1
-    if strategy == "zero3":
-        dp = mesh.dp
-    return dp * mesh.tp
+def theoretical_state_bytes(strategy: str, *, num_params: int, mesh: Mesh) -> dict[str, float]:
+    """Per-rank bytes of parameters, gradients and optimizer state that a strategy should hold,
+    for fp32 training with Adam (the ZeRO paper's accounting; DeepSpeed keeps an fp32 master
+    partition, 4 bytes per parameter, beside the two 4-byte moments):
+
+    ddp 4+4+8; fsdp/hsdp (4+4+8)/shards; zero1 4+4+12/N; zero2 4+(4+12)/N; zero3 (4+4+12)/N,
+    with TP dividing everything by tp.
+    """
+    n = mesh.dp
+    if strategy in ("fsdp", "hsdp"):
+        shards = (mesh.dp if strategy == "fsdp" else mesh.dp_shard) if uses_fsdp(mesh, strategy) else 1
+        p, g, o = 4 / shards, 4 / shards, 8 / shards
+    else:
+        p, g, o = {"ddp": (4, 4, 8), "zero1": (4, 4, 12 / n), "zero2": (4, 4 / n, 12 / n),
+                   "zero3": (4 / n, 4 / n, 12 / n)}[strategy]
+    psi = num_params / mesh.tp
+    return {"param_bytes": p * psi, "grad_bytes": g * psi, "optim_bytes": o * psi, "total_bytes": (p + g + o) * psi}
 
 
 def data_parallel_mesh(mesh: Mesh, strategy: str):
@@ -139,6 +150,8 @@ class DeepSpeedEngine(Engine):
         self.ds, self.strategy = ds_engine, strategy
         self.module = ds_engine  # forward through the engine: ZeRO-3 gathers parameters in its hooks
         self._dtype = next((p.dtype for p in ds_engine.module.parameters()), torch.float32)
+        self._probe_hooks: list = []
+        self._grad_peak = 0
 
     def __call__(self, *args, **kwargs):
         # DeepSpeed bf16 keeps the module in bf16 and does not cast inputs
@@ -147,6 +160,24 @@ class DeepSpeedEngine(Engine):
 
     def backward(self, loss: torch.Tensor) -> None:
         self.ds.backward(loss)
+        for h in self._probe_hooks:
+            h.remove()
+        self._probe_hooks = []
+
+    def arm_memory_probe(self) -> None:
+        """Track the most gradient bytes held during the next backward (``grad_peak_bytes``).
+
+        DeepSpeed reduces gradients when a bucket fills (ZeRO-2/3, 5e8 elements by default) or when
+        backward ends (ZeRO-1), then keeps only this rank's partition: after backward the state is
+        partitioned, while during backward up to every full gradient is held."""
+        params = [p for p in self.ds.module.parameters() if p.requires_grad]
+
+        def on_grad(_):
+            held = sum(q.grad.numel() * q.grad.element_size() for q in params if q.grad is not None)
+            self._grad_peak = max(self._grad_peak, held)
+
+        self._grad_peak = 0
+        self._probe_hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in params]
 
     def step(self) -> None:
         self.ds.step()  # also zeroes gradients
@@ -158,7 +189,10 @@ class DeepSpeedEngine(Engine):
     def state_bytes(self) -> dict[str, int]:
         from mmm.parallel.zero_memory import zero_state_bytes
 
-        return zero_state_bytes(self.ds)
+        held = zero_state_bytes(self.ds)
+        if self._grad_peak:  # the most held during the probed backward (see arm_memory_probe)
+            held["grad_peak_bytes"] = max(self._grad_peak, held["grad_bytes"])
+        return held
 
 
 def build_engine(model: nn.Module, mesh: Mesh, *, strategy: str, make_optimizer: Callable[[Any], torch.optim.Optimizer],
