@@ -100,6 +100,12 @@ def test_loss_falls(tmp_path, dataset):
     assert last < 0.75 * first, (first, last)
 
 
+def test_compiled_blocks_match_single_process(reference, tmp_path):
+    res = run(launch("-n", "2", "python3", *MODULE, *MODEL, "--compile", "--outdir", str(tmp_path)), timeout=300)
+    assert res.returncode == 0, res.output
+    assert max_rel_diff(losses(tmp_path), reference) <= RTOL
+
+
 def test_bf16_runs_and_stays_close_to_fp32(reference, tmp_path):
     res = run(torchrun(4, *MODULE, *MODEL, "--tp", "2", "--dtype", "bf16", "--outdir", str(tmp_path)), timeout=240)
     assert res.returncode == 0, res.output
@@ -109,10 +115,11 @@ def test_bf16_runs_and_stays_close_to_fp32(reference, tmp_path):
 @pytest.mark.parametrize("n, flags, needles", [
     (4, ["--tpsize", "3"], ["tp=3 does not divide world size 4; valid tp for 4 ranks: 1, 2, 4"]),
     (4, ["--n-heads", "6", "--tpsize", "4"], ["--n-heads 6 is not divisible by tp=4"]),
-    (2, ["--batch-size", "3"], ["--batch-size 3 is not divisible by dp=2", "use a multiple of 2"]),
+    (2, ["--batch-size", "3"], ["--batch-size 3 is not divisible by 2 data-parallel ranks", "use a multiple of 2"]),
     (2, ["--dtype", "fp13"], ["argument --dtype: invalid choice: 'fp13'"]),
     (2, ["--max-iters", "0"], ["argument --max-iters/--max_iters: 0 must be >= 1"]),
     (2, ["--strategy", "ddp", "--tp", "2"], ["--strategy ddp does not compose with tp"]),
+    (2, ["--compile", "--tp", "2"], ["--compile with --tp 2 is not supported"]),
 ])
 def test_bad_input_one_line_every_rank(n, flags, needles):
     res = run(launch("--launcher", "local", "-n", str(n), "python3", *MODULE, *flags), timeout=60)

@@ -9,21 +9,29 @@ from mmm.errors import ArgumentParser
 __all__ = ["ArgumentParser", "add_mesh_args", "add_output_args", "add_strategy_args", "nonnegative_int", "positive_int"]
 
 
-def positive_int(text: str) -> int:
+def _integer(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def positive_int(text: str) -> int:
+    value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be >= 1")
     return value
 
 
+def nonnegative_int(text: str) -> int:
+    value = _integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
 def degree(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    value = _integer(text)
     if value < 1 and value != -1:
         raise argparse.ArgumentTypeError(f"{value} is not a degree: use a positive integer, or -1 to infer it")
     return value
@@ -45,16 +53,18 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     return g
 
 
-def add_strategy_args(parser: argparse.ArgumentParser, *, default: str = "fsdp"):
-    """``--strategy`` (ddp, fsdp, hsdp, zero1/2/3), ``--dp-replicate``, ``--offload-optimizer``."""
+def add_strategy_args(parser: argparse.ArgumentParser, *, default: str = "fsdp", dp_replicate: bool = True):
+    """``--strategy`` (ddp, fsdp, hsdp, zero1/2/3), ``--dp-replicate`` (unless the mesh flags have it),
+    ``--offload-optimizer``."""
     from mmm.parallel.strategy import STRATEGIES
 
     g = parser.add_argument_group("data parallelism")
     g.add_argument("--strategy", choices=STRATEGIES, default=default,
                    help="ddp: DDP; fsdp: FSDP2 over all dp ranks; hsdp: FSDP2 replicate x shard (needs "
                         f"--dp-replicate); zero1/zero2/zero3: DeepSpeed ZeRO stages [{default}]")
-    g.add_argument("--dp-replicate", "--dp_replicate", dest="dp_replicate", type=positive_int, default=1,
-                   metavar="N", help="HSDP replicas (with --strategy hsdp) [1]")
+    if dp_replicate:
+        g.add_argument("--dp-replicate", "--dp_replicate", dest="dp_replicate", type=positive_int, default=1,
+                       metavar="N", help="HSDP replicas (with --strategy hsdp) [1]")
     g.add_argument("--offload-optimizer", action="store_true",
                    help="zero1/2/3 only: keep optimizer state on the CPU (DeepSpeed's own AdamW)")
     return g
@@ -70,12 +80,3 @@ def add_output_args(parser: argparse.ArgumentParser, example: str, *, log_every:
     g.add_argument("--no-plots", action="store_true", help="skip text and image plots at the end")
     return g
 
-
-def nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
-    return value

@@ -65,6 +65,15 @@ class Startup:
 
 
 # --------------------------------------------------------------------------- start of a trainer
+def batch_problems(batch_size: int, dp: int) -> list[str]:
+    """The global batch must split evenly over the data-parallel ranks."""
+    if batch_size % dp == 0:
+        return []
+    return [f"--batch-size {batch_size} is not divisible by {dp} data-parallel ranks; use a multiple of {dp} "
+            f"(e.g. {dp * max(1, round(batch_size / dp))})"]
+
+
+
 def start(example: str, parser, argv, check_args) -> tuple[Any, Any, Path, Startup]:
     """Parse flags, set up the distributed job, log the banner, validate, pick the output folder.
 

@@ -49,15 +49,14 @@ def build_parser() -> ArgumentParser:
 def check_args(args, world_size: int) -> None:
     from mmm.parallel import ParallelDims, check_degrees
     from mmm.parallel.strategy import strategy_problems
+    from mmm.training import batch_problems
 
     degrees = {"dp_replicate": args.dp_replicate, "dp_shard": -1}
     _, problems = check_degrees(world_size, **degrees)
     if not problems:
         dims = ParallelDims(world_size=world_size, **degrees)
         problems += strategy_problems(args.strategy, dims, offload_optimizer=args.offload_optimizer)
-        if args.batch_size % dims.dp:
-            problems.append(f"--batch-size {args.batch_size} is not divisible by {dims.dp} data-parallel ranks; "
-                            f"use a multiple of {dims.dp} (e.g. {dims.dp * max(1, round(args.batch_size / dims.dp))})")
+        problems += batch_problems(args.batch_size, dims.dp)
     if not 0.0 <= args.dropout < 1.0:
         problems.append(f"--dropout {args.dropout} must be in [0, 1)")
     if args.lr <= 0:

@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import Sequence
 
-from mmm.cli import ArgumentParser, add_mesh_args, positive_int
+from mmm.cli import ArgumentParser, add_mesh_args, add_output_args, add_strategy_args, positive_int
 from mmm.errors import UsageError
 from mmm.training import torchinfo_summary
 
@@ -24,17 +24,11 @@ EXAMPLE = "fsdp_tp"
 def build_parser() -> ArgumentParser:
     from mmm.data import DATASETS
     from mmm.parallel.activation_checkpoint import AC_MODES
-    from mmm.parallel.strategy import STRATEGIES
 
     p = ArgumentParser(prog=f"python -m mmm.examples.{EXAMPLE}", description=__doc__.split("\n\n")[0],
                        epilog=__doc__.split("\n\n", 2)[2])
     add_mesh_args(p)
-    g = p.add_argument_group("data parallelism")
-    g.add_argument("--strategy", choices=STRATEGIES, default="fsdp",
-                   help="fsdp: FSDP2 over all dp ranks; hsdp: replicate x shard (needs --dp-replicate); "
-                        "ddp: classic DDP; zero1/2/3: DeepSpeed ZeRO (ddp and zero: no tp) [fsdp]")
-    g.add_argument("--offload-optimizer", action="store_true",
-                   help="ZeRO only: keep optimizer state on the CPU (DeepSpeed's own AdamW)")
+    add_strategy_args(p, dp_replicate=False)  # --dp-replicate is a mesh flag here
     g = p.add_argument_group("model (Llama-style)")
     g.add_argument("--dim", type=positive_int, default=256, help="model width [256]")
     g.add_argument("--n-layers", "--n_layers", dest="n_layers", type=positive_int, default=4,
@@ -63,12 +57,7 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--dataset", choices=DATASETS, default="synthetic",
                    help="synthetic (learnable sequences) or pydoc (byte-level English text shipped with "
                         "Python) [synthetic]")
-    g = p.add_argument_group("output")
-    g.add_argument("--outdir", default=None, help="output folder [outputs/fsdp_tp/<UTC timestamp>]")
-    g.add_argument("--log-every", "--log_every", dest="log_every", type=positive_int, default=1,
-                   help="print every N steps [1]")
-    g.add_argument("--warmup", type=int, default=2, help="steps excluded from timing statistics [2]")
-    g.add_argument("--no-plots", action="store_true", help="skip text and image plots at the end")
+    add_output_args(p, EXAMPLE)
     return p
 
 
@@ -76,7 +65,8 @@ def check_args(args, world_size: int) -> None:
     """Every problem with the flags for this world size, at once, as one UsageError."""
     from mmm.data import dataset_problems
     from mmm.parallel import ParallelDims, check_degrees
-    from mmm.parallel.strategy import strategy_problems
+    from mmm.parallel.strategy import compile_problems, strategy_problems
+    from mmm.training import batch_problems
     from mmm.parallel.tensor import tp_problems
 
     degrees = {a: getattr(args, a) for a in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
@@ -89,15 +79,11 @@ def check_args(args, world_size: int) -> None:
         if dims.pp > 1 or dims.cp > 1:
             problems.append(f"this trainer runs dp x tp meshes; got pp={dims.pp}, cp={dims.cp} (use 1)")
         problems += strategy_problems(args.strategy, dims, offload_optimizer=args.offload_optimizer)
+        problems += compile_problems(args.compile, dims)
         problems += tp_problems(tp=dims.tp, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                                 vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
-        if args.batch_size % dims.dp:
-            ok = dims.dp * max(1, round(args.batch_size / dims.dp))
-            problems.append(f"--batch-size {args.batch_size} is not divisible by dp={dims.dp} data-parallel ranks; "
-                            f"use a multiple of {dims.dp} (e.g. {ok})")
+        problems += batch_problems(args.batch_size, dims.dp)
     problems += dataset_problems(args.dataset, vocab_size=args.vocab_size)
-    if args.warmup < 0:
-        problems.append(f"--warmup {args.warmup} must be >= 0")
     if problems:
         raise UsageError("; ".join(problems))
 

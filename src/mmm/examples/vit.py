@@ -62,7 +62,8 @@ def model_config(args):
 
 def check_args(args, world_size: int) -> None:
     from mmm.parallel import ParallelDims, check_degrees
-    from mmm.parallel.strategy import strategy_problems
+    from mmm.parallel.strategy import compile_problems, strategy_problems
+    from mmm.training import batch_problems
     from mmm.parallel.tensor import vit_tp_problems
 
     degrees = {"dp_replicate": args.dp_replicate, "dp_shard": -1, "tp": args.tp}
@@ -72,10 +73,9 @@ def check_args(args, world_size: int) -> None:
     if mesh_ok:
         dims = ParallelDims(world_size=world_size, **degrees)
         problems += strategy_problems(args.strategy, dims, offload_optimizer=args.offload_optimizer)
+        problems += compile_problems(args.compile, dims)
         problems += vit_tp_problems(tp=dims.tp, num_heads=args.num_heads)
-        if args.batch_size % dims.dp:
-            problems.append(f"--batch-size {args.batch_size} is not divisible by {dims.dp} data-parallel ranks; "
-                            f"use a multiple of {dims.dp} (e.g. {dims.dp * max(1, round(args.batch_size / dims.dp))})")
+        problems += batch_problems(args.batch_size, dims.dp)
     if problems:
         raise UsageError("; ".join(problems))
 

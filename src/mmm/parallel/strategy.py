@@ -52,6 +52,16 @@ def strategy_problems(strategy: str, dims: ParallelDims, *, offload_optimizer: b
     return out
 
 
+def compile_problems(compile: bool, dims: ParallelDims) -> list[str]:
+    if compile and dims.tp > 1:
+        import torch
+
+        return [f"--compile with --tp {dims.tp} is not supported with torch {torch.__version__}: the compiled "
+                "blocks' DTensor backward fails (AttributeError in DTensor redistribute); drop --compile, or "
+                "compile with tp=1 (FSDP/DDP/ZeRO)"]
+    return []
+
+
 def uses_fsdp(mesh: Mesh, strategy: str) -> bool:
     """FSDP2 wraps the model (and so handles mixed precision) only with fsdp/hsdp and dp > 1."""
     return strategy in ("fsdp", "hsdp") and mesh.dp_enabled
