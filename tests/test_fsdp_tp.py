@@ -40,6 +40,7 @@ MATRIX = [
     ("fsdp-dp4-tp2", 8, ["--tp", "2"], "launch"),
     ("fsdp-dp2-tp4", 8, ["--tp", "4"], "torchrun"),
     ("fsdp-dp2-tp2-ac-selective", 4, ["--tp", "2", "--ac", "selective"], "torchrun"),
+    ("fsdp-dp4-no-reshard", 4, ["--reshard-after-forward", "false"], "launch"),
     ("hsdp-2x2-tp2-ac-full", 8, ["--strategy", "hsdp", "--dp-replicate", "2", "--tp", "2", "--ac", "full"], "launch"),
 ]
 

@@ -28,7 +28,10 @@ def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog=f"python -m mmm.examples.{EXAMPLE}", description=__doc__.split("\n\n")[0],
                        epilog=__doc__.split("\n\n", 2)[2])
     add_mesh_args(p)
-    add_strategy_args(p, dp_replicate=False)  # --dp-replicate is a mesh flag here
+    g = add_strategy_args(p, dp_replicate=False)  # --dp-replicate is a mesh flag here
+    g.add_argument("--reshard-after-forward", choices=["auto", "true", "false"], default="auto",
+                   help="FSDP: free gathered parameters after forward (true: less memory, one more all-gather "
+                        "in backward); auto: every block but the root [auto]")
     g = p.add_argument_group("model (Llama-style)")
     g.add_argument("--dim", type=positive_int, default=256, help="model width [256]")
     g.add_argument("--n-layers", "--n_layers", dest="n_layers", type=positive_int, default=4,
@@ -147,7 +150,8 @@ def train(args, info, outdir, startup) -> int:
         tp_plan=apply_tp_llama, ac=args.ac, compile=args.compile, global_batch=args.batch_size,
         make_optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay),
         optimizer_args={"lr": args.lr, "weight_decay": args.weight_decay},
-        offload_optimizer=args.offload_optimizer)
+        offload_optimizer=args.offload_optimizer,
+        reshard_after_forward={"auto": None, "true": True, "false": False}[args.reshard_after_forward])
     if info.is_main:
         log.info("model after parallelisation (%s, %s):\n%s\n%s", args.strategy, mesh.dims, engine.module,
                  describe_sharding(engine.module))
@@ -181,7 +185,7 @@ def train(args, info, outdir, startup) -> int:
 
     extra = {
         "mesh": mesh.dims.degrees, "strategy": args.strategy, "dtype": args.dtype, "ac": args.ac,
-        "compile": args.compile, "dataset": dataset.name, "model": {**vars(cfg), "num_params": n_params},
+        "compile": args.compile, "reshard_after_forward": args.reshard_after_forward, "dataset": dataset.name, "model": {**vars(cfg), "num_params": n_params},
         "global_batch": args.batch_size, "tokens_per_step": tokens_per_step,
     }
     run.finish(engine, extra, mesh=mesh, num_params=n_params, plots=not args.no_plots)

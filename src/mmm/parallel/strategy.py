@@ -209,12 +209,14 @@ def build_engine(model: nn.Module, mesh: Mesh, *, strategy: str, make_optimizer:
                  device: torch.device, dtype: str = "fp32", blocks_attr: str | None = None,
                  tp_plan: Callable[[nn.Module, Any], nn.Module] | None = None, ac: str = "none",
                  compile: bool = False, global_batch: int | None = None, offload_optimizer: bool = False,
-                 optimizer_args: dict[str, Any] | None = None) -> Engine:
+                 optimizer_args: dict[str, Any] | None = None, reshard_after_forward: bool | None = None) -> Engine:
     """Apply parallelism in torchtitan's order (TP -> activation checkpointing -> compile -> data
     parallel) and pair the model with its optimizer.
 
     ``blocks_attr`` names the ``ModuleDict``/``ModuleList`` of repeated blocks (FSDP units,
     checkpoint and compile units); ``tp_plan(model, tp_mesh)`` shards it over ``mesh["tp"]``.
+    ``reshard_after_forward`` (FSDP): None frees block parameters after forward and keeps the
+    root's; True/False applies to every unit.
     """
     if tp_plan is not None and mesh.tp_enabled:
         tp_plan(model, mesh["tp"])
@@ -235,7 +237,7 @@ def build_engine(model: nn.Module, mesh: Mesh, *, strategy: str, make_optimizer:
     autocast_dtype = None
     if uses_fsdp(mesh, strategy):
         units = list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks or [])
-        apply_fsdp(model, dp_mesh, blocks=units, param_dtype=DTYPES[dtype])
+        apply_fsdp(model, dp_mesh, blocks=units, param_dtype=DTYPES[dtype], reshard_after_forward=reshard_after_forward)
     else:
         if strategy == "ddp" and dp_mesh is not None:
             model = apply_ddp(model, dp_mesh, device=device)
