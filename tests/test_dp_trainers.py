@@ -43,10 +43,10 @@ def vit_reference(tmp_path_factory):
     return _single(tmp_path_factory, VIT, "vit1")
 
 
-def _parallel(n, args, tmp_path, runner):
+def _parallel(n, args, tmp_path, runner, timeout=300):
     cmd = torchrun(n, *args, "--outdir", str(tmp_path)) if runner == "torchrun" else \
         launch("-n", str(n), "python3", *args, "--outdir", str(tmp_path))
-    res = run(cmd, timeout=300)
+    res = run(cmd, timeout=timeout)
     assert res.returncode == 0, res.output
     return res
 
@@ -174,3 +174,15 @@ def test_zero_without_deepspeed_says_how_to_install(tmp_path):
     res = run(launch("--launcher", "local", "-n", "2", "python3", *VIT, "--strategy", "zero1"),
               env=clean_env(PYTHONPATH=str(tmp_path)), timeout=90)
     assert_clean_user_error(res, "need DeepSpeed, which is not installed: pip install 'mmm[deepspeed]'")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_zero2_optimizer_offload_runs_and_matches(tmp_path):
+    """--offload-optimizer uses DeepSpeed's own CPU AdamW (JIT-compiled once per machine, cached under
+    ~/.cache/torch_extensions), so it matches torch's AdamW closely, not bit for bit."""
+    base = [*VIT, "--strategy", "zero2"]
+    _parallel(2, base, tmp_path / "plain", "launch")
+    _parallel(2, [*base, "--offload-optimizer"], tmp_path / "offload", "launch", timeout=1200)
+    assert max_rel_diff(jsonl(tmp_path / "offload" / "history.jsonl"), jsonl(tmp_path / "plain" / "history.jsonl")) \
+        <= 1e-4
