@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 DEFAULT_TIMEOUT_S = 600.0
+USAGE_ERROR_GRACE_S = 3.0  # other ranks wait this long before exiting so rank 0 can print a shared error
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "xpu", "mps")
 _BACKEND_FOR = {"cuda": "nccl", "cpu": "gloo", "mps": "gloo"}
 
@@ -542,6 +543,10 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
         rank = _rank_for_messages()
         if rank == 0 or not e.same_on_all_ranks:
             print_error(str(e), prog=prog, rank=rank if not e.same_on_all_ranks and rank else None)
+        elif rank is not None:
+            # rank 0 reports it; give it time to, since mpiexec/srun kill the job at the first exit
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            time.sleep(USAGE_ERROR_GRACE_S)
     except Terminated as e:
         code = int(e.code)
         print_error("terminated by SIGTERM; shutting down", prog=prog, rank=_rank_for_messages())

@@ -365,7 +365,7 @@ def _free_port() -> int:
 
 
 # --------------------------------------------------------------------------- run
-def spawn_local(cmd: Sequence[str], nproc: int, env: Mapping[str, str], *, settle_s: float = 3.0,
+def spawn_local(cmd: Sequence[str], nproc: int, env: Mapping[str, str], *, settle_s: float = 5.0,
                 grace_s: float = 10.0) -> int:
     """Run ``nproc`` copies of ``cmd`` with torchrun-style variables; stop all when one fails.
 
