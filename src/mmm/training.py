@@ -180,6 +180,8 @@ def format_step(values: dict[str, float]) -> str:
     """``iter=3 loss=4.1234 dt=0.123 ...``: the one-line-per-step format of every trainer."""
     parts = []
     for k, v in values.items():
+        if v is None:
+            continue
         if isinstance(v, int) or k in {"iter", "epoch"}:
             parts.append(f"{k}={int(v)}")
         elif k in {"tps", "tokens_per_s", "samples_per_s"}:

@@ -24,6 +24,7 @@ EXAMPLE = "fsdp_tp"
 def build_parser() -> ArgumentParser:
     from mmm.data import DATASETS
     from mmm.parallel.activation_checkpoint import AC_MODES
+    from mmm.parallel.pipeline import SCHEDULES
 
     p = ArgumentParser(prog=f"python -m mmm.examples.{EXAMPLE}", description=__doc__.split("\n\n")[0],
                        epilog=__doc__.split("\n\n", 2)[2])
@@ -32,6 +33,15 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--reshard-after-forward", choices=["auto", "true", "false"], default="auto",
                    help="FSDP: free gathered parameters after forward (true: less memory, one more all-gather "
                         "in backward); auto: every block but the root [auto]")
+    g = p.add_argument_group("pipeline parallel (with --pp > 1)")
+    g.add_argument("--pp-schedule", "--pp_schedule", dest="pp_schedule", choices=list(SCHEDULES), default="1f1b",
+                   help="pipelining schedule; interleaved ones need --stages-per-rank >= 2 [1f1b]")
+    g.add_argument("--microbatches", type=positive_int, default=None,
+                   help="microbatches per step, dividing the per-dp-rank batch [pp]")
+    g.add_argument("--stages-per-rank", "--stages_per_rank", dest="stages_per_rank", type=positive_int, default=1,
+                   help="pipeline stages each rank holds (looped placement) [1]")
+    g.add_argument("--split-points", "--split_points", dest="split_points", type=_int_list, default=None,
+                   metavar="I,J,...", help="first block of each stage after the first [even split]")
     g = p.add_argument_group("model (Llama-style)")
     g.add_argument("--dim", type=positive_int, default=256, help="model width [256]")
     g.add_argument("--n-layers", "--n_layers", dest="n_layers", type=positive_int, default=4,
@@ -64,10 +74,20 @@ def build_parser() -> ArgumentParser:
     return p
 
 
+def _int_list(text: str) -> list[int]:
+    import argparse
+
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
 def check_args(args, world_size: int) -> None:
     """Every problem with the flags for this world size, at once, as one UsageError."""
     from mmm.data import dataset_problems
     from mmm.parallel import ParallelDims, check_degrees
+    from mmm.parallel.pipeline import pipeline_problems
     from mmm.parallel.strategy import compile_problems, strategy_problems
     from mmm.training import batch_problems
     from mmm.parallel.tensor import tp_problems
@@ -79,8 +99,13 @@ def check_args(args, world_size: int) -> None:
     problems += cfg.problems()
     if mesh_ok:
         dims = ParallelDims(world_size=world_size, **degrees)
-        if dims.pp > 1 or dims.cp > 1:
-            problems.append(f"this trainer runs dp x tp meshes; got pp={dims.pp}, cp={dims.cp} (use 1)")
+        if dims.cp > 1:
+            problems.append(f"context parallel is not in this trainer yet; got cp={dims.cp} (use 1)")
+        if args.batch_size % dims.dp == 0:
+            problems += pipeline_problems(pp=dims.pp, n_layers=cfg.n_layers, schedule=args.pp_schedule,
+                                          stages_per_rank=args.stages_per_rank,
+                                          microbatches=args.microbatches or dims.pp,
+                                          local_batch=args.batch_size // dims.dp, split_points=args.split_points)
         problems += strategy_problems(args.strategy, dims, offload_optimizer=args.offload_optimizer)
         problems += compile_problems(args.compile, dims)
         problems += tp_problems(tp=dims.tp, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
@@ -145,6 +170,8 @@ def train(args, info, outdir, startup) -> int:
         log.info("%s", torchinfo_summary(model))
     model.to(device)
     startup.mark("model")
+    if mesh.pp_enabled:
+        return train_pipeline(args, info, outdir, startup, mesh, model, cfg, dataset, n_params)
     engine = build_engine(
         model, mesh, strategy=args.strategy, device=device, dtype=args.dtype, blocks_attr="layers",
         tp_plan=apply_tp_llama, ac=args.ac, compile=args.compile, global_batch=args.batch_size,
@@ -186,6 +213,105 @@ def train(args, info, outdir, startup) -> int:
     extra = {
         "mesh": mesh.dims.degrees, "strategy": args.strategy, "dtype": args.dtype, "ac": args.ac,
         "compile": args.compile, "reshard_after_forward": args.reshard_after_forward, "dataset": dataset.name, "model": {**vars(cfg), "num_params": n_params},
+        "global_batch": args.batch_size, "tokens_per_step": tokens_per_step,
+    }
+    run.finish(engine, extra, mesh=mesh, num_params=n_params, plots=not args.no_plots)
+    return 0
+
+
+def train_pipeline(args, info, outdir, startup, mesh, model, cfg, dataset, n_params) -> int:
+    """The pp > 1 path: stages of whole blocks (TP and FSDP applied inside each), a pipelining schedule."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.pipelining import PipelineStage
+
+    from mmm.data import local_batches
+    from mmm.log import get_logger
+    from mmm.parallel import describe_sharding
+    from mmm.parallel.activation_checkpoint import wrap_block
+    from mmm.parallel.fsdp import DTYPES, apply_fsdp
+    from mmm.parallel.pipeline import build_schedule, split_model, stage_ids, stage_layer_ranges
+    from mmm.parallel.strategy import TorchEngine, data_parallel_mesh, uses_fsdp
+    from mmm.parallel.tensor import apply_tp_llama, loss_parallel_context
+    from mmm.training import Run
+
+    log = get_logger()
+    device, pp = info.device, mesh.pp
+    num_stages = pp * args.stages_per_rank
+    ranges = stage_layer_ranges(cfg.n_layers, num_stages, args.split_points)
+    mine = stage_ids(mesh.coord("pp"), pp, args.stages_per_rank)
+    dp_mesh = data_parallel_mesh(mesh, args.strategy)
+    parts, stages = [], []
+    for sid in mine:
+        part = split_model(model, ranges[sid], first=sid == 0, last=sid == num_stages - 1)
+        if mesh.tp_enabled:
+            apply_tp_llama(part, mesh["tp"])
+        for key, block in list(part.layers.items()):
+            part.layers[key] = wrap_block(block, args.ac)
+        if uses_fsdp(mesh, args.strategy):
+            apply_fsdp(part, dp_mesh, blocks=list(part.layers.values()), param_dtype=DTYPES[args.dtype],
+                       reshard_after_forward={"auto": None, "true": True, "false": False}[args.reshard_after_forward])
+        parts.append(part)
+        stages.append(PipelineStage(part, sid, num_stages, device, group=mesh.group("pp")))
+    del model
+    holder = torch.nn.ModuleList(parts)  # one module over this rank's stages, for the optimizer and reports
+    optimizer = torch.optim.AdamW(holder.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    engine = TorchEngine(holder, optimizer, strategy=args.strategy)
+    microbatches = args.microbatches or pp
+
+    def loss_fn(logits, labels):
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+    schedule = build_schedule(stages, schedule=args.pp_schedule, microbatches=microbatches, loss_fn=loss_fn)
+    if info.is_main:
+        log.info("pipeline: %d stages (%s), schedule %s, %d microbatches; this rank holds stages %s, blocks %s",
+                 num_stages, ", ".join(f"{a}-{b - 1}" for a, b in ranges), args.pp_schedule, microbatches, mine,
+                 [ranges[i] for i in mine])
+        log.info("model after parallelisation (%s, %s), this rank's stages:\n%s", args.strategy, mesh.dims,
+                 describe_sharding(holder))
+    startup.mark("parallelize")
+
+    first, last = 0 in mine, num_stages - 1 in mine
+    dp_group, pp_group = mesh.group("dp"), mesh.group("pp")
+    batches = local_batches(dataset, seed=args.seed, global_batch=args.batch_size, dp_rank=mesh.coord("dp"),
+                            dp_size=mesh.dp, device=device)
+    tokens_per_step = args.batch_size * cfg.seq_len
+    run = Run(EXAMPLE, info=info, outdir=outdir, startup=startup, warmup=args.warmup, log_every=args.log_every)
+    if info.is_main:
+        log.info("training %d steps: global batch %d x %d tokens (%d per dp rank, %d microbatches), dataset=%s, "
+                 "out=%s", args.max_iters, args.batch_size, cfg.seq_len, args.batch_size // mesh.dp, microbatches,
+                 dataset.name, outdir)
+    holder.train()
+    for step in range(1, args.max_iters + 1):
+        t0 = time.perf_counter()
+        inputs, labels = next(batches)
+        losses: list = []
+        with loss_parallel_context(mesh.tp_enabled):
+            schedule.step(*((inputs,) if first else ()), target=labels if last else None,
+                          losses=losses if last else None)
+        if step == args.max_iters:
+            run.capture_memory(engine)
+        engine.step()
+        # the last stage knows the loss: mean over microbatches, shared along pp, averaged over dp
+        local = torch.stack([(x.full_tensor() if hasattr(x, "full_tensor") else x).detach().float()
+                             for x in losses]).mean() if last else torch.zeros((), device=device)
+        total = local.reshape(1).clone()
+        dist.all_reduce(total, group=pp_group)
+        if dp_group is not None:
+            dist.all_reduce(total, group=dp_group)
+            total /= dist.get_world_size(dp_group)
+        loss_value = total.item()
+        dt = time.perf_counter() - t0
+        if not math.isfinite(loss_value):
+            raise RuntimeError(f"loss is {loss_value} at iter {step}; lower --lr or use --dtype fp32")
+        run.record(step, force_log=step == args.max_iters, loss=loss_value, dt=dt, dtf=None, dtb=None,
+                   tps=tokens_per_step / dt)
+    extra = {
+        "mesh": mesh.dims.degrees, "strategy": args.strategy, "dtype": args.dtype, "ac": args.ac,
+        "pipeline": {"schedule": args.pp_schedule, "microbatches": microbatches, "stages": num_stages,
+                     "stages_per_rank": args.stages_per_rank, "layer_ranges": ranges},
+        "dataset": dataset.name, "model": {**vars(cfg), "num_params": n_params},
         "global_batch": args.batch_size, "tokens_per_step": tokens_per_step,
     }
     run.finish(engine, extra, mesh=mesh, num_params=n_params, plots=not args.no_plots)

@@ -73,7 +73,8 @@ def theoretical_state_bytes(strategy: str, *, num_params: int, mesh: Mesh) -> di
     partition, 4 bytes per parameter, beside the two 4-byte moments):
 
     ddp 4+4+8; fsdp/hsdp (4+4+8)/shards; zero1 4+4+12/N; zero2 4+(4+12)/N; zero3 (4+4+12)/N,
-    with TP dividing everything by tp.
+    with TP dividing everything by tp, and PP by pp (stages of equal block counts; the embedding
+    and output sit on the end stages, so the figure is approximate under PP).
     """
     n = mesh.dp
     if strategy in ("fsdp", "hsdp"):
@@ -82,7 +83,7 @@ def theoretical_state_bytes(strategy: str, *, num_params: int, mesh: Mesh) -> di
     else:
         p, g, o = {"ddp": (4, 4, 8), "zero1": (4, 4, 12 / n), "zero2": (4, 4 / n, 12 / n),
                    "zero3": (4 / n, 4 / n, 12 / n)}[strategy]
-    psi = num_params / mesh.tp
+    psi = num_params / (mesh.tp * mesh.pp)  # pipeline stages split the blocks (about evenly)
     return {"param_bytes": p * psi, "grad_bytes": g * psi, "optim_bytes": o * psi, "total_bytes": (p + g + o) * psi}
 
 

@@ -42,12 +42,16 @@ def apply_tp_llama(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
 
-    parallelize_module(model, tp_mesh, {
+    top_plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                   use_local_output=not loss_parallel),
-    })
+    }
+    # a pipeline stage holds only some of these (mmm.parallel.pipeline.split_model sets the others to None)
+    top_plan = {name: style for name, style in top_plan.items() if getattr(model, name, None) is not None}
+    if top_plan:
+        parallelize_module(model, tp_mesh, top_plan)
     block_plan = {
         "attention_norm": SequenceParallel(),
         "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),

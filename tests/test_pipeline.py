@@ -1,0 +1,100 @@
+"""Pipeline parallel in fsdp_tp: stage splitting, schedules, and losses equal to one process (real ranks)."""
+
+import json
+import sys
+
+import pytest
+from conftest import assert_clean_user_error, launch, run, torchrun
+
+from mmm.models.llama import Llama, LlamaConfig
+from mmm.parallel.pipeline import pipeline_problems, split_model, stage_ids, stage_layer_ranges
+
+MODULE = ["-m", "mmm.examples.fsdp_tp"]
+MODEL = ["--dim", "64", "--n-layers", "8", "--n-heads", "8", "--n-kv-heads", "4", "--seq-len", "32",
+         "--batch-size", "8", "--max-iters", "5", "--lr", "3e-3", "--seed", "5", "--no-plots"]
+RTOL = 1e-5
+
+
+def test_stage_ranges_and_placement():
+    assert stage_layer_ranges(8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert stage_layer_ranges(8, 3, [2, 5]) == [(0, 2), (2, 5), (5, 8)]
+    assert stage_ids(1, 2, 2) == [1, 3]  # looped: rank 1 of pp=2 holds stages 1 and 3
+
+
+def test_split_model_keeps_names_and_only_its_blocks():
+    model = Llama(LlamaConfig(dim=32, n_layers=4, n_heads=4, vocab_size=64, seq_len=8))
+    mid = split_model(model, (1, 3), first=False, last=False)
+    assert list(mid.layers.keys()) == ["1", "2"]
+    assert mid.tok_embeddings is None and mid.output is None
+    names = {n for n, _ in mid.named_parameters()}
+    assert "layers.1.attention.wq.weight" in names and all(n.startswith("layers.") for n in names)
+    first = split_model(model, (0, 1), first=True, last=False)
+    assert first.tok_embeddings is not None and list(first.layers.keys()) == ["0"]
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(n_layers=6, schedule="gpipe", stages_per_rank=1, microbatches=2, local_batch=4, pp=4),
+     "--n-layers 6 does not split evenly into 4 stages"),
+    (dict(n_layers=8, schedule="gpipe", stages_per_rank=1, microbatches=3, local_batch=4, pp=2),
+     "--microbatches 3 does not divide the per-dp-rank batch 4"),
+    (dict(n_layers=8, schedule="interleaved-1f1b", stages_per_rank=1, microbatches=2, local_batch=4, pp=2),
+     "--pp-schedule interleaved-1f1b interleaves several stages per rank"),
+    (dict(n_layers=8, schedule="zigzag", stages_per_rank=1, microbatches=2, local_batch=4, pp=2),
+     "unknown --pp-schedule 'zigzag'"),
+])
+def test_pipeline_problems_name_values(kwargs, needle):
+    problems = pipeline_problems(**kwargs)
+    assert any(needle in p for p in problems), problems
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single")
+    res = run([sys.executable, *MODULE, *MODEL, "--outdir", str(out)], timeout=180)
+    assert res.returncode == 0, res.output
+    return [json.loads(line)["loss"] for line in (out / "history.jsonl").read_text().splitlines()]
+
+
+CASES = [
+    ("pp2-gpipe", 2, ["--pp", "2", "--pp-schedule", "gpipe", "--microbatches", "4"], "torchrun"),
+    ("pp2-1f1b", 2, ["--pp", "2", "--pp-schedule", "1f1b", "--microbatches", "4"], "launch"),
+    ("pp2-interleaved", 2, ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--stages-per-rank", "2",
+                            "--microbatches", "4"], "torchrun"),
+    ("pp4-gpipe", 4, ["--pp", "4", "--pp-schedule", "gpipe", "--microbatches", "4"], "launch"),
+    ("pp4-1f1b", 4, ["--pp", "4", "--pp-schedule", "1f1b", "--microbatches", "8"], "torchrun"),
+    ("pp4-interleaved", 4, ["--pp", "4", "--pp-schedule", "interleaved-1f1b", "--stages-per-rank", "2",
+                            "--microbatches", "4"], "launch"),
+    ("pp2-dp2-tp2", 8, ["--pp", "2", "--tp", "2", "--microbatches", "2"], "launch"),
+    ("pp2-split-at-3", 2, ["--pp", "2", "--pp-schedule", "gpipe", "--split-points", "3", "--microbatches", "2"],
+     "torchrun"),
+]
+
+
+@pytest.mark.parametrize("name, n, flags, runner", CASES, ids=[c[0] for c in CASES])
+def test_pipeline_losses_match_single_process(reference, tmp_path, name, n, flags, runner):
+    args = [*MODULE, *MODEL, *flags, "--outdir", str(tmp_path)]
+    cmd = torchrun(n, *args) if runner == "torchrun" else launch("-n", str(n), "python3", *args)
+    res = run(cmd, timeout=300)
+    assert res.returncode == 0, res.output
+    got = [json.loads(line)["loss"] for line in (tmp_path / "history.jsonl").read_text().splitlines()]
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, reference)) <= RTOL, (got, reference)
+    assert len(got) == len(reference)
+
+
+@pytest.mark.parametrize("n, flags, needle", [
+    (2, ["--pp", "2", "--n-layers", "3"], "--n-layers 3 does not split evenly into 2 stages"),
+    (2, ["--pp", "2", "--batch-size", "6", "--microbatches", "4"], "--microbatches 4 does not divide"),
+    (2, ["--pp", "2", "--pp-schedule", "zigzag"], "argument --pp-schedule/--pp_schedule: invalid choice: 'zigzag'"),
+])
+def test_pipeline_bad_input(n, flags, needle):
+    res = run(launch("--launcher", "local", "-n", str(n), "python3", *MODULE, *flags), timeout=90)
+    assert_clean_user_error(res, needle)
+
+
+def test_own_model_example_script():
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "examples" / "pipeline_own_model.py"
+    res = run(launch("-n", "2", "python3", str(script)), timeout=120)
+    assert res.returncode == 0, res.output
+    assert "pipeline losses match one process over 5 steps" in res.stdout
