@@ -87,6 +87,7 @@ def check_args(args, world_size: int) -> None:
     """Every problem with the flags for this world size, at once, as one UsageError."""
     from mmm.data import dataset_problems
     from mmm.parallel import ParallelDims, check_degrees
+    from mmm.parallel.context import cp_problems
     from mmm.parallel.pipeline import pipeline_problems
     from mmm.parallel.strategy import compile_problems, strategy_problems
     from mmm.training import batch_problems
@@ -99,8 +100,10 @@ def check_args(args, world_size: int) -> None:
     problems += cfg.problems()
     if mesh_ok:
         dims = ParallelDims(world_size=world_size, **degrees)
-        if dims.cp > 1:
-            problems.append(f"context parallel is not in this trainer yet; got cp={dims.cp} (use 1)")
+        if dims.cp > 1 and dims.pp > 1:
+            problems.append(f"pipeline with context parallel (pp={dims.pp}, cp={dims.cp}) is not supported yet; "
+                            "use one of them")
+        problems += cp_problems(cp=dims.cp, seq_len=cfg.seq_len, tp=dims.tp)
         if args.batch_size % dims.dp == 0:
             problems += pipeline_problems(pp=dims.pp, n_layers=cfg.n_layers, schedule=args.pp_schedule,
                                           stages_per_rank=args.stages_per_rank,
@@ -151,6 +154,7 @@ def train(args, info, outdir, startup) -> int:
     from mmm.log import get_logger
     from mmm.models.llama import Llama
     from mmm.parallel import describe_sharding, init_mesh
+    from mmm.parallel.context import apply_cp_llama, shard_sequence
     from mmm.parallel.strategy import build_engine
     from mmm.parallel.tensor import apply_tp_llama, loss_parallel_context
     from mmm.training import Run, mean_over, train_step
@@ -172,6 +176,8 @@ def train(args, info, outdir, startup) -> int:
     startup.mark("model")
     if mesh.pp_enabled:
         return train_pipeline(args, info, outdir, startup, mesh, model, cfg, dataset, n_params)
+    if mesh.cp_enabled:
+        apply_cp_llama(model, mesh["cp"], seq_len=cfg.seq_len)
     engine = build_engine(
         model, mesh, strategy=args.strategy, device=device, dtype=args.dtype, blocks_attr="layers",
         tp_plan=apply_tp_llama, ac=args.ac, compile=args.compile, global_batch=args.batch_size,
@@ -184,12 +190,16 @@ def train(args, info, outdir, startup) -> int:
                  describe_sharding(engine.module))
     startup.mark("parallelize")
 
-    dp_group = mesh.group("dp")
+    loss_group = mesh.group("dp_cp")  # every rank of a TP group already holds the same loss
+    cp_rank = mesh.coord("cp")
     batches = local_batches(dataset, seed=args.seed, global_batch=args.batch_size, dp_rank=mesh.coord("dp"),
                             dp_size=mesh.dp, device=device)
     tokens_per_step = args.batch_size * cfg.seq_len
     run = Run(EXAMPLE, info=info, outdir=outdir, startup=startup, warmup=args.warmup, log_every=args.log_every)
     if info.is_main:
+        if mesh.cp_enabled:
+            log.info("context parallel: ring attention over %d ranks, %d tokens each (chunks r and 2cp-1-r of %d)",
+                     mesh.cp, cfg.seq_len // mesh.cp, 2 * mesh.cp)
         log.info("training %d steps: global batch %d x %d tokens (%d per dp rank), dataset=%s, dtype=%s, out=%s",
                  args.max_iters, args.batch_size, cfg.seq_len, args.batch_size // mesh.dp, dataset.name,
                  args.dtype, outdir)
@@ -201,11 +211,13 @@ def train(args, info, outdir, startup) -> int:
     for step in range(1, args.max_iters + 1):
         t0 = time.perf_counter()
         inputs, labels = next(batches)
+        if mesh.cp_enabled:
+            inputs, labels = shard_sequence(inputs, cp_rank, mesh.cp), shard_sequence(labels, cp_rank, mesh.cp)
         last = step == args.max_iters
         loss, times = train_step(engine, inputs, labels, loss_fn, device=device, t_start=t0,
                                  context=loss_parallel_context(mesh.tp_enabled),
                                  after_backward=(lambda: run.capture_memory(engine)) if last else None)
-        loss_value = mean_over(loss, dp_group)
+        loss_value = mean_over(loss, loss_group)
         if not math.isfinite(loss_value):
             raise RuntimeError(f"loss is {loss_value} at iter {step}; lower --lr or use --dtype fp32")
         run.record(step, force_log=last, loss=loss_value, **times, tps=tokens_per_step / times["dt"])

@@ -29,6 +29,8 @@ def strategy_problems(strategy: str, dims: ParallelDims, *, offload_optimizer: b
     if strategy not in STRATEGIES:
         return [f"unknown --strategy {strategy!r}; choose one of: {', '.join(STRATEGIES)}"]
     out = []
+    if strategy == "hsdp" and dims.cp > 1:
+        out.append(f"--strategy hsdp with cp={dims.cp} is not supported yet; use --strategy fsdp with --cp")
     if strategy == "hsdp" and not (dims.dp_replicate > 1 and dims.dp_shard > 1):
         out.append(f"--strategy hsdp needs dp_replicate > 1 and dp_shard > 1 (got dp_replicate={dims.dp_replicate}, "
                    f"dp_shard={dims.dp_shard}); set --dp-replicate, or use --strategy fsdp")
@@ -63,8 +65,9 @@ def compile_problems(compile: bool, dims: ParallelDims) -> list[str]:
 
 
 def uses_fsdp(mesh: Mesh, strategy: str) -> bool:
-    """FSDP2 wraps the model (and so handles mixed precision) only with fsdp/hsdp and dp > 1."""
-    return strategy in ("fsdp", "hsdp") and mesh.dp_enabled
+    """FSDP2 wraps the model (and so handles mixed precision) with fsdp/hsdp when dp or cp > 1
+    (CP ranks hold the same parameters and average gradients like data-parallel ones)."""
+    return strategy in ("fsdp", "hsdp") and (mesh.dp_enabled or mesh.cp_enabled)
 
 
 def theoretical_state_bytes(strategy: str, *, num_params: int, mesh: Mesh) -> dict[str, float]:
@@ -78,7 +81,7 @@ def theoretical_state_bytes(strategy: str, *, num_params: int, mesh: Mesh) -> di
     """
     n = mesh.dp
     if strategy in ("fsdp", "hsdp"):
-        shards = (mesh.dp if strategy == "fsdp" else mesh.dp_shard) if uses_fsdp(mesh, strategy) else 1
+        shards = (mesh.dp * mesh.cp if strategy == "fsdp" else mesh.dp_shard) if uses_fsdp(mesh, strategy) else 1
         p, g, o = 4 / shards, 4 / shards, 8 / shards
     else:
         p, g, o = {"ddp": (4, 4, 8), "zero1": (4, 4, 12 / n), "zero2": (4, 4 / n, 12 / n),
@@ -88,10 +91,11 @@ def theoretical_state_bytes(strategy: str, *, num_params: int, mesh: Mesh) -> di
 
 
 def data_parallel_mesh(mesh: Mesh, strategy: str):
-    """The mesh FSDP shards over: 1-D ``dp`` for fsdp/ddp, 2-D (dp_replicate, dp_shard) for hsdp."""
+    """The mesh FSDP shards over: 1-D ``dp`` (``dp_cp`` with context parallel) for fsdp/ddp, 2-D
+    (dp_replicate, dp_shard) for hsdp."""
     if strategy == "hsdp":
         return mesh.root["dp_replicate", "dp_shard"]
-    return mesh.get("dp")
+    return mesh.get("dp_cp") if mesh.cp_enabled else mesh.get("dp")
 
 
 class Engine:

@@ -1,0 +1,75 @@
+"""Context parallel (ring attention) in fsdp_tp and for users' own attention: exact vs one process."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_clean_user_error, launch, mpiexec, run, torchrun
+
+from mmm.parallel.context import cp_problems, local_positions, shard_sequence
+
+MODULE = ["-m", "mmm.examples.fsdp_tp"]
+MODEL = ["--dim", "64", "--n-layers", "2", "--n-heads", "8", "--n-kv-heads", "4", "--seq-len", "32",
+         "--batch-size", "8", "--max-iters", "6", "--lr", "3e-3", "--seed", "3", "--no-plots"]
+RTOL = 1e-5
+
+
+def test_load_balanced_positions():
+    # 16 tokens, cp=2: chunks of 4; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+    assert local_positions(16, 0, 2).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert local_positions(16, 1, 2).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    everything = torch.cat([local_positions(32, r, 4) for r in range(4)])
+    assert sorted(everything.tolist()) == list(range(32))
+    x = torch.arange(16).view(1, 16)
+    assert shard_sequence(x, 1, 2).tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]]
+    assert cp_problems(cp=4, seq_len=36) == ["--seq-len 36 is not divisible by 2 x cp = 8; context parallel cuts "
+                                             "the sequence into 2*cp load-balanced chunks"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single")
+    res = run([sys.executable, *MODULE, *MODEL, "--outdir", str(out)], timeout=180)
+    assert res.returncode == 0, res.output
+    return [json.loads(line)["loss"] for line in (out / "history.jsonl").read_text().splitlines()]
+
+
+CASES = [
+    ("cp2", 2, ["--cp", "2"], "torchrun"),
+    ("cp4", 4, ["--cpsize", "4"], "launch"),
+    ("dp2-cp2", 4, ["--cp", "2"], "torchrun"),
+    ("cp2-tp2-ac-full", 4, ["--cp", "2", "--tp", "2", "--ac", "full"], "launch"),
+    ("dp2-cp2-tp2", 8, ["--cp", "2", "--tp", "2"], "launch"),
+]
+
+
+@pytest.mark.parametrize("name, n, flags, runner", CASES, ids=[c[0] for c in CASES])
+def test_cp_losses_match_single_process(reference, tmp_path, name, n, flags, runner):
+    args = [*MODULE, *MODEL, *flags, "--outdir", str(tmp_path)]
+    if name in ("cp2", "cp4"):
+        args += ["--dp-shard", "1"]
+    cmd = torchrun(n, *args) if runner == "torchrun" else launch("-n", str(n), "python3", *args)
+    res = run(cmd, timeout=300)
+    assert res.returncode == 0, res.output
+    got = [json.loads(line)["loss"] for line in (tmp_path / "history.jsonl").read_text().splitlines()]
+    assert len(got) == len(reference)
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, reference)) <= RTOL, (got, reference)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_own_attention_example_script(n):
+    script = Path(__file__).parents[1] / "examples" / "context_parallel_own_attention.py"
+    res = run(mpiexec(n, str(script)) if n == 4 else launch("-n", str(n), "python3", str(script)), timeout=120)
+    assert res.returncode == 0, res.output
+    assert f"ring attention over {n} ranks matches full attention: outputs and gradients" in res.stdout
+
+
+@pytest.mark.parametrize("n, flags, needle", [
+    (4, ["--cp", "4", "--seq-len", "36"], "--seq-len 36 is not divisible by 2 x cp = 8"),
+    (4, ["--cp", "2", "--pp", "2"], "pipeline with context parallel (pp=2, cp=2) is not supported yet"),
+])
+def test_cp_bad_input(n, flags, needle):
+    res = run(launch("--launcher", "local", "-n", str(n), "python3", *MODULE, *flags), timeout=90)
+    assert_clean_user_error(res, needle)
