@@ -98,3 +98,27 @@ def test_own_model_example_script():
     res = run(launch("-n", "2", "python3", str(script)), timeout=120)
     assert res.returncode == 0, res.output
     assert "pipeline losses match one process over 5 steps" in res.stdout
+
+
+@pytest.fixture(scope="module")
+def clipped_reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single_clip")
+    res = run([sys.executable, *MODULE, *MODEL, "--grad-clip", "0.5", "--outdir", str(out)], timeout=180)
+    assert res.returncode == 0, res.output
+    return [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("flags", [
+    ["--pp", "2", "--microbatches", "2"],             # pp2 x dp2: norms summed over stages
+    ["--pp", "2", "--tp", "2", "--microbatches", "2"],  # pp2 x tp2: over stages and TP shards
+    ["--tp", "2"],                                      # dp2 x tp2 (FSDP + TP DTensors)
+    ["--strategy", "zero2", "--tp", "1"],               # DeepSpeed clips by its config
+], ids=["pp2-dp2", "pp2-tp2", "dp2-tp2", "zero2"])
+def test_global_grad_norm_clipping_matches_single_process(clipped_reference, tmp_path, flags):
+    res = run(launch("-n", "4", "python3", *MODULE, *MODEL, "--grad-clip", "0.5", *flags, "--outdir", str(tmp_path)),
+              timeout=300)
+    assert res.returncode == 0, res.output
+    got = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
+    assert any(r["grad_norm"] > 0.5 for r in clipped_reference)  # clipping really happens
+    for key in ("loss", "grad_norm"):
+        assert max(abs(a[key] - b[key]) / abs(b[key]) for a, b in zip(got, clipped_reference)) <= RTOL, key

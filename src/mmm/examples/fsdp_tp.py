@@ -61,6 +61,8 @@ def build_parser() -> ArgumentParser:
                    help="optimizer steps [40]")
     g.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate [3e-3]")
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay [0]")
+    g.add_argument("--grad-clip", "--grad_clip", dest="grad_clip", type=float, default=0.0,
+                   help="clip the global gradient L2 norm (over all shards and pipeline stages); 0 = off [0]")
     g.add_argument("--seed", type=int, default=0, help="seed of weights and data [0]")
     g.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                    help="compute dtype; bf16 keeps fp32 master weights and fp32 gradient reduction [fp32]")
@@ -115,6 +117,8 @@ def check_args(args, world_size: int) -> None:
                                 vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
         problems += batch_problems(args.batch_size, dims.dp)
     problems += dataset_problems(args.dataset, vocab_size=args.vocab_size)
+    if args.grad_clip < 0:
+        problems.append(f"--grad-clip {args.grad_clip} must be >= 0 (0 turns clipping off)")
     if problems:
         raise UsageError("; ".join(problems))
 
@@ -184,7 +188,8 @@ def train(args, info, outdir, startup) -> int:
         make_optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay),
         optimizer_args={"lr": args.lr, "weight_decay": args.weight_decay},
         offload_optimizer=args.offload_optimizer,
-        reshard_after_forward={"auto": None, "true": True, "false": False}[args.reshard_after_forward])
+        reshard_after_forward={"auto": None, "true": True, "false": False}[args.reshard_after_forward],
+        max_grad_norm=args.grad_clip)
     if info.is_main:
         log.info("model after parallelisation (%s, %s):\n%s\n%s", args.strategy, mesh.dims, engine.module,
                  describe_sharding(engine.module))
@@ -220,7 +225,8 @@ def train(args, info, outdir, startup) -> int:
         loss_value = mean_over(loss, loss_group)
         if not math.isfinite(loss_value):
             raise RuntimeError(f"loss is {loss_value} at iter {step}; lower --lr or use --dtype fp32")
-        run.record(step, force_log=last, loss=loss_value, **times, tps=tokens_per_step / times["dt"])
+        run.record(step, force_log=last, loss=loss_value, **times, tps=tokens_per_step / times["dt"],
+                   **({"grad_norm": engine.grad_norm} if args.grad_clip > 0 else {}))
 
     extra = {
         "mesh": mesh.dims.degrees, "strategy": args.strategy, "dtype": args.dtype, "ac": args.ac,
@@ -269,7 +275,8 @@ def train_pipeline(args, info, outdir, startup, mesh, model, cfg, dataset, n_par
     del model
     holder = torch.nn.ModuleList(parts)  # one module over this rank's stages, for the optimizer and reports
     optimizer = torch.optim.AdamW(holder.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    engine = TorchEngine(holder, optimizer, strategy=args.strategy)
+    engine = TorchEngine(holder, optimizer, strategy=args.strategy, max_grad_norm=args.grad_clip,
+                         pp_group=mesh.group("pp"))
     microbatches = args.microbatches or pp
 
     def loss_fn(logits, labels):
@@ -318,7 +325,7 @@ def train_pipeline(args, info, outdir, startup, mesh, model, cfg, dataset, n_par
         if not math.isfinite(loss_value):
             raise RuntimeError(f"loss is {loss_value} at iter {step}; lower --lr or use --dtype fp32")
         run.record(step, force_log=step == args.max_iters, loss=loss_value, dt=dt, dtf=None, dtb=None,
-                   tps=tokens_per_step / dt)
+                   tps=tokens_per_step / dt, **({"grad_norm": engine.grad_norm} if args.grad_clip > 0 else {}))
     extra = {
         "mesh": mesh.dims.degrees, "strategy": args.strategy, "dtype": args.dtype, "ac": args.ac,
         "pipeline": {"schedule": args.pp_schedule, "microbatches": microbatches, "stages": num_stages,

@@ -103,6 +103,7 @@ class Engine:
 
     strategy: str
     module: nn.Module
+    grad_norm: float | None = None  # the global gradient norm of the last step, when clipping is on
 
     def __call__(self, *args, **kwargs):
         with self.autocast():
@@ -134,9 +135,11 @@ class Engine:
 
 class TorchEngine(Engine):
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, strategy: str,
-                 autocast_dtype: torch.dtype | None = None, device_type: str = "cpu") -> None:
+                 autocast_dtype: torch.dtype | None = None, device_type: str = "cpu", max_grad_norm: float = 0.0,
+                 pp_group=None) -> None:
         self.module, self.optimizer, self.strategy = module, optimizer, strategy
         self._autocast_dtype, self._device_type = autocast_dtype, device_type
+        self.max_grad_norm, self.pp_group = max_grad_norm, pp_group
 
     def autocast(self):
         if self._autocast_dtype is None:
@@ -147,6 +150,10 @@ class TorchEngine(Engine):
         loss.backward()
 
     def step(self) -> None:
+        if self.max_grad_norm > 0:
+            from mmm.parallel.grad_clip import clip_grad_norm_
+
+            self.grad_norm = clip_grad_norm_(self.module.parameters(), self.max_grad_norm, pp_group=self.pp_group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -195,7 +202,10 @@ class DeepSpeedEngine(Engine):
         self._probe_hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in params]
 
     def step(self) -> None:
-        self.ds.step()  # also zeroes gradients
+        self.ds.step()  # also zeroes gradients (and clips, when the config says so)
+        if self.ds.gradient_clipping() > 0:
+            norm = self.ds.get_global_grad_norm()
+            self.grad_norm = float(norm) if norm is not None else None
 
     @property
     def param_groups(self):
@@ -214,7 +224,8 @@ def build_engine(model: nn.Module, mesh: Mesh, *, strategy: str, make_optimizer:
                  device: torch.device, dtype: str = "fp32", blocks_attr: str | None = None,
                  tp_plan: Callable[[nn.Module, Any], nn.Module] | None = None, ac: str = "none",
                  compile: bool = False, global_batch: int | None = None, offload_optimizer: bool = False,
-                 optimizer_args: dict[str, Any] | None = None, reshard_after_forward: bool | None = None) -> Engine:
+                 optimizer_args: dict[str, Any] | None = None, reshard_after_forward: bool | None = None,
+                 max_grad_norm: float = 0.0) -> Engine:
     """Apply parallelism in torchtitan's order (TP -> activation checkpointing -> compile -> data
     parallel) and pair the model with its optimizer.
 
@@ -234,7 +245,7 @@ def build_engine(model: nn.Module, mesh: Mesh, *, strategy: str, make_optimizer:
     if strategy in ZERO_STAGES:
         args = optimizer_args or {}
         cfg = zero_config(stage=ZERO_STAGES[strategy], global_batch=global_batch, dp=mesh.dp, dtype=dtype,
-                          offload_optimizer=offload_optimizer, **args)
+                          offload_optimizer=offload_optimizer, gradient_clipping=max_grad_norm, **args)
         optimizer = None if offload_optimizer else make_optimizer(model.parameters())
         return DeepSpeedEngine(zero_initialize(model, optimizer, config=cfg, device_type=device.type),
                                strategy=strategy)
@@ -248,4 +259,4 @@ def build_engine(model: nn.Module, mesh: Mesh, *, strategy: str, make_optimizer:
             model = apply_ddp(model, dp_mesh, device=device)
         autocast_dtype = DTYPES[dtype] if dtype != "fp32" else None
     return TorchEngine(model, make_optimizer(model.parameters()), strategy=strategy, autocast_dtype=autocast_dtype,
-                       device_type=device.type)
+                       device_type=device.type, max_grad_norm=max_grad_norm)

@@ -45,14 +45,14 @@ def deepspeed_available() -> bool:
 
 
 def zero_config(*, stage: int, global_batch: int, dp: int, dtype: str, offload_optimizer: bool = False,
-                lr: float = 1e-3, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
-                eps: float = 1e-8) -> dict[str, Any]:
+                gradient_clipping: float = 0.0, lr: float = 1e-3, weight_decay: float = 0.0,
+                betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": stage}
     cfg: dict[str, Any] = {
         "train_batch_size": global_batch,
         "train_micro_batch_size_per_gpu": global_batch // dp,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": 0.0,
+        "gradient_clipping": gradient_clipping,
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
         "zero_optimization": zero,
