@@ -42,6 +42,8 @@ CASES = [
     ("dp2-cp2", 4, ["--cp", "2"], "torchrun"),
     ("cp2-tp2-ac-full", 4, ["--cp", "2", "--tp", "2", "--ac", "full"], "launch"),
     ("dp2-cp2-tp2", 8, ["--cp", "2", "--tp", "2"], "launch"),
+    ("4d-pp2-dp1-cp2-tp2", 8, ["--pp", "2", "--cp", "2", "--tp", "2", "--n-layers", "2", "--microbatches", "2"],
+     "torchrun"),
 ]
 
 
@@ -68,7 +70,7 @@ def test_own_attention_example_script(n):
 
 @pytest.mark.parametrize("n, flags, needle", [
     (4, ["--cp", "4", "--seq-len", "36"], "--seq-len 36 is not divisible by 2 x cp = 8"),
-    (4, ["--cp", "2", "--pp", "2"], "pipeline with context parallel (pp=2, cp=2) is not supported yet"),
+    (4, ["--cp", "2", "--tp", "2", "--seq-len", "36"], "--seq-len 36 is not divisible by 2 x cp x tp = 8"),
 ])
 def test_cp_bad_input(n, flags, needle):
     res = run(launch("--launcher", "local", "-n", str(n), "python3", *MODULE, *flags), timeout=90)

@@ -102,9 +102,6 @@ def check_args(args, world_size: int) -> None:
     problems += cfg.problems()
     if mesh_ok:
         dims = ParallelDims(world_size=world_size, **degrees)
-        if dims.cp > 1 and dims.pp > 1:
-            problems.append(f"pipeline with context parallel (pp={dims.pp}, cp={dims.cp}) is not supported yet; "
-                            "use one of them")
         problems += cp_problems(cp=dims.cp, seq_len=cfg.seq_len, tp=dims.tp)
         if args.batch_size % dims.dp == 0:
             problems += pipeline_problems(pp=dims.pp, n_layers=cfg.n_layers, schedule=args.pp_schedule,
@@ -249,6 +246,7 @@ def train_pipeline(args, info, outdir, startup, mesh, model, cfg, dataset, n_par
     from mmm.parallel import describe_sharding
     from mmm.parallel.activation_checkpoint import wrap_block
     from mmm.parallel.fsdp import DTYPES, apply_fsdp
+    from mmm.parallel.context import apply_cp_llama, shard_sequence
     from mmm.parallel.pipeline import build_schedule, split_model, stage_ids, stage_layer_ranges
     from mmm.parallel.strategy import TorchEngine, data_parallel_mesh, uses_fsdp
     from mmm.parallel.tensor import apply_tp_llama, loss_parallel_context
@@ -260,6 +258,8 @@ def train_pipeline(args, info, outdir, startup, mesh, model, cfg, dataset, n_par
     ranges = stage_layer_ranges(cfg.n_layers, num_stages, args.split_points)
     mine = stage_ids(mesh.coord("pp"), pp, args.stages_per_rank)
     dp_mesh = data_parallel_mesh(mesh, args.strategy)
+    if mesh.cp_enabled:  # before splitting: every stage gets ring attention and its rotary positions
+        apply_cp_llama(model, mesh["cp"], seq_len=cfg.seq_len)
     parts, stages = [], []
     for sid in mine:
         part = split_model(model, ranges[sid], first=sid == 0, last=sid == num_stages - 1)
@@ -292,7 +292,7 @@ def train_pipeline(args, info, outdir, startup, mesh, model, cfg, dataset, n_par
     startup.mark("parallelize")
 
     first, last = 0 in mine, num_stages - 1 in mine
-    dp_group, pp_group = mesh.group("dp"), mesh.group("pp")
+    dp_group, pp_group = mesh.group("dp_cp"), mesh.group("pp")  # the loss is averaged over dp and cp ranks
     batches = local_batches(dataset, seed=args.seed, global_batch=args.batch_size, dp_rank=mesh.coord("dp"),
                             dp_size=mesh.dp, device=device)
     tokens_per_step = args.batch_size * cfg.seq_len
@@ -305,6 +305,9 @@ def train_pipeline(args, info, outdir, startup, mesh, model, cfg, dataset, n_par
     for step in range(1, args.max_iters + 1):
         t0 = time.perf_counter()
         inputs, labels = next(batches)
+        if mesh.cp_enabled:
+            cp_rank = mesh.coord("cp")
+            inputs, labels = shard_sequence(inputs, cp_rank, mesh.cp), shard_sequence(labels, cp_rank, mesh.cp)
         losses: list = []
         with loss_parallel_context(mesh.tp_enabled):
             schedule.step(*((inputs,) if first else ()), target=labels if last else None,

@@ -15,8 +15,6 @@ give rotary/positional embeddings the positions from :func:`local_positions`.
 from __future__ import annotations
 
 import math
-from functools import partial
-
 import torch
 import torch.distributed as dist
 
@@ -109,9 +107,23 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group) 
     return out + 0.0 * kv.sum().to(out.dtype)
 
 
-def ring_attention_fn(group):
+class RingAttention:
+    """``attn_fn(q, k, v)`` running :func:`ring_attention` over ``group``. Copies of a model
+    (pipeline stages are cut from deep copies) share it: a process group cannot be copied."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return ring_attention(q, k, v, group=self.group)
+
+    def __deepcopy__(self, memo) -> RingAttention:
+        return self
+
+
+def ring_attention_fn(group) -> RingAttention:
     """An ``attn_fn(q, k, v)`` for :class:`mmm.models.llama.Attention` that runs ring attention."""
-    return partial(ring_attention, group=group)
+    return RingAttention(group)
 
 
 def apply_cp_llama(model: torch.nn.Module, cp_mesh, *, seq_len: int) -> torch.nn.Module:
