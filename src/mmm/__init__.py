@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("dist", "launch", "log", "parallel", "errors")
+_SUBMODULES = ("cli", "data", "dist", "errors", "history", "launch", "log", "models", "parallel", "training")
 
 if TYPE_CHECKING:  # pragma: no cover
-    from mmm import dist, errors, launch, log, parallel  # noqa: F401
+    from mmm import cli, data, dist, errors, history, launch, log, models, parallel, training  # noqa: F401
 
 
 def __getattr__(name: str):

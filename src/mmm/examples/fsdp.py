@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def train(args, info, outdir, startup) -> int:
     import torch
 
-    from mmm.data.images import load_digits_data
+    from mmm.data.images import epoch_batches, load_digits_data
     from mmm.history import History
     from mmm.log import get_logger
     from mmm.models.cnn import DigitsCNN, log_softmax_nll
@@ -115,8 +115,6 @@ def train(args, info, outdir, startup) -> int:
     train_x, train_y = data.train.images.to(device), data.train.labels.to(device)
     step = 0
     for epoch in range(1, args.epochs + 1):
-        from mmm.data.images import epoch_batches
-
         t_epoch = time.perf_counter()
         engine.train()
         batches = epoch_batches(len(train_y), global_batch=args.batch_size, seed=args.seed, epoch=epoch)
