@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -71,3 +72,30 @@ def assert_clean_user_error(res: Result, *needles: str) -> None:
     assert lines, res.output
     for needle in needles:
         assert any(needle in line for line in lines), (needle, res.output)
+
+
+def run_ranks(n: int, args: list[str], outdir, *, runner: str = "launch", timeout: float = 300) -> Result:
+    """Run ``python <args> --outdir outdir`` on n ranks under torchrun or `launch`; it must succeed."""
+    full = [*args, "--outdir", str(outdir)]
+    res = run(torchrun(n, *full) if runner == "torchrun" else launch("-n", str(n), "python3", *full), timeout=timeout)
+    assert res.returncode == 0, res.output
+    return res
+
+
+def single_process_run(tmp_path_factory, name: str, args: list[str], timeout: float = 180) -> Path:
+    """The one-process reference run of a trainer; returns its output folder."""
+    out = tmp_path_factory.mktemp(name)
+    res = run([sys.executable, *args, "--outdir", str(out)], timeout=timeout)
+    assert res.returncode == 0, res.output
+    return out
+
+
+def jsonl(path, key: str | None = "loss") -> list:
+    """One field (or whole records, key=None) of each line of a history file."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    return rows if key is None else [r[key] for r in rows]
+
+
+def max_rel_diff(a, b) -> float:
+    assert len(a) == len(b) and a, (a, b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))

@@ -1,12 +1,10 @@
 """Context parallel (ring attention) in fsdp_tp and for users' own attention: exact vs one process."""
 
-import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_clean_user_error, launch, mpiexec, run, torchrun
+from conftest import assert_clean_user_error, jsonl, launch, max_rel_diff, mpiexec, run, run_ranks, single_process_run
 
 from mmm.parallel.context import cp_problems, local_positions, shard_sequence
 
@@ -30,10 +28,7 @@ def test_load_balanced_positions():
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("single")
-    res = run([sys.executable, *MODULE, *MODEL, "--outdir", str(out)], timeout=180)
-    assert res.returncode == 0, res.output
-    return [json.loads(line)["loss"] for line in (out / "history.jsonl").read_text().splitlines()]
+    return jsonl(single_process_run(tmp_path_factory, "single", [*MODULE, *MODEL]) / "history.jsonl")
 
 
 CASES = [
@@ -49,15 +44,10 @@ CASES = [
 
 @pytest.mark.parametrize("name, n, flags, runner", CASES, ids=[c[0] for c in CASES])
 def test_cp_losses_match_single_process(reference, tmp_path, name, n, flags, runner):
-    args = [*MODULE, *MODEL, *flags, "--outdir", str(tmp_path)]
-    if name in ("cp2", "cp4"):
-        args += ["--dp-shard", "1"]
-    cmd = torchrun(n, *args) if runner == "torchrun" else launch("-n", str(n), "python3", *args)
-    res = run(cmd, timeout=300)
-    assert res.returncode == 0, res.output
-    got = [json.loads(line)["loss"] for line in (tmp_path / "history.jsonl").read_text().splitlines()]
-    assert len(got) == len(reference)
-    assert max(abs(a - b) / abs(b) for a, b in zip(got, reference)) <= RTOL, (got, reference)
+    args = [*MODULE, *MODEL, *flags, *(["--dp-shard", "1"] if name in ("cp2", "cp4") else [])]
+    run_ranks(n, args, tmp_path, runner=runner)
+    got = jsonl(tmp_path / "history.jsonl")
+    assert max_rel_diff(got, reference) <= RTOL, (got, reference)
 
 
 @pytest.mark.parametrize("n", [2, 4])

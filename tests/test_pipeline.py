@@ -1,10 +1,7 @@
 """Pipeline parallel in fsdp_tp: stage splitting, schedules, and losses equal to one process (real ranks)."""
 
-import json
-import sys
-
 import pytest
-from conftest import assert_clean_user_error, launch, run, torchrun
+from conftest import assert_clean_user_error, jsonl, launch, max_rel_diff, run, run_ranks, single_process_run
 
 from mmm.models.llama import Llama, LlamaConfig
 from mmm.parallel.pipeline import pipeline_problems, split_model, stage_ids, stage_layer_ranges
@@ -49,10 +46,7 @@ def test_pipeline_problems_name_values(kwargs, needle):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("single")
-    res = run([sys.executable, *MODULE, *MODEL, "--outdir", str(out)], timeout=180)
-    assert res.returncode == 0, res.output
-    return [json.loads(line)["loss"] for line in (out / "history.jsonl").read_text().splitlines()]
+    return jsonl(single_process_run(tmp_path_factory, "single", [*MODULE, *MODEL]) / "history.jsonl")
 
 
 CASES = [
@@ -72,13 +66,9 @@ CASES = [
 
 @pytest.mark.parametrize("name, n, flags, runner", CASES, ids=[c[0] for c in CASES])
 def test_pipeline_losses_match_single_process(reference, tmp_path, name, n, flags, runner):
-    args = [*MODULE, *MODEL, *flags, "--outdir", str(tmp_path)]
-    cmd = torchrun(n, *args) if runner == "torchrun" else launch("-n", str(n), "python3", *args)
-    res = run(cmd, timeout=300)
-    assert res.returncode == 0, res.output
-    got = [json.loads(line)["loss"] for line in (tmp_path / "history.jsonl").read_text().splitlines()]
-    assert max(abs(a - b) / abs(b) for a, b in zip(got, reference)) <= RTOL, (got, reference)
-    assert len(got) == len(reference)
+    run_ranks(n, [*MODULE, *MODEL, *flags], tmp_path, runner=runner)
+    got = jsonl(tmp_path / "history.jsonl")
+    assert max_rel_diff(got, reference) <= RTOL, (got, reference)
 
 
 @pytest.mark.parametrize("n, flags, needle", [
@@ -102,10 +92,8 @@ def test_own_model_example_script():
 
 @pytest.fixture(scope="module")
 def clipped_reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("single_clip")
-    res = run([sys.executable, *MODULE, *MODEL, "--grad-clip", "0.5", "--outdir", str(out)], timeout=180)
-    assert res.returncode == 0, res.output
-    return [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    out = single_process_run(tmp_path_factory, "single_clip", [*MODULE, *MODEL, "--grad-clip", "0.5"])
+    return jsonl(out / "history.jsonl", key=None)
 
 
 @pytest.mark.parametrize("flags", [
@@ -115,10 +103,8 @@ def clipped_reference(tmp_path_factory):
     ["--strategy", "zero2", "--tp", "1"],               # DeepSpeed clips by its config
 ], ids=["pp2-dp2", "pp2-tp2", "dp2-tp2", "zero2"])
 def test_global_grad_norm_clipping_matches_single_process(clipped_reference, tmp_path, flags):
-    res = run(launch("-n", "4", "python3", *MODULE, *MODEL, "--grad-clip", "0.5", *flags, "--outdir", str(tmp_path)),
-              timeout=300)
-    assert res.returncode == 0, res.output
-    got = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
+    run_ranks(4, [*MODULE, *MODEL, "--grad-clip", "0.5", *flags], tmp_path)
     assert any(r["grad_norm"] > 0.5 for r in clipped_reference)  # clipping really happens
     for key in ("loss", "grad_norm"):
-        assert max(abs(a[key] - b[key]) / abs(b[key]) for a, b in zip(got, clipped_reference)) <= RTOL, key
+        want = [r[key] for r in clipped_reference]
+        assert max_rel_diff(jsonl(tmp_path / "history.jsonl", key), want) <= RTOL, key
