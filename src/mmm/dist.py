@@ -176,7 +176,8 @@ def _mpi_comm():
 
 
 # --------------------------------------------------------------------------- rendezvous
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]
@@ -205,11 +206,11 @@ def rendezvous(info: RankInfo, env: Mapping[str, str] | None = None) -> tuple[st
         except ValueError:
             raise UsageError(f"MASTER_PORT={port!r} is not a port number") from None
     if info.world_size == 1:
-        return "127.0.0.1", _free_port()
+        return "127.0.0.1", free_port()
     if info.source in {"openmpi", "mpich", "pals", "mpi4py"}:
         comm = _mpi_comm()
         if comm is not None:
-            found = (socket.gethostname(), _free_port()) if comm.Get_rank() == 0 else None
+            found = (socket.gethostname(), free_port()) if comm.Get_rank() == 0 else None
             found = comm.bcast(found, root=0)
             host, port_ = found
             return ("127.0.0.1" if info.num_nodes == 1 else host), port_

@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mmm.dist import free_port
 from mmm.errors import ArgumentParser, UsageError, print_error
 
 PROG = "launch"
@@ -291,7 +292,7 @@ def plan_launch(
     if not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
         add_env["MASTER_ADDR"] = "127.0.0.1" if on_this_machine or nodes == 1 and _is_this_host(hosts[0]) \
             else hosts[0]
-        add_env["MASTER_PORT"] = str(_free_port())
+        add_env["MASTER_PORT"] = str(free_port())
     if not env.get("OMP_NUM_THREADS"):
         add_env["OMP_NUM_THREADS"] = str(max(1, cpus // ppn if not on_this_machine else cpus // max(total, 1)))
     add_env["MMM_LAUNCH_TIME"] = repr(time.time())
@@ -356,12 +357,6 @@ def _mpiexec_flags(flavor: str, total: int, ppn: int, alloc: Allocation, nodes: 
 
 def _is_this_host(host: str) -> bool:
     return host in {"localhost", "127.0.0.1", socket.gethostname(), socket.gethostname().split(".")[0]}
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------- run

@@ -120,6 +120,10 @@ def check_args(args, world_size: int) -> None:
         raise UsageError("; ".join(problems))
 
 
+def _reshard(args) -> bool | None:
+    return {"auto": None, "true": True, "false": False}[args.reshard_after_forward]
+
+
 def model_config(args):
     from mmm.models.llama import LlamaConfig
 
@@ -185,7 +189,7 @@ def train(args, info, outdir, startup) -> int:
         make_optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay),
         optimizer_args={"lr": args.lr, "weight_decay": args.weight_decay},
         offload_optimizer=args.offload_optimizer,
-        reshard_after_forward={"auto": None, "true": True, "false": False}[args.reshard_after_forward],
+        reshard_after_forward=_reshard(args),
         max_grad_norm=args.grad_clip)
     if info.is_main:
         log.info("model after parallelisation (%s, %s):\n%s\n%s", args.strategy, mesh.dims, engine.module,
@@ -269,7 +273,7 @@ def train_pipeline(args, info, outdir, startup, mesh, model, cfg, dataset, n_par
             part.layers[key] = wrap_block(block, args.ac)
         if uses_fsdp(mesh, args.strategy):
             apply_fsdp(part, dp_mesh, blocks=list(part.layers.values()), param_dtype=DTYPES[args.dtype],
-                       reshard_after_forward={"auto": None, "true": True, "false": False}[args.reshard_after_forward])
+                       reshard_after_forward=_reshard(args))
         parts.append(part)
         stages.append(PipelineStage(part, sid, num_stages, device, group=mesh.group("pp")))
     del model
