@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
@@ -234,6 +235,17 @@ def train_step(engine, inputs, targets, loss_fn, *, device: torch.device, t_star
     return loss, {"dt": time.perf_counter() - t_start, "dtf": t1 - t0, "dtb": t2 - t1}
 
 
+@contextlib.contextmanager
+def _measuring(run, mesh):
+    from mmm.measure import CommCounter, SavedActivations
+
+    comm, saved = CommCounter(mesh.named_groups()), SavedActivations()
+    with comm, saved:
+        yield
+    run.measured = {"comm_bytes": comm.result(), "comm_calls": dict(sorted(comm.calls.items())),
+                    "activation_bytes": saved.bytes}
+
+
 class Run:
     """What the trainers share around their loop: History, step lines, startup, summary.
 
@@ -252,6 +264,7 @@ class Run:
         self.log_every = log_every
         self.hist = History(outdir, write=info.is_main, warmup=warmup, step_key=step_key)
         self.memory: dict[str, int] | None = None
+        self.measured: dict[str, Any] | None = None  # what --measure recorded on this rank
 
     def record(self, step: int, *, force_log: bool = False, **metrics) -> dict:
         rec = self.hist.update(step, **metrics)
@@ -262,24 +275,39 @@ class Run:
             self.log.info("%s", format_step(rec))
         return rec
 
+    def measuring(self, mesh, enabled: bool = True):
+        """Context around the one step ``--measure`` watches: payload bytes per mesh process group
+        and bytes of activations saved for backward (:mod:`mmm.measure`), kept for summary.json."""
+        if not enabled:
+            return contextlib.nullcontext()
+        return _measuring(self, mesh)
+
     def capture_memory(self, engine) -> None:
         """Per-rank parameter + gradient + optimizer bytes, taken while gradients exist."""
         self.memory = engine.state_bytes()
 
     def finish(self, engine, extra: dict[str, Any], *, mesh, num_params: int, plots: bool = True,
-               rate_key: str = "tps") -> dict[str, Any]:
-        """Gather per-rank memory, compare it with the strategy's theoretical figure, write the outputs."""
+               rate_key: str = "tps", flops_per_unit: float | None = None, dtype: str = "fp32") -> dict[str, Any]:
+        """Gather per-rank memory, compare it with the strategy's theoretical figure, work out MFU
+        (``flops_per_unit``: training FLOPs per token, or per sample when ``rate_key`` counts
+        samples), write the outputs."""
+        from mmm.flops import mfu_report
         from mmm.parallel.strategy import theoretical_state_bytes
 
         memory = {**(self.memory or engine.state_bytes()), **peak_memory(self.info.device)}
         per_rank = gather_objects(memory)
+        measured = gather_objects(self.measured) if self.measured is not None else None
+        stats = self.hist.stats()
+        rate = stats.get(rate_key, {}).get("mean")
+        mfu = mfu_report(self.info.device, dtype, rate=rate, flops_per_unit=flops_per_unit)
         summary_extra: dict[str, Any] = {
             "example": self.example, "world_size": self.info.world_size, "num_nodes": self.info.num_nodes,
             "launcher": self.info.launcher, "device": str(self.info.device), "backend": self.info.backend,
             **extra,
             "final_loss": self.hist.rows[-1].get("loss") if self.hist.rows else None,
             "memory_per_rank": per_rank,
-            "mfu": None,  # needs a peak FLOP/s figure for the device
+            "mfu": mfu["mfu"], "flops": mfu,
+            **({"measured_per_rank": measured} if measured is not None else {}),
             "startup_s": self.startup.total_s, "startup_phases": self.startup.phases(),
             "versions": versions(),
         }
@@ -295,6 +323,9 @@ class Run:
                 parts.append(" ".join(f"{k} {st[k]['mean']:.4f}s" for k in ("dt", "dtf", "dtb") if k in st))
             if rate_key in st:
                 parts.append(f"{st[rate_key]['mean']:.0f} {rate_key}")
+            if mfu["mfu"] is not None:
+                parts.append(f"MFU {100 * mfu['mfu']:.1f}% ({mfu['peak_source']} peak "
+                             f"{mfu['peak_flops_per_rank'][0] / 1e12:.3g} TFLOP/s per rank)")
             parts.append(f"state {worst / 2**20:.2f} MiB/rank ({worst / theory['total_bytes']:.3f}x of "
                          f"{engine.strategy}'s theoretical {theory['total_bytes'] / 2**20:.2f})")
             self.log.info("done: %s | %s", " | ".join(parts), self.outdir)

@@ -147,7 +147,11 @@ def train(args, info, outdir, startup) -> int:
     extra = {"mesh": mesh.dims.degrees, "strategy": args.strategy, "dtype": args.dtype, "dataset": data.name,
              "model": {"type": "DigitsCNN", "num_params": n_params}, "global_batch": args.batch_size,
              "epochs": epochs.rows, "test_acc": last_epoch["test_acc"], "test_loss": last_epoch["test_loss"]}
-    run.finish(engine, extra, mesh=mesh, num_params=n_params, plots=not args.no_plots, rate_key="samples_per_s")
+    from mmm.flops import counted_flops_per_sample
+
+    flops = counted_flops_per_sample(lambda: DigitsCNN(img_size=data.img_size), (1, data.img_size, data.img_size))
+    run.finish(engine, extra, mesh=mesh, num_params=n_params, plots=not args.no_plots, rate_key="samples_per_s",
+               flops_per_unit=flops, dtype=args.dtype)
     return 0
 
 

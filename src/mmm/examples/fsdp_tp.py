@@ -16,9 +16,11 @@ from collections.abc import Sequence
 
 from mmm.cli import ArgumentParser, add_mesh_args, add_output_args, add_strategy_args, positive_int
 from mmm.errors import UsageError
+from mmm.flops import llama_flops_per_token
 from mmm.training import torchinfo_summary
 
 EXAMPLE = "fsdp_tp"
+MEASURE_STEP = 2  # --measure watches this step (a warmup step with the default --warmup 2)
 
 
 def build_parser() -> ArgumentParser:
@@ -72,6 +74,10 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--dataset", choices=DATASETS, default="synthetic",
                    help="synthetic (learnable sequences) or pydoc (byte-level English text shipped with "
                         "Python) [synthetic]")
+    g.add_argument("--measure", action="store_true",
+                   help="on step 2 (a warmup step) count the bytes each mesh process group communicates and "
+                        "the bytes of activations saved for backward, per rank, into summary.json "
+                        "(measured_per_rank); that step runs slower")
     add_output_args(p, EXAMPLE)
     return p
 
@@ -85,8 +91,8 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
 
 
-def check_args(args, world_size: int) -> None:
-    """Every problem with the flags for this world size, at once, as one UsageError."""
+def arg_problems(args, world_size: int) -> list[str]:
+    """Every problem with the flags for this world size (the planner asks this of each combination)."""
     from mmm.data import dataset_problems
     from mmm.parallel import ParallelDims, check_degrees
     from mmm.parallel.context import cp_problems
@@ -116,6 +122,15 @@ def check_args(args, world_size: int) -> None:
     problems += dataset_problems(args.dataset, vocab_size=args.vocab_size)
     if args.grad_clip < 0:
         problems.append(f"--grad-clip {args.grad_clip} must be >= 0 (0 turns clipping off)")
+    if args.measure and args.max_iters < MEASURE_STEP:
+        problems.append(f"--measure watches step {MEASURE_STEP}; --max-iters {args.max_iters} is too few "
+                        f"(use --max-iters {MEASURE_STEP} or more)")
+    return problems
+
+
+def check_args(args, world_size: int) -> None:
+    """Every problem with the flags for this world size, at once, as one UsageError."""
+    problems = arg_problems(args, world_size)
     if problems:
         raise UsageError("; ".join(problems))
 
@@ -220,10 +235,11 @@ def train(args, info, outdir, startup) -> int:
         if mesh.cp_enabled:
             inputs, labels = shard_sequence(inputs, cp_rank, mesh.cp), shard_sequence(labels, cp_rank, mesh.cp)
         last = step == args.max_iters
-        loss, times = train_step(engine, inputs, labels, loss_fn, device=device, t_start=t0,
-                                 context=loss_parallel_context(mesh.tp_enabled),
-                                 after_backward=(lambda: run.capture_memory(engine)) if last else None)
-        loss_value = mean_over(loss, loss_group)
+        with run.measuring(mesh, enabled=args.measure and step == MEASURE_STEP):
+            loss, times = train_step(engine, inputs, labels, loss_fn, device=device, t_start=t0,
+                                     context=loss_parallel_context(mesh.tp_enabled),
+                                     after_backward=(lambda: run.capture_memory(engine)) if last else None)
+            loss_value = mean_over(loss, loss_group)
         if not math.isfinite(loss_value):
             raise RuntimeError(f"loss is {loss_value} at iter {step}; lower --lr or use --dtype fp32")
         run.record(step, force_log=last, loss=loss_value, **times, tps=tokens_per_step / times["dt"],
@@ -234,7 +250,8 @@ def train(args, info, outdir, startup) -> int:
         "compile": args.compile, "reshard_after_forward": args.reshard_after_forward, "dataset": dataset.name, "model": {**vars(cfg), "num_params": n_params},
         "global_batch": args.batch_size, "tokens_per_step": tokens_per_step,
     }
-    run.finish(engine, extra, mesh=mesh, num_params=n_params, plots=not args.no_plots)
+    run.finish(engine, extra, mesh=mesh, num_params=n_params, plots=not args.no_plots,
+               flops_per_unit=llama_flops_per_token(cfg), dtype=args.dtype)
     return 0
 
 
@@ -313,7 +330,8 @@ def train_pipeline(args, info, outdir, startup, mesh, model, cfg, dataset, n_par
             cp_rank = mesh.coord("cp")
             inputs, labels = shard_sequence(inputs, cp_rank, mesh.cp), shard_sequence(labels, cp_rank, mesh.cp)
         losses: list = []
-        with loss_parallel_context(mesh.tp_enabled):
+        with run.measuring(mesh, enabled=args.measure and step == MEASURE_STEP), \
+                loss_parallel_context(mesh.tp_enabled):
             schedule.step(*((inputs,) if first else ()), target=labels if last else None,
                           losses=losses if last else None)
         if step == args.max_iters:
@@ -340,7 +358,8 @@ def train_pipeline(args, info, outdir, startup, mesh, model, cfg, dataset, n_par
         "dataset": dataset.name, "model": {**vars(cfg), "num_params": n_params},
         "global_batch": args.batch_size, "tokens_per_step": tokens_per_step,
     }
-    run.finish(engine, extra, mesh=mesh, num_params=n_params, plots=not args.no_plots)
+    run.finish(engine, extra, mesh=mesh, num_params=n_params, plots=not args.no_plots,
+               flops_per_unit=llama_flops_per_token(cfg), dtype=args.dtype)
     return 0
 
 

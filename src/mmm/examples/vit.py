@@ -149,7 +149,11 @@ def train(args, info, outdir, startup) -> int:
     extra = {"mesh": mesh.dims.degrees, "strategy": args.strategy, "dtype": args.dtype, "ac": args.ac,
              "compile": args.compile, "model": {**vars(cfg), "num_params": n_params},
              "global_batch": args.batch_size}
-    run.finish(engine, extra, mesh=mesh, num_params=n_params, plots=not args.no_plots, rate_key="samples_per_s")
+    from mmm.flops import counted_flops_per_sample
+
+    flops = counted_flops_per_sample(lambda: ViT(cfg), (cfg.in_chans, cfg.img_size, cfg.img_size))
+    run.finish(engine, extra, mesh=mesh, num_params=n_params, plots=not args.no_plots, rate_key="samples_per_s",
+               flops_per_unit=flops, dtype=args.dtype)
     return 0
 
 

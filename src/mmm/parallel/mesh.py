@@ -232,6 +232,18 @@ class Mesh:
         sub = self.get(name)
         return None if sub is None else sub.get_group()
 
+    def named_groups(self) -> dict[str, object]:
+        """Every distinct process group of the mesh by name: axes first, then flattened views that span
+        more than one enabled axis (a view over a single axis is that axis's group)."""
+        out: dict[str, object] = {}
+        seen: set[int] = set()
+        for name in self._views:
+            group = self.group(name)
+            if id(group) not in seen:
+                seen.add(id(group))
+                out[name] = group
+        return out
+
     def __getattr__(self, name: str):
         # pp_enabled, dp, dp_shard, tp_enabled, ... come from the degrees
         if name.startswith("_"):

@@ -70,6 +70,17 @@ def uses_fsdp(mesh: Mesh, strategy: str) -> bool:
     return strategy in ("fsdp", "hsdp") and (mesh.dp_enabled or mesh.cp_enabled)
 
 
+def state_bytes_per_param(strategy: str, dims) -> tuple[float, float, float]:
+    """Bytes per parameter (of this rank's TP shard / pipeline stage) of parameters, gradients and
+    AdamW state under a strategy, fp32 (see :func:`theoretical_state_bytes`)."""
+    n = dims.dp
+    if strategy in ("fsdp", "hsdp"):
+        shards = (dims.dp * dims.cp if strategy == "fsdp" else dims.dp_shard) if uses_fsdp(dims, strategy) else 1
+        return 4 / shards, 4 / shards, 8 / shards
+    return {"ddp": (4, 4, 8), "zero1": (4, 4, 12 / n), "zero2": (4, 4 / n, 12 / n),
+            "zero3": (4 / n, 4 / n, 12 / n)}[strategy]
+
+
 def theoretical_state_bytes(strategy: str, *, num_params: int, mesh: Mesh) -> dict[str, float]:
     """Per-rank bytes of parameters, gradients and optimizer state that a strategy should hold,
     for fp32 training with Adam (the ZeRO paper's accounting; DeepSpeed keeps an fp32 master
@@ -79,13 +90,7 @@ def theoretical_state_bytes(strategy: str, *, num_params: int, mesh: Mesh) -> di
     with TP dividing everything by tp, and PP by pp (stages of equal block counts; the embedding
     and output sit on the end stages, so the figure is approximate under PP).
     """
-    n = mesh.dp
-    if strategy in ("fsdp", "hsdp"):
-        shards = (mesh.dp * mesh.cp if strategy == "fsdp" else mesh.dp_shard) if uses_fsdp(mesh, strategy) else 1
-        p, g, o = 4 / shards, 4 / shards, 8 / shards
-    else:
-        p, g, o = {"ddp": (4, 4, 8), "zero1": (4, 4, 12 / n), "zero2": (4, 4 / n, 12 / n),
-                   "zero3": (4 / n, 4 / n, 12 / n)}[strategy]
+    p, g, o = state_bytes_per_param(strategy, mesh)
     psi = num_params / (mesh.tp * mesh.pp)  # pipeline stages split the blocks (about evenly)
     return {"param_bytes": p * psi, "grad_bytes": g * psi, "optim_bytes": o * psi, "total_bytes": (p + g + o) * psi}
 

@@ -1,0 +1,141 @@
+"""Measure what one training step communicates and keeps for backward, per rank.
+
+* :class:`CommCounter` counts the payload bytes of every collective and point-to-point op issued
+  while it is active, grouped by the mesh dimension whose process group carried it. Payload is the
+  size of the whole buffer a collective works on: the gathered output of an all-gather, the input of
+  a reduce-scatter, the tensor of an all-reduce / broadcast / send / recv. (A ring moves (n-1)/n of
+  that payload per rank for all-gather and reduce-scatter, 2(n-1)/n for all-reduce.)
+* :class:`SavedActivations` sums the bytes of the distinct tensors autograd saves for backward
+  (parameters excluded): the activation memory of a step without activation checkpointing.
+  Checkpointed regions save through their own hooks and are not seen, so under ``--ac`` this counts
+  only what lies outside the checkpointed blocks.
+
+Both see every op through a Python dispatch mode or hook, so they slow the step they watch: the
+trainers use them on one warmup step (``--measure``) and never in timed steps.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# c10d ops: (payload argument index, "out" when the payload is the output buffer)
+_C10D_PAYLOAD = {
+    "_allgather_base_": 0, "allgather_into_tensor_coalesced_": 0, "allgather_": 0,
+    "_reduce_scatter_base_": 1, "reduce_scatter_tensor_coalesced_": 1, "reduce_scatter_": 1,
+    "allreduce_": 0, "allreduce_coalesced_": 0, "broadcast_": 0, "reduce_": 0,
+    "alltoall_base_": 1, "alltoall_": 1, "send": 0, "recv_": 0, "recv_any_source_": 0,
+    "gather_": 1, "scatter_": 0,
+}
+# functional collectives: the payload is the input, times the group size for all-gather
+_FUNCOL_GATHER = {"all_gather_into_tensor", "all_gather_into_tensor_coalesced", "all_gather_into_tensor_out"}
+_FUNCOL = _FUNCOL_GATHER | {"all_reduce", "all_reduce_", "all_reduce_coalesced", "all_reduce_coalesced_",
+                            "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "all_to_all_single",
+                            "broadcast", "broadcast_"}
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        local = obj._local_tensor if hasattr(obj, "_local_tensor") else obj
+        return local.numel() * local.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(x) for x in obj)
+    return 0
+
+
+class CommCounter(TorchDispatchMode):
+    """``with CommCounter(groups) as c: ...`` then ``c.bytes`` = ``{dim name: payload bytes}``.
+
+    ``groups`` maps names to process groups (e.g. :meth:`mmm.parallel.Mesh.named_groups`); traffic
+    on a group not in the map is counted under ``"other"``.
+    """
+
+    def __init__(self, groups: dict[str, Any]) -> None:
+        super().__init__()
+        from torch.distributed.tensor import DTensor
+
+        self._dtensor = DTensor
+        import torch.distributed as dist
+
+        self._names: dict[str, str] = {}  # group name -> our name
+        self._by_ranks: dict[tuple[int, ...], str] = {}  # a group we were not given is named by its ranks
+        for name, group in groups.items():
+            if group is not None:
+                self._names.setdefault(group.group_name, name)
+                self._by_ranks.setdefault(tuple(dist.get_process_group_ranks(group)), name)
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def _group_of(self, args) -> str:
+        import torch.distributed as dist
+
+        for a in args:
+            if isinstance(a, torch.ScriptObject):
+                try:
+                    pg = dist.ProcessGroup.unbox(a)
+                except (RuntimeError, TypeError):
+                    continue
+                if pg.group_name not in self._names:  # e.g. DeepSpeed's own data-parallel group
+                    ranks = tuple(dist.get_process_group_ranks(pg))
+                    self._names[pg.group_name] = self._by_ranks.get(ranks, "other")
+                return self._names[pg.group_name]
+            if isinstance(a, str) and a in self._names:
+                return self._names[a]
+        return "other"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
+        if any(issubclass(t, self._dtensor) for t in types):
+            return NotImplemented  # let DTensor turn the op into local ops and collectives first
+        ns, name = func.namespace, func._schema.name.split("::")[-1]
+        if ns == "c10d" and name in _C10D_PAYLOAD:
+            group = self._group_of(args)
+            self.bytes[group] += _nbytes(args[_C10D_PAYLOAD[name]])
+            self.calls[group] += 1
+        elif ns in ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd") and name in _FUNCOL:
+            group = self._group_of(list(args) + list(kwargs.values()))
+            payload = _nbytes(args[0])
+            if name in _FUNCOL_GATHER:
+                payload *= next((a for a in args[1:] if isinstance(a, int)), 1)
+            self.bytes[group] += payload
+            self.calls[group] += 1
+        return func(*args, **kwargs)
+
+    def result(self) -> dict[str, int]:
+        return dict(sorted(self.bytes.items()))
+
+
+class SavedActivations:
+    """``with SavedActivations() as s: loss = model(x)`` then ``s.bytes``: distinct saved storages."""
+
+    def __init__(self) -> None:
+        self._seen: set[int] = set()
+        self.bytes = 0
+        self._ctx = None
+
+    def _pack(self, t: torch.Tensor):
+        base = t._base if t._base is not None else t
+        if not (base.is_leaf and base.requires_grad):  # parameters (and views of them) are not activations
+            local = t._local_tensor if hasattr(t, "_local_tensor") else t
+            try:
+                storage = local.untyped_storage()
+                key = storage.data_ptr()
+                if key not in self._seen and key != 0:
+                    self._seen.add(key)
+                    self.bytes += storage.nbytes()
+            except (RuntimeError, NotImplementedError):
+                self.bytes += _nbytes(local)
+        return t
+
+    def __enter__(self) -> SavedActivations:
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._ctx.__exit__(*exc)

@@ -1,0 +1,140 @@
+"""List every parallel layout of N ranks for the fsdp_tp trainer, with per-rank memory and
+communication estimates, and the reason each excluded layout is invalid.
+
+    python -m mmm.plan --world 8                          # the trainer's default model
+    python -m mmm.plan --world 8 --dim 1024 --n-layers 16 --seq-len 2048 --batch-size 32
+    python -m mmm.plan --world 8 --tp 2                   # only layouts with tp=2
+    python -m mmm.plan --world 8 --strategies fsdp,hsdp --json plan.json
+
+Mesh flags (--tp, --pp, --cp, --dp-replicate, --dp-shard) and --strategy hold that value; the
+rest vary. Every model and training flag of `python -m mmm.examples.fsdp_tp` is accepted and
+shapes the estimates. Memory is per rank (the busiest one): parameters, gradients and AdamW state
+in fp32 plus activations saved for backward; communication is payload bytes per training step
+by process group (see mmm.parallel.plan for the formulas and what they leave out).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from mmm.errors import UsageError
+
+MIB = 2 ** 20
+
+
+def build_parser():
+    from mmm.cli import positive_int
+    from mmm.examples.fsdp_tp import build_parser as trainer_parser
+
+    p = trainer_parser()
+    p.prog = "python -m mmm.plan"
+    p.description = __doc__.split("\n\n")[0]
+    p.epilog = __doc__.split("\n\n", 2)[2]
+    # mesh flags and --strategy select (hold) rather than default
+    p.set_defaults(tp=None, pp=None, cp=None, dp_replicate=None, dp_shard=None, strategy=None)
+    g = p.add_argument_group("planner")
+    g.add_argument("--world", type=positive_int, required=True, help="number of ranks (processes) to plan for")
+    g.add_argument("--strategies", default=None, metavar="S,S,...",
+                   help="data-parallel strategies to consider, comma-separated [all]")
+    g.add_argument("--valid-only", action="store_true", help="leave the invalid layouts out of the listing")
+    g.add_argument("--json", dest="json_path", default=None, metavar="PATH",
+                   help="also write every layout with its estimates or problems as JSON ('-' for stdout)")
+    return p
+
+
+def _strategies(args) -> list[str] | None:
+    from mmm.parallel.strategy import STRATEGIES
+
+    if args.strategy is not None and args.strategies is not None:
+        raise UsageError("give --strategy (one) or --strategies (a list), not both")
+    if args.strategy is not None:
+        return [args.strategy]
+    if args.strategies is None:
+        return None
+    names = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    bad = [s for s in names if s not in STRATEGIES]
+    if bad or not names:
+        raise UsageError(f"--strategies {args.strategies!r}: unknown {', '.join(map(repr, bad)) or 'empty list'}; "
+                         f"choose from {', '.join(STRATEGIES)}")
+    return names
+
+
+def plan_from_args(args):
+    """The planner's combos for parsed ``python -m mmm.plan`` flags."""
+    from mmm.parallel.plan import AXES, plan
+
+    fixed = {a: getattr(args, a) for a in AXES}
+    bad = {a: v for a, v in fixed.items() if v == -1}
+    if bad:
+        raise UsageError(f"{', '.join(f'--{a.replace(chr(95), chr(45))} -1' for a in bad)}: the planner varies "
+                         "unset degrees itself; give a positive degree or leave the flag out")
+    base = {**vars(args), **{a: 1 for a in AXES}, "strategy": "fsdp"}
+    import argparse
+
+    combos = plan(args.world, argparse.Namespace(**base), strategies=_strategies(args), fixed=fixed)
+    if not any(c.valid for c in combos):
+        reasons = "; ".join(dict.fromkeys(p for c in combos for p in c.problems))
+        held = ", ".join(f"{a}={v}" for a, v in fixed.items() if v is not None)
+        raise UsageError(f"no valid layout of {args.world} ranks{' with ' + held if held else ''}"
+                         f"{' and --strategy ' + args.strategy if args.strategy else ''}: {reasons}")
+    return combos
+
+
+def format_table(combos, *, valid_only: bool = False) -> str:
+    """The planner's listing: valid layouts with estimates, then invalid ones with reasons."""
+    valid = [c for c in combos if c.valid]
+    groups = sorted({g for c in valid for g in (c.comm or {})})
+    head = ["#", "pp", "dpr", "dps", "cp", "tp", "strategy", "params", "grads", "optim", "activ", "total"]
+    head += [f"comm:{g}" for g in groups]
+    rows = []
+    for i, c in enumerate(valid, 1):
+        m = c.memory
+        rows.append([str(i), *(str(c.degrees[a]) for a in ("pp", "dp_replicate", "dp_shard", "cp", "tp")),
+                     c.strategy, *(f"{m[k] / MIB:.1f}" for k in ("param_bytes", "grad_bytes", "optim_bytes",
+                                                                  "activation_bytes", "total_bytes")),
+                     *(f"{c.comm.get(g, 0) / MIB:.1f}" if c.comm.get(g) else "-" for g in groups)])
+    widths = [max(len(h), *(len(r[j]) for r in rows)) for j, h in enumerate(head)]
+    lines = [f"{len(valid)} valid layouts (memory per rank in MiB; comm: payload MiB per step by process group)",
+             "  ".join(h.rjust(w) for h, w in zip(head, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
+    invalid = [c for c in combos if not c.valid]
+    if invalid and not valid_only:
+        lines += ["", f"{len(invalid)} invalid layouts:"]
+        lines += [f"  {c.label}: {'; '.join(c.problems)}" for c in invalid]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    combos = plan_from_args(args)
+    print(format_table(combos, valid_only=args.valid_only))
+    if args.json_path:
+        text = json.dumps([c.as_dict() for c in combos], indent=1)
+        if args.json_path == "-":
+            print(text)
+        else:
+            from mmm.history import atomic_write_text
+
+            atomic_write_text(Path(args.json_path), text + "\n")
+    return 0
+
+
+def cli() -> None:
+    from mmm.errors import print_error
+
+    try:
+        code = main()
+    except UsageError as e:
+        print_error(str(e), prog="python -m mmm.plan")
+        code = 2
+    except BrokenPipeError:
+        code = 0
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    cli()
