@@ -55,6 +55,7 @@ def test_estimates_match_measured(tmp_path, label):
     run_ranks(4, [*FSDP_TP, *combo.flags], tmp_path)
     s = json.loads((tmp_path / "summary.json").read_text())
     measured = s["measured_per_rank"]
+    assert 0 < s["mfu"] < 1 and s["flops"]["peak_source"] == "calibrated", s["flops"]
     state = max(m["total_bytes"] for m in s["memory_per_rank"])
     assert abs(state / combo.memory["state_bytes"] - 1) <= STATE_TOL, (state, combo.memory)
     comm: dict[str, int] = {}
@@ -92,3 +93,81 @@ def test_cli_bad_input(flags, needles):
     assert res.returncode == 2
     assert_clean_user_error(res, *needles)
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_flops_formula_matches_counted_flops():
+    import torch
+
+    from mmm.flops import counted_flops_per_sample, llama_flops_per_token
+    from mmm.models.llama import Llama, LlamaConfig
+
+    for cfg in (LlamaConfig(), LlamaConfig(dim=512, n_layers=2, n_heads=8, n_kv_heads=2, seq_len=256)):
+        counted = counted_flops_per_sample(lambda: Llama(cfg), (cfg.seq_len,), torch.long) / cfg.seq_len
+        assert abs(llama_flops_per_token(cfg) / counted - 1) < 0.02, (cfg, counted)
+
+
+def test_peak_table_and_env(monkeypatch):
+    import torch
+
+    from mmm.flops import mfu, peak_flops, table_peak
+
+    assert table_peak("NVIDIA H100 80GB HBM3", "bf16") == 989.4e12
+    assert table_peak("NVIDIA A100-SXM4-80GB", "fp32") == 19.5e12
+    assert table_peak("Intel(R) Data Center GPU Max 1550", "bf16") == 419.4e12
+    assert table_peak("Some Future GPU", "bf16") is None
+    monkeypatch.setenv("MMM_PEAK_TFLOPS", "2.5")
+    assert peak_flops(torch.device("cpu")) == (2.5e12, "env")
+    assert mfu(tokens_per_s=1000, flops_per_token=1e9, peaks=[1e12, 1e12]) == 0.5
+    assert mfu(tokens_per_s=1000, flops_per_token=1e9, peaks=[1e12, None]) is None
+
+
+SWEEP = [sys.executable, "benchmarks/sweep.py", "--world", "2", "--max-iters", "4", "--dim", "64", "--n-layers", "2",
+         "--seq-len", "32"]
+
+
+def test_sweep_runs_layouts_and_writes_table_dataset_plots(tmp_path):
+    import xarray as xr
+
+    combos = "pp1-dpr1-dps2-cp1-tp1-ddp,pp1-dpr1-dps1-cp1-tp2-fsdp"
+    res = run([*SWEEP, "--combos", combos, "--out", str(tmp_path)], timeout=240)
+    assert res.returncode == 0, res.output
+    ds = xr.open_dataset(tmp_path / "results.nc")
+    assert list(ds["combo"].values) == combos.split(",")
+    assert ds["ok"].values.all()
+    assert (ds["tokens_per_s"].values > 0).all() and (ds["startup_s"].values > 0).all()
+    assert ((ds["mfu"].values > 0) & (ds["mfu"].values < 1)).all()
+    # measured communication sits next to the planner's estimate
+    tp = ds["comm_bytes"].sel(combo="pp1-dpr1-dps1-cp1-tp2-fsdp", group="tp").item()
+    assert abs(tp / ds["est_comm_bytes"].sel(combo="pp1-dpr1-dps1-cp1-tp2-fsdp", group="tp").item() - 1) < COMM_TOL
+    table = (tmp_path / "results.md").read_text()
+    rows = [ln for ln in table.splitlines() if ln.startswith("| 1 ") or ln.startswith("| 2 ")]
+    assert len(rows) == 2 and rows[0].rstrip().endswith("| 1.00 |"), table
+    for name in ("tokens_per_s", "step_split"):
+        assert (tmp_path / "plots" / f"{name}.png").stat().st_size > 1000
+        assert "pp1-dpr1-dps2-cp1-tp1-ddp" in (tmp_path / "plots" / f"{name}.txt").read_text()
+
+
+def test_sweep_records_a_failed_layout_and_goes_on(tmp_path):
+    import xarray as xr
+
+    # one second is too short for any run: each is stopped (with its ranks), recorded, and the sweep goes on
+    res = run([*SWEEP, "--combos", "pp1-dpr1-dps2-cp1-tp1-ddp,pp1-dpr1-dps2-cp1-tp1-fsdp", "--timeout", "1",
+               "--out", str(tmp_path)], timeout=120)
+    assert res.returncode == 1, res.output
+    assert res.output.count("FAILED") == 2, res.output
+    ds = xr.open_dataset(tmp_path / "results.nc")
+    assert not ds["ok"].values.any()
+    assert all("timed out after 1s" in e for e in ds["error"].values)
+    assert "failed: " in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.parametrize("flags, needles", [
+    (["--world", "0"], ["--world", "0"]),
+    (["--world", "2", "--combos", "pp1-dpr1-dps1-cp1-tp2-ddp"], ["pp1-dpr1-dps1-cp1-tp2-ddp", "DDP"]),
+    (["--world", "2", "--combos", "pp1-dpr1-dps3-cp1-tp1-ddp"], ["pp1-dpr1-dps3-cp1-tp1-ddp"]),
+    (["--world", "2", "--tp", "3"], ["tp=3"]),
+])
+def test_sweep_bad_input(flags, needles, tmp_path):
+    res = run([sys.executable, "benchmarks/sweep.py", *flags, "--out", str(tmp_path)], timeout=60)
+    assert res.returncode == 2
+    assert_clean_user_error(res, *needles)

@@ -50,16 +50,16 @@ def llama_flops_per_token(cfg) -> float:
     return 6.0 * n + 12.0 * cfg.n_layers * cfg.dim * cfg.seq_len
 
 
-def counted_flops_per_sample(build, sample_shape: tuple[int, ...]) -> float:
+def counted_flops_per_sample(build, sample_shape: tuple[int, ...], dtype=None) -> float:
     """Training FLOPs per sample of any model: 3 x the forward FLOPs that PyTorch's FlopCounterMode
-    counts for one sample (backward costs about twice forward). ``build()`` makes the model; it is
+    counts for one sample of ``dtype`` (backward costs about twice forward). ``build()`` makes the model; it is
     built on the meta device, so this costs no memory and no real compute."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     with torch.device("meta"):
         model = build()
-        x = torch.zeros((1, *sample_shape))
+        x = torch.zeros((1, *sample_shape), dtype=dtype or torch.float32)
     counter = FlopCounterMode(display=False)
     with torch.no_grad(), counter:
         model(x)

@@ -1,0 +1,343 @@
+"""Sweep parallel layouts of the fsdp_tp trainer: one run per layout under `launch`, one table.
+
+    python benchmarks/sweep.py --world 4                          # every valid layout of 4 ranks
+    python benchmarks/sweep.py --world 8 --tp 2 --strategies fsdp,hsdp --dim 512 --n-layers 8
+    python benchmarks/sweep.py --world 4 --combos pp1-dpr1-dps2-cp1-tp2-fsdp,pp1-dpr1-dps4-cp1-tp1-ddp
+
+Layouts come from the planner (python -m mmm.plan; the same flags select them: --tp/--pp/--cp/
+--dp-replicate/--dp-shard/--strategy hold a value, --strategies lists strategies), or from
+--combos (labels as the planner prints them; an invalid one is refused with the planner's reason).
+Every other flag goes to the trainer unchanged (model size, --batch-size, --dtype, ...).
+
+Each run writes its own folder under OUT/runs/<label>/ (summary.json, history, log.txt). The sweep
+writes to OUT (default outputs/sweep/<UTC timestamp>):
+  results.nc   xarray Dataset over `combo`: tokens/s, dt, dtf, dtb, peak memory per rank, startup,
+               MFU, final loss, the planner's estimates, measured communication by process group
+  results.md   the ranked table (fastest first) with each layout's ratio to the best
+  plots/       tokens_per_s.{png,txt}: bar per layout; step_split.{png,txt}: dtf + dtb per layout
+A failed layout is recorded with its error (ok = False) and the sweep goes on; the exit status
+is 1 when any layout failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+LAUNCH = str(Path(sys.executable).parent / "launch")
+TRAINER_DEFAULTS = ["--max-iters", "10", "--log-every", "5", "--no-plots", "--measure"]
+MIB = 2 ** 20
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from mmm.cli import ArgumentParser, positive_int
+
+    p = ArgumentParser(prog="python benchmarks/sweep.py", description=__doc__.split("\n\n")[0],
+                       epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=positive_int, required=True, help="ranks per run")
+    p.add_argument("--strategies", default=None, metavar="S,S",
+                   help="data-parallel strategies to sweep, comma-separated [all]")
+    p.add_argument("--combos", default=None, metavar="LABEL,LABEL",
+                   help="run only these layouts (labels as python -m mmm.plan prints them) [every valid one]")
+    p.add_argument("--out", default=None, help="output folder [outputs/sweep/<UTC timestamp>]")
+    p.add_argument("--timeout", type=positive_int, default=900, help="seconds one run may take [900]")
+    p.add_argument("--launch-args", default="", metavar="'ARGS'",
+                   help="extra flags for `launch` (e.g. '--launcher local') ['']")
+    return p
+
+
+def select(args, trainer_argv: list[str]):
+    """The planner's layouts for these flags, narrowed to --combos; an invalid requested one is an error."""
+    from mmm.errors import UsageError
+    from mmm.plan import build_parser as plan_parser
+    from mmm.plan import plan_from_args
+
+    strategies = ["--strategies", args.strategies] if args.strategies else []
+    # the planner checks the flags the runs will get
+    plan_args = plan_parser().parse_args(["--world", str(args.world), *strategies, *TRAINER_DEFAULTS, *trainer_argv])
+    combos = plan_from_args(plan_args)
+    if args.combos is None:
+        return [c for c in combos if c.valid], plan_args
+    by_label = {c.label: c for c in combos}
+    wanted = [s.strip() for s in args.combos.split(",") if s.strip()]
+    problems = []
+    for label in wanted:
+        if label not in by_label:
+            problems.append(f"{label!r} is not a layout of {args.world} ranks with these flags (python -m mmm.plan "
+                            f"--world {args.world} lists them)")
+        elif not by_label[label].valid:
+            problems.append(f"{label} is invalid: {'; '.join(by_label[label].problems)}")
+    if problems or not wanted:
+        raise UsageError("--combos: " + ("; ".join(problems) or "empty list"))
+    return [by_label[label] for label in wanted], plan_args
+
+
+
+def _error_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if "error" in ln.lower():
+            return re.sub(r"^\[rank \d+\]\s*", "", ln)[:400]
+    return lines[-1][:400] if lines else "no output"
+
+
+def run_one(combo, args, trainer_argv: list[str], out: Path) -> dict:
+    """One layout under launch; its summary (or its error)."""
+    rundir = out / "runs" / combo.label
+    rundir.mkdir(parents=True, exist_ok=True)
+    cmd = [LAUNCH, *args.launch_args.split(), "-n", str(args.world), sys.executable, "-m", "mmm.examples.fsdp_tp",
+           *TRAINER_DEFAULTS, *trainer_argv, *combo.flags, "--outdir", str(rundir)]
+    env = {**os.environ, "MMM_RICH": "0"}
+    t0 = time.time()
+    # its own session, so that a timeout stops launch and every rank it started
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        stdout, stderr = p.communicate(timeout=args.timeout)
+        code = p.returncode
+    except subprocess.TimeoutExpired:
+        _stop_group(p)
+        stdout, stderr = p.communicate()
+        code = 124
+        stderr += f"\nerror: timed out after {args.timeout}s (--timeout)"
+    wall = time.time() - t0
+    (rundir / "log.txt").write_text(f"$ {' '.join(cmd)}\n{stdout}{stderr}")
+    summary_path = rundir / "summary.json"
+    if code != 0 or not summary_path.exists():
+        return {"ok": False, "error": _error_line(stderr or stdout) + f" (exit {code})", "wall_s": wall}
+    return {"ok": True, "error": "", "wall_s": wall, "summary": json.loads(summary_path.read_text())}
+
+
+def _stop_group(p: subprocess.Popen) -> None:
+    import signal
+
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            p.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _stat(summary: dict, key: str) -> float:
+    st = summary.get("stats", {}).get(key)
+    return float(st["mean"]) if st else math.nan
+
+
+def _peak_memory(summary: dict) -> float:
+    ranks = summary.get("memory_per_rank") or []
+    values = [m.get("peak_allocated_bytes", m.get("peak_rss_bytes", math.nan)) for m in ranks]
+    return float(max(values)) if values else math.nan
+
+
+def to_dataset(combos, results, plan_args):
+    """Every layout's figures as one xarray Dataset over ``combo`` (and ``group`` for communication)."""
+    import numpy as np
+    import xarray as xr
+
+    labels = [c.label for c in combos]
+    groups = sorted({g for c in combos for g in (c.comm or {})}
+                    | {g for r in results if r["ok"] for m in r["summary"].get("measured_per_rank", [])
+                       for g in m["comm_bytes"]})
+    data: dict = {}
+    for axis in ("pp", "dp_replicate", "dp_shard", "cp", "tp"):
+        data[axis] = ("combo", np.array([c.degrees[axis] for c in combos], dtype=np.int64))
+    data["strategy"] = ("combo", np.array([c.strategy for c in combos], dtype=object))
+    data["ok"] = ("combo", np.array([r["ok"] for r in results]))
+    data["error"] = ("combo", np.array([r["error"] for r in results], dtype=object))
+    data["wall_s"] = ("combo", np.array([r["wall_s"] for r in results]))
+
+    def per(fn):
+        return ("combo", np.array([fn(r["summary"]) if r["ok"] else math.nan for r in results], dtype=float))
+
+    data["tokens_per_s"] = per(lambda s: _stat(s, "tps"))
+    for key in ("dt", "dtf", "dtb"):
+        data[key] = per(lambda s, key=key: _stat(s, key))
+    data["peak_memory_bytes"] = per(_peak_memory)
+    data["state_bytes"] = per(lambda s: max(m["total_bytes"] for m in s["memory_per_rank"]))
+    data["startup_s"] = per(lambda s: s.get("startup_s", math.nan))
+    data["mfu"] = per(lambda s: s["mfu"] if s.get("mfu") is not None else math.nan)
+    data["final_loss"] = per(lambda s: s.get("final_loss") if s.get("final_loss") is not None else math.nan)
+    for key in ("state_bytes", "activation_bytes", "total_bytes"):
+        data[f"est_{key}"] = ("combo", np.array([c.memory[key] for c in combos]))
+    if groups:
+        est = np.array([[c.comm.get(g, 0.0) for g in groups] for c in combos])
+        meas = np.full((len(combos), len(groups)), math.nan)
+        for i, r in enumerate(results):
+            ranks = r["summary"].get("measured_per_rank") if r["ok"] else None
+            if ranks:
+                for j, g in enumerate(groups):
+                    meas[i, j] = max(m["comm_bytes"].get(g, 0) for m in ranks)
+        data["est_comm_bytes"] = (("combo", "group"), est)
+        data["comm_bytes"] = (("combo", "group"), meas)
+    ds = xr.Dataset(data, coords={"combo": labels, **({"group": groups} if groups else {})})
+    ds.attrs.update({"world_size": plan_args.world, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                     "trainer_flags": " ".join(sys.argv[1:]), "units": "bytes, seconds, tokens/s"})
+    ds["tokens_per_s"].attrs["long_name"] = "warmup-excluded mean tokens per second"
+    ds["peak_memory_bytes"].attrs["long_name"] = "max over ranks of peak device memory (peak RSS on CPU)"
+    return ds
+
+
+def markdown(ds, *, cores: int | None = None) -> str:
+    """The ranked table: fastest layout first, failed layouts last with their error."""
+    import numpy as np
+
+    tps = ds["tokens_per_s"].values
+    order = sorted(range(len(tps)), key=lambda i: (not ds["ok"].values[i], -(tps[i] if tps[i] == tps[i] else 0)))
+    best = np.nanmax(tps) if np.isfinite(tps).any() else math.nan
+    head = ("| # | layout | tokens/s | dt (s) | dtf (s) | dtb (s) | peak mem/rank (MiB) | state/rank (MiB) "
+            "| startup (s) | MFU | ratio to best |")
+    lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
+    for n, i in enumerate(order, 1):
+        v = {k: ds[k].values[i] for k in ("tokens_per_s", "dt", "dtf", "dtb", "peak_memory_bytes", "state_bytes",
+                                           "startup_s", "mfu")}
+        label = str(ds["combo"].values[i])
+        if not ds["ok"].values[i]:
+            lines.append(f"| {n} | {label} | failed: {ds['error'].values[i]} ||||||||")
+            continue
+        mfu = f"{100 * v['mfu']:.1f}%" if v["mfu"] == v["mfu"] else "-"
+        dtf, dtb = (f"{v[k]:.4f}" if v[k] == v[k] else "-" for k in ("dtf", "dtb"))  # no split under PP
+        lines.append(f"| {n} | {label} | {v['tokens_per_s']:.0f} | {v['dt']:.4f} | {dtf} | {dtb} | "
+                     f"{v['peak_memory_bytes'] / MIB:.0f} | {v['state_bytes'] / MIB:.1f} | {v['startup_s']:.2f} | "
+                     f"{mfu} | {v['tokens_per_s'] / best:.2f} |")
+    note = (f"\n{int(ds.attrs['world_size'])} ranks per run; ratio = tokens/s / best tokens/s; dt/dtf/dtb: "
+            "warmup-excluded means of step / forward / backward time; peak mem: max over ranks of peak device "
+            "memory (peak RSS on CPU); state: parameters + gradients + optimizer state, busiest rank; startup: "
+            "launch to first finished step")
+    if cores:
+        note += f"; this machine has {cores} cores"
+    return "\n".join(lines) + "\n" + note + "\n"
+
+
+def plots(ds, outdir: Path) -> None:
+    """tokens/s per layout and the dtf/dtb split, as png (matplotlib) and text (plotext)."""
+    import numpy as np
+
+    from mmm.history import _ANSI, atomic_write_text
+
+    outdir.mkdir(parents=True, exist_ok=True)
+    ok = [i for i in range(ds.sizes["combo"]) if ds["ok"].values[i]]
+    labels = [str(ds["combo"].values[i]) for i in ok]
+    tps = [float(ds["tokens_per_s"].values[i]) for i in ok]
+    dtf = [float(np.nan_to_num(ds["dtf"].values[i])) for i in ok]
+    dtb = [float(np.nan_to_num(ds["dtb"].values[i])) for i in ok]
+    if not ok:
+        return
+    import plotext as plt
+
+    plt.clf()
+    plt.theme("clear")
+    plt.plotsize(110, 3 * len(labels) + 4)
+    plt.bar(labels, tps, orientation="horizontal", marker="#", width=0.6)
+    plt.title("tokens/s per layout")
+    atomic_write_text(outdir / "tokens_per_s.txt", _ANSI.sub("", plt.build()) + "\n")
+    plt.clf()
+    plt.theme("clear")
+    plt.plotsize(110, 3 * len(labels) + 4)
+    plt.stacked_bar(labels, [dtf, dtb], labels=["dtf (#)", "dtb (=)"], orientation="horizontal", marker=["#", "="],
+                    width=0.6)
+    plt.title("forward (dtf) + backward (dtb) seconds per step")
+    atomic_write_text(outdir / "step_split.txt", _ANSI.sub("", plt.build()) + "\n")
+
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as mpl
+
+    height = max(2.5, 0.35 * len(labels) + 1)
+    for name, draw in (("tokens_per_s", lambda ax: ax.barh(labels, tps, color="tab:blue")),
+                       ("step_split", lambda ax: (ax.barh(labels, dtf, label="dtf (forward)"),
+                                                  ax.barh(labels, dtb, left=dtf, label="dtb (backward)"),
+                                                  ax.legend()))):
+        fig, ax = mpl.subplots(figsize=(8, height), dpi=100)
+        draw(ax)
+        ax.invert_yaxis()
+        ax.set_xlabel("tokens/s" if name == "tokens_per_s" else "seconds per step")
+        ax.grid(axis="x", alpha=0.3)
+        fig.tight_layout()
+        tmp = outdir / f".{name}.png.tmp"
+        fig.savefig(tmp, format="png")
+        mpl.close(fig)
+        os.replace(tmp, outdir / f"{name}.png")
+
+
+def _progress(total: int):
+    """A rich progress bar on a terminal, plain lines otherwise (CI logs, pipes)."""
+    if sys.stderr.isatty() and os.environ.get("MMM_RICH", "1") != "0":
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        progress = Progress(TextColumn("[bold]sweep"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                            TextColumn("{task.description}"), transient=False)
+        return progress
+    return None
+
+
+def main(argv=None) -> int:
+    args, trainer_argv = build_parser().parse_known_args(argv)
+    combos, plan_args = select(args, trainer_argv)
+    out = Path(args.out or Path("outputs") / "sweep" / datetime.datetime.now(datetime.timezone.utc).strftime(
+        "%Y%m%d-%H%M%S"))
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"sweep: {len(combos)} layouts of {args.world} ranks -> {out}", flush=True)
+    results = []
+    progress = _progress(len(combos))
+    task = None
+    if progress is not None:
+        progress.start()
+        task = progress.add_task("", total=len(combos))
+    try:
+        for i, combo in enumerate(combos, 1):
+            if progress is not None:
+                progress.update(task, description=combo.label)
+            r = run_one(combo, args, trainer_argv, out)
+            results.append(r)
+            line = (f"[{i}/{len(combos)}] {combo.label}: "
+                    + (f"{_stat(r['summary'], 'tps'):.0f} tokens/s, dt {_stat(r['summary'], 'dt'):.4f}s, "
+                       f"startup {r['summary'].get('startup_s', math.nan):.2f}s" if r["ok"]
+                       else f"FAILED: {r['error']}") + f" ({r['wall_s']:.1f}s)")
+            if progress is not None:
+                progress.console.print(line)
+                progress.advance(task)
+            else:
+                print(line, flush=True)
+    finally:
+        if progress is not None:
+            progress.stop()
+    ds = to_dataset(combos, results, plan_args)
+    from mmm.history import _netcdf_engine
+
+    tmp = out / ".results.nc.tmp"
+    ds.to_netcdf(tmp, engine=_netcdf_engine())
+    os.replace(tmp, out / "results.nc")
+    table = markdown(ds, cores=os.cpu_count())
+    from mmm.history import atomic_write_text
+
+    atomic_write_text(out / "results.md", table)
+    plots(ds, out / "plots")
+    print(table, flush=True)
+    print(f"wrote {out / 'results.nc'}, {out / 'results.md'}, {out / 'plots'}/", flush=True)
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    from mmm.errors import UsageError, print_error
+
+    try:
+        sys.exit(main())
+    except UsageError as e:
+        print_error(str(e), prog="python benchmarks/sweep.py")
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
