@@ -80,3 +80,32 @@ def add_output_args(parser: argparse.ArgumentParser, example: str, *, log_every:
     g.add_argument("--no-plots", action="store_true", help="skip text and image plots at the end")
     return g
 
+
+
+def add_run_args(parser: argparse.ArgumentParser):
+    """What keeps a long job safe: checkpointing (``--checkpoint-dir``, ``--checkpoint-every``,
+    ``--resume``, ``--keep-last``), ``--timeout`` and ``--on-nonfinite``."""
+    from mmm.parallel.checkpoint import add_checkpoint_args
+
+    add_checkpoint_args(parser)
+    g = parser.add_argument_group("failures")
+    g.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="collective timeout: a rank that stalls this long makes the others fail with a clear "
+                        "message [MMM_TIMEOUT or 600]")
+    g.add_argument("--on-nonfinite", "--on_nonfinite", dest="on_nonfinite", choices=["stop", "skip"], default="stop",
+                   help="a NaN/inf loss: stop with an error naming the step (the last checkpoint stays the last good "
+                        "one), or skip that step's update (torch strategies) [stop]")
+    return g
+
+
+def run_arg_problems(args) -> list[str]:
+    """Problems with the flags :func:`add_run_args` adds."""
+    from mmm.parallel.checkpoint import checkpoint_problems
+
+    out = checkpoint_problems(args.checkpoint_dir, args.resume, args.checkpoint_every, args.keep_last)
+    if args.timeout is not None and not args.timeout > 0:
+        out.append(f"--timeout {args.timeout:g} must be a positive number of seconds")
+    if args.on_nonfinite == "skip" and getattr(args, "strategy", "").startswith("zero"):
+        out.append(f"--on-nonfinite skip needs a torch strategy (ddp, fsdp, hsdp), not {args.strategy}: DeepSpeed "
+                   "must step after every backward; use --on-nonfinite stop")
+    return out

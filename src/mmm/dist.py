@@ -27,6 +27,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 import zlib
@@ -517,6 +518,37 @@ def _on_sigterm(signum, frame):  # pragma: no cover - exercised through subproce
     raise Terminated(128 + signum)
 
 
+_STOP_SIGNAL: int | None = None
+
+
+def _on_sigterm_graceful(signum, frame):  # pragma: no cover - exercised through subprocess tests
+    global _STOP_SIGNAL
+    if _STOP_SIGNAL is not None:  # a second SIGTERM: stop now
+        raise Terminated(128 + signum)
+    _STOP_SIGNAL = signum
+
+
+def graceful_sigterm() -> None:
+    """From now on the first SIGTERM only asks the training loop to stop after the current step
+    (see :func:`stop_agreed`); a second one stops at once, as before."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm_graceful)
+
+
+def stop_agreed() -> str | None:
+    """Whether any rank got SIGTERM, agreed by every rank (one small all-reduce): all ranks leave the
+    loop after the same step. Returns the signal's name, or None."""
+    import torch
+    import torch.distributed as dist
+
+    flag = _STOP_SIGNAL or 0
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.tensor([flag], dtype=torch.int32, device=info().device if _INFO is not None else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        flag = int(t.item())
+    return signal.Signals(flag).name if flag else None
+
+
 def _is_user_error(e: BaseException) -> bool:
     return isinstance(e, UsageError)
 
@@ -557,13 +589,47 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if isinstance(e.code, str):
             print_error(e.code, prog=prog)
-    except BaseException:
+    except BaseException as e:
         code = 1
         rank = _rank_for_messages()
+        peer = peer_failure_message(e)
+        if peer is not None:  # one line per rank, not a wall of tracebacks
+            print_error(peer, prog=prog, rank=rank)
+            finish(code)
         tb = traceback.format_exc()
         prefix = f"[rank {rank}] " if rank is not None else ""
         sys.stderr.write("".join(f"{prefix}{line}\n" for line in tb.rstrip().splitlines()))
     finish(code)
+
+
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "econnreset",
+              "connection refused", "read error", "recv error", "socket closed", "no route to host")
+_PEER_TIMEOUT = ("timed out", "timeout", "deadline exceeded")
+
+
+def peer_failure_message(e: BaseException) -> str | None:
+    """A one-line explanation when ``e`` is a collective failing because another rank died or
+    stalled (gloo/NCCL/MPI errors), else None."""
+    text = " ".join(str(e).split())
+    low = text.lower()
+    try:
+        import torch.distributed as dist
+
+        is_dist = isinstance(e, dist.DistError)
+    except (ImportError, AttributeError):
+        is_dist = False
+    first = text[:200] + ("..." if len(text) > 200 else "")
+    if any(k in low for k in _PEER_TIMEOUT) and (is_dist or "gloo" in low or "nccl" in low or "operation" in low):
+        try:
+            t = f"{_INFO.timeout_s if _INFO is not None else timeout_seconds(None):g} s"
+        except UsageError:
+            t = "see MMM_TIMEOUT"
+        return (f"no answer from another rank within the collective timeout ({t}; set it with --timeout or "
+                f"MMM_TIMEOUT): a rank stalled or died; the launcher's message names it ({first})")
+    if any(k in low for k in _PEER_LOST) or is_dist:
+        return (f"lost contact with another rank during a collective: a rank died or was killed; the launcher's "
+                f"message names it ({first})")
+    return None
 
 
 def _rank_for_messages() -> int | None:

@@ -20,6 +20,13 @@ class UsageError(Exception):
         self.same_on_all_ranks = same_on_all_ranks
 
 
+class RunError(UsageError):
+    """A run that cannot go on for a reason the user can act on (a non-finite loss, ...): one line,
+    no traceback, exit 1."""
+
+    exit_code = 1
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that reports a bad flag as a single line (usage is one `--help` away)."""
 

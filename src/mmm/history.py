@@ -63,9 +63,13 @@ class History:
     """Collects per-step scalars; see the module docstring."""
 
     def __init__(self, outdir: str | os.PathLike | None = None, *, write: bool = True, warmup: int = DEFAULT_WARMUP,
-                 name: str = "history", step_key: str = "iter") -> None:
+                 name: str = "history", step_key: str = "iter", resume: int | None = None) -> None:
         """``name`` names the files (``<name>.jsonl``, ``<name>.nc``; plots ``<name>_<metric>`` unless
-        it is "history"), so one run can keep per-step and per-epoch histories side by side."""
+        it is "history"), so one run can keep per-step and per-epoch histories side by side.
+
+        A new History starts ``<name>.jsonl`` afresh; ``resume=N`` keeps its records up to step N
+        (those a checkpoint of step N covers), drops later ones (they will be run again), and
+        appends after them."""
         self.outdir = Path(outdir) if outdir is not None else None
         self.write = write and self.outdir is not None
         self.warmup = warmup
@@ -73,9 +77,21 @@ class History:
         self.step_key = step_key
         self.rows: list[dict[str, float | int | None]] = []
         self._file = None
+        path = self.outdir / f"{name}.jsonl" if self.outdir is not None else None
+        if resume is not None and path is not None and path.is_file():
+            for line in path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short by a crash
+                    continue
+                if isinstance(rec, dict) and isinstance(rec.get(step_key), int) and rec[step_key] <= resume:
+                    self.rows.append(rec)
         if self.write:
             self.outdir.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.outdir / f"{name}.jsonl", "a", buffering=1)  # line-buffered: one flush per step
+            if resume is not None:
+                atomic_write_text(path, "".join(_json_line(r) for r in self.rows))
+            # line-buffered: every step reaches the OS as it finishes (survives a crash or SIGKILL)
+            self._file = open(path, "a" if resume is not None else "w", buffering=1)
 
     def update(self, step: int | None = None, /, **metrics: Any) -> dict:
         """Record one step's metrics (floats, ints or 0-d tensors); returns the record."""

@@ -15,7 +15,7 @@ Launchers: ``mpiexec`` under PBS (Open MPI, MPICH/Intel MPI Hydra and Cray PALS 
 if it has one, else a built-in torchrun-style spawner (no torch import, so it starts
 fast). ``launch`` sets ``MASTER_ADDR``/``MASTER_PORT`` (unless already set),
 ``OMP_NUM_THREADS`` (unless set: cores per host / ranks per host) and ``MMM_LAUNCH_TIME``
-(for startup timing), and returns the command's exit code.
+(for startup timing; unless set, so that a benchmark can start the clock before ``launch``), and returns the command's exit code.
 """
 
 from __future__ import annotations
@@ -295,7 +295,8 @@ def plan_launch(
         add_env["MASTER_PORT"] = str(free_port())
     if not env.get("OMP_NUM_THREADS"):
         add_env["OMP_NUM_THREADS"] = str(max(1, cpus // ppn if not on_this_machine else cpus // max(total, 1)))
-    add_env["MMM_LAUNCH_TIME"] = repr(time.time())
+    if not env.get("MMM_LAUNCH_TIME"):  # an outer harness may have started the clock already
+        add_env["MMM_LAUNCH_TIME"] = repr(time.time())
     add_env["MMM_LAUNCHER"] = f"launch/{launcher}"
     cmd = _resolve_python(list(command))
 

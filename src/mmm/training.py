@@ -207,20 +207,36 @@ def mean_over(value: torch.Tensor, group) -> float:
     return value.item()
 
 
+def nonfinite_anywhere(loss: torch.Tensor) -> bool:
+    """Whether the loss is NaN/inf on any rank (every rank gets the same answer)."""
+    import torch.distributed as dist
+
+    value = loss.detach()
+    if hasattr(value, "full_tensor"):
+        value = value.full_tensor()
+    flag = (~torch.isfinite(value.float())).any().to(torch.int32).reshape(1)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def train_step(engine, inputs, targets, loss_fn, *, device: torch.device, t_start: float, context=None,
-               after_backward=None) -> tuple[torch.Tensor, dict[str, float]]:
+               after_backward=None, poison: bool = False, skip_nonfinite: bool = False
+               ) -> tuple[torch.Tensor, dict[str, float]]:
     """Forward, loss, backward, optimizer step, each timed with the device synchronised.
 
     Returns the loss and ``{"dt", "dtf", "dtb"}``: the whole step since ``t_start`` (data
     included), forward with the loss, and backward. ``context`` wraps forward and backward
     (e.g. loss parallel); ``after_backward()`` runs before the optimizer step (when gradients
-    exist: the moment to measure memory).
+    exist: the moment to measure memory). ``poison`` makes the loss NaN (fault injection);
+    ``skip_nonfinite`` skips the optimizer step when the loss is NaN/inf on any rank, and adds
+    ``skipped`` (0/1) to the timings.
     """
-    import contextlib
-
     with context if context is not None else contextlib.nullcontext():
         t0 = time.perf_counter()
         loss = loss_fn(engine(inputs), targets)
+        if poison:
+            loss = loss * float("nan")
         synchronize(device)
         t1 = time.perf_counter()
         if after_backward is not None and hasattr(engine, "arm_memory_probe"):
@@ -230,9 +246,42 @@ def train_step(engine, inputs, targets, loss_fn, *, device: torch.device, t_star
         t2 = time.perf_counter()
     if after_backward is not None:
         after_backward()
-    engine.step()
+    skipped = skip_nonfinite and nonfinite_anywhere(loss)
+    if skipped:
+        engine.skip_step()
+    else:
+        engine.step()
     synchronize(device)
-    return loss, {"dt": time.perf_counter() - t_start, "dtf": t1 - t0, "dtb": t2 - t1}
+    times = {"dt": time.perf_counter() - t_start, "dtf": t1 - t0, "dtb": t2 - t1}
+    if skip_nonfinite:
+        times["skipped"] = int(skipped)
+    return loss, times
+
+
+def make_checkpointer(args, engine, *, meta: dict[str, Any], log=None):
+    """A :class:`mmm.parallel.checkpoint.Checkpointer` for ``--checkpoint-dir`` (None without it)."""
+    if not getattr(args, "checkpoint_dir", None):
+        return None
+    from mmm.parallel.checkpoint import Checkpointer
+
+    if hasattr(engine, "ds"):
+        return Checkpointer(args.checkpoint_dir, deepspeed_engine=engine.ds, meta=meta, keep_last=args.keep_last,
+                            log=log)
+    return Checkpointer(args.checkpoint_dir, model=engine.module, optimizer=engine.optimizer, meta=meta,
+                        keep_last=args.keep_last, log=log)
+
+
+def resume(args, checkpointer) -> int:
+    """The first step to run: 1, or one past the checkpoint ``--resume`` names."""
+    if checkpointer is None or not getattr(args, "resume", None):
+        return 1
+    saved = checkpointer.load(args.resume)
+    return 1 if saved is None else int(saved["step"]) + 1
+
+
+def should_save(args, step: int, *, last: bool, stopping: bool) -> bool:
+    every = getattr(args, "checkpoint_every", 0)
+    return bool(getattr(args, "checkpoint_dir", None)) and (last or stopping or (every and step % every == 0))
 
 
 @contextlib.contextmanager
@@ -255,20 +304,60 @@ class Run:
     """
 
     def __init__(self, example: str, *, info, outdir: Path, startup: Startup, warmup: int = 2, log_every: int = 1,
-                 step_key: str = "iter") -> None:
+                 step_key: str = "iter", resume_step: int = 0) -> None:
         from mmm.history import History
         from mmm.log import get_logger
 
         self.example, self.info, self.outdir, self.startup = example, info, outdir, startup
         self.log = get_logger()
         self.log_every = log_every
-        self.hist = History(outdir, write=info.is_main, warmup=warmup, step_key=step_key)
+        self.resume_step = resume_step
+        self.hist = History(outdir, write=info.is_main, warmup=warmup, step_key=step_key,
+                            resume=resume_step if resume_step else None)
+        self._recorded = 0  # records made by this process (the first one closes the startup clock)
+        self.stopped_by: str | None = None
         self.memory: dict[str, int] | None = None
         self.measured: dict[str, Any] | None = None  # what --measure recorded on this rank
 
+    def begin_step(self, step: int) -> bool:
+        """Called as a step starts: carries out ``MMM_FAULT`` fault injection (:mod:`mmm.faults`);
+        True when this step's loss must be made NaN."""
+        from mmm.faults import inject
+
+        return inject(step, self.info.rank)
+
+    def check_loss(self, step: int, loss_value: float, *, skipped: bool = False, checkpointer=None) -> None:
+        """A non-finite loss stops the run with one line naming the step (recorded first, so the
+        history shows it; no checkpoint is written for it)."""
+        import math
+
+        from mmm.errors import RunError
+
+        if math.isfinite(loss_value) or skipped:
+            return
+        good = "no checkpoint was saved"
+        if checkpointer is not None:
+            from mmm.parallel.checkpoint import complete_steps, step_dir
+
+            steps = complete_steps(checkpointer.root)
+            if steps:
+                good = f"the last good checkpoint is {step_dir(checkpointer.root, steps[-1])} (--resume {steps[-1]})"
+        raise RunError(f"loss is {loss_value} at {self.hist.step_key} {step}; {good}. Lower --lr, use --dtype fp32, "
+                       "--grad-clip, or --on-nonfinite skip")
+
+    def stop_requested(self) -> bool:
+        """True (on every rank alike) once any rank got SIGTERM: leave the loop after this step."""
+        from mmm.dist import stop_agreed
+
+        self.stopped_by = stop_agreed()
+        if self.stopped_by:
+            self.log.info("%s received: stopping after this step", self.stopped_by)
+        return self.stopped_by is not None
+
     def record(self, step: int, *, force_log: bool = False, **metrics) -> dict:
         rec = self.hist.update(step, **metrics)
-        if len(self.hist) == 1:
+        self._recorded += 1
+        if self._recorded == 1:
             self.startup.mark("first_step")
             self.log.info("%s", self.startup.line())
         if force_log or step % self.log_every == 0:
@@ -309,6 +398,7 @@ class Run:
             "mfu": mfu["mfu"], "flops": mfu,
             **({"measured_per_rank": measured} if measured is not None else {}),
             "startup_s": self.startup.total_s, "startup_phases": self.startup.phases(),
+            "stopped_by": self.stopped_by, "resumed_from": self.resume_step or None,
             "versions": versions(),
         }
         worst = max(m["total_bytes"] for m in per_rank)

@@ -14,7 +14,8 @@ import math
 import time
 from collections.abc import Sequence
 
-from mmm.cli import ArgumentParser, add_mesh_args, add_output_args, add_strategy_args, positive_int
+from mmm.cli import (ArgumentParser, add_mesh_args, add_output_args, add_run_args, add_strategy_args, positive_int,
+                     run_arg_problems)
 from mmm.errors import UsageError
 from mmm.flops import llama_flops_per_token
 from mmm.training import torchinfo_summary
@@ -79,6 +80,7 @@ def build_parser() -> ArgumentParser:
                         "the bytes of activations saved for backward, per rank, into summary.json "
                         "(measured_per_rank); that step runs slower")
     add_output_args(p, EXAMPLE)
+    add_run_args(p)
     return p
 
 
@@ -122,6 +124,7 @@ def arg_problems(args, world_size: int) -> list[str]:
     problems += dataset_problems(args.dataset, vocab_size=args.vocab_size)
     if args.grad_clip < 0:
         problems.append(f"--grad-clip {args.grad_clip} must be >= 0 (0 turns clipping off)")
+    problems += run_arg_problems(args)
     if args.measure and args.max_iters < MEASURE_STEP:
         problems.append(f"--measure watches step {MEASURE_STEP}; --max-iters {args.max_iters} is too few "
                         f"(use --max-iters {MEASURE_STEP} or more)")
@@ -139,6 +142,12 @@ def _reshard(args) -> bool | None:
     return {"auto": None, "true": True, "false": False}[args.reshard_after_forward]
 
 
+def checkpoint_meta(args, cfg, mesh) -> dict:
+    """What a checkpoint records about the run; ``model`` must match to resume."""
+    return {"example": EXAMPLE, "model": dict(vars(cfg)), "mesh": mesh.dims.degrees, "strategy": args.strategy,
+            "seed": args.seed, "global_batch": args.batch_size, "dataset": args.dataset}
+
+
 def model_config(args):
     from mmm.models.llama import LlamaConfig
 
@@ -153,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from mmm import dist
 
-    info = dist.setup(seed=args.seed)
+    info = dist.setup(seed=args.seed, timeout=args.timeout)
     startup.mark("setup")
     if info.is_main:
         from mmm.log import get_logger
@@ -170,6 +179,8 @@ def train(args, info, outdir, startup) -> int:
     import torch
     import torch.nn.functional as F
 
+    from mmm import dist
+
     from mmm.data import local_batches, make_dataset
     from mmm.log import get_logger
     from mmm.models.llama import Llama
@@ -177,7 +188,7 @@ def train(args, info, outdir, startup) -> int:
     from mmm.parallel.context import apply_cp_llama, shard_sequence
     from mmm.parallel.strategy import build_engine
     from mmm.parallel.tensor import apply_tp_llama, loss_parallel_context
-    from mmm.training import Run, mean_over, train_step
+    from mmm.training import Run, make_checkpointer, mean_over, resume, should_save, train_step
 
     log = get_logger()
     mesh = init_mesh(tp=args.tp, pp=args.pp, cp=args.cp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard)
@@ -213,23 +224,28 @@ def train(args, info, outdir, startup) -> int:
 
     loss_group = mesh.group("dp_cp")  # every rank of a TP group already holds the same loss
     cp_rank = mesh.coord("cp")
+    ckpt = make_checkpointer(args, engine, meta=checkpoint_meta(args, cfg, mesh), log=log)
+    start = resume(args, ckpt)
     batches = local_batches(dataset, seed=args.seed, global_batch=args.batch_size, dp_rank=mesh.coord("dp"),
-                            dp_size=mesh.dp, device=device)
+                            dp_size=mesh.dp, start_step=start - 1, device=device)
     tokens_per_step = args.batch_size * cfg.seq_len
-    run = Run(EXAMPLE, info=info, outdir=outdir, startup=startup, warmup=args.warmup, log_every=args.log_every)
+    run = Run(EXAMPLE, info=info, outdir=outdir, startup=startup, warmup=args.warmup, log_every=args.log_every,
+              resume_step=start - 1)
     if info.is_main:
         if mesh.cp_enabled:
             log.info("context parallel: ring attention over %d ranks, %d tokens each (chunks r and 2cp-1-r of %d)",
                      mesh.cp, cfg.seq_len // mesh.cp, 2 * mesh.cp)
-        log.info("training %d steps: global batch %d x %d tokens (%d per dp rank), dataset=%s, dtype=%s, out=%s",
-                 args.max_iters, args.batch_size, cfg.seq_len, args.batch_size // mesh.dp, dataset.name,
+        log.info("training steps %d-%d: global batch %d x %d tokens (%d per dp rank), dataset=%s, dtype=%s, out=%s",
+                 start, args.max_iters, args.batch_size, cfg.seq_len, args.batch_size // mesh.dp, dataset.name,
                  args.dtype, outdir)
 
     def loss_fn(logits, labels):
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
 
+    dist.graceful_sigterm()
     engine.train()
-    for step in range(1, args.max_iters + 1):
+    for step in range(start, args.max_iters + 1):
+        poison = run.begin_step(step)
         t0 = time.perf_counter()
         inputs, labels = next(batches)
         if mesh.cp_enabled:
@@ -237,13 +253,18 @@ def train(args, info, outdir, startup) -> int:
         last = step == args.max_iters
         with run.measuring(mesh, enabled=args.measure and step == MEASURE_STEP):
             loss, times = train_step(engine, inputs, labels, loss_fn, device=device, t_start=t0,
-                                     context=loss_parallel_context(mesh.tp_enabled),
+                                     context=loss_parallel_context(mesh.tp_enabled), poison=poison,
+                                     skip_nonfinite=args.on_nonfinite == "skip",
                                      after_backward=(lambda: run.capture_memory(engine)) if last else None)
             loss_value = mean_over(loss, loss_group)
-        if not math.isfinite(loss_value):
-            raise RuntimeError(f"loss is {loss_value} at iter {step}; lower --lr or use --dtype fp32")
         run.record(step, force_log=last, loss=loss_value, **times, tps=tokens_per_step / times["dt"],
                    **({"grad_norm": engine.grad_norm} if args.grad_clip > 0 else {}))
+        run.check_loss(step, loss_value, skipped=bool(times.get("skipped")), checkpointer=ckpt)
+        stopping = run.stop_requested()
+        if should_save(args, step, last=last, stopping=stopping):
+            ckpt.save(step, {"loss": loss_value})
+        if stopping:
+            break
 
     extra = {
         "mesh": mesh.dims.degrees, "strategy": args.strategy, "dtype": args.dtype, "ac": args.ac,
@@ -268,10 +289,11 @@ def train_pipeline(args, info, outdir, startup, mesh, model, cfg, dataset, n_par
     from mmm.parallel.activation_checkpoint import wrap_block
     from mmm.parallel.fsdp import DTYPES, apply_fsdp
     from mmm.parallel.context import apply_cp_llama, shard_sequence
-    from mmm.parallel.pipeline import build_schedule, split_model, stage_ids, stage_layer_ranges
+    from mmm.parallel.pipeline import StageSet, build_schedule, split_model, stage_ids, stage_layer_ranges
     from mmm.parallel.strategy import TorchEngine, data_parallel_mesh, uses_fsdp
     from mmm.parallel.tensor import apply_tp_llama, loss_parallel_context
-    from mmm.training import Run
+    from mmm import dist as mdist
+    from mmm.training import Run, make_checkpointer, resume, should_save
 
     log = get_logger()
     device, pp = info.device, mesh.pp
@@ -294,7 +316,7 @@ def train_pipeline(args, info, outdir, startup, mesh, model, cfg, dataset, n_par
         parts.append(part)
         stages.append(PipelineStage(part, sid, num_stages, device, group=mesh.group("pp")))
     del model
-    holder = torch.nn.ModuleList(parts)  # one module over this rank's stages, for the optimizer and reports
+    holder = StageSet(parts)  # this rank's stages under the full model's names: optimizer, checkpoints, reports
     optimizer = torch.optim.AdamW(holder.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     engine = TorchEngine(holder, optimizer, strategy=args.strategy, max_grad_norm=args.grad_clip,
                          pp_group=mesh.group("pp"))
@@ -314,16 +336,21 @@ def train_pipeline(args, info, outdir, startup, mesh, model, cfg, dataset, n_par
 
     first, last = 0 in mine, num_stages - 1 in mine
     dp_group, pp_group = mesh.group("dp_cp"), mesh.group("pp")  # the loss is averaged over dp and cp ranks
+    ckpt = make_checkpointer(args, engine, meta=checkpoint_meta(args, cfg, mesh), log=log)
+    start = resume(args, ckpt)
     batches = local_batches(dataset, seed=args.seed, global_batch=args.batch_size, dp_rank=mesh.coord("dp"),
-                            dp_size=mesh.dp, device=device)
+                            dp_size=mesh.dp, start_step=start - 1, device=device)
     tokens_per_step = args.batch_size * cfg.seq_len
-    run = Run(EXAMPLE, info=info, outdir=outdir, startup=startup, warmup=args.warmup, log_every=args.log_every)
+    run = Run(EXAMPLE, info=info, outdir=outdir, startup=startup, warmup=args.warmup, log_every=args.log_every,
+              resume_step=start - 1)
     if info.is_main:
-        log.info("training %d steps: global batch %d x %d tokens (%d per dp rank, %d microbatches), dataset=%s, "
-                 "out=%s", args.max_iters, args.batch_size, cfg.seq_len, args.batch_size // mesh.dp, microbatches,
-                 dataset.name, outdir)
+        log.info("training steps %d-%d: global batch %d x %d tokens (%d per dp rank, %d microbatches), dataset=%s, "
+                 "out=%s", start, args.max_iters, args.batch_size, cfg.seq_len, args.batch_size // mesh.dp,
+                 microbatches, dataset.name, outdir)
+    mdist.graceful_sigterm()
     holder.train()
-    for step in range(1, args.max_iters + 1):
+    for step in range(start, args.max_iters + 1):
+        poison = run.begin_step(step)
         t0 = time.perf_counter()
         inputs, labels = next(batches)
         if mesh.cp_enabled:
@@ -336,21 +363,32 @@ def train_pipeline(args, info, outdir, startup, mesh, model, cfg, dataset, n_par
                           losses=losses if last else None)
         if step == args.max_iters:
             run.capture_memory(engine)
-        engine.step()
         # the last stage knows the loss: mean over microbatches, shared along pp, averaged over dp
         local = torch.stack([(x.full_tensor() if hasattr(x, "full_tensor") else x).detach().float()
                              for x in losses]).mean() if last else torch.zeros((), device=device)
+        if poison:
+            local = local * float("nan")
         total = local.reshape(1).clone()
         dist.all_reduce(total, group=pp_group)
         if dp_group is not None:
             dist.all_reduce(total, group=dp_group)
             total /= dist.get_world_size(dp_group)
         loss_value = total.item()
+        skipped = args.on_nonfinite == "skip" and not math.isfinite(loss_value)
+        if skipped:
+            engine.skip_step()
+        else:
+            engine.step()
         dt = time.perf_counter() - t0
-        if not math.isfinite(loss_value):
-            raise RuntimeError(f"loss is {loss_value} at iter {step}; lower --lr or use --dtype fp32")
         run.record(step, force_log=step == args.max_iters, loss=loss_value, dt=dt, dtf=None, dtb=None,
-                   tps=tokens_per_step / dt, **({"grad_norm": engine.grad_norm} if args.grad_clip > 0 else {}))
+                   tps=tokens_per_step / dt, **({"grad_norm": engine.grad_norm} if args.grad_clip > 0 else {}),
+                   **({"skipped": int(skipped)} if args.on_nonfinite == "skip" else {}))
+        run.check_loss(step, loss_value, skipped=skipped, checkpointer=ckpt)
+        stopping = run.stop_requested()
+        if should_save(args, step, last=step == args.max_iters, stopping=stopping):
+            ckpt.save(step, {"loss": loss_value})
+        if stopping:
+            break
     extra = {
         "mesh": mesh.dims.degrees, "strategy": args.strategy, "dtype": args.dtype, "ac": args.ac,
         "pipeline": {"schedule": args.pp_schedule, "microbatches": microbatches, "stages": num_stages,

@@ -111,3 +111,27 @@ def build_schedule(stages: list, *, schedule: str, microbatches: int, loss_fn):
     cls_name, multi = SCHEDULES[schedule]
     cls = getattr(pipelining, cls_name)
     return cls(stages if multi else stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+
+
+class StageSet(nn.Module):
+    """This rank's pipeline stages as one module whose parameters carry the full model's names
+    (``layers.5.attention.wq.weight``, ``tok_embeddings.weight``...): one optimizer over them, and
+    checkpoints that load on any pipeline split, or none. Not meant to be called: the schedule runs
+    the stages."""
+
+    def __init__(self, parts: Sequence[nn.Module], layers_attr: str = "layers") -> None:
+        super().__init__()
+        blocks = nn.ModuleDict()
+        for part in parts:
+            for name, child in part.named_children():
+                if name == layers_attr:
+                    for key, block in child.items():
+                        blocks[key] = block
+                elif child is not None:
+                    if hasattr(self, name):
+                        raise ValueError(f"two stages of this rank both hold {name!r}")
+                    self.add_module(name, child)
+        self.add_module(layers_attr, blocks)
+
+    def forward(self, *args, **kwargs):  # pragma: no cover - a container, see the docstring
+        raise RuntimeError("StageSet holds pipeline stages for the optimizer and checkpoints; run the schedule")

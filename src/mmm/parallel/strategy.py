@@ -123,6 +123,10 @@ class Engine:
     def step(self) -> None:
         raise NotImplementedError
 
+    def skip_step(self) -> None:
+        """Drop this step's gradients without updating (a non-finite loss with --on-nonfinite skip)."""
+        raise NotImplementedError(f"{self.strategy} cannot skip a step")
+
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         raise NotImplementedError
@@ -160,6 +164,9 @@ class TorchEngine(Engine):
 
             self.grad_norm = clip_grad_norm_(self.module.parameters(), self.max_grad_norm, pp_group=self.pp_group)
         self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def skip_step(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
     @property

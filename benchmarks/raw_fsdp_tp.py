@@ -1,0 +1,98 @@
+"""The fsdp_tp trainer's model and plan applied by hand with raw torch APIs: the overhead reference.
+
+    torchrun --nproc-per-node 4 benchmarks/raw_fsdp_tp.py --tp 2 --max-iters 20 --out raw.json
+
+Same Llama, same data (mmm.data's synthetic batches for the same seed), same TP + sequence parallel
+plan with loss parallel, same FSDP2 units (each block resharded after forward, the root not), same
+AdamW, fp32. No mmm bootstrap, mesh, engine, History or logging: init_device_mesh,
+parallelize_module, fully_shard and a plain loop. Rank 0 writes every step's loss and dt to --out.
+benchmarks/overhead.py runs it beside the trainer.
+"""
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, loss_parallel, parallelize_module)
+
+from mmm.data import local_batches, make_dataset
+from mmm.models.llama import Llama, LlamaConfig
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--n-layers", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-iters", type=int, default=20)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp = world // args.tp
+    mesh = init_device_mesh("cpu", (dp, args.tp), mesh_dim_names=("dp", "tp"))
+    cfg = LlamaConfig(dim=args.dim, n_layers=args.n_layers, vocab_size=256, seq_len=args.seq_len)
+    torch.manual_seed(args.seed)
+    model = Llama(cfg)
+
+    parallelize_module(model, mesh["tp"], {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    })
+    for block in model.layers.values():
+        parallelize_module(block, mesh["tp"], {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        })
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh["dp"], reshard_after_forward=True)
+    fully_shard(model, mesh=mesh["dp"], reshard_after_forward=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+
+    data = make_dataset("synthetic", vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
+    batches = local_batches(data, seed=args.seed, global_batch=args.batch_size,
+                            dp_rank=mesh["dp"].get_local_rank(), dp_size=dp, device=torch.device("cpu"))
+    dp_group = mesh["dp"].get_group()
+    losses, dts = [], []
+    for _ in range(args.max_iters):
+        t0 = time.perf_counter()
+        inputs, labels = next(batches)
+        with loss_parallel():
+            logits = model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dts.append(time.perf_counter() - t0)  # as the trainer's dt: data, forward, backward, optimizer step
+        value = loss.detach().full_tensor().reshape(1).clone()
+        dist.all_reduce(value, group=dp_group)
+        losses.append(value.item() / dp)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"loss": losses, "dt": dts}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Fault injection for testing a job's resilience: ``MMM_FAULT`` makes a rank fail at a step.
+
+    MMM_FAULT=kill@5:1      rank 1 sends itself SIGKILL when step 5 starts
+    MMM_FAULT=stop@5:1      rank 1 stops itself (SIGSTOP): a stalled rank; the others time out
+    MMM_FAULT=term@5        every rank gets SIGTERM at step 5 (a preemption): finish, save, exit 0
+    MMM_FAULT=nan@5         step 5's loss is NaN on every rank (``:R`` for one rank)
+    MMM_FAULT=exit@5:2      rank 2 exits with code 3 at once, skipping teardown
+
+Several faults are separated by commas. The trainers call :func:`inject` at the start of every
+step; a real signal is sent, so launchers and the other ranks see exactly what a real failure
+looks like. Unset (the default), it costs one dict lookup per step.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+from mmm.errors import UsageError
+
+KINDS = ("kill", "stop", "term", "nan", "exit")
+_SPEC = re.compile(r"^(?P<kind>[a-z]+)@(?P<step>\d+)(?::(?P<rank>\d+))?$")
+_PARSED: dict[int, list[tuple[str, int | None]]] | None = None
+
+
+def parse(text: str) -> dict[int, list[tuple[str, int | None]]]:
+    out: dict[int, list[tuple[str, int | None]]] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        m = _SPEC.match(part)
+        if not m or m["kind"] not in KINDS:
+            raise UsageError(f"MMM_FAULT={text!r}: {part!r} is not KIND@STEP[:RANK] with KIND one of "
+                             f"{', '.join(KINDS)} (e.g. kill@5:1)")
+        out.setdefault(int(m["step"]), []).append((m["kind"], int(m["rank"]) if m["rank"] else None))
+    return out
+
+
+def inject(step: int, rank: int) -> bool:
+    """Carry out the faults set for ``step`` on ``rank``; True when this step's loss must be NaN."""
+    global _PARSED
+    if _PARSED is None:
+        _PARSED = parse(os.environ.get("MMM_FAULT", ""))
+    poison = False
+    for kind, who in _PARSED.get(step, ()):
+        if who is not None and who != rank:
+            continue
+        if kind == "nan":
+            poison = True
+        elif kind == "exit":
+            os._exit(3)
+        else:
+            sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}[kind]
+            os.kill(os.getpid(), sig)
+    return poison

@@ -1,0 +1,267 @@
+"""Checkpoint and resume with torch Distributed Checkpoint (DCP), atomically, across meshes.
+
+Layout under ``--checkpoint-dir``::
+
+    step-00000040/        one complete checkpoint (DCP shards + .metadata, mmm.json, rng/)
+    step-00000050/
+    .step-00000060.tmp/   a save in progress (or one a crash interrupted): never read
+
+A save writes everything into the ``.tmp`` folder, then rank 0 renames it once every rank has
+finished, so a checkpoint is visible only when complete and a crash during a save leaves the
+previous one usable. ``keep_last`` prunes the oldest complete ones after a successful save.
+
+Model and optimizer state go through ``torch.distributed.checkpoint.state_dict`` (fully
+qualified names of the plain model, DTensor shards of TP/FSDP), so a checkpoint saved on one
+mesh loads on another: dp=4 -> dp=2 x tp=2, tp=2 -> one process, pp=2 -> pp=1. ``mmm.json`` holds
+the step, the data position, the mesh, the strategy and the model config (a checkpoint of a
+different model is refused with the fields that differ). Each rank's RNG state is restored when
+the world size matches (data and weights here depend only on the seed and step, so RNG state only
+matters for dropout). DeepSpeed strategies use DeepSpeed's own ``save_checkpoint`` /
+``load_checkpoint`` inside the same atomic folder scheme; they resume on the same data-parallel size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmm.errors import UsageError
+
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+META = "mmm.json"
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def complete_steps(root: Path) -> list[int]:
+    """Steps of the complete checkpoints under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = STEP_DIR.match(p.name)
+        if m and (p / META).is_file():
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def checkpoint_problems(checkpoint_dir: str | None, resume: str | None, every: int, keep_last: int) -> list[str]:
+    """Flag problems, each naming the value and a fix (nothing is created here)."""
+    out = []
+    if resume is not None and checkpoint_dir is None:
+        out.append(f"--resume {resume} needs --checkpoint-dir (the folder holding step-NNNNNNNN checkpoints)")
+    if resume is not None and resume != "latest" and not (resume.isdigit() and int(resume) > 0):
+        out.append(f"--resume {resume!r}: use 'latest' or a step number (e.g. --resume 40)")
+    if every < 0:
+        out.append(f"--checkpoint-every {every} must be >= 0 (0: only at the end and on SIGTERM)")
+    if keep_last < 0:
+        out.append(f"--keep-last {keep_last} must be >= 0 (0 keeps every checkpoint)")
+    if checkpoint_dir is not None:
+        path = Path(checkpoint_dir)
+        if path.exists() and not path.is_dir():
+            out.append(f"--checkpoint-dir {checkpoint_dir!r} is a file; pass a directory")
+        else:
+            parent = next((p for p in [path, *path.parents] if p.exists()), None)
+            if parent is not None and not os.access(parent, os.W_OK):
+                out.append(f"--checkpoint-dir {checkpoint_dir!r}: cannot write in {str(parent)!r}")
+        if resume is not None and resume != "latest" and resume.isdigit() and path.is_dir():
+            steps = complete_steps(path)
+            if int(resume) not in steps:
+                have = ", ".join(map(str, steps)) or "none"
+                out.append(f"--resume {resume}: no complete checkpoint of step {resume} in {checkpoint_dir!r} "
+                           f"(steps there: {have}); use one of those or 'latest'")
+    return out
+
+
+def add_checkpoint_args(parser) -> None:
+    """``--checkpoint-dir``, ``--checkpoint-every``, ``--resume``, ``--keep-last``."""
+    from mmm.cli import nonnegative_int
+
+    g = parser.add_argument_group("checkpointing (torch Distributed Checkpoint; DeepSpeed's own for zero1/2/3)")
+    g.add_argument("--checkpoint-dir", "--checkpoint_dir", dest="checkpoint_dir", default=None, metavar="DIR",
+                   help="save checkpoints here (step-NNNNNNNN/ folders, each complete or absent) [off]")
+    g.add_argument("--checkpoint-every", "--checkpoint_every", dest="checkpoint_every", type=nonnegative_int,
+                   default=0, metavar="N", help="save every N steps; the last step and SIGTERM always save [0]")
+    g.add_argument("--resume", default=None, metavar="latest|STEP",
+                   help="continue from the latest checkpoint in --checkpoint-dir (a fresh start when there is none "
+                        "yet) or from a given step; the mesh may differ from the one that saved it")
+    g.add_argument("--keep-last", "--keep_last", dest="keep_last", type=nonnegative_int, default=0, metavar="K",
+                   help="keep only the K newest checkpoints; 0 keeps all [0]")
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class Checkpointer:
+    """Save and load a training state (``model``/``optimizer`` or a DeepSpeed ``engine``).
+
+    ``meta`` (model config, mesh, strategy...) is stored with every checkpoint; on load the
+    ``compat_keys`` of it must match, or the load is refused naming the differences.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, model=None, optimizer=None, deepspeed_engine=None,
+                 meta: dict[str, Any] | None = None, compat_keys: tuple[str, ...] = ("model",), keep_last: int = 0,
+                 log=None) -> None:
+        self.root = Path(root)
+        self.model, self.optimizer, self.ds = model, optimizer, deepspeed_engine
+        self.meta = meta or {}
+        self.compat_keys = compat_keys
+        self.keep_last = keep_last
+        self.log = log
+        self.last_save_s: float | None = None
+        self.last_load_s: float | None = None
+
+    # ------------------------------------------------------------------ state
+    def _state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, extra: dict[str, Any] | None = None) -> Path:
+        """Write the checkpoint of ``step`` (a collective: every rank calls it)."""
+        rank, world = _rank_world()
+        t0 = time.perf_counter()
+        final = step_dir(self.root, step)
+        tmp = self.root / f".{final.name}.tmp"
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob(".step-*.tmp"):
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+            (tmp / "rng").mkdir()
+        _barrier()
+        if self.ds is not None:
+            self.ds.save_checkpoint(str(tmp), tag="deepspeed", client_state={"step": step},
+                                    save_latest=False)
+        else:
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save(self._state(), checkpoint_id=str(tmp))
+        torch.save(_rng_state(), tmp / "rng" / f"rank{rank:05d}.pt")
+        _barrier()
+        if rank == 0:
+            meta = {**self.meta, **(extra or {}), "step": step, "world_size": world,
+                    "format": "deepspeed" if self.ds is not None else "dcp", "saved_at": time.time()}
+            with open(tmp / META, "w") as f:
+                json.dump(meta, f, indent=1, default=str)
+                f.flush()
+                os.fsync(f.fileno())
+            if final.exists():  # a re-save of the same step (e.g. after a resume): replace it
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            self._prune()
+        _barrier()
+        self.last_save_s = time.perf_counter() - t0
+        if self.log is not None:
+            self.log.info("checkpoint: step %d saved to %s in %.2fs", step, final, self.last_save_s)
+        return final
+
+    def _prune(self) -> None:
+        if self.keep_last <= 0:
+            return
+        steps = complete_steps(self.root)
+        for old in steps[:-self.keep_last]:
+            shutil.rmtree(step_dir(self.root, old), ignore_errors=True)
+
+    # ------------------------------------------------------------------ load
+    def resolve(self, which: str) -> int | None:
+        """The step ``--resume`` names (None: 'latest' and no checkpoint yet)."""
+        steps = complete_steps(self.root)
+        if which == "latest":
+            return steps[-1] if steps else None
+        step = int(which)
+        if step not in steps:
+            raise UsageError(f"--resume {which}: no complete checkpoint of step {step} in {str(self.root)!r} "
+                             f"(steps there: {', '.join(map(str, steps)) or 'none'})")
+        return step
+
+    def check_compatible(self, saved: dict[str, Any], path: Path) -> None:
+        problems = []
+        for key in self.compat_keys:
+            mine, theirs = self.meta.get(key), saved.get(key)
+            if isinstance(mine, dict) and isinstance(theirs, dict):
+                diff = [f"{k}={theirs.get(k)!r} (now {mine.get(k)!r})" for k in sorted(set(mine) | set(theirs))
+                        if mine.get(k) != theirs.get(k)]
+                if diff:
+                    problems.append(f"{key}: {', '.join(diff)}")
+            elif mine != theirs:
+                problems.append(f"{key}={theirs!r} (now {mine!r})")
+        fmt = saved.get("format")
+        if fmt == "deepspeed" and self.ds is None or fmt == "dcp" and self.ds is not None:
+            problems.append(f"it was saved by {'a DeepSpeed strategy' if fmt == 'deepspeed' else 'a torch strategy'}"
+                            f" ({saved.get('strategy')}); resume with a strategy of the same kind")
+        if fmt == "deepspeed" and saved.get("mesh", {}) != self.meta.get("mesh", {}):
+            problems.append(f"DeepSpeed checkpoints resume on the same mesh (saved {saved.get('mesh')}, "
+                            f"now {self.meta.get('mesh')})")
+        if problems:
+            raise UsageError(f"checkpoint {str(path)!r} does not fit this run: {'; '.join(problems)}; use the "
+                             "model flags it was saved with, or another --checkpoint-dir")
+
+    def load(self, which: str) -> dict[str, Any] | None:
+        """Restore the checkpoint ``which`` names (a collective); its metadata, or None when
+        'latest' finds nothing to resume."""
+        step = self.resolve(which)
+        if step is None:
+            if self.log is not None:
+                self.log.info("checkpoint: none in %s yet; starting from step 1", self.root)
+            return None
+        t0 = time.perf_counter()
+        path = step_dir(self.root, step)
+        saved = json.loads((path / META).read_text())
+        self.check_compatible(saved, path)
+        rank, world = _rank_world()
+        if self.ds is not None:
+            self.ds.load_checkpoint(str(path), tag="deepspeed", load_module_strict=True)
+        else:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import set_state_dict
+
+            state = self._state()
+            dcp.load(state, checkpoint_id=str(path))
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
+        rng = path / "rng" / f"rank{rank:05d}.pt"
+        if saved.get("world_size") == world and rng.is_file():
+            _set_rng_state(torch.load(rng, weights_only=False))
+        _barrier()
+        self.last_load_s = time.perf_counter() - t0
+        if self.log is not None:
+            self.log.info("checkpoint: resumed from %s (step %d, saved on %d ranks, mesh %s) in %.2fs", path, step,
+                          saved.get("world_size"), saved.get("mesh"), self.last_load_s)
+        return saved
