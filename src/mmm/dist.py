@@ -464,12 +464,15 @@ def data_generator(seed: int, dp_rank: int, device="cpu") -> torch.Generator:
 
 
 # --------------------------------------------------------------------------- teardown
-def teardown(*, ok: bool = True) -> None:
+def teardown(*, ok: bool = True, finalize_mpi: bool | None = None) -> None:
     """Leave the process group cleanly (PLATFORM.md, "Exit abort").
 
     On success every rank meets at a barrier before destroying the group, so no gloo
     worker still holds a collective's buffers while the interpreter shuts down. After a
     failure the barrier is skipped (peers may be gone); the group is destroyed anyway.
+    ``MPI.Finalize`` (when mpi4py started MPI) waits for every rank, so it runs only when all
+    ranks are leaving together (``finalize_mpi``, default ``ok``): after a failure a stalled
+    peer would hold it forever, and skipping it lets mpiexec see the exit and stop the job.
     """
     global _INFO
     dist = sys.modules.get("torch.distributed")
@@ -487,7 +490,7 @@ def teardown(*, ok: bool = True) -> None:
             dist.destroy_process_group()
         except Exception as e:  # pragma: no cover
             log.warning("destroy_process_group failed: %s", _first_line(e))
-    if "mpi4py.MPI" in sys.modules:
+    if "mpi4py.MPI" in sys.modules and (ok if finalize_mpi is None else finalize_mpi):
         MPI = sys.modules["mpi4py.MPI"]
         if MPI.Is_initialized() and not MPI.Is_finalized():
             MPI.Finalize()
@@ -568,11 +571,12 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
     if prog == "__main__.py":
         prog = "mmm"
     signal.signal(signal.SIGTERM, _on_sigterm)
-    code = 0
+    code, together = 0, None
     try:
         code = int(main(argv) or 0)
     except UsageError as e:
         code = e.exit_code
+        together = e.same_on_all_ranks
         rank = _rank_for_messages()
         if rank == 0 or not e.same_on_all_ranks:
             print_error(str(e), prog=prog, rank=rank if not e.same_on_all_ranks and rank else None)
@@ -594,12 +598,15 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
         rank = _rank_for_messages()
         peer = peer_failure_message(e)
         if peer is not None:  # one line per rank, not a wall of tracebacks
+            lost = silent_ranks()
+            if lost:
+                peer = f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} stopped answering; " + peer
             print_error(peer, prog=prog, rank=rank)
             finish(code)
         tb = traceback.format_exc()
         prefix = f"[rank {rank}] " if rank is not None else ""
         sys.stderr.write("".join(f"{prefix}{line}\n" for line in tb.rstrip().splitlines()))
-    finish(code)
+    finish(code, together=together)
 
 
 _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "econnreset",
@@ -632,6 +639,29 @@ def peer_failure_message(e: BaseException) -> str | None:
     return None
 
 
+def silent_ranks(wait_s: float = 3.0) -> list[int] | None:
+    """After a failed collective: the ranks that do not check in through the rendezvous store within
+    ``wait_s`` (the dead or stalled ones), or None when that cannot be known (the store lived on
+    the lost rank, or there is no process group)."""
+    try:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return None
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=wait_s))
+        rank, world = dist.get_rank(), dist.get_world_size()
+        store.set(f"mmm/alive/{rank}", "1")
+        deadline = time.monotonic() + wait_s
+        while True:
+            missing = [r for r in range(world) if not store.check([f"mmm/alive/{r}"])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.1)
+    except Exception:
+        return None
+
+
 def _rank_for_messages() -> int | None:
     if _INFO is not None:
         return _INFO.rank
@@ -641,11 +671,12 @@ def _rank_for_messages() -> int | None:
         return None
 
 
-def finish(code: int = 0) -> NoReturn:
-    """Tear down, flush, and leave the process with ``code`` (skipping interpreter shutdown)."""
+def finish(code: int = 0, *, together: bool | None = None) -> NoReturn:
+    """Tear down, flush, and leave the process with ``code`` (skipping interpreter shutdown).
+    ``together``: every rank is leaving the same way (success, or a usage error all ranks saw)."""
     try:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        teardown(ok=code == 0)
+        teardown(ok=code == 0, finalize_mpi=code == 0 if together is None else together)
     except BaseException as e:  # never let teardown turn a result into a hang or abort
         print_error(f"teardown: {_first_line(e)}")
         code = code or 1

@@ -85,7 +85,7 @@ def start(example: str, parser, argv, check_args) -> tuple[Any, Any, Path, Start
 
     startup = Startup()
     args = parser.parse_args(argv)
-    info = dist.setup(seed=args.seed)
+    info = dist.setup(seed=args.seed, timeout=getattr(args, "timeout", None))
     startup.mark("setup")
     if info.is_main:
         get_logger().info("%s", dist.banner(info))
@@ -353,6 +353,15 @@ class Run:
         if self.stopped_by:
             self.log.info("%s received: stopping after this step", self.stopped_by)
         return self.stopped_by is not None
+
+    def end_step(self, step: int, loss_value: float, *, args, checkpointer, last: bool, skipped: bool = False) -> bool:
+        """After ``record``: stop on a non-finite loss, agree on SIGTERM, save a checkpoint when one
+        is due. True: leave the loop (every rank alike)."""
+        self.check_loss(step, loss_value, skipped=skipped, checkpointer=checkpointer)
+        stopping = self.stop_requested()
+        if should_save(args, step, last=last, stopping=stopping):
+            checkpointer.save(step, {"loss": loss_value})
+        return stopping
 
     def record(self, step: int, *, force_log: bool = False, **metrics) -> dict:
         rec = self.hist.update(step, **metrics)

@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Sequence
 
-from mmm.cli import ArgumentParser, add_output_args, add_strategy_args, positive_int
+from mmm.cli import ArgumentParser, add_output_args, add_run_args, add_strategy_args, positive_int, run_arg_problems
 from mmm.errors import UsageError
 
 EXAMPLE = "fsdp"
@@ -43,6 +43,7 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--save-model", "--save_model", dest="save_model", action="store_true",
                    help="save the trained weights (full state dict) to <outdir>/model.pt")
     add_output_args(p, EXAMPLE, log_every=50)
+    add_run_args(p)
     return p
 
 
@@ -61,6 +62,7 @@ def check_args(args, world_size: int) -> None:
         problems.append(f"--dropout {args.dropout} must be in [0, 1)")
     if args.lr <= 0:
         problems.append(f"--lr {args.lr} must be > 0")
+    problems += run_arg_problems(args)
     if problems:
         raise UsageError("; ".join(problems))
 
@@ -81,7 +83,8 @@ def train(args, info, outdir, startup) -> int:
     from mmm.models.cnn import DigitsCNN, log_softmax_nll
     from mmm.parallel import init_mesh
     from mmm.parallel.strategy import build_engine
-    from mmm.training import Run, mean_over, torchinfo_summary, train_step
+    from mmm import dist
+    from mmm.training import Run, make_checkpointer, mean_over, resume, should_save, torchinfo_summary, train_step
 
     log = get_logger()
     data = load_digits_data(args.data_dir)
@@ -110,43 +113,72 @@ def train(args, info, outdir, startup) -> int:
 
     dp_group, dp_rank, dp = mesh.group("dp"), mesh.coord("dp"), mesh.dp
     local = args.batch_size // dp
-    run = Run(EXAMPLE, info=info, outdir=outdir, startup=startup, warmup=args.warmup, log_every=args.log_every)
-    epochs = History(outdir, write=info.is_main, warmup=0, name="epochs", step_key="epoch")
+    per_epoch = len(epoch_batches(len(data.train.labels), global_batch=args.batch_size, seed=args.seed, epoch=1))
+    per_epoch = min(per_epoch, args.steps_per_epoch or per_epoch)
+    meta = {"example": EXAMPLE, "model": {"type": "DigitsCNN", "img_size": data.img_size, "num_params": n_params},
+            "mesh": mesh.dims.degrees, "strategy": args.strategy, "seed": args.seed,
+            "global_batch": args.batch_size, "steps_per_epoch": per_epoch}
+    ckpt = make_checkpointer(args, engine, meta=meta, log=log)
+    start = resume(args, ckpt)  # optimizer state carries the decayed learning rate
+    first_epoch, skip = (start - 1) // per_epoch + 1, (start - 1) % per_epoch
+    run = Run(EXAMPLE, info=info, outdir=outdir, startup=startup, warmup=args.warmup, log_every=args.log_every,
+              resume_step=start - 1)
+    epochs = History(outdir, write=info.is_main, warmup=0, name="epochs", step_key="epoch",
+                     resume=first_epoch - 1 if start > 1 else None)
     train_x, train_y = data.train.images.to(device), data.train.labels.to(device)
-    step = 0
-    for epoch in range(1, args.epochs + 1):
+    step, stopping = start - 1, False
+    dist.graceful_sigterm()
+    for epoch in range(first_epoch, args.epochs + 1):
         t_epoch = time.perf_counter()
         engine.train()
-        batches = epoch_batches(len(train_y), global_batch=args.batch_size, seed=args.seed, epoch=epoch)
-        batches = batches[:args.steps_per_epoch] if args.steps_per_epoch else batches
+        batches = epoch_batches(len(train_y), global_batch=args.batch_size, seed=args.seed, epoch=epoch)[:per_epoch]
         losses = []
         for i, idx in enumerate(batches):
+            if epoch == first_epoch and i < skip:
+                continue  # done before the checkpoint this run resumed from
+            poison = run.begin_step(step + 1)
             t0 = time.perf_counter()
             step += 1
             mine = idx[dp_rank * local:(dp_rank + 1) * local].to(device)
-            last = epoch == args.epochs and i == len(batches) - 1
+            end_of_epoch = i == len(batches) - 1
+            last = epoch == args.epochs and end_of_epoch
             loss, times = train_step(engine, train_x[mine], train_y[mine], log_softmax_nll, device=device, t_start=t0,
+                                     poison=poison, skip_nonfinite=args.on_nonfinite == "skip",
                                      after_backward=(lambda: run.capture_memory(engine)) if last else None)
             loss_value = mean_over(loss, dp_group)
-            if not math.isfinite(loss_value):
-                raise RuntimeError(f"loss is {loss_value} at epoch {epoch} iter {step}; lower --lr")
             losses.append(loss_value)
             run.record(step, loss=loss_value, **times, samples_per_s=args.batch_size / times["dt"])
+            run.check_loss(step, loss_value, skipped=bool(times.get("skipped")), checkpointer=ckpt)
+            stopping = run.stop_requested()
+            if end_of_epoch:
+                break  # an epoch's last step is saved after its evaluation and learning-rate decay
+            if should_save(args, step, last=False, stopping=stopping):
+                ckpt.save(step, {"loss": loss_value, "epoch": epoch})
+            if stopping:
+                break
+        if stopping and not end_of_epoch:
+            break
         test_loss, test_acc = evaluate(engine, data.test, batch=args.test_batch_size, rank=dp_rank, world=dp,
                                        group=dp_group, device=device)
-        rec = epochs.update(epoch, dt=time.perf_counter() - t_epoch, train_loss=sum(losses) / len(losses),
+        finite = [x for x in losses if math.isfinite(x)]
+        rec = epochs.update(epoch, dt=time.perf_counter() - t_epoch,
+                            train_loss=sum(finite) / len(finite) if finite else math.nan,
                             test_loss=test_loss, test_acc=test_acc, lr=engine.param_groups[0]["lr"])
         log.info("epoch=%d dt=%.2f train_loss=%.4f test_loss=%.4f test_acc=%.4f", epoch, rec["dt"],
                  rec["train_loss"], test_loss, test_acc)
         for group in engine.param_groups:
             group["lr"] *= args.gamma
+        if should_save(args, step, last=epoch == args.epochs, stopping=stopping):
+            ckpt.save(step, {"loss": losses[-1] if losses else None, "epoch": epoch})
+        if stopping:
+            break
     epochs.finalize(plots=not args.no_plots, print_plots=False, summary_file=None)
     if args.save_model:
         save_full_model(engine, outdir / "model.pt", is_main=info.is_main)
-    last_epoch = epochs.rows[-1]
+    last_epoch = epochs.rows[-1] if epochs.rows else {}  # none when stopped inside the first epoch
     extra = {"mesh": mesh.dims.degrees, "strategy": args.strategy, "dtype": args.dtype, "dataset": data.name,
              "model": {"type": "DigitsCNN", "num_params": n_params}, "global_batch": args.batch_size,
-             "epochs": epochs.rows, "test_acc": last_epoch["test_acc"], "test_loss": last_epoch["test_loss"]}
+             "epochs": epochs.rows, "test_acc": last_epoch.get("test_acc"), "test_loss": last_epoch.get("test_loss")}
     from mmm.flops import counted_flops_per_sample
 
     flops = counted_flops_per_sample(lambda: DigitsCNN(img_size=data.img_size), (1, data.img_size, data.img_size))

@@ -188,7 +188,7 @@ def train(args, info, outdir, startup) -> int:
     from mmm.parallel.context import apply_cp_llama, shard_sequence
     from mmm.parallel.strategy import build_engine
     from mmm.parallel.tensor import apply_tp_llama, loss_parallel_context
-    from mmm.training import Run, make_checkpointer, mean_over, resume, should_save, train_step
+    from mmm.training import Run, make_checkpointer, mean_over, resume, train_step
 
     log = get_logger()
     mesh = init_mesh(tp=args.tp, pp=args.pp, cp=args.cp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard)
@@ -259,11 +259,7 @@ def train(args, info, outdir, startup) -> int:
             loss_value = mean_over(loss, loss_group)
         run.record(step, force_log=last, loss=loss_value, **times, tps=tokens_per_step / times["dt"],
                    **({"grad_norm": engine.grad_norm} if args.grad_clip > 0 else {}))
-        run.check_loss(step, loss_value, skipped=bool(times.get("skipped")), checkpointer=ckpt)
-        stopping = run.stop_requested()
-        if should_save(args, step, last=last, stopping=stopping):
-            ckpt.save(step, {"loss": loss_value})
-        if stopping:
+        if run.end_step(step, loss_value, args=args, checkpointer=ckpt, last=last, skipped=bool(times.get("skipped"))):
             break
 
     extra = {
@@ -293,7 +289,7 @@ def train_pipeline(args, info, outdir, startup, mesh, model, cfg, dataset, n_par
     from mmm.parallel.strategy import TorchEngine, data_parallel_mesh, uses_fsdp
     from mmm.parallel.tensor import apply_tp_llama, loss_parallel_context
     from mmm import dist as mdist
-    from mmm.training import Run, make_checkpointer, resume, should_save
+    from mmm.training import Run, make_checkpointer, resume
 
     log = get_logger()
     device, pp = info.device, mesh.pp
@@ -383,11 +379,7 @@ def train_pipeline(args, info, outdir, startup, mesh, model, cfg, dataset, n_par
         run.record(step, force_log=step == args.max_iters, loss=loss_value, dt=dt, dtf=None, dtb=None,
                    tps=tokens_per_step / dt, **({"grad_norm": engine.grad_norm} if args.grad_clip > 0 else {}),
                    **({"skipped": int(skipped)} if args.on_nonfinite == "skip" else {}))
-        run.check_loss(step, loss_value, skipped=skipped, checkpointer=ckpt)
-        stopping = run.stop_requested()
-        if should_save(args, step, last=step == args.max_iters, stopping=stopping):
-            ckpt.save(step, {"loss": loss_value})
-        if stopping:
+        if run.end_step(step, loss_value, args=args, checkpointer=ckpt, last=step == args.max_iters, skipped=skipped):
             break
     extra = {
         "mesh": mesh.dims.degrees, "strategy": args.strategy, "dtype": args.dtype, "ac": args.ac,

@@ -10,11 +10,10 @@ is the GLOBAL batch; the same --seed and global batch give the same losses on an
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 
-from mmm.cli import ArgumentParser, add_output_args, add_strategy_args, degree, positive_int
+from mmm.cli import ArgumentParser, add_output_args, add_run_args, add_strategy_args, degree, positive_int, run_arg_problems
 from mmm.errors import UsageError
 
 EXAMPLE = "vit"
@@ -50,6 +49,7 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--compile", action="store_true", help="torch.compile each block")
     g.add_argument("--ac", choices=AC_MODES, default="none", help="activation checkpointing [none]")
     add_output_args(p, EXAMPLE)
+    add_run_args(p)
     return p
 
 
@@ -76,6 +76,7 @@ def check_args(args, world_size: int) -> None:
         problems += compile_problems(args.compile, dims)
         problems += vit_tp_problems(tp=dims.tp, num_heads=args.num_heads)
         problems += batch_problems(args.batch_size, dims.dp)
+    problems += run_arg_problems(args)
     if problems:
         raise UsageError("; ".join(problems))
 
@@ -97,7 +98,8 @@ def train(args, info, outdir, startup) -> int:
     from mmm.parallel import describe_sharding, init_mesh
     from mmm.parallel.strategy import build_engine
     from mmm.parallel.tensor import apply_tp_vit
-    from mmm.training import Run, mean_over, torchinfo_summary, train_step
+    from mmm import dist
+    from mmm.training import Run, make_checkpointer, mean_over, resume, torchinfo_summary, train_step
 
     log = get_logger()
     mesh = init_mesh(tp=args.tp, dp_replicate=args.dp_replicate, dp_shard=-1)
@@ -124,27 +126,35 @@ def train(args, info, outdir, startup) -> int:
     startup.mark("parallelize")
 
     dp_group, dp_rank, local = mesh.group("dp"), mesh.coord("dp"), args.batch_size // mesh.dp
-    run = Run(EXAMPLE, info=info, outdir=outdir, startup=startup, warmup=args.warmup, log_every=args.log_every)
+    meta = {"example": EXAMPLE, "model": dict(vars(cfg)), "mesh": mesh.dims.degrees, "strategy": args.strategy,
+            "seed": args.seed, "global_batch": args.batch_size}
+    ckpt = make_checkpointer(args, engine, meta=meta, log=log)
+    start = resume(args, ckpt)
+    run = Run(EXAMPLE, info=info, outdir=outdir, startup=startup, warmup=args.warmup, log_every=args.log_every,
+              resume_step=start - 1)
     if info.is_main:
-        log.info("training %d steps: global batch %d images of %dx%d (%d per dp rank), dtype=%s, out=%s",
-                 args.max_iters, args.batch_size, cfg.img_size, cfg.img_size, local, args.dtype, outdir)
+        log.info("training steps %d-%d: global batch %d images of %dx%d (%d per dp rank), dtype=%s, out=%s",
+                 start, args.max_iters, args.batch_size, cfg.img_size, cfg.img_size, local, args.dtype, outdir)
 
     def loss_fn(logits, labels):
         return F.cross_entropy(logits.float(), labels)
 
+    dist.graceful_sigterm()
     engine.train()
-    for step in range(1, args.max_iters + 1):
+    for step in range(start, args.max_iters + 1):
+        poison = run.begin_step(step)
         t0 = time.perf_counter()
         images, labels = data.global_batch(args.seed, step, args.batch_size)
         images = images[dp_rank * local:(dp_rank + 1) * local].to(device)
         labels = labels[dp_rank * local:(dp_rank + 1) * local].to(device)
         last = step == args.max_iters
-        loss, times = train_step(engine, images, labels, loss_fn, device=device, t_start=t0,
+        loss, times = train_step(engine, images, labels, loss_fn, device=device, t_start=t0, poison=poison,
+                                 skip_nonfinite=args.on_nonfinite == "skip",
                                  after_backward=(lambda: run.capture_memory(engine)) if last else None)
         loss_value = mean_over(loss, dp_group)
-        if not math.isfinite(loss_value):
-            raise RuntimeError(f"loss is {loss_value} at iter {step}; lower --lr or use --dtype fp32")
         run.record(step, force_log=last, loss=loss_value, **times, samples_per_s=args.batch_size / times["dt"])
+        if run.end_step(step, loss_value, args=args, checkpointer=ckpt, last=last, skipped=bool(times.get("skipped"))):
+            break
 
     extra = {"mesh": mesh.dims.degrees, "strategy": args.strategy, "dtype": args.dtype, "ac": args.ac,
              "compile": args.compile, "model": {**vars(cfg), "num_params": n_params},
