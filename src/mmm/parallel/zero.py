@@ -86,6 +86,11 @@ def initialize(model: nn.Module, optimizer, *, config: dict[str, Any], device_ty
     import torch.distributed as dist
 
     backend = dist.get_backend() if dist.is_initialized() else "gloo"
+    # DeepSpeed insists on LOCAL_RANK, which only torchrun and Open MPI set: give it ours (one
+    # process, srun, Hydra, PALS)
+    from mmm import dist as mdist
+
+    os.environ.setdefault("LOCAL_RANK", str(mdist.info().local_rank))
     deepspeed.init_distributed(dist_backend=backend)
     kwargs = {"model": model, "config": config}
     if optimizer is not None:
