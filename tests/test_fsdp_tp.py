@@ -37,7 +37,6 @@ MATRIX = [
     ("fsdp-dp1-tp4", 4, ["--tp", "4"], "torchrun"),
     ("ddp-dp4", 4, ["--strategy", "ddp"], "launch"),
     ("hsdp-2x2", 4, ["--strategy", "hsdp", "--dp-replicate", "2"], "torchrun"),
-    ("fsdp-dp4-tp2", 8, ["--tp", "2"], "launch"),
     ("fsdp-dp2-tp4", 8, ["--tp", "4"], "torchrun"),
     ("fsdp-dp2-tp2-ac-selective", 4, ["--tp", "2", "--ac", "selective"], "torchrun"),
     ("fsdp-dp4-no-reshard", 4, ["--reshard-after-forward", "false"], "launch"),
@@ -74,6 +73,10 @@ def test_outputs_and_log_lines(tmp_path):
                 "startup_phases", "versions", "mfu"):
         assert key in s, key
     assert s["mesh"]["tp"] == 2 and s["mesh"]["dp_shard"] == 2
+    assert list(s["startup_phases"]) == [f"{p}_s" for p in ("interpreter", "imports", "process_group", "mesh",
+                                                             "model", "parallelize", "first_step")]
+    assert abs(sum(s["startup_phases"].values()) - s["startup_s"]) < 0.05
+    assert 0 < s["mfu"] < 1 and s["flops"]["flops_per_unit"] > 0
     for metric in ("dt", "dtf", "dtb", "tps"):
         assert s["stats"][metric]["n"] == 4  # 6 steps, 2 warmup excluded
     assert {"history.jsonl", "history.nc", "summary.json", "plots"} <= {p.name for p in tmp_path.iterdir()}

@@ -130,7 +130,8 @@ def test_sigkill_of_a_rank_stops_the_others_naming_it(tmp_path, runner):
     assert jsonl(tmp_path / "history.jsonl", "iter")[:2] == [1, 2]  # the finished steps are on disk
 
 
-@pytest.mark.parametrize("runner", ["torchrun", "mpiexec"])
+# under torchrun the same holds, but torchrun waits 30 s before it SIGKILLs the stopped worker (~50 s in all)
+@pytest.mark.parametrize("runner", ["mpiexec"])
 def test_a_stalled_rank_fails_the_others_after_the_timeout(tmp_path, runner):
     timeout = 8
     res = run(ranks(3, runner, [*FSDP_TP, "--batch-size", "12", "--max-iters", "20", "--timeout", str(timeout),

@@ -293,8 +293,9 @@ def timeout_seconds(value: float | None = None) -> float:
         seconds = float(raw)
     except (TypeError, ValueError):
         raise UsageError(f"MMM_TIMEOUT={raw!r} is not a number of seconds") from None
-    if seconds <= 0:
-        raise UsageError(f"timeout={seconds:g} s must be positive")
+    if not seconds > 0:
+        where = f"--timeout {seconds:g}" if value is not None else f"MMM_TIMEOUT={raw}"
+        raise UsageError(f"{where}: the collective timeout must be a positive number of seconds")
     return seconds
 
 

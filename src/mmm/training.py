@@ -49,6 +49,13 @@ class Startup:
         """Record that ``phase`` just finished."""
         self.marks.append((phase, time.time()))
 
+    def mark_setup(self, info) -> None:
+        """After :func:`mmm.dist.setup`: two phases, ``imports`` (flags, torch and the rest) and
+        ``process_group`` (its initialisation, a rendezvous of every rank)."""
+        now = time.time()
+        self.marks.append(("imports", now - info.timings.get("init_process_group_s", 0.0)))
+        self.marks.append(("process_group", now))
+
     def phases(self) -> dict[str, float]:
         out, prev = {}, self.launch
         for name, t in self.marks:
@@ -86,7 +93,7 @@ def start(example: str, parser, argv, check_args) -> tuple[Any, Any, Path, Start
     startup = Startup()
     args = parser.parse_args(argv)
     info = dist.setup(seed=args.seed, timeout=getattr(args, "timeout", None))
-    startup.mark("setup")
+    startup.mark_setup(info)
     if info.is_main:
         get_logger().info("%s", dist.banner(info))
     check_args(args, info.world_size)
@@ -271,12 +278,17 @@ def make_checkpointer(args, engine, *, meta: dict[str, Any], log=None):
                         keep_last=args.keep_last, log=log)
 
 
-def resume(args, checkpointer) -> int:
-    """The first step to run: 1, or one past the checkpoint ``--resume`` names."""
+def resume(args, checkpointer, startup: Startup | None = None) -> int:
+    """The first step to run: 1, or one past the checkpoint ``--resume`` names (loading it is a
+    startup phase of its own, ``resume``)."""
     if checkpointer is None or not getattr(args, "resume", None):
         return 1
     saved = checkpointer.load(args.resume)
-    return 1 if saved is None else int(saved["step"]) + 1
+    if saved is None:
+        return 1
+    if startup is not None:
+        startup.mark("resume")
+    return int(saved["step"]) + 1
 
 
 def should_save(args, step: int, *, last: bool, stopping: bool) -> bool:

@@ -119,7 +119,7 @@ def train(args, info, outdir, startup) -> int:
             "mesh": mesh.dims.degrees, "strategy": args.strategy, "seed": args.seed,
             "global_batch": args.batch_size, "steps_per_epoch": per_epoch}
     ckpt = make_checkpointer(args, engine, meta=meta, log=log)
-    start = resume(args, ckpt)  # optimizer state carries the decayed learning rate
+    start = resume(args, ckpt, startup)  # optimizer state carries the decayed learning rate
     first_epoch, skip = (start - 1) // per_epoch + 1, (start - 1) % per_epoch
     run = Run(EXAMPLE, info=info, outdir=outdir, startup=startup, warmup=args.warmup, log_every=args.log_every,
               resume_step=start - 1)

@@ -163,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mmm import dist
 
     info = dist.setup(seed=args.seed, timeout=args.timeout)
-    startup.mark("setup")
+    startup.mark_setup(info)
     if info.is_main:
         from mmm.log import get_logger
 
@@ -225,7 +225,7 @@ def train(args, info, outdir, startup) -> int:
     loss_group = mesh.group("dp_cp")  # every rank of a TP group already holds the same loss
     cp_rank = mesh.coord("cp")
     ckpt = make_checkpointer(args, engine, meta=checkpoint_meta(args, cfg, mesh), log=log)
-    start = resume(args, ckpt)
+    start = resume(args, ckpt, startup)
     batches = local_batches(dataset, seed=args.seed, global_batch=args.batch_size, dp_rank=mesh.coord("dp"),
                             dp_size=mesh.dp, start_step=start - 1, device=device)
     tokens_per_step = args.batch_size * cfg.seq_len
@@ -333,7 +333,7 @@ def train_pipeline(args, info, outdir, startup, mesh, model, cfg, dataset, n_par
     first, last = 0 in mine, num_stages - 1 in mine
     dp_group, pp_group = mesh.group("dp_cp"), mesh.group("pp")  # the loss is averaged over dp and cp ranks
     ckpt = make_checkpointer(args, engine, meta=checkpoint_meta(args, cfg, mesh), log=log)
-    start = resume(args, ckpt)
+    start = resume(args, ckpt, startup)
     batches = local_batches(dataset, seed=args.seed, global_batch=args.batch_size, dp_rank=mesh.coord("dp"),
                             dp_size=mesh.dp, start_step=start - 1, device=device)
     tokens_per_step = args.batch_size * cfg.seq_len

@@ -129,7 +129,7 @@ def train(args, info, outdir, startup) -> int:
     meta = {"example": EXAMPLE, "model": dict(vars(cfg)), "mesh": mesh.dims.degrees, "strategy": args.strategy,
             "seed": args.seed, "global_batch": args.batch_size}
     ckpt = make_checkpointer(args, engine, meta=meta, log=log)
-    start = resume(args, ckpt)
+    start = resume(args, ckpt, startup)
     run = Run(EXAMPLE, info=info, outdir=outdir, startup=startup, warmup=args.warmup, log_every=args.log_every,
               resume_step=start - 1)
     if info.is_main:

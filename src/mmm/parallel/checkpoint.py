@@ -71,7 +71,9 @@ def checkpoint_problems(checkpoint_dir: str | None, resume: str | None, every: i
             out.append(f"--checkpoint-dir {checkpoint_dir!r} is a file; pass a directory")
         else:
             parent = next((p for p in [path, *path.parents] if p.exists()), None)
-            if parent is not None and not os.access(parent, os.W_OK):
+            if parent is not None and not parent.is_dir():
+                out.append(f"--checkpoint-dir {checkpoint_dir!r}: {str(parent)!r} is a file, not a directory")
+            elif parent is not None and not os.access(parent, os.W_OK):
                 out.append(f"--checkpoint-dir {checkpoint_dir!r}: cannot write in {str(parent)!r}")
         if resume is not None and resume != "latest" and resume.isdigit() and path.is_dir():
             steps = complete_steps(path)
