@@ -14,10 +14,12 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("cli", "data", "dist", "errors", "history", "launch", "log", "models", "parallel", "training")
+_SUBMODULES = ("cli", "data", "dist", "errors", "faults", "flops", "history", "launch", "log", "measure", "models",
+               "parallel", "plan", "training")
 
 if TYPE_CHECKING:  # pragma: no cover
-    from mmm import cli, data, dist, errors, history, launch, log, models, parallel, training  # noqa: F401
+    from mmm import (cli, data, dist, errors, faults, flops, history, launch, log, measure, models,  # noqa: F401
+                     parallel, plan, training)
 
 
 def __getattr__(name: str):
