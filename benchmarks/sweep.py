@@ -273,7 +273,7 @@ def plots(ds, outdir: Path) -> None:
         os.replace(tmp, outdir / f"{name}.png")
 
 
-def _progress(total: int):
+def _progress():
     """A rich progress bar on a terminal, plain lines otherwise (CI logs, pipes)."""
     if sys.stderr.isatty() and os.environ.get("MMM_RICH", "1") != "0":
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -292,7 +292,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     print(f"sweep: {len(combos)} layouts of {args.world} ranks -> {out}", flush=True)
     results = []
-    progress = _progress(len(combos))
+    progress = _progress()
     task = None
     if progress is not None:
         progress.start()

@@ -148,6 +148,21 @@ def checkpoint_meta(args, cfg, mesh) -> dict:
             "seed": args.seed, "global_batch": args.batch_size, "dataset": args.dataset}
 
 
+def _loop_setup(args, info, outdir, startup, engine, cfg, mesh, dataset, log):
+    """What both training loops start from: the checkpointer, the first step (after ``--resume``),
+    this dp rank's batches from that step on, and the Run that records the steps."""
+    from mmm.data import local_batches
+    from mmm.training import Run, make_checkpointer, resume
+
+    ckpt = make_checkpointer(args, engine, meta=checkpoint_meta(args, cfg, mesh), log=log)
+    start = resume(args, ckpt, startup)
+    batches = local_batches(dataset, seed=args.seed, global_batch=args.batch_size, dp_rank=mesh.coord("dp"),
+                            dp_size=mesh.dp, start_step=start - 1, device=info.device)
+    run = Run(EXAMPLE, info=info, outdir=outdir, startup=startup, warmup=args.warmup, log_every=args.log_every,
+              resume_step=start - 1)
+    return ckpt, start, batches, run
+
+
 def model_config(args):
     from mmm.models.llama import LlamaConfig
 
@@ -181,14 +196,14 @@ def train(args, info, outdir, startup) -> int:
 
     from mmm import dist
 
-    from mmm.data import local_batches, make_dataset
+    from mmm.data import make_dataset
     from mmm.log import get_logger
     from mmm.models.llama import Llama
     from mmm.parallel import describe_sharding, init_mesh
     from mmm.parallel.context import apply_cp_llama, shard_sequence
     from mmm.parallel.strategy import build_engine
     from mmm.parallel.tensor import apply_tp_llama, loss_parallel_context
-    from mmm.training import Run, make_checkpointer, mean_over, resume, train_step
+    from mmm.training import mean_over, train_step
 
     log = get_logger()
     mesh = init_mesh(tp=args.tp, pp=args.pp, cp=args.cp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard)
@@ -224,13 +239,8 @@ def train(args, info, outdir, startup) -> int:
 
     loss_group = mesh.group("dp_cp")  # every rank of a TP group already holds the same loss
     cp_rank = mesh.coord("cp")
-    ckpt = make_checkpointer(args, engine, meta=checkpoint_meta(args, cfg, mesh), log=log)
-    start = resume(args, ckpt, startup)
-    batches = local_batches(dataset, seed=args.seed, global_batch=args.batch_size, dp_rank=mesh.coord("dp"),
-                            dp_size=mesh.dp, start_step=start - 1, device=device)
+    ckpt, start, batches, run = _loop_setup(args, info, outdir, startup, engine, cfg, mesh, dataset, log)
     tokens_per_step = args.batch_size * cfg.seq_len
-    run = Run(EXAMPLE, info=info, outdir=outdir, startup=startup, warmup=args.warmup, log_every=args.log_every,
-              resume_step=start - 1)
     if info.is_main:
         if mesh.cp_enabled:
             log.info("context parallel: ring attention over %d ranks, %d tokens each (chunks r and 2cp-1-r of %d)",
@@ -279,7 +289,6 @@ def train_pipeline(args, info, outdir, startup, mesh, model, cfg, dataset, n_par
     import torch.nn.functional as F
     from torch.distributed.pipelining import PipelineStage
 
-    from mmm.data import local_batches
     from mmm.log import get_logger
     from mmm.parallel import describe_sharding
     from mmm.parallel.activation_checkpoint import wrap_block
@@ -289,7 +298,6 @@ def train_pipeline(args, info, outdir, startup, mesh, model, cfg, dataset, n_par
     from mmm.parallel.strategy import TorchEngine, data_parallel_mesh, uses_fsdp
     from mmm.parallel.tensor import apply_tp_llama, loss_parallel_context
     from mmm import dist as mdist
-    from mmm.training import Run, make_checkpointer, resume
 
     log = get_logger()
     device, pp = info.device, mesh.pp
@@ -332,13 +340,8 @@ def train_pipeline(args, info, outdir, startup, mesh, model, cfg, dataset, n_par
 
     first, last = 0 in mine, num_stages - 1 in mine
     dp_group, pp_group = mesh.group("dp_cp"), mesh.group("pp")  # the loss is averaged over dp and cp ranks
-    ckpt = make_checkpointer(args, engine, meta=checkpoint_meta(args, cfg, mesh), log=log)
-    start = resume(args, ckpt, startup)
-    batches = local_batches(dataset, seed=args.seed, global_batch=args.batch_size, dp_rank=mesh.coord("dp"),
-                            dp_size=mesh.dp, start_step=start - 1, device=device)
+    ckpt, start, batches, run = _loop_setup(args, info, outdir, startup, engine, cfg, mesh, dataset, log)
     tokens_per_step = args.batch_size * cfg.seq_len
-    run = Run(EXAMPLE, info=info, outdir=outdir, startup=startup, warmup=args.warmup, log_every=args.log_every,
-              resume_step=start - 1)
     if info.is_main:
         log.info("training steps %d-%d: global batch %d x %d tokens (%d per dp rank, %d microbatches), dataset=%s, "
                  "out=%s", start, args.max_iters, args.batch_size, cfg.seq_len, args.batch_size // mesh.dp,

@@ -54,6 +54,12 @@ def complete_steps(root: Path) -> list[int]:
     return sorted(out)
 
 
+def missing_step(root: Path, step: int, steps: list[int]) -> str:
+    """The message for a ``--resume`` step that has no complete checkpoint."""
+    return (f"--resume {step}: no complete checkpoint of step {step} in {str(root)!r} "
+            f"(steps there: {', '.join(map(str, steps)) or 'none'}); use one of those or 'latest'")
+
+
 def checkpoint_problems(checkpoint_dir: str | None, resume: str | None, every: int, keep_last: int) -> list[str]:
     """Flag problems, each naming the value and a fix (nothing is created here)."""
     out = []
@@ -78,9 +84,7 @@ def checkpoint_problems(checkpoint_dir: str | None, resume: str | None, every: i
         if resume is not None and resume != "latest" and resume.isdigit() and path.is_dir():
             steps = complete_steps(path)
             if int(resume) not in steps:
-                have = ", ".join(map(str, steps)) or "none"
-                out.append(f"--resume {resume}: no complete checkpoint of step {resume} in {checkpoint_dir!r} "
-                           f"(steps there: {have}); use one of those or 'latest'")
+                out.append(missing_step(path, int(resume), steps))
     return out
 
 
@@ -209,8 +213,7 @@ class Checkpointer:
             return steps[-1] if steps else None
         step = int(which)
         if step not in steps:
-            raise UsageError(f"--resume {which}: no complete checkpoint of step {step} in {str(self.root)!r} "
-                             f"(steps there: {', '.join(map(str, steps)) or 'none'})")
+            raise UsageError(missing_step(self.root, step, steps))
         return step
 
     def check_compatible(self, saved: dict[str, Any], path: Path) -> None:

@@ -248,7 +248,7 @@ def estimate_comm(args, world: int) -> dict[str, float]:
     t = b * cfg.seq_len // dims.cp
     d, tp = cfg.dim, dims.tp
     stages = _stage_blocks(args, dims)
-    blocks, first, last = max(stages, key=lambda s: _rank_params(model_config(args), tp, *s)[0])
+    blocks, first, last = max(stages, key=lambda s: _rank_params(cfg, tp, *s)[0])
     params, block_params = _rank_params(cfg, tp, blocks, first, last)
     out: dict[str, float] = {}
 
