@@ -1,10 +1,13 @@
 """Pipeline parallel in fsdp_tp: stage splitting, schedules, and losses equal to one process (real ranks)."""
 
 import pytest
+import torch
 from conftest import assert_clean_user_error, jsonl, launch, max_rel_diff, run, run_ranks, single_process_run
 
 from mmm.models.llama import Llama, LlamaConfig
-from mmm.parallel.pipeline import pipeline_problems, split_model, stage_ids, stage_layer_ranges
+from torch import nn
+
+from mmm.parallel.pipeline import outer_modules, pipeline_problems, split_model, stage_ids, stage_layer_ranges
 
 MODULE = ["-m", "mmm.examples.fsdp_tp"]
 MODEL = ["--dim", "64", "--n-layers", "8", "--n-heads", "8", "--n-kv-heads", "4", "--seq-len", "32",
@@ -22,11 +25,50 @@ def test_split_model_keeps_names_and_only_its_blocks():
     model = Llama(LlamaConfig(dim=32, n_layers=4, n_heads=4, vocab_size=64, seq_len=8))
     mid = split_model(model, (1, 3), first=False, last=False)
     assert list(mid.layers.keys()) == ["1", "2"]
-    assert mid.tok_embeddings is None and mid.output is None
+    assert isinstance(mid.tok_embeddings, nn.Identity) and isinstance(mid.output, nn.Identity)
     names = {n for n, _ in mid.named_parameters()}
     assert "layers.1.attention.wq.weight" in names and all(n.startswith("layers.") for n in names)
     first = split_model(model, (0, 1), first=True, last=False)
-    assert first.tok_embeddings is not None and list(first.layers.keys()) == ["0"]
+    assert isinstance(first.tok_embeddings, nn.Embedding) and list(first.layers.keys()) == ["0"]
+    assert model.layers["0"].attention.wq.weight.data_ptr() != first.layers["0"].attention.wq.weight.data_ptr()
+
+
+class _Inner(nn.Module):  # the shape of a Hugging Face causal LM: model.{embed, layers (a list), norm, rotary}
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(4)])
+        self.norm = nn.LayerNorm(4)
+        self.rotary = nn.Module()  # no parameters: stays on every stage
+
+    def forward(self, x):
+        h = self.embed(x)
+        for layer in self.layers[:4]:  # slices, as HF's forward does
+            h = layer(h)
+        return (self.norm(h),)
+
+
+class _Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = _Inner()
+        self.head = nn.Linear(4, 10)
+
+    def forward(self, x):
+        return {"x": self.head(self.model(x)[0])}["x"]
+
+
+def test_split_module_list_keeps_full_names_and_runs_its_own_forward():
+    model = _Outer()
+    pre, post = outer_modules(model, "model.layers")
+    assert pre == ["model.embed"] and sorted(post) == ["head", "model.norm"]
+    mid = split_model(model, (1, 3), first=False, last=False)
+    assert sorted(n for n, _ in mid.named_parameters()) == [
+        "model.layers.1.bias", "model.layers.1.weight", "model.layers.2.bias", "model.layers.2.weight"]
+    x = torch.randn(2, 3, 4)
+    assert torch.equal(mid(x), model.model.layers[2](model.model.layers[1](x)))  # tuple output -> its tensor
+    first = split_model(model, (0, 1), first=True, last=False)
+    assert isinstance(first.model.embed, nn.Embedding) and isinstance(first.head, nn.Identity)
 
 
 @pytest.mark.parametrize("kwargs, needle", [

@@ -688,3 +688,14 @@ def finish(code: int = 0, *, together: bool | None = None) -> NoReturn:
             except Exception:
                 pass
         os._exit(code)
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` on every rank (an explicit collective, for end-of-run reports)."""
+    import torch.distributed as tdist
+
+    if not tdist.is_initialized() or tdist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * tdist.get_world_size()
+    tdist.all_gather_object(out, obj)
+    return out

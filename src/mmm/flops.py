@@ -140,7 +140,7 @@ def mfu(*, tokens_per_s: float | None, flops_per_token: float | None, peaks: lis
 
 def mfu_report(device, dtype: str, *, rate: float | None, flops_per_unit: float | None) -> dict[str, Any]:
     """Every rank's peak (gathered), and the job's MFU: the ``mfu`` block of summary.json."""
-    from mmm.training import gather_objects
+    from mmm.dist import gather_objects
 
     import torch.distributed as dist
 

@@ -121,26 +121,6 @@ def resolve_outdir(outdir: str | os.PathLike | None, example: str) -> Path:
 
 
 # --------------------------------------------------------------------------- memory
-def _local_bytes(t: torch.Tensor) -> int:
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return local.numel() * local.element_size()
-
-
-def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """This rank's bytes of parameters, gradients and optimizer state (local shards only)."""
-    params = list(model.parameters())
-    out = {"param_bytes": sum(_local_bytes(p) for p in params),
-           "grad_bytes": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
-           "optim_bytes": 0}
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            for v in state.values():
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    out["optim_bytes"] += _local_bytes(v)
-    out["total_bytes"] = out["param_bytes"] + out["grad_bytes"] + out["optim_bytes"]
-    return out
-
-
 def peak_memory(device: torch.device) -> dict[str, int]:
     """Peak device memory (cuda/xpu), and the process's peak resident memory."""
     out: dict[str, int] = {}
@@ -152,17 +132,6 @@ def peak_memory(device: torch.device) -> dict[str, int]:
         out["peak_rss_bytes"] = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
     except ImportError:  # pragma: no cover
         pass
-    return out
-
-
-def gather_objects(obj: Any) -> list[Any]:
-    """Every rank's ``obj`` on every rank (an explicit collective, for end-of-run reports)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
     return out
 
 
@@ -182,6 +151,14 @@ def torchinfo_summary(model: torch.nn.Module, depth: int = 2) -> str:
     import torchinfo
 
     return str(torchinfo.summary(model, depth=depth, verbose=0, col_names=("num_params",)))
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has captured in this process so far (0 when nothing was compiled)."""
+    import sys
+
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    return int(dynamo.counters["stats"]["unique_graphs"]) if dynamo is not None else 0
 
 
 def format_step(values: dict[str, float]) -> str:
@@ -233,24 +210,32 @@ def train_step(engine, inputs, targets, loss_fn, *, device: torch.device, t_star
     """Forward, loss, backward, optimizer step, each timed with the device synchronised.
 
     Returns the loss and ``{"dt", "dtf", "dtb"}``: the whole step since ``t_start`` (data
-    included), forward with the loss, and backward. ``context`` wraps forward and backward
-    (e.g. loss parallel); ``after_backward()`` runs before the optimizer step (when gradients
-    exist: the moment to measure memory). ``poison`` makes the loss NaN (fault injection);
-    ``skip_nonfinite`` skips the optimizer step when the loss is NaN/inf on any rank, and adds
-    ``skipped`` (0/1) to the timings.
+    included), forward with the loss, and backward. Under pipeline parallel
+    (``engine.pipeline``) the schedule interleaves forward and backward over microbatches, so
+    ``dtf``/``dtb`` are None and the loss is the mean over microbatches. ``context`` wraps forward
+    and backward (e.g. loss parallel); ``after_backward()`` runs before the optimizer step (when
+    gradients exist: the moment to measure memory). ``poison`` makes the loss NaN (fault
+    injection); ``skip_nonfinite`` skips the optimizer step when the loss is NaN/inf on any rank,
+    and adds ``skipped`` (0/1) to the timings.
     """
-    with context if context is not None else contextlib.nullcontext():
-        t0 = time.perf_counter()
-        loss = loss_fn(engine(inputs), targets)
+    if engine.pipeline is not None:
+        loss = engine.pipeline.step(inputs, targets)
         if poison:
             loss = loss * float("nan")
-        synchronize(device)
-        t1 = time.perf_counter()
-        if after_backward is not None and hasattr(engine, "arm_memory_probe"):
-            engine.arm_memory_probe()
-        engine.backward(loss)
-        synchronize(device)
-        t2 = time.perf_counter()
+        t1 = t2 = None
+    else:
+        with context if context is not None else contextlib.nullcontext():
+            t0 = time.perf_counter()
+            loss = loss_fn(engine(inputs), targets)
+            if poison:
+                loss = loss * float("nan")
+            synchronize(device)
+            t1 = time.perf_counter()
+            if after_backward is not None and hasattr(engine, "arm_memory_probe"):
+                engine.arm_memory_probe()
+            engine.backward(loss)
+            synchronize(device)
+            t2 = time.perf_counter()
     if after_backward is not None:
         after_backward()
     skipped = skip_nonfinite and nonfinite_anywhere(loss)
@@ -259,7 +244,8 @@ def train_step(engine, inputs, targets, loss_fn, *, device: torch.device, t_star
     else:
         engine.step()
     synchronize(device)
-    times = {"dt": time.perf_counter() - t_start, "dtf": t1 - t0, "dtb": t2 - t1}
+    times = {"dt": time.perf_counter() - t_start, "dtf": None if t1 is None else t1 - t0,
+             "dtb": None if t2 is None else t2 - t1}
     if skip_nonfinite:
         times["skipped"] = int(skipped)
     return loss, times
@@ -403,6 +389,8 @@ class Run:
         samples), write the outputs."""
         from mmm.flops import mfu_report
         from mmm.parallel.strategy import theoretical_state_bytes
+
+        from mmm.dist import gather_objects
 
         memory = {**(self.memory or engine.state_bytes()), **peak_memory(self.info.device)}
         per_rank = gather_objects(memory)

@@ -10,7 +10,6 @@ Writes history.jsonl (live), history.nc, summary.json and plots/ to --outdir.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 
@@ -99,7 +98,8 @@ def arg_problems(args, world_size: int) -> list[str]:
     from mmm.parallel import ParallelDims, check_degrees
     from mmm.parallel.context import cp_problems
     from mmm.parallel.pipeline import pipeline_problems
-    from mmm.parallel.strategy import compile_problems, strategy_problems
+    from mmm.parallel.compose import compile_problems
+    from mmm.parallel.strategy import strategy_problems
     from mmm.training import batch_problems
     from mmm.parallel.tensor import tp_problems
 
@@ -195,50 +195,59 @@ def train(args, info, outdir, startup) -> int:
     import torch.nn.functional as F
 
     from mmm import dist
-
     from mmm.data import make_dataset
     from mmm.log import get_logger
     from mmm.models.llama import Llama
-    from mmm.parallel import describe_sharding, init_mesh
+    from mmm.parallel import ParallelSpec, describe_sharding, init_mesh
     from mmm.parallel.context import apply_cp_llama, shard_sequence
     from mmm.parallel.strategy import build_engine
-    from mmm.parallel.tensor import apply_tp_llama, loss_parallel_context
-    from mmm.training import mean_over, train_step
+    from mmm.parallel.tensor import llama_tp_plan, loss_parallel_context
+    from mmm.training import compiled_graphs, mean_over, train_step
 
     log = get_logger()
+    # 1. the mesh: pp x dp_replicate x dp_shard x cp x tp
     mesh = init_mesh(tp=args.tp, pp=args.pp, cp=args.cp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard)
     startup.mark("mesh")
-    cfg = model_config(args)
-    device = info.device
-    dataset = make_dataset(args.dataset, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
 
-    torch.manual_seed(args.seed)  # identical weights on every rank
+    # 2. the model: plain single-device code, the same weights on every rank
+    cfg = model_config(args)
+    dataset = make_dataset(args.dataset, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
+    torch.manual_seed(args.seed)
     model = Llama(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     if info.is_main:
         log.info("model: %s", cfg)
         log.info("%s", torchinfo_summary(model))
-    model.to(device)
+    model.to(info.device)
     startup.mark("model")
-    if mesh.pp_enabled:
-        return train_pipeline(args, info, outdir, startup, mesh, model, cfg, dataset, n_params)
+
+    # 3. parallelise: context parallel swaps in ring attention; then TP -> AC -> compile -> FSDP,
+    #    for the whole model or for each pipeline stage
     if mesh.cp_enabled:
         apply_cp_llama(model, mesh["cp"], seq_len=cfg.seq_len)
+    spec = ParallelSpec(tp_plan=llama_tp_plan(), loss_parallel=True, blocks="layers", ac=args.ac,
+                        compile=args.compile, dtype=args.dtype, reshard_after_forward=_reshard(args))
+
+    def loss_fn(logits, labels):
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
     engine = build_engine(
-        model, mesh, strategy=args.strategy, device=device, dtype=args.dtype, blocks_attr="layers",
-        tp_plan=apply_tp_llama, ac=args.ac, compile=args.compile, global_batch=args.batch_size,
+        model, mesh, spec, strategy=args.strategy, device=info.device, max_grad_norm=args.grad_clip,
         make_optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay),
-        optimizer_args={"lr": args.lr, "weight_decay": args.weight_decay},
+        global_batch=args.batch_size, optimizer_args={"lr": args.lr, "weight_decay": args.weight_decay},
         offload_optimizer=args.offload_optimizer,
-        reshard_after_forward=_reshard(args),
-        max_grad_norm=args.grad_clip)
+        pipeline_args=dict(loss_fn=loss_fn, microbatches=args.microbatches, schedule=args.pp_schedule,
+                           stages_per_rank=args.stages_per_rank, split_points=args.split_points))
+    del model
     if info.is_main:
-        log.info("model after parallelisation (%s, %s):\n%s\n%s", args.strategy, mesh.dims, engine.module,
-                 describe_sharding(engine.module))
+        if engine.pipeline is not None:
+            log.info("%s", engine.pipeline.describe())
+        else:
+            log.info("model after parallelisation (%s, %s):\n%s", args.strategy, mesh.dims, engine.module)
+        log.info("%s", describe_sharding(engine.module))
     startup.mark("parallelize")
 
-    loss_group = mesh.group("dp_cp")  # every rank of a TP group already holds the same loss
-    cp_rank = mesh.coord("cp")
+    # 4. the loop: each dp rank takes its slice of the global batch; cp ranks their sequence shards
     ckpt, start, batches, run = _loop_setup(args, info, outdir, startup, engine, cfg, mesh, dataset, log)
     tokens_per_step = args.batch_size * cfg.seq_len
     if info.is_main:
@@ -248,10 +257,6 @@ def train(args, info, outdir, startup) -> int:
         log.info("training steps %d-%d: global batch %d x %d tokens (%d per dp rank), dataset=%s, dtype=%s, out=%s",
                  start, args.max_iters, args.batch_size, cfg.seq_len, args.batch_size // mesh.dp, dataset.name,
                  args.dtype, outdir)
-
-    def loss_fn(logits, labels):
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
-
     dist.graceful_sigterm()
     engine.train()
     for step in range(start, args.max_iters + 1):
@@ -259,138 +264,32 @@ def train(args, info, outdir, startup) -> int:
         t0 = time.perf_counter()
         inputs, labels = next(batches)
         if mesh.cp_enabled:
+            cp_rank = mesh.coord("cp")
             inputs, labels = shard_sequence(inputs, cp_rank, mesh.cp), shard_sequence(labels, cp_rank, mesh.cp)
         last = step == args.max_iters
         with run.measuring(mesh, enabled=args.measure and step == MEASURE_STEP):
-            loss, times = train_step(engine, inputs, labels, loss_fn, device=device, t_start=t0,
+            loss, times = train_step(engine, inputs, labels, loss_fn, device=info.device, t_start=t0,
                                      context=loss_parallel_context(mesh.tp_enabled), poison=poison,
                                      skip_nonfinite=args.on_nonfinite == "skip",
                                      after_backward=(lambda: run.capture_memory(engine)) if last else None)
-            loss_value = mean_over(loss, loss_group)
+            loss_value = mean_over(loss, mesh.group("dp_cp"))  # TP and PP peers already hold the same loss
         run.record(step, force_log=last, loss=loss_value, **times, tps=tokens_per_step / times["dt"],
-                   **({"grad_norm": engine.grad_norm} if args.grad_clip > 0 else {}))
+                   grad_norm=engine.grad_norm)
         if run.end_step(step, loss_value, args=args, checkpointer=ckpt, last=last, skipped=bool(times.get("skipped"))):
             break
 
     extra = {
         "mesh": mesh.dims.degrees, "strategy": args.strategy, "dtype": args.dtype, "ac": args.ac,
-        "compile": args.compile, "reshard_after_forward": args.reshard_after_forward, "dataset": dataset.name, "model": {**vars(cfg), "num_params": n_params},
-        "global_batch": args.batch_size, "tokens_per_step": tokens_per_step,
+        "compile": args.compile, "compiled_graphs": compiled_graphs(),
+        "reshard_after_forward": args.reshard_after_forward, "dataset": dataset.name,
+        "model": {**vars(cfg), "num_params": n_params}, "global_batch": args.batch_size,
+        "tokens_per_step": tokens_per_step,
     }
-    run.finish(engine, extra, mesh=mesh, num_params=n_params, plots=not args.no_plots,
-               flops_per_unit=llama_flops_per_token(cfg), dtype=args.dtype)
-    return 0
-
-
-def train_pipeline(args, info, outdir, startup, mesh, model, cfg, dataset, n_params) -> int:
-    """The pp > 1 path: stages of whole blocks (TP and FSDP applied inside each), a pipelining schedule."""
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.distributed.pipelining import PipelineStage
-
-    from mmm.log import get_logger
-    from mmm.parallel import describe_sharding
-    from mmm.parallel.activation_checkpoint import wrap_block
-    from mmm.parallel.fsdp import DTYPES, apply_fsdp
-    from mmm.parallel.context import apply_cp_llama, shard_sequence
-    from mmm.parallel.pipeline import StageSet, build_schedule, split_model, stage_ids, stage_layer_ranges
-    from mmm.parallel.strategy import TorchEngine, data_parallel_mesh, uses_fsdp
-    from mmm.parallel.tensor import apply_tp_llama, loss_parallel_context
-    from mmm import dist as mdist
-
-    log = get_logger()
-    device, pp = info.device, mesh.pp
-    num_stages = pp * args.stages_per_rank
-    ranges = stage_layer_ranges(cfg.n_layers, num_stages, args.split_points)
-    mine = stage_ids(mesh.coord("pp"), pp, args.stages_per_rank)
-    dp_mesh = data_parallel_mesh(mesh, args.strategy)
-    if mesh.cp_enabled:  # before splitting: every stage gets ring attention and its rotary positions
-        apply_cp_llama(model, mesh["cp"], seq_len=cfg.seq_len)
-    parts, stages = [], []
-    for sid in mine:
-        part = split_model(model, ranges[sid], first=sid == 0, last=sid == num_stages - 1)
-        if mesh.tp_enabled:
-            apply_tp_llama(part, mesh["tp"])
-        for key, block in list(part.layers.items()):
-            part.layers[key] = wrap_block(block, args.ac)
-        if uses_fsdp(mesh, args.strategy):
-            apply_fsdp(part, dp_mesh, blocks=list(part.layers.values()), param_dtype=DTYPES[args.dtype],
-                       reshard_after_forward=_reshard(args))
-        parts.append(part)
-        stages.append(PipelineStage(part, sid, num_stages, device, group=mesh.group("pp")))
-    del model
-    holder = StageSet(parts)  # this rank's stages under the full model's names: optimizer, checkpoints, reports
-    optimizer = torch.optim.AdamW(holder.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    engine = TorchEngine(holder, optimizer, strategy=args.strategy, max_grad_norm=args.grad_clip,
-                         pp_group=mesh.group("pp"))
-    microbatches = args.microbatches or pp
-
-    def loss_fn(logits, labels):
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
-
-    schedule = build_schedule(stages, schedule=args.pp_schedule, microbatches=microbatches, loss_fn=loss_fn)
-    if info.is_main:
-        log.info("pipeline: %d stages (%s), schedule %s, %d microbatches; this rank holds stages %s, blocks %s",
-                 num_stages, ", ".join(f"{a}-{b - 1}" for a, b in ranges), args.pp_schedule, microbatches, mine,
-                 [ranges[i] for i in mine])
-        log.info("model after parallelisation (%s, %s), this rank's stages:\n%s", args.strategy, mesh.dims,
-                 describe_sharding(holder))
-    startup.mark("parallelize")
-
-    first, last = 0 in mine, num_stages - 1 in mine
-    dp_group, pp_group = mesh.group("dp_cp"), mesh.group("pp")  # the loss is averaged over dp and cp ranks
-    ckpt, start, batches, run = _loop_setup(args, info, outdir, startup, engine, cfg, mesh, dataset, log)
-    tokens_per_step = args.batch_size * cfg.seq_len
-    if info.is_main:
-        log.info("training steps %d-%d: global batch %d x %d tokens (%d per dp rank, %d microbatches), dataset=%s, "
-                 "out=%s", start, args.max_iters, args.batch_size, cfg.seq_len, args.batch_size // mesh.dp,
-                 microbatches, dataset.name, outdir)
-    mdist.graceful_sigterm()
-    holder.train()
-    for step in range(start, args.max_iters + 1):
-        poison = run.begin_step(step)
-        t0 = time.perf_counter()
-        inputs, labels = next(batches)
-        if mesh.cp_enabled:
-            cp_rank = mesh.coord("cp")
-            inputs, labels = shard_sequence(inputs, cp_rank, mesh.cp), shard_sequence(labels, cp_rank, mesh.cp)
-        losses: list = []
-        with run.measuring(mesh, enabled=args.measure and step == MEASURE_STEP), \
-                loss_parallel_context(mesh.tp_enabled):
-            schedule.step(*((inputs,) if first else ()), target=labels if last else None,
-                          losses=losses if last else None)
-        if step == args.max_iters:
-            run.capture_memory(engine)
-        # the last stage knows the loss: mean over microbatches, shared along pp, averaged over dp
-        local = torch.stack([(x.full_tensor() if hasattr(x, "full_tensor") else x).detach().float()
-                             for x in losses]).mean() if last else torch.zeros((), device=device)
-        if poison:
-            local = local * float("nan")
-        total = local.reshape(1).clone()
-        dist.all_reduce(total, group=pp_group)
-        if dp_group is not None:
-            dist.all_reduce(total, group=dp_group)
-            total /= dist.get_world_size(dp_group)
-        loss_value = total.item()
-        skipped = args.on_nonfinite == "skip" and not math.isfinite(loss_value)
-        if skipped:
-            engine.skip_step()
-        else:
-            engine.step()
-        dt = time.perf_counter() - t0
-        run.record(step, force_log=step == args.max_iters, loss=loss_value, dt=dt, dtf=None, dtb=None,
-                   tps=tokens_per_step / dt, **({"grad_norm": engine.grad_norm} if args.grad_clip > 0 else {}),
-                   **({"skipped": int(skipped)} if args.on_nonfinite == "skip" else {}))
-        if run.end_step(step, loss_value, args=args, checkpointer=ckpt, last=step == args.max_iters, skipped=skipped):
-            break
-    extra = {
-        "mesh": mesh.dims.degrees, "strategy": args.strategy, "dtype": args.dtype, "ac": args.ac,
-        "pipeline": {"schedule": args.pp_schedule, "microbatches": microbatches, "stages": num_stages,
-                     "stages_per_rank": args.stages_per_rank, "layer_ranges": ranges},
-        "dataset": dataset.name, "model": {**vars(cfg), "num_params": n_params},
-        "global_batch": args.batch_size, "tokens_per_step": tokens_per_step,
-    }
+    if engine.pipeline is not None:
+        pipe = engine.pipeline
+        extra["pipeline"] = {"schedule": pipe.schedule_name, "microbatches": pipe.microbatches,
+                             "stages": pipe.num_stages, "stages_per_rank": len(pipe.stage_ids),
+                             "layer_ranges": pipe.layer_ranges}
     run.finish(engine, extra, mesh=mesh, num_params=n_params, plots=not args.no_plots,
                flops_per_unit=llama_flops_per_token(cfg), dtype=args.dtype)
     return 0

@@ -62,7 +62,8 @@ def model_config(args):
 
 def check_args(args, world_size: int) -> None:
     from mmm.parallel import ParallelDims, check_degrees
-    from mmm.parallel.strategy import compile_problems, strategy_problems
+    from mmm.parallel.compose import compile_problems
+    from mmm.parallel.strategy import strategy_problems
     from mmm.training import batch_problems
     from mmm.parallel.tensor import vit_tp_problems
 

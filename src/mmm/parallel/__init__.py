@@ -1,11 +1,39 @@
-"""Parallelism over a named DeviceMesh.
+"""Parallelism over a named DeviceMesh, for any model.
 
-``from mmm.parallel import init_mesh`` is light: it needs only torch's DeviceMesh.
-Heavy optional packages (deepspeed, ...) load only inside the helpers that use them.
+    from mmm.parallel import ParallelSpec, build_pipeline, init_mesh, parallelize
+
+``init_mesh`` builds the one named mesh; ``parallelize`` applies TP -> activation checkpointing ->
+compile -> FSDP/HSDP/DDP to a model (:mod:`mmm.parallel.compose`); ``build_pipeline`` splits a model into
+stages and puts each through ``parallelize`` (:mod:`mmm.parallel.pipeline`). TP plans are data
+(:mod:`mmm.parallel.tensor`: ``llama_tp_plan``, ``VIT_TP_PLAN``, ``HF_LLAMA_TP_PLAN``).
+
+``from mmm.parallel import init_mesh`` stays light: the names below load their modules on first use.
 """
 
-from mmm.parallel.mesh import AXES, FLAT_VIEWS, Mesh, MeshError, ParallelDims, check_degrees, init_mesh
-from mmm.parallel.report import describe_sharding
+from __future__ import annotations
 
-__all__ = ["AXES", "FLAT_VIEWS", "Mesh", "MeshError", "ParallelDims", "check_degrees", "describe_sharding",
-           "init_mesh"]
+import importlib
+
+from mmm.parallel.mesh import AXES, FLAT_VIEWS, Mesh, MeshError, ParallelDims, check_degrees, init_mesh
+
+_LAZY = {
+    "ParallelSpec": "mmm.parallel.compose", "parallelize": "mmm.parallel.compose",
+    "compose_problems": "mmm.parallel.compose", "find_blocks": "mmm.parallel.compose",
+    "build_pipeline": "mmm.parallel.pipeline", "Pipeline": "mmm.parallel.pipeline",
+    "apply_tp_plan": "mmm.parallel.tensor", "llama_tp_plan": "mmm.parallel.tensor",
+    "VIT_TP_PLAN": "mmm.parallel.tensor", "HF_LLAMA_TP_PLAN": "mmm.parallel.tensor", "hf_tp_plan": "mmm.parallel.tensor",
+    "context_parallel": "mmm.parallel.context", "shard_sequence": "mmm.parallel.context",
+    "describe_sharding": "mmm.parallel.report", "clip_grad_norm_": "mmm.parallel.grad_clip",
+}
+
+__all__ = ["AXES", "FLAT_VIEWS", "Mesh", "MeshError", "ParallelDims", "check_degrees", "init_mesh", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'mmm.parallel' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_LAZY])

@@ -126,13 +126,30 @@ def ring_attention_fn(group) -> RingAttention:
     return RingAttention(group)
 
 
+def context_parallel(model: torch.nn.Module, cp_mesh, *, attn_attr: str = "attn_fn") -> list[str]:
+    """Swap ring attention over ``cp_mesh`` into every submodule of ``model`` that has an
+    ``attn_attr`` attribute: the attention hook, an SDPA-shaped causal ``attn(q, k, v)`` on
+    (batch, heads, local_seq, head_dim) tensors, with k/v before or after GQA expansion alike.
+    Returns the names of the modules changed (none is an error). The model must also give its
+    positional encoding this rank's positions (:func:`local_positions`), and its inputs and labels
+    are sharded with :func:`shard_sequence`."""
+    from mmm.errors import UsageError
+
+    attn = ring_attention_fn(cp_mesh.get_group())
+    names = [name for name, mod in model.named_modules() if hasattr(mod, attn_attr)]
+    if not names:
+        raise UsageError(f"no module of {type(model).__name__} has an {attn_attr!r} attribute; give its attention "
+                         f"an {attn_attr}(q, k, v) hook (causal SDPA by default) for context parallel")
+    for name in names:
+        setattr(model.get_submodule(name), attn_attr, attn)
+    return names
+
+
 def apply_cp_llama(model: torch.nn.Module, cp_mesh, *, seq_len: int) -> torch.nn.Module:
-    """Context-parallel a Llama (in place): ring attention in every block, rotary table re-indexed
-    to this rank's load-balanced positions. Shard its inputs and labels with :func:`shard_sequence`."""
-    group = cp_mesh.get_group()
+    """Context-parallel a :class:`mmm.models.llama.Llama` (in place): ring attention through its
+    ``attn_fn`` hooks, rotary table re-indexed to this rank's load-balanced positions. Shard its
+    inputs and labels with :func:`shard_sequence`."""
     positions = local_positions(seq_len, cp_mesh.get_local_rank(), cp_mesh.size()).to(model.rope.device)
     model.rope = model.rope[positions]
-    attn = ring_attention_fn(group)
-    for block in model.layers.values():
-        block.attention.attn_fn = attn
+    context_parallel(model, cp_mesh)
     return model

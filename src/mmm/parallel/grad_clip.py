@@ -1,8 +1,10 @@
-"""Gradient-norm clipping that is right under FSDP, TP and PP.
+"""Global gradient norm (and clipping) that is right under FSDP, TP and PP.
 
 The norm is taken over the full (unsharded) gradients: sharded DTensor gradients reduce their
-norms over their mesh, and pipeline stages add their squared norms over the pp group, so every
-rank clips by the same global norm, the one a single process would compute.
+norms over their mesh (one reduction per mesh and layout, so a model whose plan shards some
+parameters over tp x dp and others over dp alone is fine), plain gradients are replicated and
+count once, and pipeline stages add their squared norms over the pp group, so every rank sees
+the same global norm, the one a single process would compute.
 """
 
 from __future__ import annotations
@@ -13,19 +15,44 @@ import torch
 import torch.distributed as dist
 
 
-def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, *, pp_group=None) -> float:
-    """Scale gradients in place so their global L2 norm is at most ``max_norm``; returns the norm."""
-    params = [p for p in parameters if p.grad is not None]
-    if not params:
-        norm = torch.zeros(())
-    else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+def _group_key(grad: torch.Tensor):
+    mesh = getattr(grad, "device_mesh", None)
+    if mesh is None:
+        return None
+    return (id(mesh), tuple(type(p).__name__ + str(getattr(p, "dim", "")) for p in grad.placements))
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of all ``grads`` (DTensor or plain), reduced over the meshes they are sharded on."""
+    groups: dict = {}
+    for g in grads:
+        groups.setdefault(_group_key(g), []).append(g)
+    squares = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
+        squares.append(norm.float().reshape(()) ** 2)
+    if not squares:
+        return torch.zeros(())
+    return torch.stack([s.to(squares[0].device) for s in squares]).sum().sqrt()
+
+
+def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, *, pp_group=None) -> float:
+    """The global L2 norm of the gradients; when ``max_norm`` > 0, also scale them in place so that
+    it is at most ``max_norm``."""
+    params = [p for p in parameters if p.grad is not None]
+    norm = total_norm([p.grad for p in params])
     if pp_group is not None:
         squared = norm.float().reshape(1) ** 2
+        if params:
+            squared = squared.to(params[0].grad.device)
         dist.all_reduce(squared, group=pp_group)
         norm = squared.sqrt().reshape(())
-    if params:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm.to(params[0].grad.device))
+    if params and max_norm > 0:
+        groups: dict = {}
+        for p in params:
+            groups.setdefault(_group_key(p.grad), []).append(p)
+        for group in groups.values():  # foreach kernels take one mesh at a time
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm.to(group[0].grad.device))
     return float(norm)

@@ -1,16 +1,24 @@
-"""Pipeline parallelism: split a model along its blocks into stages, run a pipelining schedule.
+"""Pipeline parallelism for any model whose repeated blocks are a ``ModuleList`` or ``ModuleDict``.
 
-Usable on your own model::
+::
 
-    from mmm.parallel.pipeline import split_model, stage_layer_ranges
-    ranges = stage_layer_ranges(n_layers=8, num_stages=4)              # [(0, 2), (2, 4), ...]
-    part = split_model(model, ranges[i], first=i == 0, last=i == 3)    # keeps only stage i's blocks
+    from mmm.parallel import ParallelSpec, init_mesh
+    from mmm.parallel.pipeline import build_pipeline
+    mesh = init_mesh(pp=2)                                    # pp 2 x dp (inferred)
+    pipe = build_pipeline(model, mesh, ParallelSpec(dtype="bf16"), loss_fn=F.cross_entropy, microbatches=4)
+    opt = torch.optim.AdamW(pipe.module.parameters())         # this rank's stages, full-model names
+    loss = pipe.step(inputs, targets)                         # forward + backward over all microbatches
+    opt.step(); opt.zero_grad()
 
-A model qualifies when its repeated blocks live in a ``ModuleDict`` (``layers`` by default),
-its forward loops over that dict, and it skips the pre-block modules (embedding) and post-block
-modules (norm, head) that are ``None``; :class:`mmm.models.llama.Llama` is written that way.
-Block names stay those of the full model ("layers.5.attention.wq.weight"), so checkpoints of
-a pipelined model load into the plain one.
+How a model is cut (:func:`split_model`): each stage keeps a copy of the model with only its
+blocks; the modules with parameters registered before the blocks (an embedding) stay on the first
+stage, those after (final norm, head) on the last, and elsewhere become ``nn.Identity``; modules
+without parameters (a rotary table) stay everywhere. So the model's own forward runs each stage
+unchanged, as long as it is "pre -> blocks in order -> post". Block names stay those of the full
+model ("layers.5.attention.wq.weight"), so checkpoints of a pipelined model load into the plain
+one. A stage's output that is not a tensor (a Hugging Face ``ModelOutput``) is reduced to its
+``logits`` / ``last_hidden_state`` / first element. Each stage then goes through
+:func:`mmm.parallel.compose.parallelize`, the one composition path (TP, AC, compile, FSDP, dtype).
 
 Stages are placed the usual way: with p pipeline ranks and v stages per rank, rank r holds
 stages r, r + p, ..., r + (v-1)p ("looped"; the interleaved schedules need v >= 2).
@@ -19,9 +27,16 @@ stages r, r + p, ..., r + (v-1)p ("looped"; the interleaved schedules need v >= 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
+import torch
 from torch import nn
+
+from mmm.errors import UsageError
+from mmm.parallel.compose import ParallelSpec, block_items, find_blocks, get_submodule, parallelize
+from mmm.parallel.mesh import Mesh
+from mmm.parallel.tensor import loss_parallel_context
 
 # flag value -> torch.distributed.pipelining class name; multi: needs stages_per_rank >= 2
 SCHEDULES = {
@@ -45,8 +60,9 @@ def stage_layer_ranges(n_layers: int, num_stages: int, split_points: Sequence[in
 
 
 def pipeline_problems(*, pp: int, n_layers: int, schedule: str, stages_per_rank: int, microbatches: int,
-                      local_batch: int, split_points: Sequence[int] | None = None) -> list[str]:
-    """What a pipeline configuration requires, each problem naming the values and a fix."""
+                      local_batch: int | None = None, split_points: Sequence[int] | None = None) -> list[str]:
+    """What a pipeline configuration requires, each problem naming the values and a fix
+    (``local_batch``: the per-dp-rank batch the microbatches must divide, when known)."""
     if pp <= 1:
         return []
     out = []
@@ -71,7 +87,7 @@ def pipeline_problems(*, pp: int, n_layers: int, schedule: str, stages_per_rank:
                    f"stages-per-rank={stages_per_rank}); use a multiple of {num_stages} or --split-points")
     if microbatches < 1:
         out.append(f"--microbatches {microbatches} must be >= 1")
-    elif local_batch % microbatches:
+    elif local_batch is not None and local_batch % microbatches:
         out.append(f"--microbatches {microbatches} does not divide the per-dp-rank batch {local_batch}; "
                    f"use a divisor of {local_batch}")
     elif not multi and microbatches < pp and schedule == "1f1b":
@@ -79,24 +95,89 @@ def pipeline_problems(*, pp: int, n_layers: int, schedule: str, stages_per_rank:
     return out
 
 
+# --------------------------------------------------------------------------- splitting
+def outer_modules(model: nn.Module, blocks: str) -> tuple[list[str], list[str]]:
+    """Paths of the modules with parameters registered before (``pre``) and after (``post``) the
+    blocks container, walking the path from the root to it."""
+    pre, post = [], []
+    mod, prefix = model, ""
+    for part in blocks.split("."):
+        seen = False
+        for name, child in mod.named_children():
+            if name == part:
+                seen = True
+                continue
+            if child is None or next(child.parameters(), None) is None:
+                continue  # no parameters: kept on every stage
+            (post if seen else pre).append(prefix + name)
+        mod, prefix = getattr(mod, part), f"{prefix}{part}."
+    return pre, post
+
+
+class KeptBlocks(nn.ModuleDict):
+    """Some blocks of a ``ModuleList``, keyed by their index in the full model (so parameter names
+    do not change), that still iterates, indexes and slices like the list a model's forward expects."""
+
+    def __iter__(self):
+        return iter(self.values())
+
+    def __getitem__(self, idx):
+        if isinstance(idx, str):
+            return super().__getitem__(idx)
+        return list(self.values())[idx]
+
+
+def _tensor_output(module, args, output):
+    """Forward hook: a stage hands the next one a tensor (logits / hidden state / first element)."""
+    if isinstance(output, torch.Tensor):
+        return None
+    for key in ("logits", "last_hidden_state"):
+        value = getattr(output, key, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise TypeError(f"a pipeline stage of {type(module).__name__} returned {type(output).__name__}; "
+                    "pipeline stages must return a tensor")
+
+
 def split_model(model: nn.Module, layer_range: tuple[int, int], *, first: bool, last: bool,
-                layers_attr: str = "layers", pre: Sequence[str] = ("tok_embeddings",),
-                post: Sequence[str] = ("norm", "output")) -> nn.Module:
-    """A copy of ``model`` holding only the blocks in ``layer_range`` (plus ``pre`` modules on the
-    first stage and ``post`` modules on the last); the others become ``None`` / are dropped."""
-    part = copy.deepcopy(model)
-    layers = getattr(part, layers_attr)
+                blocks: str | None = "auto", pre: Sequence[str] | None = None,
+                post: Sequence[str] | None = None) -> nn.Module:
+    """A copy of ``model`` holding only the blocks in ``layer_range`` (by position), plus the
+    ``pre`` modules on the first stage and the ``post`` modules on the last (default: found by
+    :func:`outer_modules`); the others become ``nn.Identity``. Dropped blocks are not copied."""
+    path = find_blocks(model, blocks)
+    if path is None:
+        raise UsageError(f"{type(model).__name__} has no ModuleList/ModuleDict of repeated blocks to split into "
+                         "pipeline stages; name it with blocks='...'")
+    auto_pre, auto_post = outer_modules(model, path)
+    pre = auto_pre if pre is None else list(pre)
+    post = auto_post if post is None else list(post)
+    container = get_submodule(model, path)
+    items = block_items(container)
     start, end = layer_range
-    for key in list(layers.keys()):
-        if not start <= int(key) < end:
-            del layers[key]
-    if not first:
-        for name in pre:
-            setattr(part, name, None)
-    if not last:
-        for name in post:
-            setattr(part, name, None)
+    memo: dict[int, Any] = {id(b): None for i, (_, b) in enumerate(items) if not start <= i < end}
+    for name in ([] if first else pre) + ([] if last else post):
+        memo[id(get_submodule(model, name))] = nn.Identity()
+    part = copy.deepcopy(model, memo)
+    kept = {str(k): b for i, (k, b) in enumerate(block_items(get_submodule(part, path))) if start <= i < end}
+    parent_path, _, attr = path.rpartition(".")
+    parent = get_submodule(part, parent_path)
+    setattr(parent, attr, nn.ModuleDict(kept) if isinstance(container, nn.ModuleDict) else KeptBlocks(kept))
+    part.register_forward_hook(_tensor_output)
     return part
+
+
+def tied_across_stages(model: nn.Module, blocks: str | None = "auto") -> list[str]:
+    """Parameters shared between the pre and post modules (tied embeddings): a pipeline cannot split them."""
+    path = find_blocks(model, blocks)
+    if path is None:
+        return []
+    pre, post = outer_modules(model, path)
+    first = {id(p): f"{n}.{pn}" for n in pre for pn, p in get_submodule(model, n).named_parameters()}
+    return [f"{first[id(p)]} = {n}.{pn}" for n in post for pn, p in get_submodule(model, n).named_parameters()
+            if id(p) in first]
 
 
 def stage_ids(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
@@ -115,23 +196,106 @@ def build_schedule(stages: list, *, schedule: str, microbatches: int, loss_fn):
 
 class StageSet(nn.Module):
     """This rank's pipeline stages as one module whose parameters carry the full model's names
-    (``layers.5.attention.wq.weight``, ``tok_embeddings.weight``...): one optimizer over them, and
-    checkpoints that load on any pipeline split, or none. Not meant to be called: the schedule runs
-    the stages."""
+    (``layers.5.attention.wq.weight``, ``model.embed_tokens.weight``...): one optimizer over them,
+    and checkpoints that load on any pipeline split, or none. Not meant to be called: the schedule
+    runs the stages. Built from the modules that own parameters, under empty parent modules."""
 
-    def __init__(self, parts: Sequence[nn.Module], layers_attr: str = "layers") -> None:
+    def __init__(self, parts: Sequence[nn.Module]) -> None:
         super().__init__()
-        blocks = nn.ModuleDict()
         for part in parts:
-            for name, child in part.named_children():
-                if name == layers_attr:
-                    for key, block in child.items():
-                        blocks[key] = block
-                elif child is not None:
-                    if hasattr(self, name):
+            for name, mod in part.named_modules():
+                if not name or next(mod.parameters(recurse=False), None) is None:
+                    continue
+                *parents, leaf = name.split(".")
+                holder: nn.Module = self
+                for p in parents:
+                    if p not in holder._modules:
+                        holder.add_module(p, nn.Module())
+                    holder = holder._modules[p]
+                if leaf in holder._modules:
+                    if holder._modules[leaf] is not mod:
                         raise ValueError(f"two stages of this rank both hold {name!r}")
-                    self.add_module(name, child)
-        self.add_module(layers_attr, blocks)
+                    continue
+                holder.add_module(leaf, mod)
 
     def forward(self, *args, **kwargs):  # pragma: no cover - a container, see the docstring
         raise RuntimeError("StageSet holds pipeline stages for the optimizer and checkpoints; run the schedule")
+
+
+# --------------------------------------------------------------------------- the driver
+class Pipeline:
+    """This rank's stages and their schedule: ``step(inputs, targets) -> loss`` runs forward and
+    backward over every microbatch (gradients averaged over them) and returns the mean loss over
+    microbatches on every pipeline rank (the last stage computes it and shares it over pp)."""
+
+    def __init__(self, *, module: StageSet, schedule, stage_ids: list[int], num_stages: int,
+                 layer_ranges: list[tuple[int, int]], microbatches: int, schedule_name: str, pp_group,
+                 loss_parallel: bool, device: torch.device) -> None:
+        self.module, self.schedule, self.stage_ids, self.num_stages = module, schedule, stage_ids, num_stages
+        self.layer_ranges, self.microbatches, self.schedule_name = layer_ranges, microbatches, schedule_name
+        self.pp_group, self.loss_parallel, self.device = pp_group, loss_parallel, device
+        self.has_first, self.has_last = 0 in stage_ids, num_stages - 1 in stage_ids
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        losses: list = []
+        with loss_parallel_context(self.loss_parallel):
+            self.schedule.step(*((inputs,) if self.has_first else ()), target=targets if self.has_last else None,
+                               losses=losses if self.has_last else None)
+        if self.has_last:
+            loss = torch.stack([(x.full_tensor() if hasattr(x, "full_tensor") else x).detach().float()
+                                for x in losses]).mean()
+        else:
+            loss = torch.zeros((), device=self.device)
+        loss = loss.reshape(1)
+        dist.all_reduce(loss, group=self.pp_group)
+        return loss.reshape(())
+
+    def describe(self) -> str:
+        return (f"pipeline: {self.num_stages} stages (blocks {', '.join(f'{a}-{b - 1}' for a, b in self.layer_ranges)}), "
+                f"schedule {self.schedule_name}, {self.microbatches} microbatches; this rank holds stages "
+                f"{self.stage_ids}")
+
+
+def build_pipeline(model: nn.Module, mesh: Mesh, spec: ParallelSpec | None = None, *, loss_fn: Callable,
+             microbatches: int | None = None, schedule: str = "1f1b", stages_per_rank: int = 1,
+             split_points: Sequence[int] | None = None, device: torch.device | None = None,
+             pre: Sequence[str] | None = None, post: Sequence[str] | None = None) -> Pipeline:
+    """Split ``model`` into ``mesh.pp x stages_per_rank`` stages, put each of this rank's stages
+    through :func:`parallelize` with ``spec``, and build the schedule. ``model`` is consumed."""
+    from torch.distributed.pipelining import PipelineStage
+
+    spec = spec or ParallelSpec()
+    if not mesh.pp_enabled:
+        raise UsageError("build_pipeline() needs a mesh with pp > 1 (init_mesh(pp=...)); use parallelize() without PP")
+    path = find_blocks(model, spec.blocks)
+    if path is None:
+        raise UsageError(f"{type(model).__name__} has no ModuleList/ModuleDict of repeated blocks to split into "
+                         "pipeline stages; name it with ParallelSpec(blocks='...')")
+    tied = tied_across_stages(model, path)
+    if tied:
+        raise UsageError(f"tied weights ({'; '.join(tied)}) cannot be split over pipeline stages; untie them "
+                         "(e.g. tie_word_embeddings=False)")
+    n_blocks = len(get_submodule(model, path))
+    pp, num_stages = mesh.pp, mesh.pp * stages_per_rank
+    microbatches = microbatches or pp
+    problems = pipeline_problems(pp=pp, n_layers=n_blocks, schedule=schedule, stages_per_rank=stages_per_rank,
+                                 microbatches=microbatches, split_points=split_points)
+    if problems:
+        raise UsageError("; ".join(problems))
+    device = device or next(model.parameters()).device
+    ranges = stage_layer_ranges(n_blocks, num_stages, split_points)
+    mine = stage_ids(mesh.coord("pp"), pp, stages_per_rank)
+    stage_spec = spec.replace(blocks=path, allow_missing=True)
+    parts, stages = [], []
+    for sid in mine:
+        part = split_model(model, ranges[sid], first=sid == 0, last=sid == num_stages - 1, blocks=path,
+                           pre=pre, post=post)
+        part = parallelize(part, mesh, stage_spec, device=device)
+        parts.append(part)
+        stages.append(PipelineStage(part, sid, num_stages, device, group=mesh.group("pp")))
+    sched = build_schedule(stages, schedule=schedule, microbatches=microbatches, loss_fn=loss_fn)
+    return Pipeline(module=StageSet(parts), schedule=sched, stage_ids=mine, num_stages=num_stages,
+                    layer_ranges=ranges, microbatches=microbatches, schedule_name=schedule,
+                    pp_group=mesh.group("pp"), loss_parallel=spec.loss_parallel and mesh.tp_enabled, device=device)

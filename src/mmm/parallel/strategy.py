@@ -7,15 +7,13 @@ optimizer; ``zero1/2/3`` run through DeepSpeed's engine. A trainer calls
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from mmm.parallel.activation_checkpoint import wrap_block
-from mmm.parallel.fsdp import DTYPES, apply_ddp, apply_fsdp
+from mmm.parallel.compose import ParallelSpec, dp_problems, parallelize, shards_parameters
 from mmm.parallel.mesh import Mesh, ParallelDims
 from mmm.parallel.zero import ZERO_STAGES, deepspeed_available, zero_config
 from mmm.parallel.zero import initialize as zero_initialize
@@ -25,23 +23,17 @@ STRATEGIES = (*TORCH_STRATEGIES, *ZERO_STAGES)
 
 
 def strategy_problems(strategy: str, dims: ParallelDims, *, offload_optimizer: bool = False) -> list[str]:
-    """How a data-parallel strategy must fit the mesh, each problem naming the values and a fix."""
+    """How a data-parallel strategy must fit the mesh, each problem naming the values and a fix
+    (the torch strategies' rules are :func:`mmm.parallel.compose.compose_problems`')."""
     if strategy not in STRATEGIES:
         return [f"unknown --strategy {strategy!r}; choose one of: {', '.join(STRATEGIES)}"]
     out = []
-    if strategy == "hsdp" and dims.cp > 1:
-        out.append(f"--strategy hsdp with cp={dims.cp} is not supported yet; use --strategy fsdp with --cp")
-    if strategy == "hsdp" and not (dims.dp_replicate > 1 and dims.dp_shard > 1):
-        out.append(f"--strategy hsdp needs dp_replicate > 1 and dp_shard > 1 (got dp_replicate={dims.dp_replicate}, "
-                   f"dp_shard={dims.dp_shard}); set --dp-replicate, or use --strategy fsdp")
-    if strategy in ("fsdp", *ZERO_STAGES) and dims.dp_replicate > 1:
+    if strategy in TORCH_STRATEGIES:
+        out += dp_problems(strategy, dims)
+    if strategy in ZERO_STAGES and dims.dp_replicate > 1:
         out.append(f"--strategy {strategy} shards over all data-parallel ranks; --dp-replicate {dims.dp_replicate} "
                    "needs --strategy hsdp")
-    others = {"tp": dims.tp, "cp": dims.cp, "pp": dims.pp}
-    bad = {k: v for k, v in others.items() if v > 1}
-    if strategy == "ddp" and bad:
-        out.append(f"--strategy ddp does not compose with tp/cp/pp (got {', '.join(f'{k}={v}' for k, v in bad.items())})"
-                   ": DDP cannot hold sharded (DTensor) parameters; use --strategy fsdp")
+    bad = {k: v for k, v in {"tp": dims.tp, "cp": dims.cp, "pp": dims.pp}.items() if v > 1}
     if strategy in ZERO_STAGES and bad:
         out.append(f"--strategy {strategy} (DeepSpeed) runs pure data parallel here; got "
                    f"{', '.join(f'--{k} {v}' for k, v in bad.items())}: use --strategy fsdp to combine with "
@@ -54,20 +46,9 @@ def strategy_problems(strategy: str, dims: ParallelDims, *, offload_optimizer: b
     return out
 
 
-def compile_problems(compile: bool, dims: ParallelDims) -> list[str]:
-    if compile and dims.tp > 1:
-        import torch
-
-        return [f"--compile with --tp {dims.tp} is not supported with torch {torch.__version__}: the compiled "
-                "blocks' DTensor backward fails (AttributeError in DTensor redistribute); drop --compile, or "
-                "compile with tp=1 (FSDP/DDP/ZeRO)"]
-    return []
-
-
-def uses_fsdp(mesh: Mesh, strategy: str) -> bool:
-    """FSDP2 wraps the model (and so handles mixed precision) with fsdp/hsdp when dp or cp > 1
-    (CP ranks hold the same parameters and average gradients like data-parallel ones)."""
-    return strategy in ("fsdp", "hsdp") and (mesh.dp_enabled or mesh.cp_enabled)
+def uses_fsdp(dims, strategy: str) -> bool:
+    """FSDP2 shards the parameters under this strategy and mesh (see :func:`shards_parameters`)."""
+    return shards_parameters(dims, strategy)
 
 
 def state_bytes_per_param(strategy: str, dims) -> tuple[float, float, float]:
@@ -95,27 +76,40 @@ def theoretical_state_bytes(strategy: str, *, num_params: int, mesh: Mesh) -> di
     return {"param_bytes": p * psi, "grad_bytes": g * psi, "optim_bytes": o * psi, "total_bytes": (p + g + o) * psi}
 
 
-def data_parallel_mesh(mesh: Mesh, strategy: str):
-    """The mesh FSDP shards over: 1-D ``dp`` (``dp_cp`` with context parallel) for fsdp/ddp, 2-D
-    (dp_replicate, dp_shard) for hsdp."""
-    if strategy == "hsdp":
-        return mesh.root["dp_replicate", "dp_shard"]
-    return mesh.get("dp_cp") if mesh.cp_enabled else mesh.get("dp")
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """This rank's bytes of parameters, gradients and optimizer state (local shards only)."""
+    params = list(model.parameters())
+    out = {"param_bytes": sum(_local_bytes(p) for p in params),
+           "grad_bytes": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+           "optim_bytes": 0}
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    out["optim_bytes"] += _local_bytes(v)
+    out["total_bytes"] = out["param_bytes"] + out["grad_bytes"] + out["optim_bytes"]
+    return out
 
 
 class Engine:
-    """A model ready to train: forward, backward, optimizer step, whatever the strategy."""
+    """A model ready to train: forward, backward, optimizer step, whatever the strategy.
+
+    ``grad_norm`` is the global gradient L2 norm of the last step (over every shard and pipeline
+    stage, as one process would compute it), measured at every step.
+    """
 
     strategy: str
     module: nn.Module
-    grad_norm: float | None = None  # the global gradient norm of the last step, when clipping is on
+    pipeline = None  # a mmm.parallel.pipeline.Pipeline under PP: it runs forward and backward
+    grad_norm: float | None = None
 
     def __call__(self, *args, **kwargs):
-        with self.autocast():
-            return self.module(*args, **kwargs)
-
-    def autocast(self):
-        return contextlib.nullcontext()
+        return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         raise NotImplementedError
@@ -143,26 +137,28 @@ class Engine:
 
 
 class TorchEngine(Engine):
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, strategy: str,
-                 autocast_dtype: torch.dtype | None = None, device_type: str = "cpu", max_grad_norm: float = 0.0,
-                 pp_group=None) -> None:
-        self.module, self.optimizer, self.strategy = module, optimizer, strategy
-        self._autocast_dtype, self._device_type = autocast_dtype, device_type
-        self.max_grad_norm, self.pp_group = max_grad_norm, pp_group
+    """A parallelised module (or, under PP, this rank's stages and their :class:`Pipeline`) and its
+    torch optimizer. ``step`` measures the global gradient norm, clips to ``max_grad_norm`` when
+    it is > 0, and steps."""
 
-    def autocast(self):
-        if self._autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self._device_type, dtype=self._autocast_dtype)
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, strategy: str,
+                 max_grad_norm: float = 0.0, pipeline=None) -> None:
+        self.module, self.optimizer, self.strategy = module, optimizer, strategy
+        self.max_grad_norm, self.pipeline = max_grad_norm, pipeline
+
+    def __call__(self, *args, **kwargs):
+        if self.pipeline is not None:
+            raise RuntimeError("under pipeline parallel the schedule runs the model: use engine.pipeline.step")
+        return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
     def step(self) -> None:
-        if self.max_grad_norm > 0:
-            from mmm.parallel.grad_clip import clip_grad_norm_
+        from mmm.parallel.grad_clip import clip_grad_norm_
 
-            self.grad_norm = clip_grad_norm_(self.module.parameters(), self.max_grad_norm, pp_group=self.pp_group)
+        pp_group = self.pipeline.pp_group if self.pipeline is not None else None
+        self.grad_norm = clip_grad_norm_(self.module.parameters(), self.max_grad_norm, pp_group=pp_group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -174,8 +170,6 @@ class TorchEngine(Engine):
         return self.optimizer.param_groups
 
     def state_bytes(self) -> dict[str, int]:
-        from mmm.training import state_bytes
-
         return state_bytes(self.module, self.optimizer)
 
 
@@ -215,9 +209,8 @@ class DeepSpeedEngine(Engine):
 
     def step(self) -> None:
         self.ds.step()  # also zeroes gradients (and clips, when the config says so)
-        if self.ds.gradient_clipping() > 0:
-            norm = self.ds.get_global_grad_norm()
-            self.grad_norm = float(norm) if norm is not None else None
+        norm = self.ds.get_global_grad_norm()
+        self.grad_norm = float(norm) if norm is not None else None
 
     @property
     def param_groups(self):
@@ -232,43 +225,29 @@ class DeepSpeedEngine(Engine):
         return held
 
 
-def build_engine(model: nn.Module, mesh: Mesh, *, strategy: str, make_optimizer: Callable[[Any], torch.optim.Optimizer],
-                 device: torch.device, dtype: str = "fp32", blocks_attr: str | None = None,
-                 tp_plan: Callable[[nn.Module, Any], nn.Module] | None = None, ac: str = "none",
-                 compile: bool = False, global_batch: int | None = None, offload_optimizer: bool = False,
-                 optimizer_args: dict[str, Any] | None = None, reshard_after_forward: bool | None = None,
-                 max_grad_norm: float = 0.0) -> Engine:
-    """Apply parallelism in torchtitan's order (TP -> activation checkpointing -> compile -> data
-    parallel) and pair the model with its optimizer.
-
-    ``blocks_attr`` names the ``ModuleDict``/``ModuleList`` of repeated blocks (FSDP units,
-    checkpoint and compile units); ``tp_plan(model, tp_mesh)`` shards it over ``mesh["tp"]``.
-    ``reshard_after_forward`` (FSDP): None frees block parameters after forward and keeps the
-    root's; True/False applies to every unit.
-    """
-    if tp_plan is not None and mesh.tp_enabled:
-        tp_plan(model, mesh["tp"])
-    blocks = getattr(model, blocks_attr) if blocks_attr else None
-    if blocks is not None:
-        items = blocks.items() if isinstance(blocks, nn.ModuleDict) else enumerate(blocks)
-        for key, block in list(items):
-            block = wrap_block(block, ac)
-            blocks[key] = torch.compile(block) if compile else block
+def build_engine(model: nn.Module, mesh: Mesh, spec: ParallelSpec, *, strategy: str,
+                 make_optimizer: Callable[[Any], torch.optim.Optimizer], device: torch.device,
+                 max_grad_norm: float = 0.0, global_batch: int | None = None, offload_optimizer: bool = False,
+                 optimizer_args: dict[str, Any] | None = None, pipeline_args: dict[str, Any] | None = None
+                 ) -> Engine:
+    """Parallelise ``model`` with ``spec`` (:func:`mmm.parallel.compose.parallelize`; under PP each
+    stage, via :func:`mmm.parallel.pipeline.build_pipeline` with ``pipeline_args``) and pair it with its
+    optimizer. ``strategy`` ddp/fsdp/hsdp is the spec's data-parallel mode; zero1/2/3 hand the
+    (checkpointed, compiled) model to DeepSpeed, which also owns mixed precision and clipping."""
     if strategy in ZERO_STAGES:
+        model = parallelize(model, mesh, spec.replace(dp="none", dtype="fp32"), device=device)
         args = optimizer_args or {}
-        cfg = zero_config(stage=ZERO_STAGES[strategy], global_batch=global_batch, dp=mesh.dp, dtype=dtype,
+        cfg = zero_config(stage=ZERO_STAGES[strategy], global_batch=global_batch, dp=mesh.dp, dtype=spec.dtype,
                           offload_optimizer=offload_optimizer, gradient_clipping=max_grad_norm, **args)
         optimizer = None if offload_optimizer else make_optimizer(model.parameters())
         return DeepSpeedEngine(zero_initialize(model, optimizer, config=cfg, device_type=device.type),
                                strategy=strategy)
-    dp_mesh = data_parallel_mesh(mesh, strategy)
-    autocast_dtype = None
-    if uses_fsdp(mesh, strategy):
-        units = list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks or [])
-        apply_fsdp(model, dp_mesh, blocks=units, param_dtype=DTYPES[dtype], reshard_after_forward=reshard_after_forward)
-    else:
-        if strategy == "ddp" and dp_mesh is not None:
-            model = apply_ddp(model, dp_mesh, device=device)
-        autocast_dtype = DTYPES[dtype] if dtype != "fp32" else None
-    return TorchEngine(model, make_optimizer(model.parameters()), strategy=strategy, autocast_dtype=autocast_dtype,
-                       device_type=device.type, max_grad_norm=max_grad_norm)
+    spec = spec.replace(dp=strategy)
+    if mesh.pp_enabled:
+        from mmm.parallel.pipeline import build_pipeline
+
+        pipe = build_pipeline(model, mesh, spec, device=device, **(pipeline_args or {}))
+        return TorchEngine(pipe.module, make_optimizer(pipe.module.parameters()), strategy=strategy,
+                           max_grad_norm=max_grad_norm, pipeline=pipe)
+    model = parallelize(model, mesh, spec, device=device)
+    return TorchEngine(model, make_optimizer(model.parameters()), strategy=strategy, max_grad_norm=max_grad_norm)

@@ -1,8 +1,16 @@
-"""Tensor + sequence parallelism (TP/SP) plans, applied from outside the model.
+"""Tensor + sequence parallelism (TP/SP): plans as data, applied from outside the model.
+
+A plan maps module-name patterns to a ``ParallelStyle`` (or its short name), as Hugging Face
+configs ship them: ``"layers.*.attention.wq": "colwise"``. ``*`` stands for one name (a block
+index). :func:`apply_tp_plan` checks every pattern against the model's module names before
+anything is sharded: a pattern that matches nothing is an error, not a silent no-op.
+
+Short names: ``colwise``, ``rowwise`` (its output replicated), ``sequence_parallel``,
+``rowwise_seq`` (row-wise, output sharded along the sequence: the end of an SP region).
 
 The Llama plan follows PyTorch's TP tutorial: attention and feed-forward projections are
-column-wise then row-wise sharded (heads split over TP ranks), norms run sequence-parallel
-on a sequence-sharded residual stream, the embedding is row-wise sharded and hands out a
+column-wise then row-wise sharded (heads split over TP ranks), norms run sequence-parallel on a
+sequence-sharded residual stream, the embedding is row-wise sharded and hands out a
 sequence-sharded activation, and the output projection is column-wise sharded over the
 vocabulary so that the loss can be computed without gathering logits (loss parallel).
 """
@@ -10,14 +18,137 @@ vocabulary so that the loss can be computed without gathering logits (loss paral
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+import fnmatch
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
+
+from mmm.errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
 
+STYLE_NAMES = ("colwise", "rowwise", "rowwise_seq", "sequence_parallel")
 
+
+def style(name_or_style: Any):
+    """A ``ParallelStyle`` from its short name (a ``ParallelStyle`` passes through)."""
+    if not isinstance(name_or_style, str):
+        return name_or_style
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence_parallel": SequenceParallel,
+              "rowwise_seq": lambda: RowwiseParallel(output_layouts=Shard(1))}
+    if name_or_style not in styles:
+        raise UsageError(f"unknown TP style {name_or_style!r}; use one of {', '.join(STYLE_NAMES)} or a "
+                         "torch.distributed.tensor.parallel.ParallelStyle")
+    return styles[name_or_style]()
+
+
+def _matches(pattern: str, name: str) -> bool:
+    parts, names = pattern.split("."), name.split(".")
+    return len(parts) == len(names) and all(fnmatch.fnmatchcase(n, p) for p, n in zip(parts, names))
+
+
+def resolve_plan(model: nn.Module, plan: Mapping[str, Any], *, allow_missing: bool = False) -> dict[str, Any]:
+    """``{module name: style}`` for every module a pattern of ``plan`` names.
+
+    A pattern that names no module raises a one-line error listing them (``allow_missing``: skip
+    it, for a pipeline stage that holds only some of the model). Modules replaced by
+    ``nn.Identity`` (dropped from a pipeline stage) do not count.
+    """
+    names = [n for n, m in model.named_modules() if n and not isinstance(m, nn.Identity)]
+    out: dict[str, Any] = {}
+    missing = []
+    for pattern, st in plan.items():
+        hits = [n for n in names if _matches(pattern, n)]
+        if not hits:
+            missing.append(pattern)
+        for n in hits:
+            out[n] = st
+    if missing and not allow_missing:
+        raise UsageError(f"TP plan pattern(s) {', '.join(repr(p) for p in missing)} match no module of "
+                         f"{type(model).__name__}; its modules look like {', '.join(names[:6])}, ...")
+    return out
+
+
+def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, Any], *,
+                  allow_missing: bool = False) -> nn.Module:
+    """Shard ``model`` in place over ``tp_mesh`` by a plan of module-name patterns (see the module doc)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    resolved = resolve_plan(model, plan, allow_missing=allow_missing)
+    parallelize_module(model, tp_mesh, {name: style(st) for name, st in resolved.items()})
+    return model
+
+
+# --------------------------------------------------------------------------- plans shipped
+def llama_tp_plan(*, loss_parallel: bool = True) -> dict[str, Any]:
+    """TP + sequence parallel plan of :class:`mmm.models.llama.Llama` (patterns from the model root)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": "sequence_parallel",
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
+        "layers.*.attention_norm": "sequence_parallel",
+        "layers.*.attention": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                                 desired_input_layouts=(Replicate(), None)),
+        "layers.*.attention.wq": "colwise",
+        "layers.*.attention.wk": "colwise",
+        "layers.*.attention.wv": "colwise",
+        "layers.*.attention.wo": "rowwise_seq",
+        "layers.*.ffn_norm": "sequence_parallel",
+        "layers.*.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "layers.*.feed_forward.w1": "colwise",
+        "layers.*.feed_forward.w2": "rowwise_seq",
+        "layers.*.feed_forward.w3": "colwise",
+    }
+
+
+# q/k/v and fc1 column-wise, proj and fc2 row-wise: heads and MLP width split, activations between
+# blocks replicated
+VIT_TP_PLAN = {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise", "blocks.*.attn.v": "colwise",
+               "blocks.*.attn.proj": "rowwise", "blocks.*.mlp.fc1": "colwise", "blocks.*.mlp.fc2": "rowwise"}
+
+# Hugging Face Llama-family causal LMs (LlamaForCausalLM, and Mistral/Qwen2-style models with the
+# same module names): the config's ``base_model_tp_plan``, rooted at the causal LM. Embedding, norms
+# and the LM head stay unsharded over TP (FSDP still shards them over dp).
+HF_LLAMA_TP_PLAN = {
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+}
+
+
+def hf_tp_plan(model: nn.Module) -> dict[str, str]:
+    """The TP plan a Hugging Face model's config carries (``base_model_tp_plan``), rooted at ``model``.
+
+    Only the ``colwise``/``rowwise`` styles are understood; any other is refused by name.
+    """
+    config = getattr(model, "config", None)
+    base = dict(getattr(config, "base_model_tp_plan", None) or {})
+    if not base:
+        raise UsageError(f"{type(model).__name__}'s config carries no base_model_tp_plan; pass a tp_plan")
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and getattr(model, prefix, None) is not None:
+        base = {f"{prefix}.{k}": v for k, v in base.items()}
+    unknown = sorted({v for v in base.values() if v not in ("colwise", "rowwise")})
+    if unknown:
+        raise UsageError(f"{type(model).__name__}'s TP plan uses style(s) {', '.join(unknown)}, which mmm does not "
+                         "map; pass your own tp_plan")
+    return base
+
+
+# --------------------------------------------------------------------------- checks and loss
 def tp_problems(*, tp: int, n_heads: int, n_kv_heads: int, vocab_size: int, seq_len: int,
                 sequence_parallel: bool = True) -> list[str]:
     """What a TP degree requires of a transformer's shapes, each problem naming the values."""
@@ -36,38 +167,10 @@ def tp_problems(*, tp: int, n_heads: int, n_kv_heads: int, vocab_size: int, seq_
     return out
 
 
-def apply_tp_llama(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool = True) -> nn.Module:
-    """Shard a :class:`mmm.models.llama.Llama` over ``tp_mesh`` (in place) with sequence parallelism."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
-
-    top_plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                  use_local_output=not loss_parallel),
-    }
-    # a pipeline stage holds only some of these (mmm.parallel.pipeline.split_model sets the others to None)
-    top_plan = {name: style for name, style in top_plan.items() if getattr(model, name, None) is not None}
-    if top_plan:
-        parallelize_module(model, tp_mesh, top_plan)
-    block_plan = {
-        "attention_norm": SequenceParallel(),
-        "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        "feed_forward.w3": ColwiseParallel(),
-    }
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan)
-    return model
+def vit_tp_problems(*, tp: int, num_heads: int) -> list[str]:
+    if tp > 1 and num_heads % tp:
+        return [f"--num-heads {num_heads} is not divisible by tp={tp}; heads are split over TP ranks"]
+    return []
 
 
 def loss_parallel_context(enabled: bool):
@@ -80,21 +183,3 @@ def loss_parallel_context(enabled: bool):
     from torch.distributed.tensor.parallel import loss_parallel
 
     return loss_parallel()
-
-
-def vit_tp_problems(*, tp: int, num_heads: int) -> list[str]:
-    if tp > 1 and num_heads % tp:
-        return [f"--num-heads {num_heads} is not divisible by tp={tp}; heads are split over TP ranks"]
-    return []
-
-
-def apply_tp_vit(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
-    """Shard a :class:`mmm.models.vit.ViT`'s blocks over ``tp_mesh``: q/k/v and fc1 column-wise,
-    proj and fc2 row-wise (heads and MLP width split; activations between blocks replicated)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-            "attn.proj": RowwiseParallel(), "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
-    for block in model.blocks.values():
-        parallelize_module(block, tp_mesh, plan)
-    return model

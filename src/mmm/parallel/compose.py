@@ -1,0 +1,235 @@
+"""One composition path: TP -> activation checkpointing -> compile -> FSDP2 / HSDP / DDP.
+
+Every model mmm trains goes through :func:`parallelize`, and so does every pipeline stage::
+
+    from mmm.parallel import ParallelSpec, init_mesh, parallelize
+    mesh = init_mesh(tp=2)                                   # dp_shard inferred
+    spec = ParallelSpec(tp_plan={"layers.*.attn.q": "colwise", "layers.*.attn.o": "rowwise"},
+                        ac="selective", dtype="bf16", dp="fsdp")
+    model = parallelize(model, mesh, spec)                   # a plain nn.Module in, the same module out
+
+What a spec says, and what happens, in this order:
+
+1. ``tp_plan`` (module-name patterns -> ``ParallelStyle`` or its short name, see
+   :mod:`mmm.parallel.tensor`) shards the model over ``mesh["tp"]``;
+2. ``blocks`` (the repeated blocks: an attribute path such as ``"model.layers"``, or ``"auto"``:
+   the ``ModuleList``/``ModuleDict`` of same-typed modules holding the most parameters) are each
+   wrapped for activation checkpointing (``ac``: full or selective);
+3. ... and compiled (``compile``);
+4. data parallel (``dp``): ``fsdp`` shards every block, then the root, over the dp (x cp) ranks;
+   ``hsdp`` over the 2-D (dp_replicate, dp_shard) mesh; ``ddp`` replicates; ``none`` leaves it.
+   ``dtype`` bf16/fp16 keeps fp32 master weights: under FSDP as its mixed-precision policy
+   (fp32 gradient reduction), elsewhere as an autocast around the model's forward.
+
+Nothing is silently dropped: :func:`compose_problems` names every option the mesh or the model
+cannot honour, and :func:`parallelize` raises them as one :class:`mmm.errors.UsageError`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from mmm.errors import UsageError
+from mmm.log import get_logger
+from mmm.parallel.activation_checkpoint import AC_MODES, wrap_block
+from mmm.parallel.fsdp import DTYPES, apply_ddp, apply_fsdp
+from mmm.parallel.mesh import Mesh, ParallelDims
+from mmm.parallel.tensor import apply_tp_plan, resolve_plan
+
+DP_MODES = ("fsdp", "hsdp", "ddp", "none")
+log = get_logger("parallel")
+
+
+@dataclass
+class ParallelSpec:
+    """How to parallelise a model (see the module doc for the order they are applied in)."""
+
+    tp_plan: Mapping[str, Any] | None = None
+    """Module-name patterns (``*`` = one name) -> ``ParallelStyle`` or colwise/rowwise/...; needed when tp > 1."""
+    loss_parallel: bool = False
+    """The plan leaves the logits sharded over the vocabulary: the loss runs under ``loss_parallel()``."""
+    blocks: str | None = "auto"
+    """Path of the repeated blocks ("layers", "model.layers"), "auto" to find them, None for none."""
+    ac: str = "none"
+    """Activation checkpointing of each block: none, full, selective."""
+    compile: bool = False
+    """torch.compile each block."""
+    dtype: str = "fp32"
+    """Compute dtype: fp32, bf16, fp16 (master weights and gradient reduction stay fp32)."""
+    dp: str = "fsdp"
+    """Data parallel: fsdp, hsdp, ddp, none."""
+    reshard_after_forward: bool | None = None
+    """FSDP: free gathered parameters after forward; None: every block but the root."""
+    allow_missing: bool = False
+    """A TP pattern may match nothing (set for pipeline stages, which hold part of the model)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form notes carried along (e.g. the plan's name), never read by parallelize."""
+
+    def replace(self, **changes) -> ParallelSpec:
+        import dataclasses
+
+        return dataclasses.replace(self, **changes)
+
+
+def compose_problems(spec: ParallelSpec, dims: ParallelDims) -> list[str]:
+    """Every option of ``spec`` this mesh cannot honour, each naming the value and a fix."""
+    return dp_problems(spec.dp, dims) + spec_problems(spec, dims)
+
+
+def spec_problems(spec: ParallelSpec, dims: ParallelDims) -> list[str]:
+    """Problems with the options other than the data-parallel mode's fit to the mesh."""
+    out = []
+    if spec.ac not in AC_MODES:
+        out.append(f"unknown activation checkpointing ac={spec.ac!r}; choose one of {', '.join(AC_MODES)}")
+    if spec.dtype not in DTYPES:
+        out.append(f"unknown dtype {spec.dtype!r}; choose one of {', '.join(DTYPES)}")
+    if dims.tp > 1 and not spec.tp_plan:
+        out.append(f"tp={dims.tp} but the spec has no tp_plan; give one (module-name patterns -> styles)")
+    return out + compile_problems(spec.compile, dims)
+
+
+def compile_problems(compile: bool, dims: ParallelDims) -> list[str]:
+    if compile and dims.tp > 1:
+        return [f"--compile with --tp {dims.tp} is not supported with torch {torch.__version__}: the compiled "
+                "blocks' DTensor backward fails (AttributeError in DTensor redistribute); drop --compile, or "
+                "compile with tp=1 (FSDP/DDP/ZeRO)"]
+    return []
+
+
+def dp_problems(dp: str, dims: ParallelDims) -> list[str]:
+    """How a torch data-parallel mode must fit the mesh ("none": the caller, e.g. DeepSpeed, reduces
+    gradients itself)."""
+    if dp not in DP_MODES:
+        return [f"unknown data-parallel mode dp={dp!r}; choose one of {', '.join(DP_MODES)}"]
+    out = []
+    if dp == "hsdp" and dims.cp > 1:
+        out.append(f"--strategy hsdp with cp={dims.cp} is not supported yet; use --strategy fsdp with --cp")
+    if dp == "hsdp" and not (dims.dp_replicate > 1 and dims.dp_shard > 1):
+        out.append(f"--strategy hsdp needs dp_replicate > 1 and dp_shard > 1 (got dp_replicate={dims.dp_replicate}, "
+                   f"dp_shard={dims.dp_shard}); set --dp-replicate, or use --strategy fsdp")
+    if dp == "fsdp" and dims.dp_replicate > 1:
+        out.append(f"--strategy fsdp shards over all data-parallel ranks; --dp-replicate {dims.dp_replicate} "
+                   "needs --strategy hsdp")
+    bad = {k: v for k, v in {"tp": dims.tp, "cp": dims.cp, "pp": dims.pp}.items() if v > 1}
+    if dp == "ddp" and bad:
+        out.append(f"--strategy ddp does not compose with tp/cp/pp (got {', '.join(f'{k}={v}' for k, v in bad.items())})"
+                   ": DDP cannot hold sharded (DTensor) parameters; use --strategy fsdp")
+    return out
+
+
+def shards_parameters(dims: ParallelDims, dp: str) -> bool:
+    """FSDP2 wraps the model (and so handles mixed precision) with fsdp/hsdp when dp or cp > 1
+    (CP ranks hold the same parameters and average gradients like data-parallel ones)."""
+    return dp in ("fsdp", "hsdp") and (dims.dp > 1 or dims.cp > 1)
+
+
+def data_parallel_mesh(mesh: Mesh, dp: str):
+    """The mesh FSDP shards over: 1-D ``dp`` (``dp_cp`` with context parallel) for fsdp/ddp, 2-D
+    (dp_replicate, dp_shard) for hsdp."""
+    if dp == "hsdp":
+        return mesh.root["dp_replicate", "dp_shard"]
+    return mesh.get("dp_cp") if mesh.cp_enabled else mesh.get("dp")
+
+
+# --------------------------------------------------------------------------- blocks
+def get_submodule(model: nn.Module, path: str) -> nn.Module | None:
+    """``model.a.b`` for ``"a.b"`` (None when absent); ``""`` is the model itself."""
+    mod: Any = model
+    for part in filter(None, path.split(".")):
+        mod = getattr(mod, part, None)
+        if mod is None:
+            return None
+    return mod
+
+
+def find_blocks(model: nn.Module, blocks: str | None = "auto") -> str | None:
+    """The path of the model's repeated blocks: ``blocks`` itself when given (checked), or for
+    "auto" the ``ModuleList``/``ModuleDict`` of modules of one type that holds the most parameters
+    (None when the model has none, e.g. a small CNN: FSDP then shards the model as one unit)."""
+    if blocks is None:
+        return None
+    if blocks != "auto":
+        found = get_submodule(model, blocks)
+        if not isinstance(found, (nn.ModuleList, nn.ModuleDict)):
+            what = "nothing" if found is None else type(found).__name__
+            raise UsageError(f"blocks={blocks!r} names {what} in {type(model).__name__}; it must name the "
+                             "ModuleList or ModuleDict of repeated blocks (or use blocks='auto')")
+        return blocks
+    best, best_params = None, 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, (nn.ModuleList, nn.ModuleDict)) and len(mod) > 0:
+            children = list(mod.values() if isinstance(mod, nn.ModuleDict) else mod)
+            if len({type(c) for c in children}) != 1:
+                continue
+            n = sum(p.numel() for p in mod.parameters())
+            if n > best_params:
+                best, best_params = name, n
+    return best
+
+
+def block_items(container: nn.Module) -> list[tuple[Any, nn.Module]]:
+    """(key, block) pairs of a ModuleDict or ModuleList."""
+    return list(container.items() if isinstance(container, nn.ModuleDict) else enumerate(container))
+
+
+# --------------------------------------------------------------------------- the composition
+def parallelize(model: nn.Module, mesh: Mesh, spec: ParallelSpec | None = None, *, device: torch.device | None = None,
+                **options) -> nn.Module:
+    """Apply ``spec`` (or ``ParallelSpec(**options)``) to ``model`` in place, in the fixed order
+    TP -> AC -> compile -> FSDP/HSDP/DDP; returns the model to train (DDP wraps it; otherwise the
+    same module, its parameters now DTensors where sharded)."""
+    spec = (spec or ParallelSpec()).replace(**options) if options else (spec or ParallelSpec())
+    problems = compose_problems(spec, mesh.dims)
+    if problems:
+        raise UsageError("; ".join(problems))
+    if mesh.tp_enabled:
+        apply_tp_plan(model, mesh["tp"], spec.tp_plan, allow_missing=spec.allow_missing)
+    elif spec.tp_plan:
+        resolve_plan(model, spec.tp_plan, allow_missing=spec.allow_missing)  # a bad plan fails at tp=1 too
+    path = find_blocks(model, spec.blocks)
+    blocks = get_submodule(model, path) if path is not None else None
+    units = []
+    if blocks is not None:
+        for key, block in block_items(blocks):
+            block = wrap_block(block, spec.ac)
+            if spec.compile:
+                block = torch.compile(block)
+            blocks[key] = block
+            units.append(block)
+    elif spec.ac != "none" or spec.compile:
+        raise UsageError(f"{type(model).__name__} has no repeated blocks to checkpoint or compile (ac={spec.ac}, "
+                         f"compile={spec.compile}); name them with blocks='...'")
+    param_dtype = DTYPES[spec.dtype]
+    if shards_parameters(mesh.dims, spec.dp):
+        apply_fsdp(model, data_parallel_mesh(mesh, spec.dp), blocks=units, param_dtype=param_dtype,
+                   reshard_after_forward=spec.reshard_after_forward)
+        return model
+    if param_dtype != torch.float32:
+        autocast_forward(model, param_dtype, device_type=(device or _param_device(model)).type)
+    if spec.dp == "ddp" and mesh.dp_enabled:
+        return apply_ddp(model, mesh["dp"], device=device or _param_device(model))
+    return model
+
+
+def _param_device(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def autocast_forward(model: nn.Module, dtype: torch.dtype, *, device_type: str) -> nn.Module:
+    """Run ``model.forward`` under ``torch.autocast(dtype)`` (parameters stay fp32); names unchanged."""
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        with torch.autocast(device_type, dtype=dtype):
+            return forward(*args, **kwargs)
+
+    model.forward = run
+    return model
