@@ -22,20 +22,45 @@ def _group_key(grad: torch.Tensor):
     return (id(mesh), tuple(type(p).__name__ + str(getattr(p, "dim", "")) for p in grad.placements))
 
 
+def _sharded_groups(grad: torch.Tensor) -> list:
+    """Process groups of the mesh dimensions a DTensor is sharded over (its norm adds up over them)."""
+    mesh = getattr(grad, "device_mesh", None)
+    if mesh is None:
+        return []
+    out = []
+    for i, placement in enumerate(grad.placements):
+        if placement.is_partial():
+            raise ValueError("a gradient is still a Partial DTensor; reduce it before taking the norm")
+        if placement.is_shard() or type(placement).__name__ == "_StridedShard":
+            out.append(mesh.get_group(i))
+    return out
+
+
 def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """L2 norm of all ``grads`` (DTensor or plain), reduced over the meshes they are sharded on."""
-    groups: dict = {}
+    """L2 norm of all ``grads`` (DTensor or plain): local squares summed per layout, then one
+    all-reduce per process group they are sharded over (replicated dimensions count once)."""
+    by_layout: dict = {}
     for g in grads:
-        groups.setdefault(_group_key(g), []).append(g)
-    squares = []
-    for group in groups.values():
-        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        squares.append(norm.float().reshape(()) ** 2)
+        by_layout.setdefault(_group_key(g), []).append(g)
+    squares, groups = [], []
+    for layout in by_layout.values():
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in layout]
+        squares.append(torch.nn.utils.get_total_norm(local, norm_type=2.0).float().reshape(()) ** 2)
+        groups.append(_sharded_groups(layout[0]))
     if not squares:
         return torch.zeros(())
-    return torch.stack([s.to(squares[0].device) for s in squares]).sum().sqrt()
+    squares = torch.stack([s.to(squares[0].device) for s in squares])
+    seen: list = []
+    for gs in groups:
+        for g in gs:
+            if all(g is not s for s in seen):
+                seen.append(g)
+    for g in seen:  # every layout sharded over g is summed over it, in one all-reduce
+        mask = torch.tensor([any(g is x for x in gs) for gs in groups], device=squares.device)
+        part = squares[mask].clone()
+        dist.all_reduce(part, group=g)
+        squares = squares.masked_scatter(mask, part)
+    return squares.sum().sqrt()
 
 
 def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, *, pp_group=None) -> float:

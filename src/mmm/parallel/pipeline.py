@@ -131,12 +131,12 @@ def _tensor_output(module, args, output):
     """Forward hook: a stage hands the next one a tensor (logits / hidden state / first element)."""
     if isinstance(output, torch.Tensor):
         return None
-    for key in ("logits", "last_hidden_state"):
-        value = getattr(output, key, None)
-        if isinstance(value, torch.Tensor):
-            return value
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
+    value = next((getattr(output, k) for k in ("logits", "last_hidden_state")
+                  if isinstance(getattr(output, k, None), torch.Tensor)), None)
+    if value is None and isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        value = output[0]
+    if value is not None:  # a view (HF slices its logits) would lose FSDP's pre-backward hook to in-place ops
+        return value.clone() if value._is_view() else value
     raise TypeError(f"a pipeline stage of {type(module).__name__} returned {type(output).__name__}; "
                     "pipeline stages must return a tensor")
 
