@@ -52,26 +52,6 @@ def _parallel(n, args, tmp_path, runner, timeout=300):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_cnn_strategies_match_single_process(cnn_reference, tmp_path, strategy):
-    # 2 ranks under launch here, 4 under torchrun for the ViT below: each strategy sees both sizes
-    _parallel(2, [*CNN, "--strategy", strategy], tmp_path, "launch")
-    assert max_rel_diff(jsonl(tmp_path / "history.jsonl"), jsonl(cnn_reference / "history.jsonl")) <= RTOL
-    for key in ("train_loss", "test_loss"):
-        assert max_rel_diff(jsonl(tmp_path / "epochs.jsonl", key), jsonl(cnn_reference / "epochs.jsonl", key)) <= RTOL
-    assert jsonl(tmp_path / "epochs.jsonl", "test_acc") == jsonl(cnn_reference / "epochs.jsonl", "test_acc")
-
-
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_vit_strategies_match_single_process(vit_reference, tmp_path, strategy):
-    _parallel(4, [*VIT, "--strategy", strategy], tmp_path, "torchrun")
-    assert max_rel_diff(jsonl(tmp_path / "history.jsonl"), jsonl(vit_reference / "history.jsonl")) <= RTOL
-    s = json.loads((tmp_path / "summary.json").read_text())
-    for m in s["memory_per_rank"]:  # parameters and optimizer state are sharded as they should be (FSDP pads)
-        for part in ("param_bytes", "optim_bytes"):
-            assert abs(m[part] / s["state_bytes_theory"][part] - 1) <= 0.10, (strategy, part, m)
-
-
-@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_state_bytes_per_rank_match_zero_theory(tmp_path, strategy):
     """Per-rank parameter + gradient + optimizer bytes on 4 ranks within 10% of the ZeRO paper's figures."""
     big = ["-m", "mmm.examples.vit", "--depth", "4", "--num-heads", "8", "--head-dim", "32", "--img-size", "16",
@@ -85,14 +65,6 @@ def test_state_bytes_per_rank_match_zero_theory(tmp_path, strategy):
         grads = m["grad_peak_bytes"] if strategy == "zero1" else m["grad_bytes"]
         total = m["param_bytes"] + grads + m["optim_bytes"]
         assert abs(total / theory["total_bytes"] - 1) <= 0.10, (strategy, m, theory)
-
-
-def test_vit_tp2_x_fsdp2_matches_single_process(vit_reference, tmp_path):
-    res = _parallel(4, [*VIT, "--tp", "2"], tmp_path, "launch")
-    assert max_rel_diff(jsonl(tmp_path / "history.jsonl"), jsonl(vit_reference / "history.jsonl")) <= RTOL
-    assert "tp:Shard(0)" in res.stdout  # the sharding table shows the TP plan
-    s = json.loads((tmp_path / "summary.json").read_text())
-    assert s["mesh"]["tp"] == 2 and s["mesh"]["dp_shard"] == 2
 
 
 @pytest.mark.slow

@@ -81,7 +81,7 @@ def train(args, info, outdir, startup) -> int:
     from mmm.history import History
     from mmm.log import get_logger
     from mmm.models.cnn import DigitsCNN, log_softmax_nll
-    from mmm.parallel import init_mesh
+    from mmm.parallel import ParallelSpec, init_mesh
     from mmm.parallel.strategy import build_engine
     from mmm import dist
     from mmm.training import Run, make_checkpointer, mean_over, resume, should_save, torchinfo_summary, train_step
@@ -104,7 +104,8 @@ def train(args, info, outdir, startup) -> int:
     model.to(device)
     startup.mark("model")
     engine = build_engine(
-        model, mesh, strategy=args.strategy, device=device, dtype=args.dtype, global_batch=args.batch_size,
+        model, mesh, ParallelSpec(blocks=None, dtype=args.dtype), strategy=args.strategy, device=device,
+        global_batch=args.batch_size,
         make_optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr),
         optimizer_args={"lr": args.lr}, offload_optimizer=args.offload_optimizer)
     if info.is_main:
@@ -147,7 +148,8 @@ def train(args, info, outdir, startup) -> int:
                                      after_backward=(lambda: run.capture_memory(engine)) if last else None)
             loss_value = mean_over(loss, dp_group)
             losses.append(loss_value)
-            run.record(step, loss=loss_value, **times, samples_per_s=args.batch_size / times["dt"])
+            run.record(step, loss=loss_value, **times, samples_per_s=args.batch_size / times["dt"],
+                       grad_norm=engine.grad_norm)
             run.check_loss(step, loss_value, skipped=bool(times.get("skipped")), checkpointer=ckpt)
             stopping = run.stop_requested()
             if end_of_epoch:

@@ -96,11 +96,11 @@ def train(args, info, outdir, startup) -> int:
     from mmm.data.images import SyntheticImages
     from mmm.log import get_logger
     from mmm.models.vit import ViT
-    from mmm.parallel import describe_sharding, init_mesh
+    from mmm.parallel import ParallelSpec, describe_sharding, init_mesh
     from mmm.parallel.strategy import build_engine
-    from mmm.parallel.tensor import apply_tp_vit
+    from mmm.parallel.tensor import VIT_TP_PLAN
     from mmm import dist
-    from mmm.training import Run, make_checkpointer, mean_over, resume, torchinfo_summary, train_step
+    from mmm.training import Run, compiled_graphs, make_checkpointer, mean_over, resume, torchinfo_summary, train_step
 
     log = get_logger()
     mesh = init_mesh(tp=args.tp, dp_replicate=args.dp_replicate, dp_shard=-1)
@@ -116,9 +116,9 @@ def train(args, info, outdir, startup) -> int:
         log.info("%s", torchinfo_summary(model))
     model.to(device)
     startup.mark("model")
+    spec = ParallelSpec(tp_plan=VIT_TP_PLAN, blocks="blocks", ac=args.ac, compile=args.compile, dtype=args.dtype)
     engine = build_engine(
-        model, mesh, strategy=args.strategy, device=device, dtype=args.dtype, blocks_attr="blocks",
-        tp_plan=apply_tp_vit, ac=args.ac, compile=args.compile, global_batch=args.batch_size,
+        model, mesh, spec, strategy=args.strategy, device=device, global_batch=args.batch_size,
         make_optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr),
         optimizer_args={"lr": args.lr}, offload_optimizer=args.offload_optimizer)
     if info.is_main:
@@ -153,12 +153,13 @@ def train(args, info, outdir, startup) -> int:
                                  skip_nonfinite=args.on_nonfinite == "skip",
                                  after_backward=(lambda: run.capture_memory(engine)) if last else None)
         loss_value = mean_over(loss, dp_group)
-        run.record(step, force_log=last, loss=loss_value, **times, samples_per_s=args.batch_size / times["dt"])
+        run.record(step, force_log=last, loss=loss_value, **times, samples_per_s=args.batch_size / times["dt"],
+                   grad_norm=engine.grad_norm)
         if run.end_step(step, loss_value, args=args, checkpointer=ckpt, last=last, skipped=bool(times.get("skipped"))):
             break
 
     extra = {"mesh": mesh.dims.degrees, "strategy": args.strategy, "dtype": args.dtype, "ac": args.ac,
-             "compile": args.compile, "model": {**vars(cfg), "num_params": n_params},
+             "compile": args.compile, "compiled_graphs": compiled_graphs(), "model": {**vars(cfg), "num_params": n_params},
              "global_batch": args.batch_size}
     from mmm.flops import counted_flops_per_sample
 

@@ -1,0 +1,141 @@
+"""The equivalence matrix: every parallel layout gives one process's per-step loss AND global
+gradient norm (fp32, real ranks, gloo). AdamW hides a constant factor on the gradients, so the loss
+alone cannot catch a sum-versus-mean bug over dp, cp or microbatches; the gradient norm does.
+
+One table (case name, ranks, flags, launcher), one runner, one single-process reference per base
+configuration, computed once and shared.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+
+import pytest
+from conftest import jsonl, launch, max_rel_diff, run, torchrun
+
+RTOL = 1e-5
+
+# base configurations: the trainer and the flags every case of that base shares
+BASES = {
+    # tiny but complete: GQA (8 query / 4 kv heads), every TP split in the matrix valid
+    "llama": ["-m", "mmm.examples.fsdp_tp", "--dim", "64", "--n-layers", "2", "--n-heads", "8", "--n-kv-heads", "4",
+              "--seq-len", "32", "--batch-size", "8", "--max-iters", "5", "--lr", "3e-3", "--seed", "3", "--no-plots"],
+    # 8 blocks: pipelines of 2, 4 and interleaved 2x2 / 4x2 stages
+    "llama8": ["-m", "mmm.examples.fsdp_tp", "--dim", "64", "--n-layers", "8", "--n-heads", "8", "--n-kv-heads", "4",
+               "--seq-len", "32", "--batch-size", "8", "--max-iters", "5", "--lr", "3e-3", "--seed", "5",
+               "--no-plots"],
+    "vit": ["-m", "mmm.examples.vit", "--max-iters", "5", "--depth", "2", "--num-heads", "4", "--head-dim", "8",
+            "--img-size", "16", "--batch-size", "8", "--no-plots"],
+    "cnn": ["-m", "mmm.examples.fsdp", "--epochs", "2", "--steps-per-epoch", "3", "--batch-size", "32",
+            "--no-plots"],
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    base: str
+    ranks: int
+    flags: tuple[str, ...] = ()
+    launcher: str = "launch"  # or torchrun
+
+    def cmd(self, outdir) -> list[str]:
+        args = [*BASES[self.base], *self.flags, "--outdir", str(outdir)]
+        return torchrun(self.ranks, *args) if self.launcher == "torchrun" else \
+            launch("-n", str(self.ranks), "python3", *args)
+
+
+def C(name, base, ranks, flags="", launcher="launch") -> Case:
+    return Case(name, base, ranks, tuple(flags.split()), launcher)
+
+
+MATRIX = [
+    # data parallel and tensor parallel (llama)
+    C("fsdp-dp4", "llama", 4, "--tp 1", "torchrun"),
+    C("fsdp-dp2-tp2", "llama", 4, "--tpsize 2"),
+    C("fsdp-tp4", "llama", 4, "--tp 4", "torchrun"),
+    C("ddp-dp4", "llama", 4, "--strategy ddp"),
+    C("hsdp-2x2", "llama", 4, "--strategy hsdp --dp-replicate 2", "torchrun"),
+    C("fsdp-dp2-tp4", "llama", 8, "--tp 4", "torchrun"),
+    C("fsdp-dp2-tp2-ac-selective", "llama", 4, "--tp 2 --ac selective", "torchrun"),
+    C("fsdp-dp4-no-reshard", "llama", 4, "--reshard-after-forward false"),
+    C("hsdp-2x2-tp2-ac-full", "llama", 8, "--strategy hsdp --dp-replicate 2 --tp 2 --ac full"),
+    C("zero2-dp4", "llama", 4, "--strategy zero2"),
+    # context parallel
+    C("cp2", "llama", 2, "--cp 2 --dp-shard 1", "torchrun"),
+    C("cp4", "llama", 4, "--cpsize 4 --dp-shard 1"),
+    C("dp2-cp2", "llama", 4, "--cp 2", "torchrun"),
+    C("cp2-tp2-ac-full", "llama", 4, "--cp 2 --tp 2 --ac full"),
+    C("dp2-cp2-tp2", "llama", 8, "--cp 2 --tp 2"),
+    C("pp2-cp2-tp2", "llama", 8, "--pp 2 --cp 2 --tp 2 --microbatches 2", "torchrun"),
+    # pipeline parallel
+    C("pp2-gpipe", "llama8", 2, "--pp 2 --pp-schedule gpipe --microbatches 4", "torchrun"),
+    C("pp2-1f1b", "llama8", 2, "--pp 2 --pp-schedule 1f1b --microbatches 4"),
+    C("pp2-interleaved", "llama8", 2, "--pp 2 --pp-schedule interleaved-1f1b --stages-per-rank 2 --microbatches 4",
+      "torchrun"),
+    C("pp4-gpipe", "llama8", 4, "--pp 4 --pp-schedule gpipe --microbatches 4"),
+    C("pp4-1f1b", "llama8", 4, "--pp 4 --pp-schedule 1f1b --microbatches 8", "torchrun"),
+    C("pp4-interleaved", "llama8", 4, "--pp 4 --pp-schedule interleaved-1f1b --stages-per-rank 2 --microbatches 4"),
+    C("pp2-dp2", "llama8", 4, "--pp 2 --microbatches 2", "torchrun"),
+    C("pp2-dp2-tp2", "llama8", 8, "--pp 2 --tp 2 --microbatches 2"),
+    C("pp2-split-at-3", "llama8", 2, "--pp 2 --pp-schedule gpipe --split-points 3 --microbatches 2", "torchrun"),
+    # the ViT: every strategy on 4 ranks, and TP x FSDP
+    *[C(f"vit-{s}-dp4", "vit", 4, f"--strategy {s}", "torchrun") for s in ("ddp", "fsdp", "zero1", "zero2", "zero3")],
+    C("vit-tp2-dp2", "vit", 4, "--tp 2"),
+    # the CNN: every strategy on 2 ranks
+    *[C(f"cnn-{s}-dp2", "cnn", 2, f"--strategy {s}") for s in ("ddp", "fsdp", "zero1", "zero2", "zero3")],
+]
+
+
+@pytest.fixture(scope="session")
+def references(tmp_path_factory):
+    """The output folder of the single-process run of each base, made on first use."""
+    cache: dict = {}
+
+    def get(base: str):
+        if base not in cache:
+            out = tmp_path_factory.mktemp(f"single-{base}")
+            res = run([sys.executable, *BASES[base], "--outdir", str(out)], timeout=180)
+            assert res.returncode == 0, res.output
+            cache[base] = out
+        return cache[base]
+
+    return get
+
+
+def compare(got: list[dict], want: list[dict], keys=("loss", "grad_norm")) -> dict[str, float]:
+    """Max relative difference per key over the steps; each key must be recorded at every step."""
+    out = {}
+    for key in keys:
+        a, b = [r.get(key) for r in got], [r.get(key) for r in want]
+        assert None not in a and None not in b, (key, a, b)
+        out[key] = max_rel_diff(a, b)
+    return out
+
+
+@pytest.mark.parametrize("case", MATRIX, ids=[c.name for c in MATRIX])
+def test_layout_matches_one_process(references, tmp_path, case):
+    res = run(case.cmd(tmp_path), timeout=300)
+    assert res.returncode == 0, res.output
+    ref = references(case.base)
+    diffs = compare(jsonl(tmp_path / "history.jsonl", key=None), jsonl(ref / "history.jsonl", key=None))
+    assert all(d <= RTOL for d in diffs.values()), (case.name, diffs)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["world_size"] == case.ranks and len(summary["memory_per_rank"]) == case.ranks
+    if "--tp" in case.flags:
+        assert "tp:Shard(0)" in res.stdout  # the sharding table shows the TP plan
+    if case.base == "cnn":  # the per-epoch evaluation over the sharded test set, too
+        got, want = jsonl(tmp_path / "epochs.jsonl", key=None), jsonl(ref / "epochs.jsonl", key=None)
+        assert compare(got, want, keys=("train_loss", "test_loss")) == pytest.approx({"train_loss": 0, "test_loss": 0},
+                                                                                     abs=RTOL)
+        assert [r["test_acc"] for r in got] == [r["test_acc"] for r in want]
+
+
+def test_the_norm_comparison_catches_a_constant_factor(references):
+    """AdamW's losses are blind to a constant factor on the gradients (a sum instead of a mean over
+    2 ranks); the gradient-norm column is not."""
+    want = jsonl(references("llama") / "history.jsonl", key=None)
+    doubled = [{**r, "grad_norm": 2 * r["grad_norm"]} for r in want]
+    assert compare(doubled, want)["loss"] == 0 and compare(doubled, want)["grad_norm"] == pytest.approx(1.0)

@@ -1,0 +1,60 @@
+"""A Hugging Face transformers LlamaForCausalLM through mmm's public API (examples/bring_your_own_model.py):
+dp2 x tp2 and pp2 x dp2 give one process's per-step loss and global gradient norm."""
+
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import jsonl, launch, max_rel_diff, run
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'mmm[hf]')")
+
+SCRIPT = str(Path(__file__).parents[1] / "examples" / "bring_your_own_model.py")
+RTOL = 1e-5
+
+
+def tiny_llama():
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    return transformers.LlamaForCausalLM(config)
+
+
+def test_the_shipped_plan_is_the_configs_own_and_matches_the_model():
+    from mmm.parallel.tensor import HF_LLAMA_TP_PLAN, hf_tp_plan, resolve_plan
+
+    model = tiny_llama()
+    assert hf_tp_plan(model) == HF_LLAMA_TP_PLAN
+    resolved = resolve_plan(model, HF_LLAMA_TP_PLAN)
+    assert resolved["model.layers.1.self_attn.o_proj"] == "rowwise" and len(resolved) == 2 * 7
+
+
+def test_a_pattern_that_matches_nothing_is_an_error():
+    from mmm.errors import UsageError
+    from mmm.parallel.tensor import resolve_plan
+
+    with pytest.raises(UsageError, match="'layers.\\*.attn.q' match no module of LlamaForCausalLM"):
+        resolve_plan(tiny_llama(), {"layers.*.attn.q": "colwise"})
+
+
+def test_blocks_found_automatically():
+    from mmm.parallel.compose import find_blocks
+
+    assert find_blocks(tiny_llama()) == "model.layers"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf1")
+    res = run([sys.executable, SCRIPT, "--outdir", str(out)], timeout=180)
+    assert res.returncode == 0, res.output
+    return jsonl(out / "history.jsonl", key=None)
+
+
+@pytest.mark.parametrize("flags", [["--tp", "2"], ["--pp", "2"]], ids=["dp2-tp2", "pp2-dp2"])
+def test_hf_llama_layouts_match_one_process(reference, tmp_path, flags):
+    res = run(launch("-n", "4", "python3", SCRIPT, *flags, "--outdir", str(tmp_path)), timeout=240)
+    assert res.returncode == 0, res.output
+    got = jsonl(tmp_path / "history.jsonl", key=None)
+    for key in ("loss", "grad_norm"):
+        assert max_rel_diff([r[key] for r in got], [r[key] for r in reference]) <= RTOL, key
+    assert "Traceback" not in res.stderr and "Warning" not in res.stderr and "redistributing" not in res.stderr
