@@ -57,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
 def select(args, trainer_argv: list[str]):
     """The planner's layouts for these flags, narrowed to --combos; an invalid requested one is an error."""
     from mmm.errors import UsageError
-    from mmm.plan import build_parser as plan_parser
-    from mmm.plan import plan_from_args
+    from mmm.plan.cli import build_parser as plan_parser
+    from mmm.plan.cli import plan_from_args
 
     strategies = ["--strategies", args.strategies] if args.strategies else []
     # the planner checks the flags the runs will get

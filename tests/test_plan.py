@@ -8,7 +8,7 @@ import sys
 import pytest
 from conftest import assert_clean_user_error, run, run_ranks
 
-from mmm.parallel.plan import plan
+from mmm.plan import plan
 
 FSDP_TP = ["-m", "mmm.examples.fsdp_tp", "--max-iters", "2", "--measure", "--no-plots"]
 

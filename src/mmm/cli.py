@@ -82,11 +82,23 @@ def add_output_args(parser: argparse.ArgumentParser, example: str, *, log_every:
 
 
 
+def add_checkpoint_args(parser) -> None:
+    """``--checkpoint-dir``, ``--checkpoint-every``, ``--resume``, ``--keep-last``."""
+    g = parser.add_argument_group("checkpointing (torch Distributed Checkpoint; DeepSpeed's own for zero1/2/3)")
+    g.add_argument("--checkpoint-dir", "--checkpoint_dir", dest="checkpoint_dir", default=None, metavar="DIR",
+                   help="save checkpoints here (step-NNNNNNNN/ folders, each complete or absent) [off]")
+    g.add_argument("--checkpoint-every", "--checkpoint_every", dest="checkpoint_every", type=nonnegative_int,
+                   default=0, metavar="N", help="save every N steps; the last step and SIGTERM always save [0]")
+    g.add_argument("--resume", default=None, metavar="latest|STEP",
+                   help="continue from the latest checkpoint in --checkpoint-dir (a fresh start when there is none "
+                        "yet) or from a given step; the mesh may differ from the one that saved it")
+    g.add_argument("--keep-last", "--keep_last", dest="keep_last", type=nonnegative_int, default=0, metavar="K",
+                   help="keep only the K newest checkpoints; 0 keeps all [0]")
+
+
 def add_run_args(parser: argparse.ArgumentParser):
     """What keeps a long job safe: checkpointing (``--checkpoint-dir``, ``--checkpoint-every``,
     ``--resume``, ``--keep-last``), ``--timeout`` and ``--on-nonfinite``."""
-    from mmm.parallel.checkpoint import add_checkpoint_args
-
     add_checkpoint_args(parser)
     g = parser.add_argument_group("failures")
     g.add_argument("--timeout", type=float, default=None, metavar="SECONDS",

@@ -34,7 +34,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mmm.dist import free_port
+from mmm.dist.ranks import expand_nodelist, parse_tasks_per_node
+from mmm.dist.rendezvous import free_port
 from mmm.errors import ArgumentParser, UsageError, print_error
 
 PROG = "launch"
@@ -45,47 +46,10 @@ FORWARDED_ENV = ("MASTER_ADDR", "MASTER_PORT", "MMM_LAUNCH_TIME", "OMP_NUM_THREA
 
 
 # --------------------------------------------------------------------------- host lists
-def _split_top_level(text: str) -> list[str]:
-    parts, depth, cur = [], 0, []
-    for ch in text:
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-        if ch == "," and depth == 0:
-            parts.append("".join(cur))
-            cur = []
-        else:
-            cur.append(ch)
-    parts.append("".join(cur))
-    return [p.strip() for p in parts if p.strip()]
 
 
-def _expand_one(item: str) -> list[str]:
-    m = re.search(r"\[([^\]]*)\]", item)
-    if not m:
-        return [item]
-    head, tail = item[: m.start()], item[m.end():]
-    out: list[str] = []
-    for rng in m.group(1).split(","):
-        rng = rng.strip()
-        if "-" in rng:
-            lo, hi = rng.split("-", 1)
-            if not (lo.isdigit() and hi.isdigit()) or int(hi) < int(lo):
-                raise UsageError(f"bad range {rng!r} in Slurm node list {item!r}")
-            out += [f"{head}{n:0{len(lo)}d}" for n in range(int(lo), int(hi) + 1)]
-        elif rng.isdigit():
-            out.append(f"{head}{rng}")
-        else:
-            raise UsageError(f"bad entry {rng!r} in Slurm node list {item!r}")
-    return [host + rest for host in out for rest in _expand_one(tail)]
 
 
-def expand_nodelist(text: str) -> list[str]:
-    """Slurm's compressed host list: ``"nid[001-003,010],login1"`` -> 4 + 1 hosts, zero padding kept."""
-    if text.count("[") != text.count("]"):
-        raise UsageError(f"unbalanced brackets in Slurm node list {text!r}")
-    return [h for item in _split_top_level(text) for h in _expand_one(item)]
 
 
 def read_hostfile(path: str | os.PathLike) -> tuple[list[str], list[int]]:
@@ -162,8 +126,6 @@ def detect_allocation(env: Mapping[str, str] | None = None, hostfile: str | None
             per = None
             tpn = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
             if tpn:
-                from mmm.dist import parse_tasks_per_node
-
                 try:
                     per = max(parse_tasks_per_node(tpn))
                 except ValueError:

@@ -88,22 +88,6 @@ def checkpoint_problems(checkpoint_dir: str | None, resume: str | None, every: i
     return out
 
 
-def add_checkpoint_args(parser) -> None:
-    """``--checkpoint-dir``, ``--checkpoint-every``, ``--resume``, ``--keep-last``."""
-    from mmm.cli import nonnegative_int
-
-    g = parser.add_argument_group("checkpointing (torch Distributed Checkpoint; DeepSpeed's own for zero1/2/3)")
-    g.add_argument("--checkpoint-dir", "--checkpoint_dir", dest="checkpoint_dir", default=None, metavar="DIR",
-                   help="save checkpoints here (step-NNNNNNNN/ folders, each complete or absent) [off]")
-    g.add_argument("--checkpoint-every", "--checkpoint_every", dest="checkpoint_every", type=nonnegative_int,
-                   default=0, metavar="N", help="save every N steps; the last step and SIGTERM always save [0]")
-    g.add_argument("--resume", default=None, metavar="latest|STEP",
-                   help="continue from the latest checkpoint in --checkpoint-dir (a fresh start when there is none "
-                        "yet) or from a given step; the mesh may differ from the one that saved it")
-    g.add_argument("--keep-last", "--keep_last", dest="keep_last", type=nonnegative_int, default=0, metavar="K",
-                   help="keep only the K newest checkpoints; 0 keeps all [0]")
-
-
 def _barrier() -> None:
     import torch.distributed as dist
 

@@ -1,9 +1,10 @@
 """Plan a parallel layout: every (pp, dp_replicate, dp_shard, cp, tp, strategy) for N ranks, why
 the invalid ones are invalid, and per-rank memory and communication estimates for the valid ones.
 
-Used by ``python -m mmm.plan`` and ``benchmarks/sweep.py``; usable as a function::
+An application of the library (it asks the fsdp_tp trainer which layouts are valid). Used by
+``python -m mmm.plan`` (:mod:`mmm.plan.cli`) and ``benchmarks/sweep.py``; usable as a function::
 
-    from mmm.parallel.plan import plan
+    from mmm.plan import plan
     for c in plan(8, dim=512, n_layers=8, seq_len=256, batch_size=32):
         print(c.label, c.valid and c.memory["total_bytes"], c.problems)
 

@@ -10,7 +10,7 @@ Mesh flags (--tp, --pp, --cp, --dp-replicate, --dp-shard) and --strategy hold th
 rest vary. Every model and training flag of `python -m mmm.examples.fsdp_tp` is accepted and
 shapes the estimates. Memory is per rank (the busiest one): parameters, gradients and AdamW state
 in fp32 plus activations saved for backward; communication is payload bytes per training step
-by process group (see mmm.parallel.plan for the formulas and what they leave out).
+by process group (see mmm.plan for the formulas and what they leave out).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def _strategies(args) -> list[str] | None:
 
 def plan_from_args(args):
     """The planner's combos for parsed ``python -m mmm.plan`` flags."""
-    from mmm.parallel.plan import AXES, plan
+    from mmm.plan import AXES, plan
 
     fixed = {a: getattr(args, a) for a in AXES}
     bad = {a: v for a, v in fixed.items() if v == -1}
@@ -135,6 +135,3 @@ def cli() -> None:
         code = 0
     sys.exit(code)
 
-
-if __name__ == "__main__":
-    cli()
