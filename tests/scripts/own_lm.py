@@ -1,0 +1,35 @@
+"""A user's own tiny language model and its TP plan, for `python -m mmm.verify --model own_lm:build`."""
+
+import torch
+from torch import nn
+
+TP_PLAN = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab=128, dim=32, depth=4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList([Block(dim) for _ in range(depth)])
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def build():
+    return TinyLM()
