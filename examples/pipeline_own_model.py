@@ -2,36 +2,34 @@
 
     launch -n 2 python3 examples/pipeline_own_model.py          # 2 stages, GPipe, 4 microbatches
 
-The model only has to keep its repeated blocks in a ModuleDict and skip pre/post modules that
-are None (see mmm.parallel.pipeline). It prints the loss per step, and checks it against the
-same model trained in one process on the same data.
+The model only has to keep its repeated blocks in a ModuleList or ModuleDict and run
+"input layer -> blocks in order -> head" (see mmm.parallel.pipeline). It prints the loss per
+step, and checks it against the same model trained in one process on the same data.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
 
 from mmm import dist
-from mmm.parallel import init_mesh
-from mmm.parallel.pipeline import build_schedule, split_model, stage_ids, stage_layer_ranges
+from mmm.parallel import ParallelSpec, build_pipeline, init_mesh
 
 
 class MLPStack(nn.Module):
-    """Your model: an input layer, a ModuleDict of residual blocks, an output head."""
+    """Your model: an input layer, a ModuleList of residual blocks, an output head."""
 
     def __init__(self, width=32, depth=4, classes=5):
         super().__init__()
         self.inp = nn.Linear(16, width)
-        self.layers = nn.ModuleDict({str(i): nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU())
-                                     for i in range(depth)})
+        self.layers = nn.ModuleList([nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU())
+                                     for _ in range(depth)])
         self.head = nn.Linear(width, classes)
 
     def forward(self, x):
-        h = self.inp(x) if self.inp is not None else x
-        for block in self.layers.values():
+        h = self.inp(x)
+        for block in self.layers:
             h = h + block(h)
-        return self.head(h) if self.head is not None else h
+        return self.head(h)
 
 
 def data(step, batch=16):
@@ -47,24 +45,17 @@ def main(argv=None):
     model = MLPStack()
     reference = [p.detach().clone() for p in model.parameters()]  # to replay the run in one process
 
-    pp, rank = mesh.pp, mesh.coord("pp")
-    ranges = stage_layer_ranges(n_layers=len(model.layers), num_stages=pp)
-    (sid,) = stage_ids(rank, pp, 1)
-    part = split_model(model, ranges[sid], first=sid == 0, last=sid == pp - 1, pre=("inp",), post=("head",))
-    stage = PipelineStage(part, sid, pp, info.device, group=mesh.group("pp"))
-    schedule = build_schedule([stage], schedule="gpipe", microbatches=4, loss_fn=F.cross_entropy)
-    opt = torch.optim.SGD(part.parameters(), lr=0.1)
+    # 2 stages of 2 blocks; "inp" stays on the first stage, "head" on the last
+    pipe = build_pipeline(model, mesh, ParallelSpec(dp="none"), loss_fn=F.cross_entropy, microbatches=4,
+                          schedule="gpipe")
+    opt = torch.optim.SGD(pipe.module.parameters(), lr=0.1)
 
     losses_by_step = []
     for step in range(5):
         x, y = data(step)
-        losses = []
-        schedule.step(*((x,) if sid == 0 else ()), target=y if sid == pp - 1 else None,
-                      losses=losses if sid == pp - 1 else None)
+        loss = pipe.step(x, y)  # forward + backward over 4 microbatches; the mean loss on every rank
         opt.step()
         opt.zero_grad()
-        loss = torch.stack(losses).mean() if losses else torch.zeros(())
-        torch.distributed.all_reduce(loss, group=mesh.group("pp"))  # the last stage has it; share it
         losses_by_step.append(loss.item())
         if info.is_main:
             print(f"step={step} loss={loss.item():.6f}", flush=True)
