@@ -8,7 +8,7 @@ An application of the library (it asks the fsdp_tp trainer which layouts are val
     for c in plan(8, dim=512, n_layers=8, seq_len=256, batch_size=32):
         print(c.label, c.valid and c.memory["total_bytes"], c.problems)
 
-Validity is the fsdp_tp trainer's own check (:func:`mmm.examples.fsdp_tp.arg_problems`), so the
+Validity is the fsdp_tp trainer's own check (:func:`mmm.training.llama.arg_problems`), so the
 planner and the trainer never disagree. Estimates are for that trainer's Llama model, per rank
 (the busiest rank where ranks differ):
 
@@ -43,7 +43,6 @@ Tests compare these with measured figures (``--measure``); see tests/test_plan.p
 from __future__ import annotations
 
 import argparse
-import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,7 +95,7 @@ def _factorizations(n: int, parts: int):
 
 def trainer_args(**overrides) -> argparse.Namespace:
     """The fsdp_tp trainer's defaults with ``overrides`` (flag names with underscores)."""
-    from mmm.examples.fsdp_tp import build_parser
+    from mmm.training.llama import build_parser
 
     args = build_parser().parse_args([])
     unknown = sorted(set(overrides) - set(vars(args)))
@@ -115,7 +114,7 @@ def plan(world: int, args: argparse.Namespace | None = None, *, strategies=None,
     data-parallel strategies to consider (default all); ``fixed``: degrees to hold, e.g. ``{"tp": 2}``.
     """
     from mmm.errors import UsageError
-    from mmm.examples.fsdp_tp import arg_problems
+    from mmm.training.llama import arg_problems
     from mmm.parallel.strategy import STRATEGIES
 
     if not isinstance(world, int) or world < 1:
@@ -185,7 +184,7 @@ def _rank_params(cfg, tp: int, blocks: int, first: bool, last: bool) -> tuple[fl
 
 def estimate_memory(args, world: int) -> dict[str, float]:
     """Per-rank bytes (busiest rank) of parameters, gradients, optimizer state and activations."""
-    from mmm.examples.fsdp_tp import model_config
+    from mmm.training.llama import model_config
     from mmm.parallel.strategy import state_bytes_per_param
 
     cfg, dims = model_config(args), _dims(args, world)
@@ -240,7 +239,7 @@ def group_name(view: str, dims) -> str:
 
 def estimate_comm(args, world: int) -> dict[str, float]:
     """Payload bytes per step by process group, for the busiest rank."""
-    from mmm.examples.fsdp_tp import model_config
+    from mmm.training.llama import model_config
     from mmm.parallel.strategy import uses_fsdp
 
     cfg, dims = model_config(args), _dims(args, world)

@@ -27,7 +27,7 @@ MIB = 2 ** 20
 
 def build_parser():
     from mmm.cli import positive_int
-    from mmm.examples.fsdp_tp import build_parser as trainer_parser
+    from mmm.training.llama import build_parser as trainer_parser
 
     p = trainer_parser()
     p.prog = "python -m mmm.plan"

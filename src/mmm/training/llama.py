@@ -1,0 +1,161 @@
+"""Flags and checks of the Llama trainer (``python -m mmm.examples.fsdp_tp``), shared with the
+planner (``python -m mmm.plan`` asks :func:`arg_problems` of every layout, so the two never
+disagree) and kept here so that the example reads as a tutorial."""
+
+from __future__ import annotations
+
+from mmm.cli import (ArgumentParser, add_mesh_args, add_output_args, add_run_args, add_strategy_args, positive_int,
+                     run_arg_problems)
+from mmm.errors import UsageError
+
+EXAMPLE = "fsdp_tp"
+MEASURE_STEP = 2  # --measure watches this step (a warmup step with the default --warmup 2)
+
+
+def build_parser(doc: str = "") -> ArgumentParser:
+    """The trainer's flags; ``doc`` (the trainer's docstring) gives the description and epilog."""
+    from mmm.data import DATASETS
+    from mmm.parallel.activation_checkpoint import AC_MODES
+    from mmm.parallel.pipeline import SCHEDULES
+
+    parts = doc.split("\n\n", 2)
+    p = ArgumentParser(prog=f"python -m mmm.examples.{EXAMPLE}", description=parts[0],
+                       epilog=parts[2] if len(parts) > 2 else None)
+    add_mesh_args(p)
+    g = add_strategy_args(p, dp_replicate=False)  # --dp-replicate is a mesh flag here
+    g.add_argument("--reshard-after-forward", choices=["auto", "true", "false"], default="auto",
+                   help="FSDP: free gathered parameters after forward (true: less memory, one more all-gather "
+                        "in backward); auto: every block but the root [auto]")
+    g = p.add_argument_group("pipeline parallel (with --pp > 1)")
+    g.add_argument("--pp-schedule", "--pp_schedule", dest="pp_schedule", choices=list(SCHEDULES), default="1f1b",
+                   help="pipelining schedule; interleaved ones need --stages-per-rank >= 2 [1f1b]")
+    g.add_argument("--microbatches", type=positive_int, default=None,
+                   help="microbatches per step, dividing the per-dp-rank batch [pp]")
+    g.add_argument("--stages-per-rank", "--stages_per_rank", dest="stages_per_rank", type=positive_int, default=1,
+                   help="pipeline stages each rank holds (looped placement) [1]")
+    g.add_argument("--split-points", "--split_points", dest="split_points", type=_int_list, default=None,
+                   metavar="I,J,...", help="first block of each stage after the first [even split]")
+    g = p.add_argument_group("model (Llama-style)")
+    g.add_argument("--dim", type=positive_int, default=256, help="model width [256]")
+    g.add_argument("--n-layers", "--n_layers", dest="n_layers", type=positive_int, default=4,
+                   help="transformer blocks [4]")
+    g.add_argument("--n-heads", "--n_heads", dest="n_heads", type=positive_int, default=8,
+                   help="attention heads (divisible by tp) [8]")
+    g.add_argument("--n-kv-heads", "--n_kv_heads", dest="n_kv_heads", type=positive_int, default=None,
+                   help="key/value heads for grouped-query attention [= n-heads]")
+    g.add_argument("--vocab-size", "--vocab_size", dest="vocab_size", type=positive_int, default=256,
+                   help="vocabulary; 256 for byte-level data [256]")
+    g.add_argument("--seq-len", "--seq_len", dest="seq_len", type=positive_int, default=128,
+                   help="tokens per sequence [128]")
+    g = p.add_argument_group("training")
+    g.add_argument("--batch-size", "--batch_size", dest="batch_size", type=positive_int, default=16,
+                   help="GLOBAL batch in sequences per step, divisible by dp [16]")
+    g.add_argument("--max-iters", "--max_iters", dest="max_iters", type=positive_int, default=40,
+                   help="optimizer steps [40]")
+    g.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate [3e-3]")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay [0]")
+    g.add_argument("--grad-clip", "--grad_clip", dest="grad_clip", type=float, default=0.0,
+                   help="clip the global gradient L2 norm (over all shards and pipeline stages); 0 = off [0]")
+    g.add_argument("--seed", type=int, default=0, help="seed of weights and data [0]")
+    g.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="compute dtype; bf16 keeps fp32 master weights and fp32 gradient reduction [fp32]")
+    g.add_argument("--compile", action="store_true", help="torch.compile each block")
+    g.add_argument("--ac", choices=AC_MODES, default="none",
+                   help="activation checkpointing: full block, or selective (keep matmul outputs) [none]")
+    g.add_argument("--dataset", choices=DATASETS, default="synthetic",
+                   help="synthetic (learnable sequences) or pydoc (byte-level English text shipped with "
+                        "Python) [synthetic]")
+    g.add_argument("--measure", action="store_true",
+                   help="on step 2 (a warmup step) count the bytes each mesh process group communicates and "
+                        "the bytes of activations saved for backward, per rank, into summary.json "
+                        "(measured_per_rank); that step runs slower")
+    add_output_args(p, EXAMPLE)
+    add_run_args(p)
+    return p
+
+
+def _int_list(text: str) -> list[int]:
+    import argparse
+
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
+def arg_problems(args, world_size: int) -> list[str]:
+    """Every problem with the flags for this world size (the planner asks this of each combination)."""
+    from mmm.data import dataset_problems
+    from mmm.parallel import ParallelDims, check_degrees
+    from mmm.parallel.context import cp_problems
+    from mmm.parallel.pipeline import pipeline_problems
+    from mmm.parallel.compose import compile_problems
+    from mmm.parallel.strategy import strategy_problems
+    from mmm.training import batch_problems
+    from mmm.parallel.tensor import tp_problems
+
+    degrees = {a: getattr(args, a) for a in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
+    _, problems = check_degrees(world_size, **degrees)
+    mesh_ok = not problems
+    cfg = model_config(args)
+    problems += cfg.problems()
+    if mesh_ok:
+        dims = ParallelDims(world_size=world_size, **degrees)
+        problems += cp_problems(cp=dims.cp, seq_len=cfg.seq_len, tp=dims.tp)
+        if args.batch_size % dims.dp == 0:
+            problems += pipeline_problems(pp=dims.pp, n_layers=cfg.n_layers, schedule=args.pp_schedule,
+                                          stages_per_rank=args.stages_per_rank,
+                                          microbatches=args.microbatches or dims.pp,
+                                          local_batch=args.batch_size // dims.dp, split_points=args.split_points)
+        problems += strategy_problems(args.strategy, dims, offload_optimizer=args.offload_optimizer)
+        problems += compile_problems(args.compile, dims)
+        problems += tp_problems(tp=dims.tp, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+                                vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
+        problems += batch_problems(args.batch_size, dims.dp)
+    problems += dataset_problems(args.dataset, vocab_size=args.vocab_size)
+    if args.grad_clip < 0:
+        problems.append(f"--grad-clip {args.grad_clip} must be >= 0 (0 turns clipping off)")
+    problems += run_arg_problems(args)
+    if args.measure and args.max_iters < MEASURE_STEP:
+        problems.append(f"--measure watches step {MEASURE_STEP}; --max-iters {args.max_iters} is too few "
+                        f"(use --max-iters {MEASURE_STEP} or more)")
+    return problems
+
+
+def check_args(args, world_size: int) -> None:
+    """Every problem with the flags for this world size, at once, as one UsageError."""
+    problems = arg_problems(args, world_size)
+    if problems:
+        raise UsageError("; ".join(problems))
+
+
+def reshard_after_forward(args) -> bool | None:
+    return {"auto": None, "true": True, "false": False}[args.reshard_after_forward]
+
+
+def checkpoint_meta(args, cfg, mesh) -> dict:
+    """What a checkpoint records about the run; ``model`` must match to resume."""
+    return {"example": EXAMPLE, "model": dict(vars(cfg)), "mesh": mesh.dims.degrees, "strategy": args.strategy,
+            "seed": args.seed, "global_batch": args.batch_size, "dataset": args.dataset}
+
+
+def loop_setup(args, info, outdir, startup, engine, cfg, mesh, dataset, log):
+    """What both training loops start from: the checkpointer, the first step (after ``--resume``),
+    this dp rank's batches from that step on, and the Run that records the steps."""
+    from mmm.data import local_batches
+    from mmm.training import Run, make_checkpointer, resume
+
+    ckpt = make_checkpointer(args, engine, meta=checkpoint_meta(args, cfg, mesh), log=log)
+    start = resume(args, ckpt, startup)
+    batches = local_batches(dataset, seed=args.seed, global_batch=args.batch_size, dp_rank=mesh.coord("dp"),
+                            dp_size=mesh.dp, start_step=start - 1, device=info.device)
+    run = Run(EXAMPLE, info=info, outdir=outdir, startup=startup, warmup=args.warmup, log_every=args.log_every,
+              resume_step=start - 1)
+    return ckpt, start, batches, run
+
+
+def model_config(args):
+    from mmm.models.llama import LlamaConfig
+
+    return LlamaConfig(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
+                       vocab_size=args.vocab_size, seq_len=args.seq_len)
