@@ -1,0 +1,36 @@
+"""Distributed bootstrap: who am I, which device and backend, the process group, seeds, teardown.
+
+The flow every mmm program follows::
+
+    info = mmm.dist.setup(seed=0)      # ranks, device, backend, process group, logging
+    ...                                # build mesh, model, train
+    mmm.dist.teardown()                # barrier + destroy, never an exit abort
+
+Programs run as ``python -m ...`` wrap their ``main`` in :func:`run_main`, which adds
+one-line errors for bad input, SIGTERM handling and the clean-exit sequence.
+
+Environment variables read here (all optional):
+
+- ``MMM_DEVICE``: ``auto`` (default: cuda > xpu > mps > cpu), ``cpu``, ``cuda``, ``xpu``, ``mps``.
+- ``MMM_BACKEND``: force a process-group backend (``gloo``, ``nccl``, ``xccl``, ``ccl``).
+- ``MMM_TIMEOUT``: collective timeout in seconds (default 600).
+- ``MASTER_ADDR`` / ``MASTER_PORT``: rendezvous; set by ``launch`` and torchrun, otherwise
+  shared over MPI (mpi4py), derived from the Slurm step, or local for one-node jobs.
+- ``LOG_FROM_ALL_RANKS=1``: log from every rank, not only rank 0.
+
+Split by concern: :mod:`~mmm.dist.ranks` (who am I), :mod:`~mmm.dist.rendezvous` (where ranks
+meet), :mod:`~mmm.dist.device` (device, backend, timeout), :mod:`~mmm.dist.state` (setup, seeds,
+teardown), :mod:`~mmm.dist.exits` (signals, run_main, exit codes). Everything public is here too.
+"""
+
+from __future__ import annotations
+
+from mmm.dist.ranks import RankInfo, discover_ranks, expand_nodelist, parse_tasks_per_node  # noqa: F401
+from mmm.dist.rendezvous import derived_port, free_port, rendezvous  # noqa: F401
+from mmm.dist.device import DEFAULT_TIMEOUT_S, DEVICE_CHOICES, pick_backend, pick_device, timeout_seconds  # noqa: F401
+from mmm.dist.state import (  # noqa: F401
+    DATA_SEED_STRIDE, DistInfo, banner, current, data_generator, data_seed, info, launch_time, seed_all, setup,
+    teardown)
+from mmm.dist.exits import (  # noqa: F401
+    Terminated, USAGE_ERROR_GRACE_S, finish, gather_objects, graceful_sigterm, peer_failure_message, run_main,
+    silent_ranks, stop_agreed)

@@ -1,0 +1,87 @@
+"""Which device and process-group backend this rank uses, and the collective timeout."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from mmm.errors import UsageError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+
+DEFAULT_TIMEOUT_S = 600.0
+DEVICE_CHOICES = ("auto", "cpu", "cuda", "xpu", "mps")
+_BACKEND_FOR = {"cuda": "nccl", "cpu": "gloo", "mps": "gloo"}
+
+
+# --------------------------------------------------------------------------- device
+def _available(kind: str) -> int:
+    import torch
+
+    if kind == "cuda":
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if kind == "xpu":
+        xpu = getattr(torch, "xpu", None)
+        return xpu.device_count() if xpu is not None and xpu.is_available() else 0
+    if kind == "mps":
+        return 1 if torch.backends.mps.is_available() else 0
+    return 1
+
+
+def pick_device(local_rank: int = 0, requested: str | None = None) -> torch.device:
+    """The device for this rank: ``requested`` or ``MMM_DEVICE``, else cuda > xpu > mps > cpu."""
+    import torch
+
+    origin = "requested" if requested else "MMM_DEVICE"
+    kind = (requested or os.environ.get("MMM_DEVICE") or "auto").strip().lower()
+    if kind not in DEVICE_CHOICES:
+        raise UsageError(f"unknown device {kind!r} ({origin}); choose one of: {', '.join(DEVICE_CHOICES)}")
+    if kind == "auto":
+        kind = next((k for k in ("cuda", "xpu", "mps") if _available(k)), "cpu")
+    count = _available(kind)
+    if count == 0:
+        have = [k for k in ("cuda", "xpu", "mps") if _available(k)] + ["cpu"]
+        raise UsageError(
+            f"device {kind!r} was {origin} but this machine has none (torch {torch.__version__}); "
+            f"available: {', '.join(have)}; set MMM_DEVICE=auto or one of those"
+        )
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, local_rank % count)
+
+
+def pick_backend(device: torch.device) -> str:
+    """Process-group backend for a device: nccl for cuda, xccl (or oneCCL's ccl) for xpu, else gloo."""
+    forced = os.environ.get("MMM_BACKEND")
+    if forced:
+        return forced
+    if device.type == "xpu":
+        import torch.distributed as dist
+
+        if getattr(dist, "is_xccl_available", lambda: False)():
+            return "xccl"
+        try:  # older stacks: Intel's oneCCL bindings register the "ccl" backend on import
+            import oneccl_bindings_for_pytorch  # noqa: F401
+        except ImportError:
+            raise UsageError(
+                "device xpu needs a collective backend: use a torch built with XCCL, or install the oneCCL "
+                "bindings (pip install 'mmm[xpu]'); or set MMM_DEVICE=cpu"
+            ) from None
+        return "ccl"
+    return _BACKEND_FOR.get(device.type, "gloo")
+
+
+def timeout_seconds(value: float | None = None) -> float:
+    raw = value if value is not None else os.environ.get("MMM_TIMEOUT", DEFAULT_TIMEOUT_S)
+    try:
+        seconds = float(raw)
+    except (TypeError, ValueError):
+        raise UsageError(f"MMM_TIMEOUT={raw!r} is not a number of seconds") from None
+    if not seconds > 0:
+        where = f"--timeout {seconds:g}" if value is not None else f"MMM_TIMEOUT={raw}"
+        raise UsageError(f"{where}: the collective timeout must be a positive number of seconds")
+    return seconds
+
+

@@ -1,0 +1,211 @@
+"""How a program ends: SIGTERM handling, run_main's one-line errors and exit codes, failed peers named."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from mmm.dist.device import timeout_seconds
+from mmm.dist.ranks import discover_ranks
+from mmm.dist.state import _first_line, current, info, teardown
+from mmm.errors import UsageError, print_error
+
+if TYPE_CHECKING:  # pragma: no cover
+    pass
+
+
+USAGE_ERROR_GRACE_S = 3.0  # other ranks wait this long before exiting so rank 0 can print a shared error
+
+
+class Terminated(SystemExit):
+    """Raised in the main thread when SIGTERM arrives (preemption, launcher shutting down)."""
+
+
+def _on_sigterm(signum, frame):  # pragma: no cover - exercised through subprocess tests
+    raise Terminated(128 + signum)
+
+
+_STOP_SIGNAL: int | None = None
+
+
+def _on_sigterm_graceful(signum, frame):  # pragma: no cover - exercised through subprocess tests
+    global _STOP_SIGNAL
+    if _STOP_SIGNAL is not None:  # a second SIGTERM: stop now
+        raise Terminated(128 + signum)
+    _STOP_SIGNAL = signum
+
+
+def graceful_sigterm() -> None:
+    """From now on the first SIGTERM only asks the training loop to stop after the current step
+    (see :func:`stop_agreed`); a second one stops at once, as before."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm_graceful)
+
+
+def stop_agreed() -> str | None:
+    """Whether any rank got SIGTERM, agreed by every rank (one small all-reduce): all ranks leave the
+    loop after the same step. Returns the signal's name, or None."""
+    import torch
+    import torch.distributed as dist
+
+    flag = _STOP_SIGNAL or 0
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.tensor([flag], dtype=torch.int32, device=info().device if current() is not None else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        flag = int(t.item())
+    return signal.Signals(flag).name if flag else None
+
+
+def _is_user_error(e: BaseException) -> bool:
+    return isinstance(e, UsageError)
+
+
+def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None,
+             *, prog: str | None = None) -> NoReturn:
+    """Run a distributed program's ``main`` and exit the way a cluster job should.
+
+    - bad input (:class:`~mmm.errors.UsageError`, argparse errors): one line on stderr
+      (rank 0 only when every rank hits it alike), exit 2, no traceback;
+    - an unexpected exception: its traceback, prefixed by the rank, exit 1;
+    - SIGTERM: exit 143 after teardown; Ctrl-C: exit 130;
+    - always: barrier (on success) + destroy the process group + ``MPI.Finalize`` if
+      MPI was started, flush, then ``os._exit`` so no interpreter-shutdown race can abort.
+    """
+    prog = prog or os.path.basename(sys.argv[0])
+    if prog == "__main__.py":
+        prog = "mmm"
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    code, together = 0, None
+    try:
+        code = int(main(argv) or 0)
+    except UsageError as e:
+        code = e.exit_code
+        together = e.same_on_all_ranks
+        rank = _rank_for_messages()
+        if rank == 0 or not e.same_on_all_ranks:
+            print_error(str(e), prog=prog, rank=rank if not e.same_on_all_ranks and rank else None)
+        elif rank is not None:
+            # rank 0 reports it; give it time to, since mpiexec/srun kill the job at the first exit
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            time.sleep(USAGE_ERROR_GRACE_S)
+    except Terminated as e:
+        code = int(e.code)
+        print_error("terminated by SIGTERM; shutting down", prog=prog, rank=_rank_for_messages())
+    except KeyboardInterrupt:
+        code = 130
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if isinstance(e.code, str):
+            print_error(e.code, prog=prog)
+    except BaseException as e:
+        code = 1
+        rank = _rank_for_messages()
+        peer = peer_failure_message(e)
+        if peer is not None:  # one line per rank, not a wall of tracebacks
+            lost = silent_ranks()
+            if lost:
+                peer = f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} stopped answering; " + peer
+            print_error(peer, prog=prog, rank=rank)
+            finish(code)
+        tb = traceback.format_exc()
+        prefix = f"[rank {rank}] " if rank is not None else ""
+        sys.stderr.write("".join(f"{prefix}{line}\n" for line in tb.rstrip().splitlines()))
+    finish(code, together=together)
+
+
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "econnreset",
+              "connection refused", "read error", "recv error", "socket closed", "no route to host")
+_PEER_TIMEOUT = ("timed out", "timeout", "deadline exceeded")
+
+
+def peer_failure_message(e: BaseException) -> str | None:
+    """A one-line explanation when ``e`` is a collective failing because another rank died or
+    stalled (gloo/NCCL/MPI errors), else None."""
+    text = " ".join(str(e).split())
+    low = text.lower()
+    try:
+        import torch.distributed as dist
+
+        is_dist = isinstance(e, dist.DistError)
+    except (ImportError, AttributeError):
+        is_dist = False
+    first = text[:200] + ("..." if len(text) > 200 else "")
+    if any(k in low for k in _PEER_TIMEOUT) and (is_dist or "gloo" in low or "nccl" in low or "operation" in low):
+        try:
+            t = f"{current().timeout_s if current() is not None else timeout_seconds(None):g} s"
+        except UsageError:
+            t = "see MMM_TIMEOUT"
+        return (f"no answer from another rank within the collective timeout ({t}; set it with --timeout or "
+                f"MMM_TIMEOUT): a rank stalled or died; the launcher's message names it ({first})")
+    if any(k in low for k in _PEER_LOST) or is_dist:
+        return (f"lost contact with another rank during a collective: a rank died or was killed; the launcher's "
+                f"message names it ({first})")
+    return None
+
+
+def silent_ranks(wait_s: float = 3.0) -> list[int] | None:
+    """After a failed collective: the ranks that do not check in through the rendezvous store within
+    ``wait_s`` (the dead or stalled ones), or None when that cannot be known (the store lived on
+    the lost rank, or there is no process group)."""
+    try:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return None
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=wait_s))
+        rank, world = dist.get_rank(), dist.get_world_size()
+        store.set(f"mmm/alive/{rank}", "1")
+        deadline = time.monotonic() + wait_s
+        while True:
+            missing = [r for r in range(world) if not store.check([f"mmm/alive/{r}"])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.1)
+    except Exception:
+        return None
+
+
+def _rank_for_messages() -> int | None:
+    if current() is not None:
+        return current().rank
+    try:
+        return discover_ranks(use_mpi4py=False).rank
+    except Exception:
+        return None
+
+
+def finish(code: int = 0, *, together: bool | None = None) -> NoReturn:
+    """Tear down, flush, and leave the process with ``code`` (skipping interpreter shutdown).
+    ``together``: every rank is leaving the same way (success, or a usage error all ranks saw)."""
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        teardown(ok=code == 0, finalize_mpi=code == 0 if together is None else together)
+    except BaseException as e:  # never let teardown turn a result into a hang or abort
+        print_error(f"teardown: {_first_line(e)}")
+        code = code or 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code)
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` on every rank (an explicit collective, for end-of-run reports)."""
+    import torch.distributed as tdist
+
+    if not tdist.is_initialized() or tdist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * tdist.get_world_size()
+    tdist.all_gather_object(out, obj)
+    return out

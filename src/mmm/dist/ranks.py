@@ -1,0 +1,182 @@
+"""Who am I: rank, local rank, world size and nodes from the launcher's variables (torchrun, Open MPI,
+MPICH/Intel MPI, Cray PALS, Slurm), or from MPI itself; Slurm node lists."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import re
+from mmm.errors import UsageError
+
+if TYPE_CHECKING:  # pragma: no cover
+    pass
+
+
+# --------------------------------------------------------------------------- ranks
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits in the job, as the launcher described it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    source: str  # which launcher's variables: torchrun, openmpi, mpich, pals, slurm, mpi4py, single
+
+    @property
+    def num_nodes(self) -> int:
+        """Node count, assuming the same number of ranks on every node (ceil)."""
+        return -(-self.world_size // max(1, self.local_world_size))
+
+
+# (source, rank var, size var, local rank var, local size var); first match wins.
+_ENV_SOURCES: tuple[tuple[str, str, str, str, str], ...] = (
+    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+     "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("pals", "PALS_RANKID", "PMI_SIZE", "PALS_LOCAL_RANKID", "PMI_LOCAL_SIZE"),
+    ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+)
+# Variables that say "an MPI launcher started me" without giving the world size.
+_MPI_HINTS = ("PMIX_RANK", "PMI_FD", "PMI_RANK", "PALS_RANKID", "HYDI_CONTROL_FD", "MPI_LOCALRANKID")
+
+
+def _int_var(env: Mapping[str, str], name: str) -> int:
+    raw = env[name]
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise UsageError(f"{name}={raw!r} is not an integer; fix or unset it", same_on_all_ranks=False) from None
+
+
+def parse_tasks_per_node(spec: str) -> list[int]:
+    """Slurm's ``SLURM_STEP_TASKS_PER_NODE`` form: ``"4(x2),3"`` -> ``[4, 4, 3]``."""
+    out: list[int] = []
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "(x" in part:
+            count, reps = part.rstrip(")").split("(x")
+            out += [int(count)] * int(reps)
+        else:
+            out.append(int(part))
+    return out
+
+
+def _slurm_ranks(env: Mapping[str, str]) -> RankInfo | None:
+    # In a batch script SLURM_PROCID=0 is set but nothing was srun'd: require a step.
+    if "SLURM_PROCID" not in env or "SLURM_STEP_ID" not in env:
+        return None
+    size_var = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
+    if size_var not in env:
+        return None
+    rank, world = _int_var(env, "SLURM_PROCID"), _int_var(env, size_var)
+    local_rank = _int_var(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
+    local_size = world
+    tpn = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if tpn:
+        per_node = parse_tasks_per_node(tpn)
+        node = int(env.get("SLURM_NODEID", "0"))
+        if per_node:
+            local_size = per_node[min(node, len(per_node) - 1)]
+    return RankInfo(rank, world, local_rank, local_size, "slurm")
+
+
+def discover_ranks(env: Mapping[str, str] | None = None, *, use_mpi4py: bool = True) -> RankInfo:
+    """Rank, world size and local rank from the launcher's environment.
+
+    Order: torchrun-style variables, Open MPI, Cray PALS, MPICH/Intel MPI (Hydra), a Slurm
+    step; then, if an MPI launcher is evident but gave no sizes (PMIx), mpi4py; else a
+    single process. Missing local-rank variables fall back to a single-node assumption.
+    """
+    env = os.environ if env is None else env
+    for source, rank_v, size_v, lrank_v, lsize_v in _ENV_SOURCES:
+        if rank_v in env and size_v in env:
+            rank, world = _int_var(env, rank_v), _int_var(env, size_v)
+            local_rank = _int_var(env, lrank_v) if lrank_v in env else rank
+            local_size = _int_var(env, lsize_v) if lsize_v in env else world
+            return _checked(RankInfo(rank, world, local_rank, local_size, source), rank_v, size_v)
+    slurm = _slurm_ranks(env)
+    if slurm is not None:
+        return _checked(slurm, "SLURM_PROCID", "SLURM_NTASKS")
+    if use_mpi4py and any(v in env for v in _MPI_HINTS):
+        comm = _mpi_comm()
+        if comm is None:
+            hint = next(v for v in _MPI_HINTS if v in env)
+            raise UsageError(
+                f"started by an MPI launcher ({hint}={env[hint]}) that does not export the world size; "
+                "install mpi4py (pip install 'mmm[mpi]') or start with `launch`, torchrun or mpiexec",
+                same_on_all_ranks=False,
+            )
+        from mpi4py import MPI
+
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        info = RankInfo(comm.Get_rank(), comm.Get_size(), local.Get_rank(), local.Get_size(), "mpi4py")
+        local.Free()
+        return info
+    return RankInfo(0, 1, 0, 1, "single")
+
+
+def _checked(info: RankInfo, rank_v: str, size_v: str) -> RankInfo:
+    if info.world_size < 1 or not 0 <= info.rank < info.world_size:
+        raise UsageError(
+            f"{rank_v}={info.rank} with {size_v}={info.world_size} is not a valid rank; "
+            "a rank lies in [0, world size)",
+            same_on_all_ranks=False,
+        )
+    return info
+
+
+def _mpi_comm():
+    """COMM_WORLD from mpi4py, or None if mpi4py is not installed."""
+    if os.environ.get("MMM_NO_MPI4PY", "") in {"1", "true"}:
+        return None
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None
+    return MPI.COMM_WORLD
+
+def _split_top_level(text: str) -> list[str]:
+    parts, depth, cur = [], 0, []
+    for ch in text:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    parts.append("".join(cur))
+    return [p.strip() for p in parts if p.strip()]
+
+def _expand_one(item: str) -> list[str]:
+    m = re.search(r"\[([^\]]*)\]", item)
+    if not m:
+        return [item]
+    head, tail = item[: m.start()], item[m.end():]
+    out: list[str] = []
+    for rng in m.group(1).split(","):
+        rng = rng.strip()
+        if "-" in rng:
+            lo, hi = rng.split("-", 1)
+            if not (lo.isdigit() and hi.isdigit()) or int(hi) < int(lo):
+                raise UsageError(f"bad range {rng!r} in Slurm node list {item!r}")
+            out += [f"{head}{n:0{len(lo)}d}" for n in range(int(lo), int(hi) + 1)]
+        elif rng.isdigit():
+            out.append(f"{head}{rng}")
+        else:
+            raise UsageError(f"bad entry {rng!r} in Slurm node list {item!r}")
+    return [host + rest for host in out for rest in _expand_one(tail)]
+
+def expand_nodelist(text: str) -> list[str]:
+    """Slurm's compressed host list: ``"nid[001-003,010],login1"`` -> 4 + 1 hosts, zero padding kept."""
+    if text.count("[") != text.count("]"):
+        raise UsageError(f"unbalanced brackets in Slurm node list {text!r}")
+    return [h for item in _split_top_level(text) for h in _expand_one(item)]

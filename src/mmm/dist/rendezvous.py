@@ -1,0 +1,69 @@
+"""Where ranks meet: MASTER_ADDR/MASTER_PORT, shared over MPI, derived from the Slurm step, or local."""
+
+from __future__ import annotations
+
+import os
+import socket
+import zlib
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from mmm.dist.ranks import RankInfo, _mpi_comm, expand_nodelist
+from mmm.errors import UsageError
+
+if TYPE_CHECKING:  # pragma: no cover
+    pass
+
+
+# --------------------------------------------------------------------------- rendezvous
+def free_port() -> int:
+    """A TCP port free on this host right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def derived_port(key: str) -> int:
+    """A port every rank computes alike from a job key; kept below Linux's ephemeral range."""
+    return 10000 + zlib.crc32(key.encode()) % 20000
+
+
+def _job_key(env: Mapping[str, str]) -> str | None:
+    for names in (("PMIX_NAMESPACE",), ("SLURM_JOB_ID", "SLURM_STEP_ID"), ("PALS_APID",), ("PBS_JOBID",),
+                  ("OMPI_MCA_orte_hnp_uri",)):
+        if all(n in env for n in names):
+            return ".".join(env[n] for n in names)
+    return None
+
+
+def rendezvous(info: RankInfo, env: Mapping[str, str] | None = None) -> tuple[str, int]:
+    """MASTER_ADDR and MASTER_PORT for this job, the same on every rank."""
+    env = os.environ if env is None else env
+    addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+    if addr and port:
+        try:
+            return addr, int(port)
+        except ValueError:
+            raise UsageError(f"MASTER_PORT={port!r} is not a port number") from None
+    if info.world_size == 1:
+        return "127.0.0.1", free_port()
+    if info.source in {"openmpi", "mpich", "pals", "mpi4py"}:
+        comm = _mpi_comm()
+        if comm is not None:
+            found = (socket.gethostname(), free_port()) if comm.Get_rank() == 0 else None
+            found = comm.bcast(found, root=0)
+            host, port_ = found
+            return ("127.0.0.1" if info.num_nodes == 1 else host), port_
+    key = _job_key(env)
+    if info.source == "slurm" and key:
+        nodes = expand_nodelist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))
+        if nodes:
+            return nodes[0], derived_port(key)
+    if info.num_nodes == 1 and key:
+        return "127.0.0.1", derived_port(key)
+    raise UsageError(
+        f"cannot find a rendezvous for {info.world_size} ranks started by {info.source}: set MASTER_ADDR and "
+        "MASTER_PORT, start with `launch` (it sets them), or install mpi4py (pip install 'mmm[mpi]')"
+    )
+
+

@@ -1,0 +1,243 @@
+"""Setup: the process group, this process's DistInfo, seeds and per-dp-rank data streams."""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from mmm.dist.device import DEFAULT_TIMEOUT_S, pick_backend, pick_device, timeout_seconds
+from mmm.dist.ranks import RankInfo, discover_ranks
+from mmm.dist.rendezvous import rendezvous
+from mmm.log import get_logger
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+
+log = get_logger("dist")
+
+
+# --------------------------------------------------------------------------- setup
+@dataclass
+class DistInfo:
+    """What :func:`setup` established; also available later as :func:`info`."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    num_nodes: int
+    launcher: str
+    device: Any  # torch.device
+    backend: str | None  # None for a single process without a process group
+    hostname: str = field(default_factory=socket.gethostname)
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    seed: int | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+
+_INFO: DistInfo | None = None
+
+
+def current() -> DistInfo | None:
+    """This process's DistInfo once :func:`setup` ran (None before, and after teardown)."""
+    return _INFO
+
+
+def info() -> DistInfo:
+    """The :class:`DistInfo` from :func:`setup` (which it calls if nobody has yet)."""
+    return _INFO if _INFO is not None else setup()
+
+
+def banner(di: DistInfo | None = None) -> str:
+    """One line on where this job runs: launcher, ranks, nodes, device, backend, versions."""
+    import platform
+
+    import torch
+
+    from mmm import __version__
+
+    di = di or info()
+    mpi = f" mpi4py={sys.modules['mpi4py'].__version__}" if "mpi4py" in sys.modules else ""
+    return (f"mmm {__version__} | launcher={di.launcher} world={di.world_size} nodes={di.num_nodes} "
+            f"local_world={di.local_world_size} | device={di.device} backend={di.backend} | "
+            f"python={platform.python_version()} torch={torch.__version__}{mpi}")
+
+
+def launch_time() -> float | None:
+    """Wall-clock time ``launch`` started (``MMM_LAUNCH_TIME``), if launched by it."""
+    raw = os.environ.get("MMM_LAUNCH_TIME")
+    try:
+        return float(raw) if raw else None
+    except ValueError:
+        return None
+
+
+def setup(
+    *,
+    device: str | None = None,
+    seed: int | None = None,
+    timeout: float | None = None,
+    all_ranks_log: bool | None = None,
+    init_process_group: bool | None = None,
+) -> DistInfo:
+    """Discover ranks, pick device and backend, start the process group, seed, configure logging.
+
+    Idempotent: a second call returns the first call's result. ``init_process_group``
+    defaults to True (a world of one gets a one-rank gloo group so that meshes and
+    collectives work the same everywhere); pass False to skip it for a single process.
+    """
+    global _INFO
+    if _INFO is not None:
+        return _INFO
+    t0 = time.perf_counter()
+    ranks = discover_ranks()
+    from mmm import log as mlog
+
+    mlog.configure(rank=ranks.rank, world_size=ranks.world_size, all_ranks=all_ranks_log)
+    timeout_s = timeout_seconds(timeout)
+    t_import = time.perf_counter()
+    import torch
+    import torch.distributed as dist
+
+    timings = {"import_torch_s": time.perf_counter() - t_import}
+    dev = pick_device(ranks.local_rank, device)
+    if dev.type != "cpu":
+        getattr(torch, dev.type).set_device(dev)  # before the process group, so NCCL/XCCL bind here
+    want_pg = True if init_process_group is None else init_process_group
+    backend = None
+    if want_pg and not dist.is_initialized():
+        backend = pick_backend(dev)
+        t_pg = time.perf_counter()
+        _init_process_group(ranks, backend, dev, timeout_s)
+        timings["init_process_group_s"] = time.perf_counter() - t_pg
+    elif dist.is_initialized():
+        backend = dist.get_backend()
+    if seed is not None:
+        seed_all(seed)
+    launcher = os.environ.get("MMM_LAUNCHER") or ranks.source
+    _INFO = DistInfo(
+        rank=ranks.rank, world_size=ranks.world_size, local_rank=ranks.local_rank,
+        local_world_size=ranks.local_world_size, num_nodes=ranks.num_nodes, launcher=launcher,
+        device=dev, backend=backend, timeout_s=timeout_s, seed=seed, timings=timings,
+    )
+    timings["setup_s"] = time.perf_counter() - t0
+    atexit.register(_atexit_teardown)
+    log.debug("setup: %s", _INFO)
+    return _INFO
+
+
+def _init_process_group(ranks: RankInfo, backend: str, dev, timeout_s: float) -> None:
+    import torch.distributed as dist
+
+    kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout_s)}
+    if dev.type in {"cuda", "xpu"}:
+        kwargs["device_id"] = dev  # eager init: communicators are ready before the first collective
+    if ranks.world_size == 1:
+        store = dist.HashStore()  # no port, no network for a one-rank group
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, **kwargs)
+        return
+    addr, port = rendezvous(ranks)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
+    dist.init_process_group(
+        backend, init_method=f"tcp://{addr}:{port}", rank=ranks.rank, world_size=ranks.world_size, **kwargs
+    )
+
+
+def seed_all(seed: int) -> None:
+    """Identical weight init on every rank: seed python, numpy (if loaded) and torch with ``seed``."""
+    import random
+
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if "numpy" in sys.modules:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+
+
+DATA_SEED_STRIDE = 2**20  # data-parallel ranks per seed without collision
+
+
+def data_seed(seed: int, dp_rank: int) -> int:
+    """Seed of a data stream: distinct for every (seed, dp_rank) with dp_rank < 2**20.
+
+    Ranks that share a dp rank (TP, CP, PP peers) get the same stream, as they must.
+    """
+    if not 0 <= dp_rank < DATA_SEED_STRIDE:
+        raise ValueError(f"dp_rank={dp_rank} out of range [0, {DATA_SEED_STRIDE})")
+    return (seed * DATA_SEED_STRIDE + dp_rank + 1) % 2**63
+
+
+def data_generator(seed: int, dp_rank: int, device="cpu") -> torch.Generator:
+    import torch
+
+    g = torch.Generator(device=device)
+    g.manual_seed(data_seed(seed, dp_rank))
+    return g
+
+
+# --------------------------------------------------------------------------- teardown
+def teardown(*, ok: bool = True, finalize_mpi: bool | None = None) -> None:
+    """Leave the process group cleanly (PLATFORM.md, "Exit abort").
+
+    On success every rank meets at a barrier before destroying the group, so no gloo
+    worker still holds a collective's buffers while the interpreter shuts down. After a
+    failure the barrier is skipped (peers may be gone); the group is destroyed anyway.
+    ``MPI.Finalize`` (when mpi4py started MPI) waits for every rank, so it runs only when all
+    ranks are leaving together (``finalize_mpi``, default ``ok``): after a failure a stalled
+    peer would hold it forever, and skipping it lets mpiexec see the exit and stop the job.
+    """
+    global _INFO
+    dist = sys.modules.get("torch.distributed")
+    try:  # absent, or cut short mid-import by a signal: then there is no process group to leave
+        ready = dist is not None and dist.is_available() and dist.is_initialized()
+    except Exception:
+        ready = False
+    if ready:
+        if ok and dist.get_world_size() > 1:
+            try:
+                dist.barrier()
+            except Exception as e:  # a peer died after we finished: say so, still tear down
+                log.warning("teardown barrier failed: %s", _first_line(e))
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # pragma: no cover
+            log.warning("destroy_process_group failed: %s", _first_line(e))
+    if "mpi4py.MPI" in sys.modules and (ok if finalize_mpi is None else finalize_mpi):
+        MPI = sys.modules["mpi4py.MPI"]
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            MPI.Finalize()
+    _INFO = None
+
+
+def _atexit_teardown() -> None:
+    # A program that forgot teardown(): destroy without a barrier (peers may have exited).
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
