@@ -124,7 +124,8 @@ def test_layout_matches_one_process(references, tmp_path, case):
     assert all(d <= RTOL for d in diffs.values()), (case.name, diffs)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["world_size"] == case.ranks and len(summary["memory_per_rank"]) == case.ranks
-    if "--tp" in case.flags:
+    flags = dict(zip(case.flags, case.flags[1:]))
+    if int(flags.get("--tp", flags.get("--tpsize", 1))) > 1:
         assert "tp:Shard(0)" in res.stdout  # the sharding table shows the TP plan
     if case.base == "cnn":  # the per-epoch evaluation over the sharded test set, too
         got, want = jsonl(tmp_path / "epochs.jsonl", key=None), jsonl(ref / "epochs.jsonl", key=None)

@@ -29,8 +29,6 @@ def _sharded_groups(grad: torch.Tensor) -> list:
         return []
     out = []
     for i, placement in enumerate(grad.placements):
-        if placement.is_partial():
-            raise ValueError("a gradient is still a Partial DTensor; reduce it before taking the norm")
         if placement.is_shard() or type(placement).__name__ == "_StridedShard":
             out.append(mesh.get_group(i))
     return out
@@ -41,6 +39,11 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     all-reduce per process group they are sharded over (replicated dimensions count once)."""
     by_layout: dict = {}
     for g in grads:
+        if any(p.is_partial() for p in getattr(g, "placements", ())):
+            # not yet reduced (TP's replicated parameters): the norm needs the sum, so reduce a copy
+            from torch.distributed.tensor import Replicate
+
+            g = g.redistribute(placements=[Replicate() if p.is_partial() else p for p in g.placements])
         by_layout.setdefault(_group_key(g), []).append(g)
     squares, groups = [], []
     for layout in by_layout.values():
