@@ -2,7 +2,8 @@
 
     launch -n 2 python3 examples/context_parallel_own_attention.py
 
-Give your attention an ``attn_fn(q, k, v)`` hook, set it to mmm's ring attention, shard the
+Give your attention an ``attn_fn(q, k, v)`` hook, let ``context_parallel`` set it to mmm's ring
+attention (in every module that has one), shard the
 sequence with ``shard_sequence`` (load-balanced chunks), and use ``local_positions`` for any
 positional encoding. The script checks the output and the gradients against full attention
 computed in one process.
@@ -14,7 +15,7 @@ from torch import nn
 
 from mmm import dist
 from mmm.parallel import init_mesh
-from mmm.parallel.context import local_positions, ring_attention_fn, shard_sequence
+from mmm.parallel.context import context_parallel, local_positions, shard_sequence
 
 
 class TinyAttention(nn.Module):
@@ -47,7 +48,7 @@ def main(argv=None):
     model.zero_grad()
 
     # context parallel: this rank's chunks, ring attention
-    model.attn_fn = ring_attention_fn(mesh.group("cp"))
+    context_parallel(model, mesh["cp"])  # every attn_fn hook -> ring attention over the cp ranks
     out = model(shard_sequence(x, rank, cp), local_positions(16, rank, cp))
     assert torch.allclose(out, shard_sequence(full, rank, cp), rtol=1e-5, atol=1e-6)
     (out.square().sum() / full.numel()).backward()  # this rank's share of the same mean

@@ -6,7 +6,8 @@ import pytest
 import torch
 from conftest import assert_clean_user_error, launch, mpiexec, run
 
-from mmm.parallel.context import cp_problems, local_positions, shard_sequence
+from mmm.errors import UsageError
+from mmm.parallel.context import context_parallel, cp_problems, local_positions, shard_sequence
 
 MODULE = ["-m", "mmm.examples.fsdp_tp"]
 MODEL = ["--dim", "64", "--n-layers", "2", "--n-heads", "8", "--n-kv-heads", "4", "--seq-len", "32",
@@ -24,6 +25,11 @@ def test_load_balanced_positions():
     assert shard_sequence(x, 1, 2).tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]]
     assert cp_problems(cp=4, seq_len=36) == ["--seq-len 36 is not divisible by 2 x cp = 8; context parallel cuts "
                                              "the sequence into 2*cp load-balanced chunks"]
+
+
+def test_context_parallel_needs_an_attention_hook():
+    with pytest.raises(UsageError, match="no module of Linear has an 'attn_fn' attribute"):
+        context_parallel(torch.nn.Linear(2, 2), None)
 
 
 @pytest.mark.parametrize("n", [2, 4])

@@ -121,6 +121,10 @@ def test_bf16_really_computes_in_bf16(reference, bf16_reference, tmp_path, n, fl
     (2, ["--max-iters", "0"], ["argument --max-iters/--max_iters: 0 must be >= 1"]),
     (2, ["--strategy", "ddp", "--tp", "2"], ["--strategy ddp does not compose with tp"]),
     (2, ["--compile", "--tp", "2"], ["--compile with --tp 2 is not supported"]),
+    (2, ["--microbatches", "2", "--pp-schedule", "gpipe"],
+     ["--pp-schedule, --microbatches only apply with --pp > 1 (got pp=1)"]),
+    (2, ["--strategy", "ddp", "--reshard-after-forward", "true"],
+     ["--reshard-after-forward true is an FSDP option; --strategy ddp does not shard parameters"]),
 ])
 def test_bad_input_one_line_every_rank(n, flags, needles):
     res = run(launch("--launcher", "local", "-n", str(n), "python3", *MODULE, *flags), timeout=60)

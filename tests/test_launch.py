@@ -87,8 +87,8 @@ def test_slurm_srun_command(tmp_path, monkeypatch):
     env = {"SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "gpu[1-4]", "MMM_GPUS_PER_NODE": "4"}
     plan = L.plan_launch(["python3", "t.py"], env=env, nproc=12)
     assert plan.launcher == "srun"
-    assert plan.argv[:6] == [str(fake), "--nodes=3", "--ntasks=12", "--ntasks-per-node=4", "--export=ALL",
-                             sys.executable]
+    assert plan.argv[:7] == [str(fake), "--nodes=3", "--ntasks=12", "--ntasks-per-node=4", "--export=ALL",
+                             "--kill-on-bad-exit=1", sys.executable]
     assert plan.env["MASTER_ADDR"] == "gpu1"
 
 
@@ -133,6 +133,18 @@ def test_dry_run_under_fake_slurm_cli(tmp_path):
     assert res.returncode == 0, res.output
     assert "4 ranks (2 per host) on 2 hosts via srun; scheduler: slurm" in res.stdout
     assert "--nodes=2 --ntasks=4 --ntasks-per-node=2" in res.stdout
+    assert "--kill-on-bad-exit=1" in res.stdout  # one crashed rank ends the step, not the 600 s timeout
+
+
+def test_dry_run_in_a_slurm_job_without_srun_on_path_prints_the_command(tmp_path):
+    env = clean_env(SLURM_JOB_ID="7", SLURM_JOB_NODELIST="nid[001-002]", SLURM_NTASKS_PER_NODE="2",
+                    PATH=f"{tmp_path}:/usr/bin:/bin")
+    res = run(launch("--dry-run", "python3", "-c", "pass"), env=env)
+    assert res.returncode == 0, res.output
+    assert " srun --nodes=2 --ntasks=4 " in res.stdout.splitlines()[1]
+    res = run(launch("python3", "-c", "pass"), env=env)  # running it: one line naming the job and the fix
+    assert res.returncode == 2 and "no srun on PATH (inside Slurm job 7, PATH=" in res.stderr, res.output
+    assert "module load slurm" in res.stderr and "Traceback" not in res.output
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -112,3 +112,27 @@ def test_unknown_and_missing_devices(monkeypatch):
         pick_device(0, "cuda")
     monkeypatch.setenv("MMM_DEVICE", "cpu")
     assert pick_device(3).type == "cpu"
+
+
+def test_srun_pmi2_uses_the_slurm_step_not_mpi():
+    """srun --mpi=pmi2 exports PMI_RANK/PMI_SIZE but no MPI_LOCALRANKID: taking the MPICH path made
+    local rank = global rank and started MPI through mpi4py (which hung on PMI-2)."""
+    env = {"PMI_RANK": "3", "PMI_SIZE": "4", "SLURM_PROCID": "3", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "4",
+           "SLURM_LOCALID": "1", "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_NODEID": "1", "SLURM_JOB_ID": "7"}
+    info = discover_ranks(env, use_mpi4py=False)
+    assert (info.rank, info.world_size, info.local_rank, info.source) == (3, 4, 1, "slurm")
+    # plain Hydra (MPICH/Intel MPI mpiexec) keeps its own variables
+    hydra = discover_ranks({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"},
+                           use_mpi4py=False)
+    assert hydra.source == "mpich" and hydra.local_rank == 1
+
+
+def test_binding_an_mps_device_does_not_crash():
+    """torch.mps has no set_device (Apple silicon crashed at setup); binding is a no-op there and on CPU."""
+    import torch
+
+    from mmm.dist.state import bind_device
+
+    assert not hasattr(torch.mps, "set_device")
+    bind_device(torch.device("mps"))
+    bind_device(torch.device("cpu"))

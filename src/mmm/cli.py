@@ -89,9 +89,10 @@ def add_checkpoint_args(parser) -> None:
                    help="save checkpoints here (step-NNNNNNNN/ folders, each complete or absent) [off]")
     g.add_argument("--checkpoint-every", "--checkpoint_every", dest="checkpoint_every", type=nonnegative_int,
                    default=0, metavar="N", help="save every N steps; the last step and SIGTERM always save [0]")
-    g.add_argument("--resume", default=None, metavar="latest|STEP",
+    g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="latest|STEP",
                    help="continue from the latest checkpoint in --checkpoint-dir (a fresh start when there is none "
-                        "yet) or from a given step; the mesh may differ from the one that saved it")
+                        "yet; a bare --resume means latest) or from a given step; the mesh may differ from the "
+                        "one that saved it")
     g.add_argument("--keep-last", "--keep_last", dest="keep_last", type=nonnegative_int, default=0, metavar="K",
                    help="keep only the K newest checkpoints; 0 keeps all [0]")
 

@@ -211,7 +211,10 @@ def plan_launch(
     mpi_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     flavor: str | None = None,
+    dry_run: bool = False,
 ) -> LaunchPlan:
+    """How to start ``command`` on this allocation. ``dry_run``: only to print it, so a launcher
+    missing from PATH (a login node, a module not loaded) is named as is, not refused."""
     env = os.environ if env is None else env
     if not command:
         raise UsageError("no command to launch; e.g. `launch -n 4 python3 -m mmm --tp 2`")
@@ -265,11 +268,15 @@ def plan_launch(
     if launcher == "local":
         return LaunchPlan("local", cmd, total, ppn, alloc, add_env)
     if launcher == "srun":
-        exe = shutil.which("srun")
+        exe = shutil.which("srun") or ("srun" if dry_run else None)
         if exe is None:
-            raise UsageError("--launcher srun: no srun on PATH; run inside a Slurm job or choose --launcher mpiexec")
+            where = (f"inside Slurm job {env['SLURM_JOB_ID']}, " if env.get("SLURM_JOB_ID") else "")
+            raise UsageError(f"--launcher srun: no srun on PATH ({where}PATH={env.get('PATH', '')!r}); load Slurm "
+                             "(e.g. `module load slurm`) or choose --launcher mpiexec")
+        # a rank that dies takes the step down at once, instead of leaving the others blocked in a
+        # collective until its timeout
         argv = [exe, f"--nodes={nodes}", f"--ntasks={total}", f"--ntasks-per-node={ppn}", "--export=ALL",
-                *mpi_args, *cmd]
+                "--kill-on-bad-exit=1", *mpi_args, *cmd]
         return LaunchPlan("srun", argv, total, ppn, alloc, add_env)
     exe = find_mpiexec()
     if exe is None:
@@ -420,7 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         command = args.command[1:] if args.command[:1] == ["--"] else args.command
         plan = plan_launch(command, nproc=args.nproc, ppn=args.ppn, hostfile=args.hostfile,
-                           launcher=args.launcher, mpi_args=shlex.split(args.mpi_args))
+                           launcher=args.launcher, mpi_args=shlex.split(args.mpi_args), dry_run=args.dry_run)
     except UsageError as e:
         print_error(str(e), prog=PROG)
         return 2

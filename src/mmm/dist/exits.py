@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import signal
@@ -123,6 +124,7 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
 _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "econnreset",
               "connection refused", "read error", "recv error", "socket closed", "no route to host")
 _PEER_TIMEOUT = ("timed out", "timeout", "deadline exceeded")
+_BACKENDS = ("gloo", "nccl", "processgroup", "c10d", "xccl", "oneccl", "mpi_")
 
 
 def peer_failure_message(e: BaseException) -> str | None:
@@ -137,7 +139,10 @@ def peer_failure_message(e: BaseException) -> str | None:
     except (ImportError, AttributeError):
         is_dist = False
     first = text[:200] + ("..." if len(text) > 200 else "")
-    if any(k in low for k in _PEER_TIMEOUT) and (is_dist or "gloo" in low or "nccl" in low or "operation" in low):
+    from_backend = is_dist or any(k in low for k in _BACKENDS)
+    if not from_backend:
+        return None  # not a collective's error (a user's own socket or timeout): keep its traceback
+    if any(k in low for k in _PEER_TIMEOUT):
         try:
             t = f"{current().timeout_s if current() is not None else timeout_seconds(None):g} s"
         except UsageError:
@@ -183,7 +188,8 @@ def _rank_for_messages() -> int | None:
 
 
 def finish(code: int = 0, *, together: bool | None = None) -> NoReturn:
-    """Tear down, flush, and leave the process with ``code`` (skipping interpreter shutdown).
+    """Tear down, run the atexit handlers, flush, and leave the process with ``code`` (skipping
+    interpreter shutdown, where gloo's worker threads can abort a finished run).
     ``together``: every rank is leaving the same way (success, or a usage error all ranks saw)."""
     try:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -192,6 +198,10 @@ def finish(code: int = 0, *, together: bool | None = None) -> NoReturn:
         print_error(f"teardown: {_first_line(e)}")
         code = code or 1
     finally:
+        try:  # the program's own atexit handlers still run (os._exit would skip them)
+            atexit._run_exitfuncs()
+        except BaseException:  # pragma: no cover - _run_exitfuncs prints a handler's error itself
+            pass
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()

@@ -89,18 +89,21 @@ def _slurm_ranks(env: Mapping[str, str]) -> RankInfo | None:
 def discover_ranks(env: Mapping[str, str] | None = None, *, use_mpi4py: bool = True) -> RankInfo:
     """Rank, world size and local rank from the launcher's environment.
 
-    Order: torchrun-style variables, Open MPI, Cray PALS, MPICH/Intel MPI (Hydra), a Slurm
-    step; then, if an MPI launcher is evident but gave no sizes (PMIx), mpi4py; else a
+    Order: torchrun-style variables, Open MPI, Cray PALS, MPICH/Intel MPI (Hydra; but inside a
+    Slurm step that set only PMI_RANK/PMI_SIZE, as ``srun --mpi=pmi2`` does, the step's own
+    variables, which also give the local rank and node), a Slurm step; then, if an MPI launcher is evident but gave no sizes (PMIx), mpi4py; else a
     single process. Missing local-rank variables fall back to a single-node assumption.
     """
     env = os.environ if env is None else env
+    slurm = _slurm_ranks(env)
     for source, rank_v, size_v, lrank_v, lsize_v in _ENV_SOURCES:
+        if source == "mpich" and lrank_v not in env and slurm is not None:
+            break  # srun --mpi=pmi2 sets PMI_RANK/PMI_SIZE only: the Slurm step says the rest
         if rank_v in env and size_v in env:
             rank, world = _int_var(env, rank_v), _int_var(env, size_v)
             local_rank = _int_var(env, lrank_v) if lrank_v in env else rank
             local_size = _int_var(env, lsize_v) if lsize_v in env else world
             return _checked(RankInfo(rank, world, local_rank, local_size, source), rank_v, size_v)
-    slurm = _slurm_ranks(env)
     if slurm is not None:
         return _checked(slurm, "SLURM_PROCID", "SLURM_NTASKS")
     if use_mpi4py and any(v in env for v in _MPI_HINTS):
@@ -141,6 +144,7 @@ def _mpi_comm():
         return None
     return MPI.COMM_WORLD
 
+
 def _split_top_level(text: str) -> list[str]:
     parts, depth, cur = [], 0, []
     for ch in text:
@@ -155,6 +159,7 @@ def _split_top_level(text: str) -> list[str]:
             cur.append(ch)
     parts.append("".join(cur))
     return [p.strip() for p in parts if p.strip()]
+
 
 def _expand_one(item: str) -> list[str]:
     m = re.search(r"\[([^\]]*)\]", item)

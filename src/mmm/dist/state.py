@@ -24,6 +24,15 @@ log = get_logger("dist")
 
 
 # --------------------------------------------------------------------------- setup
+def bind_device(dev) -> None:
+    """Make ``dev`` this process's current device (cuda/xpu: before the process group, so that
+    NCCL/XCCL bind to it). Backends without a current-device notion (cpu, mps) need nothing."""
+    import torch
+
+    module = getattr(torch, dev.type, None)
+    if dev.type != "cpu" and hasattr(module, "set_device"):
+        module.set_device(dev)
+
 @dataclass
 class DistInfo:
     """What :func:`setup` established; also available later as :func:`info`."""
@@ -116,8 +125,7 @@ def setup(
 
     timings = {"import_torch_s": time.perf_counter() - t_import}
     dev = pick_device(ranks.local_rank, device)
-    if dev.type != "cpu":
-        getattr(torch, dev.type).set_device(dev)  # before the process group, so NCCL/XCCL bind here
+    bind_device(dev)
     want_pg = True if init_process_group is None else init_process_group
     backend = None
     if want_pg and not dist.is_initialized():

@@ -176,6 +176,8 @@ def train(args, info, outdir, startup) -> int:
             break
     epochs.finalize(plots=not args.no_plots, print_plots=False, summary_file=None)
     if args.save_model:
+        from mmm.training import save_full_model
+
         save_full_model(engine, outdir / "model.pt", is_main=info.is_main)
     last_epoch = epochs.rows[-1] if epochs.rows else {}  # none when stopped inside the first epoch
     extra = {"mesh": mesh.dims.degrees, "strategy": args.strategy, "dtype": args.dtype, "dataset": data.name,
@@ -212,23 +214,6 @@ def evaluate(engine, split, *, batch: int, rank: int, world: int, group, device)
     if group is not None:
         dist.all_reduce(totals, group=group)
     return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
-
-
-def save_full_model(engine, path, *, is_main: bool) -> None:
-    """Gather the full (unsharded) weights and save them on rank 0."""
-    import torch
-
-    if engine.strategy.startswith("zero"):
-        state = engine.ds._zero3_consolidated_16bit_state_dict() if engine.strategy == "zero3" \
-            else engine.ds.module.state_dict()
-    else:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        state = get_model_state_dict(engine.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if is_main:
-        tmp = path.with_name(f".{path.name}.tmp")
-        torch.save({k: v.detach().cpu() for k, v in state.items()}, tmp)
-        tmp.replace(path)
 
 
 if __name__ == "__main__":

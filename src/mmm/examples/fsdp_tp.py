@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from mmm.flops import llama_flops_per_token
 from mmm.training import llama as flags
 from mmm.training import torchinfo_summary
-from mmm.training.llama import MEASURE_STEP, check_args, loop_setup, model_config, reshard_after_forward
+from mmm.training.llama import (MEASURE_STEP, check_args, loop_setup, model_config, pp_schedule,
+                                reshard_after_forward)
 
 EXAMPLE = "fsdp_tp"
 
@@ -78,7 +79,7 @@ def train(args, info, outdir, startup) -> int:
         make_optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay),
         global_batch=args.batch_size, optimizer_args={"lr": args.lr, "weight_decay": args.weight_decay},
         offload_optimizer=args.offload_optimizer,
-        pipeline_args=dict(loss_fn=loss_fn, microbatches=args.microbatches, schedule=args.pp_schedule,
+        pipeline_args=dict(loss_fn=loss_fn, microbatches=args.microbatches, schedule=pp_schedule(args),
                            stages_per_rank=args.stages_per_rank, split_points=args.split_points))
     del model
     if info.is_main:

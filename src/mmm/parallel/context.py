@@ -135,11 +135,11 @@ def context_parallel(model: torch.nn.Module, cp_mesh, *, attn_attr: str = "attn_
     are sharded with :func:`shard_sequence`."""
     from mmm.errors import UsageError
 
-    attn = ring_attention_fn(cp_mesh.get_group())
     names = [name for name, mod in model.named_modules() if hasattr(mod, attn_attr)]
     if not names:
         raise UsageError(f"no module of {type(model).__name__} has an {attn_attr!r} attribute; give its attention "
                          f"an {attn_attr}(q, k, v) hook (causal SDPA by default) for context parallel")
+    attn = ring_attention_fn(cp_mesh.get_group())
     for name in names:
         setattr(model.get_submodule(name), attn_attr, attn)
     return names

@@ -429,3 +429,20 @@ class Run:
                          f"{engine.strategy}'s theoretical {theory['total_bytes'] / 2**20:.2f})")
             self.log.info("done: %s | %s", " | ".join(parts), self.outdir)
         return summary
+
+
+def save_full_model(engine, path, *, is_main: bool) -> None:
+    """Gather the full (unsharded) weights and save them on rank 0."""
+    import torch
+
+    if engine.strategy.startswith("zero"):
+        state = engine.ds._zero3_consolidated_16bit_state_dict() if engine.strategy == "zero3" \
+            else engine.ds.module.state_dict()
+    else:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(engine.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if is_main:
+        tmp = path.with_name(f".{path.name}.tmp")
+        torch.save({k: v.detach().cpu() for k, v in state.items()}, tmp)
+        tmp.replace(path)

@@ -27,7 +27,7 @@ def build_parser(doc: str = "") -> ArgumentParser:
                    help="FSDP: free gathered parameters after forward (true: less memory, one more all-gather "
                         "in backward); auto: every block but the root [auto]")
     g = p.add_argument_group("pipeline parallel (with --pp > 1)")
-    g.add_argument("--pp-schedule", "--pp_schedule", dest="pp_schedule", choices=list(SCHEDULES), default="1f1b",
+    g.add_argument("--pp-schedule", "--pp_schedule", dest="pp_schedule", choices=list(SCHEDULES), default=None,
                    help="pipelining schedule; interleaved ones need --stages-per-rank >= 2 [1f1b]")
     g.add_argument("--microbatches", type=positive_int, default=None,
                    help="microbatches per step, dividing the per-dp-rank batch [pp]")
@@ -102,8 +102,9 @@ def arg_problems(args, world_size: int) -> list[str]:
     if mesh_ok:
         dims = ParallelDims(world_size=world_size, **degrees)
         problems += cp_problems(cp=dims.cp, seq_len=cfg.seq_len, tp=dims.tp)
+        problems += pipeline_flag_problems(args, dims)
         if args.batch_size % dims.dp == 0:
-            problems += pipeline_problems(pp=dims.pp, n_layers=cfg.n_layers, schedule=args.pp_schedule,
+            problems += pipeline_problems(pp=dims.pp, n_layers=cfg.n_layers, schedule=pp_schedule(args),
                                           stages_per_rank=args.stages_per_rank,
                                           microbatches=args.microbatches or dims.pp,
                                           local_batch=args.batch_size // dims.dp, split_points=args.split_points)
@@ -120,6 +121,25 @@ def arg_problems(args, world_size: int) -> list[str]:
         problems.append(f"--measure watches step {MEASURE_STEP}; --max-iters {args.max_iters} is too few "
                         f"(use --max-iters {MEASURE_STEP} or more)")
     return problems
+
+
+def pp_schedule(args) -> str:
+    return args.pp_schedule or "1f1b"
+
+
+def pipeline_flag_problems(args, dims) -> list[str]:
+    """Flags that only a pipeline or only FSDP can honour, given without one: refused, never ignored."""
+    out = []
+    if dims.pp == 1:
+        given = [f for f, v in (("--pp-schedule", args.pp_schedule), ("--microbatches", args.microbatches),
+                                ("--split-points", args.split_points)) if v is not None]
+        given += ["--stages-per-rank"] if args.stages_per_rank != 1 else []
+        if given:
+            out.append(f"{', '.join(given)} only apply with --pp > 1 (got pp=1); add --pp N or drop them")
+    if args.reshard_after_forward != "auto" and args.strategy not in ("fsdp", "hsdp"):
+        out.append(f"--reshard-after-forward {args.reshard_after_forward} is an FSDP option; --strategy "
+                   f"{args.strategy} does not shard parameters (use --strategy fsdp or drop the flag)")
+    return out
 
 
 def check_args(args, world_size: int) -> None:
