@@ -4,7 +4,7 @@ import json
 import sys
 
 import pytest
-from conftest import clean_env, launch, mpiexec, run, torchrun
+from conftest import SCRIPTS, clean_env, launch, mpiexec, run, torchrun
 
 # Hand-computed rank lists. Axis order pp, dp_replicate, dp_shard, cp, tp (tp innermost).
 EXPECTED = {
@@ -116,3 +116,15 @@ def test_single_process_needs_no_launcher():
     res = run([sys.executable, "-m", "mmm"])
     assert res.returncode == 0, res.output
     assert "launcher=single world=1" in res.stdout
+
+
+def test_dp_ranks_draw_their_own_random_numbers_tp_peers_the_same():
+    """Dropout masks: one stream per dp rank (they were all the same), shared by TP peers."""
+    import ast
+
+    res = run(launch("-n", "4", "python3", str(SCRIPTS / "rng_streams.py")), timeout=90)
+    assert res.returncode == 0, res.output
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("[("))
+    draws = {(dp, tp): tuple(x) for dp, tp, x in ast.literal_eval(line)}
+    assert draws[(0, 0)] == draws[(0, 1)] and draws[(1, 0)] == draws[(1, 1)]
+    assert draws[(0, 0)] != draws[(1, 0)]

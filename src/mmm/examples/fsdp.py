@@ -102,6 +102,7 @@ def train(args, info, outdir, startup) -> int:
                  len(data.test.labels), data.img_size, data.img_size)
         log.info("%s", torchinfo_summary(model))
     model.to(device)
+    mesh.seed_streams(args.seed)  # own dropout masks per dp rank from here on
     startup.mark("model")
     engine = build_engine(
         model, mesh, ParallelSpec(blocks=None, dtype=args.dtype), strategy=args.strategy, device=device,

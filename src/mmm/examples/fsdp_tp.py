@@ -62,6 +62,7 @@ def train(args, info, outdir, startup) -> int:
         log.info("model: %s", cfg)
         log.info("%s", torchinfo_summary(model))
     model.to(info.device)
+    mesh.seed_streams(args.seed)  # own dropout masks per dp rank from here on
     startup.mark("model")
 
     # 3. parallelise: context parallel swaps in ring attention; then TP -> AC -> compile -> FSDP,

@@ -115,6 +115,7 @@ def train(args, info, outdir, startup) -> int:
         log.info("model: %s (width %d)", cfg, cfg.dim)
         log.info("%s", torchinfo_summary(model))
     model.to(device)
+    mesh.seed_streams(args.seed)  # own dropout masks per dp rank from here on
     startup.mark("model")
     spec = ParallelSpec(tp_plan=VIT_TP_PLAN, blocks="blocks", ac=args.ac, compile=args.compile, dtype=args.dtype)
     engine = build_engine(

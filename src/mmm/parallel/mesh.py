@@ -250,6 +250,18 @@ class Mesh:
             raise AttributeError(name)
         return getattr(self.dims, name)
 
+    def seed_streams(self, seed: int) -> int:
+        """After building the (identical) weights: give every data-parallel / context-parallel rank
+        its own random stream (dropout masks differ across dp_cp ranks, as they would across the
+        samples of one process's batch) while TP and PP peers keep the same one. Returns the seed."""
+        import torch
+
+        from mmm.dist import data_seed
+
+        stream = data_seed(seed, self.coord("dp_cp"))
+        torch.manual_seed(stream)  # seeds every device's generator too
+        return stream
+
     # ---- description
     def coordinates(self) -> dict[str, tuple[int, int]]:
         """``{"pp": (index, size), "dp": ..., "cp": ..., "tp": ...}`` for this rank."""
