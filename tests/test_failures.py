@@ -144,3 +144,14 @@ def test_run_main_runs_the_programs_atexit_handlers(tmp_path):
     res = run(launch("-n", "2", "python3", str(SCRIPTS / "atexit_rank.py"), str(tmp_path)), timeout=60)
     assert res.returncode == 0, res.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.txt", "rank1.txt"]
+
+
+def test_a_usage_error_on_one_rank_only_is_reported_by_that_rank():
+    """UsageError assumes every rank hit the same error and leaves the printing to rank 0; when rank 0
+    did not (a file missing on one node), the rank that did says so instead of exiting silently."""
+    res = run(launch("--launcher", "local", "-n", "2", "python3", str(SCRIPTS / "rank_local_error.py")), timeout=60)
+    assert res.returncode != 0
+    lines = [ln for ln in res.stderr.splitlines() if "error:" in ln and "launch:" not in ln]
+    assert lines[0] == ("[rank 1] rank_local_error.py: error: --data-dir '/nodes/own/disk': no such directory on "
+                        "this node"), res.output
+    assert all("rank 1 stopped answering" in ln for ln in lines[1:]), res.output  # rank 0, left in the barrier

@@ -91,11 +91,16 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
         together = e.same_on_all_ranks
         rank = _rank_for_messages()
         if rank == 0 or not e.same_on_all_ranks:
+            if rank == 0 and e.same_on_all_ranks:
+                _share_usage_error(str(e))
             print_error(str(e), prog=prog, rank=rank if not e.same_on_all_ranks and rank else None)
         elif rank is not None:
-            # rank 0 reports it; give it time to, since mpiexec/srun kill the job at the first exit
+            # rank 0 reports it; give it time to, since mpiexec/srun kill the job at the first exit.
+            # If rank 0 did not hit the same error (a file missing on this node only), say it here.
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            time.sleep(USAGE_ERROR_GRACE_S)
+            if not _rank0_said(str(e), USAGE_ERROR_GRACE_S):
+                together = False
+                print_error(str(e), prog=prog, rank=rank)
     except Terminated as e:
         code = int(e.code)
         print_error("terminated by SIGTERM; shutting down", prog=prog, rank=_rank_for_messages())
@@ -176,6 +181,59 @@ def silent_ranks(wait_s: float = 3.0) -> list[int] | None:
             time.sleep(0.1)
     except Exception:
         return None
+
+
+_USAGE_KEY = "mmm/usage_error/0"
+
+
+def _store():
+    import torch.distributed as tdist
+
+    return tdist.distributed_c10d._get_default_store() if tdist.is_initialized() else None
+
+
+def _share_usage_error(message: str) -> None:
+    """Rank 0 posts its usage error where the other ranks can compare theirs, and stays (the store
+    lives in this process) until they have read it or the grace time is over (best effort)."""
+    try:
+        store = _store()
+        if store is None:
+            return
+        import torch.distributed as tdist
+
+        store.set(_USAGE_KEY, message)
+        others = [f"mmm/usage_read/{r}" for r in range(1, tdist.get_world_size())]
+        deadline = time.monotonic() + USAGE_ERROR_GRACE_S
+        while others and time.monotonic() < deadline:
+            others = [k for k in others if not store.check([k])]
+            time.sleep(0.02)
+    except Exception:
+        pass
+
+
+def _rank0_said(message: str, wait_s: float) -> bool:
+    """Whether rank 0 reported this same usage error within ``wait_s``. Without a process group
+    (flag parsing fails before it) the error is the same on every rank by construction: wait, True."""
+    try:
+        store = _store()
+    except Exception:
+        store = None
+    if store is None:
+        time.sleep(wait_s)
+        return True
+    deadline = time.monotonic() + wait_s
+    try:
+        import torch.distributed as tdist
+
+        while time.monotonic() < deadline:
+            if store.check([_USAGE_KEY]):
+                said = store.get(_USAGE_KEY).decode()
+                store.set(f"mmm/usage_read/{tdist.get_rank()}", "1")
+                return said == message
+            time.sleep(0.05)
+    except Exception:
+        return False
+    return False
 
 
 def _rank_for_messages() -> int | None:
