@@ -154,4 +154,4 @@ def test_a_usage_error_on_one_rank_only_is_reported_by_that_rank():
     lines = [ln for ln in res.stderr.splitlines() if "error:" in ln and "launch:" not in ln]
     assert lines[0] == ("[rank 1] rank_local_error.py: error: --data-dir '/nodes/own/disk': no such directory on "
                         "this node"), res.output
-    assert all("rank 1 stopped answering" in ln for ln in lines[1:]), res.output  # rank 0, left in the barrier
+    assert len(lines) >= 2 and all("rank 1 stopped answering" in ln for ln in lines[1:]), res.output  # rank 0

@@ -93,7 +93,7 @@ def token_batches(vocab_size: int, seq_len: int, batch: int, seed: int = 0):
 
 def verify(model_fn: Callable[[], Any], mesh, spec=None, *, batch_fn: Callable[[int], tuple], loss_fn: Callable,
            steps: int = 3, lr: float = 1e-3, seed: int = 0, rtol: float = 1e-5, microbatches: int | None = None,
-           pp_schedule: str = "1f1b", device=None) -> Verdict:
+           pp_schedule: str = "1f1b", stages_per_rank: int = 1, device=None) -> Verdict:
     """Train ``model_fn()`` for ``steps`` AdamW steps in one process (rank 0) and on ``mesh`` with
     ``spec``, on the global batches ``batch_fn(step)`` (each dp rank its slice), and compare the
     per-step loss and global gradient norm. Collective: call it on every rank. Every rank gets the
@@ -107,6 +107,16 @@ def verify(model_fn: Callable[[], Any], mesh, spec=None, *, batch_fn: Callable[[
 
     spec = spec or ParallelSpec()
     problems = compose_problems(spec, mesh.dims)  # before the reference run, not after it
+    if mesh.pp_enabled:
+        from mmm.parallel.compose import find_blocks, get_submodule
+        from mmm.parallel.pipeline import pipeline_problems
+
+        with torch.device("meta"):  # only the block count is needed
+            shape = model_fn()
+        blocks = find_blocks(shape, spec.blocks)
+        n_blocks = len(get_submodule(shape, blocks)) if blocks else 0
+        problems += pipeline_problems(pp=mesh.pp, n_layers=n_blocks, schedule=pp_schedule,
+                                      stages_per_rank=stages_per_rank, microbatches=microbatches or mesh.pp)
     if problems:
         raise UsageError("; ".join(problems))
     device = device or (current().device if current() is not None else torch.device("cpu"))
@@ -129,15 +139,17 @@ def verify(model_fn: Callable[[], Any], mesh, spec=None, *, batch_fn: Callable[[
             opt.step()
             opt.zero_grad()
         del model, opt
-    if tdist.is_initialized():
+    if tdist.is_initialized():  # on the device: NCCL has no CPU tensors
+        ref = ref.to(device)
         tdist.broadcast(ref, src=0)
+        ref = ref.cpu()
 
     torch.manual_seed(seed)
     model = model_fn().to(device)
     pipe = None
     if mesh.pp_enabled:
         pipe = build_pipeline(model, mesh, spec, loss_fn=loss_fn, microbatches=microbatches, schedule=pp_schedule,
-                              device=device)
+                              stages_per_rank=stages_per_rank, device=device)
         model = pipe.module
     else:
         model = parallelize(model, mesh, spec, device=device)
@@ -169,6 +181,7 @@ def verify(model_fn: Callable[[], Any], mesh, spec=None, *, batch_fn: Callable[[
 # --------------------------------------------------------------------------- command line
 def build_parser() -> ArgumentParser:
     from mmm.parallel.activation_checkpoint import AC_MODES
+    from mmm.parallel.pipeline import SCHEDULES
 
     p = ArgumentParser(prog="python -m mmm.verify", description=__doc__.split("\n\n")[0],
                        epilog=__doc__.split("\n\n", 2)[2])
@@ -181,7 +194,9 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--strategy", choices=["fsdp", "hsdp", "ddp"], default="fsdp", help="data parallel [fsdp]")
     g.add_argument("--ac", choices=AC_MODES, default="none", help="activation checkpointing [none]")
     g.add_argument("--microbatches", type=positive_int, default=None, help="pipeline microbatches [pp]")
-    g.add_argument("--pp-schedule", default="1f1b", help="pipeline schedule [1f1b]")
+    g.add_argument("--pp-schedule", choices=list(SCHEDULES), default="1f1b", help="pipeline schedule [1f1b]")
+    g.add_argument("--stages-per-rank", type=positive_int, default=1,
+                   help="pipeline stages per rank (interleaved schedules need 2 or more) [1]")
     g.add_argument("--steps", type=positive_int, default=3, help="AdamW steps [3]")
     g.add_argument("--batch-size", type=positive_int, default=8, help="GLOBAL batch [8]")
     g.add_argument("--seq-len", type=positive_int, default=32, help="tokens per sequence [32]")
@@ -265,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec = ParallelSpec(blocks=args.blocks, ac=args.ac, dp=args.strategy, **options)
     verdict = verify(model_fn, mesh, spec, batch_fn=batch_fn, loss_fn=loss_fn, steps=args.steps, lr=args.lr,
                      seed=args.seed, rtol=args.rtol, microbatches=args.microbatches, pp_schedule=args.pp_schedule,
-                     device=info.device)
+                     stages_per_rank=args.stages_per_rank, device=info.device)
     if info.is_main:
         get_logger().info("verify %s on %d ranks against one process:\n%s", args.model, info.world_size,
                           verdict.table())

@@ -91,9 +91,10 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
         together = e.same_on_all_ranks
         rank = _rank_for_messages()
         if rank == 0 or not e.same_on_all_ranks:
-            if rank == 0 and e.same_on_all_ranks:
-                _share_usage_error(str(e))
             print_error(str(e), prog=prog, rank=rank if not e.same_on_all_ranks and rank else None)
+            if rank == 0 and e.same_on_all_ranks:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)  # printed: a launcher's SIGTERM may end it now
+                _share_usage_error(str(e))
         elif rank is not None:
             # rank 0 reports it; give it time to, since mpiexec/srun kill the job at the first exit.
             # If rank 0 did not hit the same error (a file missing on this node only), say it here.
@@ -141,8 +142,9 @@ def peer_failure_message(e: BaseException) -> str | None:
         import torch.distributed as dist
 
         is_dist = isinstance(e, dist.DistError)
+        lost_link = isinstance(e, (dist.DistNetworkError, dist.DistStoreError))
     except (ImportError, AttributeError):
-        is_dist = False
+        is_dist = lost_link = False
     first = text[:200] + ("..." if len(text) > 200 else "")
     from_backend = is_dist or any(k in low for k in _BACKENDS)
     if not from_backend:
@@ -154,10 +156,10 @@ def peer_failure_message(e: BaseException) -> str | None:
             t = "see MMM_TIMEOUT"
         return (f"no answer from another rank within the collective timeout ({t}; set it with --timeout or "
                 f"MMM_TIMEOUT): a rank stalled or died; the launcher's message names it ({first})")
-    if any(k in low for k in _PEER_LOST) or is_dist:
+    if any(k in low for k in _PEER_LOST) or lost_link:
         return (f"lost contact with another rank during a collective: a rank died or was killed; the launcher's "
                 f"message names it ({first})")
-    return None
+    return None  # a backend error of its own (invalid usage, out of memory): keep its traceback
 
 
 def silent_ranks(wait_s: float = 3.0) -> list[int] | None:
@@ -184,6 +186,7 @@ def silent_ranks(wait_s: float = 3.0) -> list[int] | None:
 
 
 _USAGE_KEY = "mmm/usage_error/0"
+_READ_KEY = "mmm/usage_error/read"  # how many other ranks have read it
 
 
 def _store():
@@ -202,10 +205,8 @@ def _share_usage_error(message: str) -> None:
         import torch.distributed as tdist
 
         store.set(_USAGE_KEY, message)
-        others = [f"mmm/usage_read/{r}" for r in range(1, tdist.get_world_size())]
         deadline = time.monotonic() + USAGE_ERROR_GRACE_S
-        while others and time.monotonic() < deadline:
-            others = [k for k in others if not store.check([k])]
+        while store.add(_READ_KEY, 0) < tdist.get_world_size() - 1 and time.monotonic() < deadline:
             time.sleep(0.02)
     except Exception:
         pass
@@ -223,12 +224,10 @@ def _rank0_said(message: str, wait_s: float) -> bool:
         return True
     deadline = time.monotonic() + wait_s
     try:
-        import torch.distributed as tdist
-
         while time.monotonic() < deadline:
             if store.check([_USAGE_KEY]):
                 said = store.get(_USAGE_KEY).decode()
-                store.set(f"mmm/usage_read/{tdist.get_rank()}", "1")
+                store.add(_READ_KEY, 1)
                 return said == message
             time.sleep(0.05)
     except Exception:

@@ -97,7 +97,8 @@ def discover_ranks(env: Mapping[str, str] | None = None, *, use_mpi4py: bool = T
     env = os.environ if env is None else env
     slurm = _slurm_ranks(env)
     for source, rank_v, size_v, lrank_v, lsize_v in _ENV_SOURCES:
-        if source == "mpich" and lrank_v not in env and slurm is not None:
+        if (source == "mpich" and lrank_v not in env and slurm is not None and rank_v in env and size_v in env
+                and (_int_var(env, rank_v), _int_var(env, size_v)) == (slurm.rank, slurm.world_size)):
             break  # srun --mpi=pmi2 sets PMI_RANK/PMI_SIZE only: the Slurm step says the rest
         if rank_v in env and size_v in env:
             rank, world = _int_var(env, rank_v), _int_var(env, size_v)

@@ -79,7 +79,11 @@ class ParallelSpec:
 
 def compose_problems(spec: ParallelSpec, dims: ParallelDims) -> list[str]:
     """Every option of ``spec`` this mesh cannot honour, each naming the value and a fix."""
-    return dp_problems(spec.dp, dims) + spec_problems(spec, dims)
+    out = dp_problems(spec.dp, dims) + spec_problems(spec, dims)
+    if spec.reshard_after_forward is not None and not shards_parameters(dims, spec.dp):
+        out.append(f"reshard_after_forward={spec.reshard_after_forward} is an FSDP option, but FSDP does not shard "
+                   f"here (dp={spec.dp}, dp={dims.dp}, cp={dims.cp}); drop it")
+    return out
 
 
 def spec_problems(spec: ParallelSpec, dims: ParallelDims) -> list[str]:

@@ -66,15 +66,15 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return squares.sum().sqrt()
 
 
-def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, *, pp_group=None) -> float:
+def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, *, pp_group=None,
+                    device: torch.device | str | None = None) -> float:
     """The global L2 norm of the gradients; when ``max_norm`` > 0, also scale them in place so that
-    it is at most ``max_norm``."""
+    it is at most ``max_norm``. ``device``: where a rank without gradients joins the pp reduction."""
     params = [p for p in parameters if p.grad is not None]
     norm = total_norm([p.grad for p in params])
-    if pp_group is not None:
+    if pp_group is not None:  # a stage without gradients still joins, on the collective's device
         squared = norm.float().reshape(1) ** 2
-        if params:
-            squared = squared.to(params[0].grad.device)
+        squared = squared.to(params[0].grad.device if params else (device or "cpu"))
         dist.all_reduce(squared, group=pp_group)
         norm = squared.sqrt().reshape(())
     if params and max_norm > 0:

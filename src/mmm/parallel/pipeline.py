@@ -169,6 +169,12 @@ def split_model(model: nn.Module, layer_range: tuple[int, int], *, first: bool, 
     return part
 
 
+def _path_owners(blocks: str) -> list[str]:
+    """The modules on the path from the root to the blocks container (root = "")."""
+    parts = blocks.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts))]
+
+
 def tied_across_stages(model: nn.Module, blocks: str | None = "auto") -> list[str]:
     """Parameters shared between the pre and post modules (tied embeddings): a pipeline cannot split them."""
     path = find_blocks(model, blocks)
@@ -202,6 +208,7 @@ class StageSet(nn.Module):
 
     def __init__(self, parts: Sequence[nn.Module]) -> None:
         super().__init__()
+        self._parts = list(parts)  # plain list: not submodules (their parameters are registered below)
         for part in parts:
             for name, mod in part.named_modules():
                 if not name or next(mod.parameters(recurse=False), None) is None:
@@ -217,6 +224,13 @@ class StageSet(nn.Module):
                         raise ValueError(f"two stages of this rank both hold {name!r}")
                     continue
                 holder.add_module(leaf, mod)
+
+    def train(self, mode: bool = True) -> StageSet:
+        """Train/eval mode reaches every module of the stages (dropout, too), not only parameter owners."""
+        super().train(mode)
+        for part in self._parts:
+            part.train(mode)
+        return self
 
     def forward(self, *args, **kwargs):  # pragma: no cover - a container, see the docstring
         raise RuntimeError("StageSet holds pipeline stages for the optimizer and checkpoints; run the schedule")
@@ -273,6 +287,16 @@ def build_pipeline(model: nn.Module, mesh: Mesh, spec: ParallelSpec | None = Non
     if path is None:
         raise UsageError(f"{type(model).__name__} has no ModuleList/ModuleDict of repeated blocks to split into "
                          "pipeline stages; name it with ParallelSpec(blocks='...')")
+    own = [name or type(model).__name__ for name in _path_owners(path)
+           if next(get_submodule(model, name).parameters(recurse=False), None) is not None]
+    if own:
+        raise UsageError(f"{', '.join(own)} hold parameters of their own beside the blocks (e.g. a class token or "
+                         "position table): a pipeline would copy them into every stage; move them into a submodule "
+                         "(an embedding module before the blocks)")
+    if spec.tp_plan:
+        from mmm.parallel.tensor import resolve_plan
+
+        resolve_plan(model, spec.tp_plan)  # every pattern must name a module of the whole model
     tied = tied_across_stages(model, path)
     if tied:
         raise UsageError(f"tied weights ({'; '.join(tied)}) cannot be split over pipeline stages; untie them "

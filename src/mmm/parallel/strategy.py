@@ -157,8 +157,9 @@ class TorchEngine(Engine):
     def step(self) -> None:
         from mmm.parallel.grad_clip import clip_grad_norm_
 
-        pp_group = self.pipeline.pp_group if self.pipeline is not None else None
-        self.grad_norm = clip_grad_norm_(self.module.parameters(), self.max_grad_norm, pp_group=pp_group)
+        pipe = self.pipeline
+        self.grad_norm = clip_grad_norm_(self.module.parameters(), self.max_grad_norm,
+                                         pp_group=pipe.pp_group if pipe else None, device=pipe.device if pipe else None)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 

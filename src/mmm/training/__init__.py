@@ -219,7 +219,8 @@ def train_step(engine, inputs, targets, loss_fn, *, device: torch.device, t_star
     and adds ``skipped`` (0/1) to the timings.
     """
     if engine.pipeline is not None:
-        loss = engine.pipeline.step(inputs, targets)
+        with context if context is not None else contextlib.nullcontext():
+            loss = engine.pipeline.step(inputs, targets)
         if poison:
             loss = loss * float("nan")
         t1 = t2 = None

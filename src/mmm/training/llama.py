@@ -129,6 +129,8 @@ def pp_schedule(args) -> str:
 
 def pipeline_flag_problems(args, dims) -> list[str]:
     """Flags that only a pipeline or only FSDP can honour, given without one: refused, never ignored."""
+    from mmm.parallel.compose import shards_parameters
+
     out = []
     if dims.pp == 1:
         given = [f for f, v in (("--pp-schedule", args.pp_schedule), ("--microbatches", args.microbatches),
@@ -136,9 +138,10 @@ def pipeline_flag_problems(args, dims) -> list[str]:
         given += ["--stages-per-rank"] if args.stages_per_rank != 1 else []
         if given:
             out.append(f"{', '.join(given)} only apply with --pp > 1 (got pp=1); add --pp N or drop them")
-    if args.reshard_after_forward != "auto" and args.strategy not in ("fsdp", "hsdp"):
+    if args.reshard_after_forward != "auto" and not shards_parameters(dims, args.strategy):
         out.append(f"--reshard-after-forward {args.reshard_after_forward} is an FSDP option; --strategy "
-                   f"{args.strategy} does not shard parameters (use --strategy fsdp or drop the flag)")
+                   f"{args.strategy} with dp={dims.dp}, cp={dims.cp} does not shard parameters (use --strategy fsdp "
+                   "over dp or cp > 1, or drop the flag)")
     return out
 
 
