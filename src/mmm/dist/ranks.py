@@ -91,7 +91,8 @@ def discover_ranks(env: Mapping[str, str] | None = None, *, use_mpi4py: bool = T
 
     Order: torchrun-style variables, Open MPI, Cray PALS, MPICH/Intel MPI (Hydra; but inside a
     Slurm step that set only PMI_RANK/PMI_SIZE, as ``srun --mpi=pmi2`` does, the step's own
-    variables, which also give the local rank and node), a Slurm step; then, if an MPI launcher is evident but gave no sizes (PMIx), mpi4py; else a
+    variables, which also give the local rank and node), a Slurm step; then, if an MPI launcher is
+    evident but gave no sizes (PMIx), mpi4py; else a
     single process. Missing local-rank variables fall back to a single-node assumption.
     """
     env = os.environ if env is None else env

@@ -160,7 +160,8 @@ def train(args, info, outdir, startup) -> int:
             break
 
     extra = {"mesh": mesh.dims.degrees, "strategy": args.strategy, "dtype": args.dtype, "ac": args.ac,
-             "compile": args.compile, "compiled_graphs": compiled_graphs(), "model": {**vars(cfg), "num_params": n_params},
+             "compile": args.compile, "compiled_graphs": compiled_graphs(),
+             "model": {**vars(cfg), "num_params": n_params},
              "global_batch": args.batch_size}
     from mmm.flops import counted_flops_per_sample
 

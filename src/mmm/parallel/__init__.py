@@ -21,7 +21,8 @@ _LAZY = {
     "compose_problems": "mmm.parallel.compose", "find_blocks": "mmm.parallel.compose",
     "build_pipeline": "mmm.parallel.pipeline", "Pipeline": "mmm.parallel.pipeline",
     "apply_tp_plan": "mmm.parallel.tensor", "llama_tp_plan": "mmm.parallel.tensor",
-    "VIT_TP_PLAN": "mmm.parallel.tensor", "HF_LLAMA_TP_PLAN": "mmm.parallel.tensor", "hf_tp_plan": "mmm.parallel.tensor",
+    "VIT_TP_PLAN": "mmm.parallel.tensor", "HF_LLAMA_TP_PLAN": "mmm.parallel.tensor",
+    "hf_tp_plan": "mmm.parallel.tensor",
     "context_parallel": "mmm.parallel.context", "shard_sequence": "mmm.parallel.context",
     "describe_sharding": "mmm.parallel.report", "clip_grad_norm_": "mmm.parallel.grad_clip",
 }

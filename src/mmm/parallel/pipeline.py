@@ -267,7 +267,8 @@ class Pipeline:
         return loss.reshape(())
 
     def describe(self) -> str:
-        return (f"pipeline: {self.num_stages} stages (blocks {', '.join(f'{a}-{b - 1}' for a, b in self.layer_ranges)}), "
+        blocks = ", ".join(f"{a}-{b - 1}" for a, b in self.layer_ranges)
+        return (f"pipeline: {self.num_stages} stages (blocks {blocks}), "
                 f"schedule {self.schedule_name}, {self.microbatches} microbatches; this rank holds stages "
                 f"{self.stage_ids}")
 

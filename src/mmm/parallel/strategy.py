@@ -236,7 +236,8 @@ def build_engine(model: nn.Module, mesh: Mesh, spec: ParallelSpec, *, strategy: 
     optimizer. ``strategy`` ddp/fsdp/hsdp is the spec's data-parallel mode; zero1/2/3 hand the
     (checkpointed, compiled) model to DeepSpeed, which also owns mixed precision and clipping."""
     if strategy in ZERO_STAGES:
-        model = parallelize(model, mesh, spec.replace(dp="none", dtype="fp32"), device=device)
+        bare = spec.replace(dp="none", dtype="fp32", reshard_after_forward=None)  # DeepSpeed owns dp and dtype
+        model = parallelize(model, mesh, bare, device=device)
         args = optimizer_args or {}
         cfg = zero_config(stage=ZERO_STAGES[strategy], global_batch=global_batch, dp=mesh.dp, dtype=spec.dtype,
                           offload_optimizer=offload_optimizer, gradient_clipping=max_grad_norm, **args)
