@@ -213,14 +213,13 @@ def train_step(engine, inputs, targets, loss_fn, *, device: torch.device, t_star
     included), forward with the loss, and backward. Under pipeline parallel
     (``engine.pipeline``) the schedule interleaves forward and backward over microbatches, so
     ``dtf``/``dtb`` are None and the loss is the mean over microbatches. ``context`` wraps forward
-    and backward (e.g. loss parallel); ``after_backward()`` runs before the optimizer step (when
+    and backward (e.g. loss parallel) without a pipeline; a pipeline applies its spec's own; ``after_backward()`` runs before the optimizer step (when
     gradients exist: the moment to measure memory). ``poison`` makes the loss NaN (fault
     injection); ``skip_nonfinite`` skips the optimizer step when the loss is NaN/inf on any rank,
     and adds ``skipped`` (0/1) to the timings.
     """
-    if engine.pipeline is not None:
-        with context if context is not None else contextlib.nullcontext():
-            loss = engine.pipeline.step(inputs, targets)
+    if engine.pipeline is not None:  # it wraps its schedule in its own loss-parallel context (its spec's)
+        loss = engine.pipeline.step(inputs, targets)
         if poison:
             loss = loss * float("nan")
         t1 = t2 = None
