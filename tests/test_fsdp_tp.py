@@ -124,7 +124,9 @@ def test_bf16_really_computes_in_bf16(reference, bf16_reference, tmp_path, n, fl
     (2, ["--microbatches", "2", "--pp-schedule", "gpipe"],
      ["--pp-schedule, --microbatches only apply with --pp > 1 (got pp=1)"]),
     (2, ["--strategy", "ddp", "--reshard-after-forward", "true"],
-     ["--reshard-after-forward true is an FSDP option; --strategy ddp does not shard parameters"]),
+     ["--reshard-after-forward true is an FSDP option; --strategy ddp with dp=2, cp=1 does not shard"]),
+    (2, ["--tp", "2", "--reshard-after-forward", "false"],  # fsdp, but dp = cp = 1: nothing to reshard
+     ["--reshard-after-forward false is an FSDP option; --strategy fsdp with dp=1, cp=1 does not shard"]),
 ])
 def test_bad_input_one_line_every_rank(n, flags, needles):
     res = run(launch("--launcher", "local", "-n", str(n), "python3", *MODULE, *flags), timeout=60)
