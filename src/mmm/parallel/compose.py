@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -68,8 +68,6 @@ class ParallelSpec:
     """FSDP: free gathered parameters after forward; None: every block but the root."""
     allow_missing: bool = False
     """A TP pattern may match nothing (set for pipeline stages, which hold part of the model)."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Free-form notes carried along (e.g. the plan's name), never read by parallelize."""
 
     def replace(self, **changes) -> ParallelSpec:
         import dataclasses

@@ -46,17 +46,12 @@ def strategy_problems(strategy: str, dims: ParallelDims, *, offload_optimizer: b
     return out
 
 
-def uses_fsdp(dims, strategy: str) -> bool:
-    """FSDP2 shards the parameters under this strategy and mesh (see :func:`shards_parameters`)."""
-    return shards_parameters(dims, strategy)
-
-
 def state_bytes_per_param(strategy: str, dims) -> tuple[float, float, float]:
     """Bytes per parameter (of this rank's TP shard / pipeline stage) of parameters, gradients and
     AdamW state under a strategy, fp32 (see :func:`theoretical_state_bytes`)."""
     n = dims.dp
     if strategy in ("fsdp", "hsdp"):
-        shards = (dims.dp * dims.cp if strategy == "fsdp" else dims.dp_shard) if uses_fsdp(dims, strategy) else 1
+        shards = (dims.dp * dims.cp if strategy == "fsdp" else dims.dp_shard) if shards_parameters(dims, strategy) else 1
         return 4 / shards, 4 / shards, 8 / shards
     return {"ddp": (4, 4, 8), "zero1": (4, 4, 12 / n), "zero2": (4, 4 / n, 12 / n),
             "zero3": (4 / n, 4 / n, 12 / n)}[strategy]

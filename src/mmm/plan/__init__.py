@@ -240,7 +240,7 @@ def group_name(view: str, dims) -> str:
 def estimate_comm(args, world: int) -> dict[str, float]:
     """Payload bytes per step by process group, for the busiest rank."""
     from mmm.training.llama import model_config
-    from mmm.parallel.strategy import uses_fsdp
+    from mmm.parallel.compose import shards_parameters
 
     cfg, dims = model_config(args), _dims(args, world)
     c = DTYPE_BYTES[args.dtype]
@@ -259,7 +259,7 @@ def estimate_comm(args, world: int) -> dict[str, float]:
 
     strategy = args.strategy
     dp_view = "dp_cp" if dims.cp > 1 else "dp"
-    if strategy in ("fsdp", "hsdp") and uses_fsdp(dims, strategy):
+    if strategy in ("fsdp", "hsdp") and shards_parameters(dims, strategy):
         shard_view = "dp_shard" if strategy == "hsdp" else dp_view
         reshard = {"auto": "blocks", "true": "all", "false": "none"}[args.reshard_after_forward]
         regather = {"blocks": block_params, "all": params, "none": 0.0}[reshard]
