@@ -81,7 +81,7 @@ def train(args, info, outdir, startup) -> int:
     from mmm.history import History
     from mmm.log import get_logger
     from mmm.models.cnn import DigitsCNN, log_softmax_nll
-    from mmm.parallel import ParallelSpec, init_mesh
+    from mmm.parallel import ParallelSpec, init_mesh, meta_init
     from mmm.parallel.strategy import build_engine
     from mmm import dist
     from mmm.training import Run, make_checkpointer, mean_over, resume, should_save, torchinfo_summary, train_step
@@ -94,21 +94,20 @@ def train(args, info, outdir, startup) -> int:
     mesh = init_mesh(dp_replicate=args.dp_replicate, dp_shard=-1)
     startup.mark("mesh")
     device = info.device
-    torch.manual_seed(args.seed)
-    model = DigitsCNN(img_size=data.img_size, dropout=args.dropout)
+    with meta_init():  # parameters materialise after sharding, seeded by --seed and their names
+        model = DigitsCNN(img_size=data.img_size, dropout=args.dropout)
     n_params = sum(p.numel() for p in model.parameters())
     if info.is_main:
         log.info("data: %s, %d train / %d test images of %dx%d", data.name, len(data.train.labels),
                  len(data.test.labels), data.img_size, data.img_size)
         log.info("%s", torchinfo_summary(model))
-    model.to(device)
     mesh.seed_streams(args.seed)  # own dropout masks per dp rank from here on
     startup.mark("model")
     engine = build_engine(
         model, mesh, ParallelSpec(blocks=None, dtype=args.dtype), strategy=args.strategy, device=device,
         global_batch=args.batch_size,
         make_optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr),
-        optimizer_args={"lr": args.lr}, offload_optimizer=args.offload_optimizer)
+        optimizer_args={"lr": args.lr}, offload_optimizer=args.offload_optimizer, seed=args.seed)
     if info.is_main:
         log.info("model after parallelisation (%s over %d ranks):\n%s", args.strategy, mesh.dp, engine.module)
     startup.mark("parallelize")

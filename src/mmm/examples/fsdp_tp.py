@@ -41,7 +41,7 @@ def train(args, info, outdir, startup) -> int:
     from mmm.data import make_dataset
     from mmm.log import get_logger
     from mmm.models.llama import Llama
-    from mmm.parallel import ParallelSpec, describe_sharding, init_mesh
+    from mmm.parallel import ParallelSpec, describe_sharding, init_mesh, meta_init
     from mmm.parallel.context import apply_cp_llama, shard_sequence
     from mmm.parallel.strategy import build_engine
     from mmm.parallel.tensor import llama_tp_plan, loss_parallel_context
@@ -52,21 +52,21 @@ def train(args, info, outdir, startup) -> int:
     mesh = init_mesh(tp=args.tp, pp=args.pp, cp=args.cp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard)
     startup.mark("mesh")
 
-    # 2. the model: plain single-device code, the same weights on every rank
+    # 2. the model: plain single-device code, built on `meta` (no memory yet); each rank materialises
+    #    only its own shards after step 3, every weight seeded by --seed and its name (any mesh, same weights)
     cfg = model_config(args)
     dataset = make_dataset(args.dataset, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
-    torch.manual_seed(args.seed)
-    model = Llama(cfg)
+    with meta_init():
+        model = Llama(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     if info.is_main:
         log.info("model: %s", cfg)
         log.info("%s", torchinfo_summary(model))
-    model.to(info.device)
     mesh.seed_streams(args.seed)  # own dropout masks per dp rank from here on
     startup.mark("model")
 
     # 3. parallelise: context parallel swaps in ring attention; then TP -> AC -> compile -> FSDP,
-    #    for the whole model or for each pipeline stage
+    #    for the whole model or for each pipeline stage; then materialise + initialise the shards
     if mesh.cp_enabled:
         apply_cp_llama(model, mesh["cp"], seq_len=cfg.seq_len)
     spec = ParallelSpec(tp_plan=llama_tp_plan(), loss_parallel=True, blocks="layers", ac=args.ac,
@@ -79,10 +79,15 @@ def train(args, info, outdir, startup) -> int:
         model, mesh, spec, strategy=args.strategy, device=info.device, max_grad_norm=args.grad_clip,
         make_optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay),
         global_batch=args.batch_size, optimizer_args={"lr": args.lr, "weight_decay": args.weight_decay},
-        offload_optimizer=args.offload_optimizer,
+        offload_optimizer=args.offload_optimizer, seed=args.seed,
         pipeline_args=dict(loss_fn=loss_fn, microbatches=args.microbatches, schedule=pp_schedule(args),
                            stages_per_rank=args.stages_per_rank, split_points=args.split_points))
     del model
+    if args.init_from:  # each rank reads only its shards from the safetensors files
+        from mmm.parallel.hf_checkpoint import load_hf_llama
+
+        load_hf_llama(engine.unwrapped(), args.init_from)
+        log.info("weights loaded from %s", args.init_from)
     if info.is_main:
         if engine.pipeline is not None:
             log.info("%s", engine.pipeline.describe())

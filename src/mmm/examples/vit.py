@@ -96,7 +96,7 @@ def train(args, info, outdir, startup) -> int:
     from mmm.data.images import SyntheticImages
     from mmm.log import get_logger
     from mmm.models.vit import ViT
-    from mmm.parallel import ParallelSpec, describe_sharding, init_mesh
+    from mmm.parallel import ParallelSpec, describe_sharding, init_mesh, meta_init
     from mmm.parallel.strategy import build_engine
     from mmm.parallel.tensor import VIT_TP_PLAN
     from mmm import dist
@@ -108,20 +108,19 @@ def train(args, info, outdir, startup) -> int:
     cfg = model_config(args)
     device = info.device
     data = SyntheticImages(img_size=cfg.img_size, num_classes=cfg.num_classes, channels=cfg.in_chans)
-    torch.manual_seed(args.seed)
-    model = ViT(cfg)
+    with meta_init():  # parameters materialise after sharding, seeded by --seed and their names
+        model = ViT(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     if info.is_main:
         log.info("model: %s (width %d)", cfg, cfg.dim)
         log.info("%s", torchinfo_summary(model))
-    model.to(device)
     mesh.seed_streams(args.seed)  # own dropout masks per dp rank from here on
     startup.mark("model")
     spec = ParallelSpec(tp_plan=VIT_TP_PLAN, blocks="blocks", ac=args.ac, compile=args.compile, dtype=args.dtype)
     engine = build_engine(
         model, mesh, spec, strategy=args.strategy, device=device, global_batch=args.batch_size,
         make_optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr),
-        optimizer_args={"lr": args.lr}, offload_optimizer=args.offload_optimizer)
+        optimizer_args={"lr": args.lr}, offload_optimizer=args.offload_optimizer, seed=args.seed)
     if info.is_main:
         log.info("model after parallelisation (%s, %s):\n%s", args.strategy, mesh.dims,
                  describe_sharding(engine.module))

@@ -24,6 +24,12 @@ class DigitsCNN(nn.Module):
             nn.Linear(hidden, num_classes),
         )
 
+    def init_weights(self) -> None:
+        """PyTorch's default initialisation of every convolution and linear layer."""
+        for mod in self.modules():
+            if isinstance(mod, (nn.Conv2d, nn.Linear)):
+                mod.reset_parameters()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x))
 

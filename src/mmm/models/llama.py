@@ -33,6 +33,8 @@ class LlamaConfig:
     multiple_of: int = 32
     """The SwiGLU hidden width is rounded up to a multiple of this."""
     ffn_dim_multiplier: float | None = None
+    ffn_hidden_dim: int | None = None
+    """The SwiGLU hidden width itself (a Hugging Face config's intermediate_size); overrides the rule above."""
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
 
@@ -46,6 +48,8 @@ class LlamaConfig:
 
     @property
     def ffn_hidden(self) -> int:
+        if self.ffn_hidden_dim is not None:
+            return self.ffn_hidden_dim
         hidden = int(2 * (4 * self.dim) / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
@@ -169,15 +173,26 @@ class Llama(nn.Module):
         self.init_weights()
 
     def init_weights(self) -> None:
-        """Deterministic given the torch seed: the same weights on every rank."""
-        nn.init.normal_(self.tok_embeddings.weight, std=1.0)
+        """Initialise every parameter (torchtitan's convention). Works on any part
+        of the model: a pipeline stage has ``nn.Identity`` where its blocks, embedding or head are not.
+        Under :func:`mmm.parallel.materialize` each parameter is seeded from its name, so the weights
+        do not depend on the mesh."""
         depth_std = 0.02 / (2 * self.cfg.n_layers) ** 0.5
-        for block in self.layers.values():
-            for lin in (block.attention.wq, block.attention.wk, block.attention.wv, block.feed_forward.w1):
-                nn.init.trunc_normal_(lin.weight, std=0.02)
-            for lin in (block.attention.wo, block.feed_forward.w2, block.feed_forward.w3):
-                nn.init.trunc_normal_(lin.weight, std=depth_std)
-        nn.init.trunc_normal_(self.output.weight, std=self.cfg.dim ** -0.5)
+        for mod in self.modules():
+            if isinstance(mod, nn.Embedding):
+                nn.init.normal_(mod.weight, std=1.0)
+            elif isinstance(mod, RMSNorm):
+                nn.init.ones_(mod.weight)
+            elif isinstance(mod, Attention):
+                for lin in (mod.wq, mod.wk, mod.wv):
+                    nn.init.trunc_normal_(lin.weight, std=0.02)
+                nn.init.trunc_normal_(mod.wo.weight, std=depth_std)
+            elif isinstance(mod, FeedForward):
+                nn.init.trunc_normal_(mod.w1.weight, std=0.02)
+                for lin in (mod.w2, mod.w3):
+                    nn.init.trunc_normal_(lin.weight, std=depth_std)
+        if isinstance(self.output, nn.Linear):
+            nn.init.trunc_normal_(self.output.weight, std=self.cfg.dim ** -0.5)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens

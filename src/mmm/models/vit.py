@@ -89,11 +89,20 @@ class ViT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.patch_embed = nn.Linear(cfg.in_chans * cfg.patch_size**2, cfg.dim)
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.dim))
-        self.pos_embed = nn.Parameter(torch.randn(1, cfg.num_patches + 1, cfg.dim) * 0.02)
+        self.cls_token = nn.Parameter(torch.empty(1, 1, cfg.dim))
+        self.pos_embed = nn.Parameter(torch.empty(1, cfg.num_patches + 1, cfg.dim))
         self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.depth)})
         self.norm = nn.LayerNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.num_classes)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """Linear and LayerNorm: PyTorch's defaults; class token zeros; positions N(0, 0.02)."""
+        for mod in self.modules():
+            if isinstance(mod, (nn.Linear, nn.LayerNorm)):
+                mod.reset_parameters()
+        nn.init.zeros_(self.cls_token)
+        nn.init.normal_(self.pos_embed, std=0.02)
 
     def patchify(self, images: torch.Tensor) -> torch.Tensor:
         p = self.cfg.patch_size

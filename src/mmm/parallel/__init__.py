@@ -24,6 +24,7 @@ _LAZY = {
     "VIT_TP_PLAN": "mmm.parallel.tensor", "HF_LLAMA_TP_PLAN": "mmm.parallel.tensor",
     "hf_tp_plan": "mmm.parallel.tensor",
     "context_parallel": "mmm.parallel.context", "shard_sequence": "mmm.parallel.context",
+    "meta_init": "mmm.parallel.meta", "materialize": "mmm.parallel.meta",
     "describe_sharding": "mmm.parallel.report", "clip_grad_norm_": "mmm.parallel.grad_clip",
 }
 

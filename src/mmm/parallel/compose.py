@@ -28,7 +28,7 @@ cannot honour, and :func:`parallelize` raises them as one :class:`mmm.errors.Usa
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -182,12 +182,25 @@ def block_items(container: nn.Module) -> list[tuple[Any, nn.Module]]:
 
 # --------------------------------------------------------------------------- the composition
 def parallelize(model: nn.Module, mesh: Mesh, spec: ParallelSpec | None = None, *, device: torch.device | None = None,
-                **options) -> nn.Module:
+                seed: int | None = None, init: Callable[[nn.Module], None] | None = None, **options) -> nn.Module:
     """Apply ``spec`` (or ``ParallelSpec(**options)``) to ``model`` in place, in the fixed order
     TP -> AC -> compile -> FSDP/HSDP/DDP; returns the model to train (DDP wraps it; otherwise the
-    same module, its parameters now DTensors where sharded)."""
+    same module, its parameters now DTensors where sharded).
+
+    A model built under :func:`mmm.parallel.meta_init` is sharded while on ``meta`` and then
+    materialised on ``device``: only this rank's shards, each parameter initialised from ``seed``
+    and its name (:func:`mmm.parallel.meta.materialize`; ``init`` overrides the model's own
+    initialisation)."""
+    from mmm.parallel.meta import has_meta_params, materialize
+
     spec = (spec or ParallelSpec()).replace(**options) if options else (spec or ParallelSpec())
     problems = compose_problems(spec, mesh.dims)
+    on_meta = has_meta_params(model)
+    if on_meta and seed is None:
+        problems.append(f"{type(model).__name__} is on the meta device: pass seed= so parallelize() can "
+                        "initialise its shards (the weights depend on the seed and each parameter's name)")
+    if on_meta and device is None:
+        problems.append(f"{type(model).__name__} is on the meta device: pass device= to materialise it on")
     if problems:
         raise UsageError("; ".join(problems))
     if mesh.tp_enabled:
@@ -211,7 +224,9 @@ def parallelize(model: nn.Module, mesh: Mesh, spec: ParallelSpec | None = None, 
     if shards_parameters(mesh.dims, spec.dp):
         apply_fsdp(model, data_parallel_mesh(mesh, spec.dp), blocks=units, param_dtype=param_dtype,
                    reshard_after_forward=spec.reshard_after_forward)
-        return model
+        return materialize(model, device=device, seed=seed, init=init) if on_meta else model
+    if on_meta:  # before DDP, which broadcasts real parameters when it wraps
+        materialize(model, device=device, seed=seed, init=init)
     if param_dtype != torch.float32:
         autocast_forward(model, param_dtype, device_type=(device or _param_device(model)).type)
     if spec.dp == "ddp" and mesh.dp_enabled:

@@ -276,9 +276,13 @@ class Pipeline:
 def build_pipeline(model: nn.Module, mesh: Mesh, spec: ParallelSpec | None = None, *, loss_fn: Callable,
              microbatches: int | None = None, schedule: str = "1f1b", stages_per_rank: int = 1,
              split_points: Sequence[int] | None = None, device: torch.device | None = None,
-             pre: Sequence[str] | None = None, post: Sequence[str] | None = None) -> Pipeline:
+             pre: Sequence[str] | None = None, post: Sequence[str] | None = None, seed: int | None = None,
+             init: Callable[[nn.Module], None] | None = None) -> Pipeline:
     """Split ``model`` into ``mesh.pp x stages_per_rank`` stages, put each of this rank's stages
-    through :func:`parallelize` with ``spec``, and build the schedule. ``model`` is consumed."""
+    through :func:`parallelize` with ``spec``, and build the schedule. ``model`` is consumed.
+    A model built under :func:`mmm.parallel.meta_init` stays on ``meta`` until each stage is
+    sharded; then only this rank's stages are materialised (``seed``, ``init``: see
+    :func:`parallelize`)."""
     from torch.distributed.pipelining import PipelineStage
 
     spec = spec or ParallelSpec()
@@ -309,7 +313,10 @@ def build_pipeline(model: nn.Module, mesh: Mesh, spec: ParallelSpec | None = Non
                                  microbatches=microbatches, split_points=split_points)
     if problems:
         raise UsageError("; ".join(problems))
-    device = device or next(model.parameters()).device
+    if device is None:
+        device = next(model.parameters()).device
+        if device.type == "meta":
+            raise UsageError(f"{type(model).__name__} is on the meta device: pass device= to build_pipeline()")
     ranges = stage_layer_ranges(n_blocks, num_stages, split_points)
     mine = stage_ids(mesh.coord("pp"), pp, stages_per_rank)
     stage_spec = spec.replace(blocks=path, allow_missing=True)
@@ -317,7 +324,7 @@ def build_pipeline(model: nn.Module, mesh: Mesh, spec: ParallelSpec | None = Non
     for sid in mine:
         part = split_model(model, ranges[sid], first=sid == 0, last=sid == num_stages - 1, blocks=path,
                            pre=pre, post=post)
-        part = parallelize(part, mesh, stage_spec, device=device)
+        part = parallelize(part, mesh, stage_spec, device=device, seed=seed, init=init)
         parts.append(part)
         stages.append(PipelineStage(part, sid, num_stages, device, group=mesh.group("pp")))
     sched = build_schedule(stages, schedule=schedule, microbatches=microbatches, loss_fn=loss_fn)

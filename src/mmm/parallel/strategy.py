@@ -124,6 +124,13 @@ class Engine:
         self.module.train(mode)
         return self
 
+    def unwrapped(self) -> nn.Module:
+        """The model with its parameters under their own names (no DDP or DeepSpeed wrapper)."""
+        module = self.module
+        while hasattr(module, "module") and isinstance(module.module, nn.Module):
+            module = module.module
+        return module
+
     def eval(self) -> Engine:
         return self.train(False)
 
@@ -224,15 +231,17 @@ class DeepSpeedEngine(Engine):
 def build_engine(model: nn.Module, mesh: Mesh, spec: ParallelSpec, *, strategy: str,
                  make_optimizer: Callable[[Any], torch.optim.Optimizer], device: torch.device,
                  max_grad_norm: float = 0.0, global_batch: int | None = None, offload_optimizer: bool = False,
-                 optimizer_args: dict[str, Any] | None = None, pipeline_args: dict[str, Any] | None = None
-                 ) -> Engine:
+                 optimizer_args: dict[str, Any] | None = None, pipeline_args: dict[str, Any] | None = None,
+                 seed: int | None = None) -> Engine:
     """Parallelise ``model`` with ``spec`` (:func:`mmm.parallel.compose.parallelize`; under PP each
     stage, via :func:`mmm.parallel.pipeline.build_pipeline` with ``pipeline_args``) and pair it with its
     optimizer. ``strategy`` ddp/fsdp/hsdp is the spec's data-parallel mode; zero1/2/3 hand the
-    (checkpointed, compiled) model to DeepSpeed, which also owns mixed precision and clipping."""
+    (checkpointed, compiled) model to DeepSpeed, which also owns mixed precision and clipping.
+    A model built on ``meta`` is materialised after sharding from ``seed`` (see :func:`parallelize`);
+    DeepSpeed gets it whole (ZeRO partitions after it is built)."""
     if strategy in ZERO_STAGES:
         bare = spec.replace(dp="none", dtype="fp32", reshard_after_forward=None)  # DeepSpeed owns dp and dtype
-        model = parallelize(model, mesh, bare, device=device)
+        model = parallelize(model, mesh, bare, device=device, seed=seed)
         args = optimizer_args or {}
         cfg = zero_config(stage=ZERO_STAGES[strategy], global_batch=global_batch, dp=mesh.dp, dtype=spec.dtype,
                           offload_optimizer=offload_optimizer, gradient_clipping=max_grad_norm, **args)
@@ -243,8 +252,8 @@ def build_engine(model: nn.Module, mesh: Mesh, spec: ParallelSpec, *, strategy: 
     if mesh.pp_enabled:
         from mmm.parallel.pipeline import build_pipeline
 
-        pipe = build_pipeline(model, mesh, spec, device=device, **(pipeline_args or {}))
+        pipe = build_pipeline(model, mesh, spec, device=device, seed=seed, **(pipeline_args or {}))
         return TorchEngine(pipe.module, make_optimizer(pipe.module.parameters()), strategy=strategy,
                            max_grad_norm=max_grad_norm, pipeline=pipe)
-    model = parallelize(model, mesh, spec, device=device)
+    model = parallelize(model, mesh, spec, device=device, seed=seed)
     return TorchEngine(model, make_optimizer(model.parameters()), strategy=strategy, max_grad_norm=max_grad_norm)

@@ -135,6 +135,22 @@ def peak_memory(device: torch.device) -> dict[str, int]:
     return out
 
 
+def memory_now(device: torch.device) -> dict[str, int]:
+    """The peaks so far (:func:`peak_memory`) and what is held now: resident memory (Linux) and,
+    on cuda/xpu, allocated device memory."""
+    out = peak_memory(device)
+    if device.type in {"cuda", "xpu"}:
+        out["allocated_bytes"] = int(getattr(torch, device.type).memory_allocated(device))
+    try:
+        with open("/proc/self/statm") as f:
+            import os
+
+            out["rss_bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return out
+
+
 def versions(extra: Iterable[str] = ()) -> dict[str, str]:
     from mmm import __version__
 
@@ -315,6 +331,8 @@ class Run:
         self._recorded = 0  # records made by this process (the first one closes the startup clock)
         self.stopped_by: str | None = None
         self.memory: dict[str, int] | None = None
+        # the model is built, sharded, materialised (and resumed) by now: what setup cost
+        self.memory_marks: dict[str, dict[str, int]] = {"after_setup": memory_now(info.device)}
         self.measured: dict[str, Any] | None = None  # what --measure recorded on this rank
 
     def begin_step(self, step: int) -> bool:
@@ -365,6 +383,7 @@ class Run:
         rec = self.hist.update(step, **metrics)
         self._recorded += 1
         if self._recorded == 1:
+            self.memory_marks["after_first_step"] = memory_now(self.info.device)
             self.startup.mark("first_step")
             self.log.info("%s", self.startup.line())
         if force_log or step % self.log_every == 0:
@@ -394,6 +413,7 @@ class Run:
 
         memory = {**(self.memory or engine.state_bytes()), **peak_memory(self.info.device)}
         per_rank = gather_objects(memory)
+        marks = gather_objects(self.memory_marks)  # per rank: {"after_setup": {...}, "after_first_step": {...}}
         measured = gather_objects(self.measured) if self.measured is not None else None
         stats = self.hist.stats()
         rate = stats.get(rate_key, {}).get("mean")
@@ -404,6 +424,7 @@ class Run:
             **extra,
             "final_loss": self.hist.rows[-1].get("loss") if self.hist.rows else None,
             "memory_per_rank": per_rank,
+            "memory": {phase: [m.get(phase) for m in marks] for phase in ("after_setup", "after_first_step")},
             "mfu": mfu["mfu"], "flops": mfu,
             **({"measured_per_rank": measured} if measured is not None else {}),
             "startup_s": self.startup.total_s, "startup_phases": self.startup.phases(),

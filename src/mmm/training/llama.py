@@ -9,6 +9,8 @@ from mmm.cli import (ArgumentParser, add_mesh_args, add_output_args, add_run_arg
 from mmm.errors import UsageError
 
 EXAMPLE = "fsdp_tp"
+# the model-shape flags' defaults (--init-from takes the shape from a checkpoint's config instead)
+MODEL_DEFAULTS = {"dim": 256, "n_layers": 4, "n_heads": 8, "n_kv_heads": None, "vocab_size": 256}
 MEASURE_STEP = 2  # --measure watches this step (a warmup step with the default --warmup 2)
 
 
@@ -36,17 +38,25 @@ def build_parser(doc: str = "") -> ArgumentParser:
     g.add_argument("--split-points", "--split_points", dest="split_points", type=_int_list, default=None,
                    metavar="I,J,...", help="first block of each stage after the first [even split]")
     g = p.add_argument_group("model (Llama-style)")
-    g.add_argument("--dim", type=positive_int, default=256, help="model width [256]")
-    g.add_argument("--n-layers", "--n_layers", dest="n_layers", type=positive_int, default=4,
+    g.add_argument("--dim", type=positive_int, default=MODEL_DEFAULTS["dim"], help="model width [256]")
+    g.add_argument("--n-layers", "--n_layers", dest="n_layers", type=positive_int,
+                   default=MODEL_DEFAULTS["n_layers"],
                    help="transformer blocks [4]")
-    g.add_argument("--n-heads", "--n_heads", dest="n_heads", type=positive_int, default=8,
+    g.add_argument("--n-heads", "--n_heads", dest="n_heads", type=positive_int,
+                   default=MODEL_DEFAULTS["n_heads"],
                    help="attention heads (divisible by tp) [8]")
-    g.add_argument("--n-kv-heads", "--n_kv_heads", dest="n_kv_heads", type=positive_int, default=None,
+    g.add_argument("--n-kv-heads", "--n_kv_heads", dest="n_kv_heads", type=positive_int,
+                   default=MODEL_DEFAULTS["n_kv_heads"],
                    help="key/value heads for grouped-query attention [= n-heads]")
-    g.add_argument("--vocab-size", "--vocab_size", dest="vocab_size", type=positive_int, default=256,
+    g.add_argument("--vocab-size", "--vocab_size", dest="vocab_size", type=positive_int,
+                   default=MODEL_DEFAULTS["vocab_size"],
                    help="vocabulary; 256 for byte-level data [256]")
     g.add_argument("--seq-len", "--seq_len", dest="seq_len", type=positive_int, default=128,
                    help="tokens per sequence [128]")
+    g.add_argument("--init-from", dest="init_from", default=None, metavar="DIR",
+                   help="start from a Hugging Face Llama checkpoint (config.json + *.safetensors, e.g. from "
+                        "save_pretrained): the model's shape comes from its config.json, and each rank reads only "
+                        "its own shards of the weights")
     g = p.add_argument_group("training")
     g.add_argument("--batch-size", "--batch_size", dest="batch_size", type=positive_int, default=16,
                    help="GLOBAL batch in sequences per step, divisible by dp [16]")
@@ -97,7 +107,18 @@ def arg_problems(args, world_size: int) -> list[str]:
     degrees = {a: getattr(args, a) for a in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
     _, problems = check_degrees(world_size, **degrees)
     mesh_ok = not problems
-    cfg = model_config(args)
+    if args.init_from:
+        changed = [f"--{k.replace('_', '-')}" for k, v in MODEL_DEFAULTS.items() if getattr(args, k) != v]
+        if changed:
+            problems.append(f"{', '.join(changed)}: with --init-from the model's shape comes from "
+                            f"{args.init_from}/config.json; drop them")
+        if args.strategy.startswith("zero"):
+            problems.append(f"--init-from loads into the torch-sharded model; --strategy {args.strategy} hands "
+                            "the model to DeepSpeed first: use --strategy fsdp, hsdp or ddp")
+    try:
+        cfg = model_config(args)
+    except UsageError as err:
+        return problems + [str(err)]
     problems += cfg.problems()
     if mesh_ok:
         dims = ParallelDims(world_size=world_size, **degrees)
@@ -113,7 +134,7 @@ def arg_problems(args, world_size: int) -> list[str]:
         problems += tp_problems(tp=dims.tp, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                                 vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
         problems += batch_problems(args.batch_size, dims.dp)
-    problems += dataset_problems(args.dataset, vocab_size=args.vocab_size)
+    problems += dataset_problems(args.dataset, vocab_size=cfg.vocab_size)
     if args.grad_clip < 0:
         problems.append(f"--grad-clip {args.grad_clip} must be >= 0 (0 turns clipping off)")
     problems += run_arg_problems(args)
@@ -180,5 +201,9 @@ def loop_setup(args, info, outdir, startup, engine, cfg, mesh, dataset, log):
 def model_config(args):
     from mmm.models.llama import LlamaConfig
 
+    if getattr(args, "init_from", None):
+        from mmm.parallel.hf_checkpoint import llama_config_from_hf
+
+        return llama_config_from_hf(args.init_from, seq_len=args.seq_len)
     return LlamaConfig(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
                        vocab_size=args.vocab_size, seq_len=args.seq_len)

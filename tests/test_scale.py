@@ -1,0 +1,171 @@
+"""Models larger than one device: meta-device construction, mesh-invariant initialisation, sharded
+loading of Hugging Face safetensors checkpoints, and per-rank memory that stays below the model."""
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import assert_clean_user_error, jsonl, launch, run
+from torch import nn
+
+from mmm.errors import UsageError
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def tiny_cfg(n_layers=3):
+    from mmm.models.llama import LlamaConfig
+
+    return LlamaConfig(dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, vocab_size=50, seq_len=8)
+
+
+def test_meta_init_allocates_no_parameters_and_keeps_buffers():
+    from mmm.models.llama import Llama, rope_table
+    from mmm.parallel import meta_init
+
+    with meta_init():
+        model = Llama(tiny_cfg())
+    assert all(p.is_meta for p in model.parameters())
+    assert not model.rope.is_meta and torch.equal(model.rope, rope_table(8, 8, 10000.0))
+    assert not next(nn.Linear(2, 2).parameters()).is_meta  # the patch ends with the block
+
+
+def test_weights_depend_on_the_seed_and_the_name_only():
+    """A sequential RNG would give layer 2 other values once layer 1 is gone; seeding by name does not."""
+    from mmm.models.llama import Llama
+    from mmm.parallel import materialize, meta_init
+
+    def build(seed, drop=None):
+        with meta_init():
+            model = Llama(tiny_cfg())
+        if drop is not None:
+            del model.layers[drop]
+        return dict(materialize(model, device="cpu", seed=seed).named_parameters())
+
+    full, again, other, holed = build(7), build(7), build(8), build(7, drop="1")
+    for name, p in full.items():
+        assert torch.equal(p, again[name]), name
+        if name in holed:
+            assert torch.equal(p, holed[name]), name
+        if "norm" not in name:
+            assert not torch.equal(p, other[name]), name
+    assert torch.equal(full["layers.0.ffn_norm.weight"], torch.ones(32))  # the model's own init ran
+    assert abs(full["layers.2.attention.wq.weight"].std().item() - 0.02) < 0.005
+
+
+def test_the_initialisation_of_a_torch_module_is_reset_parameters():
+    from mmm.parallel import materialize, meta_init
+
+    with meta_init():
+        model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    materialize(model, device="cpu", seed=0)
+    bound = 1 / 4 ** 0.5  # nn.Linear's default: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+    assert model[0].weight.abs().max() <= bound and model[0].weight.std() > 0
+    assert torch.equal(model[1].weight, torch.ones(3))
+
+
+def test_what_cannot_be_materialised_is_refused_by_name():
+    from mmm.models.llama import Llama
+    from mmm.parallel import ParallelDims, materialize, meta_init, parallelize
+
+    class Bare(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(3))
+
+    with meta_init():
+        bare = Bare()
+    with pytest.raises(UsageError, match="scale has no initialiser: Bare has no reset_parameters"):
+        materialize(bare, device="cpu", seed=0)
+    with torch.device("meta"):
+        model = Llama(tiny_cfg())
+    with pytest.raises(UsageError, match="buffer rope is on meta.*meta_init"):
+        materialize(model, device="cpu", seed=0)
+    with meta_init():
+        model = Llama(tiny_cfg())
+    with pytest.raises(UsageError, match="pass seed="):
+        parallelize(model, SimpleNamespace(dims=ParallelDims(world_size=1)), device=torch.device("cpu"))
+
+
+def test_every_mesh_materialises_one_process_weights(tmp_path):
+    """dp2 x tp2 (FSDP's strided 2-D shards), activation checkpointing: the full tensors of every
+    parameter equal one process's, bit for bit."""
+    res = run(launch("-n", "4", "python3", str(SCRIPTS / "meta_init_check.py"), "--tp", "2", "--ac", "full"),
+              timeout=180)
+    assert res.returncode == 0, res.output
+    assert res.stdout.count("30 parameters, 0 differ") == 4, res.output
+
+
+# --------------------------------------------------------------------------- Hugging Face checkpoints
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'mmm[hf]')")
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoints(tmp_path_factory):
+    """A tiny random Llama saved by transformers: untied in one file; tied in six shards + an index."""
+    root = tmp_path_factory.mktemp("hf")
+    torch.manual_seed(0)
+    out = {}
+    for name, tied in (("untied", False), ("tied", True)):
+        config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                          tie_word_embeddings=tied)
+        transformers.LlamaForCausalLM(config).save_pretrained(root / name, max_shard_size="60KB" if tied else "1GB")
+        out[name] = root / name
+    assert (out["tied"] / "model.safetensors.index.json").exists()
+    return out
+
+
+def test_config_maps_to_mmm_llama(hf_checkpoints):
+    from mmm.parallel.hf_checkpoint import llama_config_from_hf
+
+    cfg = llama_config_from_hf(hf_checkpoints["untied"], seq_len=16)
+    assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.vocab_size, cfg.ffn_hidden, cfg.seq_len) == \
+        (64, 2, 4, 2, 128, 96, 16)
+
+
+@pytest.mark.parametrize("ckpt,flags", [("untied", ["--tp", "2"]), ("tied", []), ("tied", ["--tp", "2", "--hf-model"])],
+                         ids=["mmm-dp2-tp2", "mmm-fsdp4-sharded-files", "hf-model-dp2-tp2"])
+def test_loaded_sharded_model_gives_transformers_logits(hf_checkpoints, ckpt, flags):
+    res = run(launch("-n", "4", "python3", str(SCRIPTS / "hf_load.py"), str(hf_checkpoints[ckpt]), *flags),
+              timeout=240)
+    assert res.returncode == 0, res.output
+    diffs = [float(line.split("max abs diff ")[1].split()[0]) for line in res.stdout.splitlines()
+             if "max abs diff" in line]
+    assert len(diffs) == 4 and max(diffs) <= 1e-5, res.output
+
+
+def test_trainer_starts_from_a_checkpoint(hf_checkpoints, tmp_path):
+    """--init-from: the same first loss on one process and on pp2 x dp2 x ... and not the loss of a fresh model."""
+    common = ["--init-from", str(hf_checkpoints["untied"]), "--seq-len", "16", "--max-iters", "2", "--no-plots"]
+    one = run([sys.executable, "-m", "mmm.examples.fsdp_tp", *common, "--outdir", str(tmp_path / "one")], timeout=120)
+    assert one.returncode == 0, one.output
+    four = run(launch("-n", "4", "python3", "-m", "mmm.examples.fsdp_tp", *common, "--pp", "2", "--tp", "2",
+                      "--outdir", str(tmp_path / "four")), timeout=240)
+    assert four.returncode == 0, four.output
+    fresh = run([sys.executable, "-m", "mmm.examples.fsdp_tp", "--vocab-size", "128", "--dim", "64",
+                 "--n-layers", "2", "--n-heads", "4", "--n-kv-heads", "2", "--seq-len", "16", "--max-iters", "1",
+                 "--no-plots", "--outdir", str(tmp_path / "fresh")], timeout=120)
+    a, b, c = (jsonl(tmp_path / d / "history.jsonl", key=None) for d in ("one", "four", "fresh"))
+    for key in ("loss", "grad_norm"):
+        assert abs(a[0][key] - b[0][key]) <= 1e-5 * abs(a[0][key]), key
+    assert abs(a[0]["loss"] - c[0]["loss"]) > 1e-3
+    summary = json.loads((tmp_path / "one" / "summary.json").read_text())
+    assert summary["model"]["ffn_hidden_dim"] == 96
+
+
+def test_bad_checkpoint_flags_are_one_line(tmp_path):
+    res = run([sys.executable, "-m", "mmm.examples.fsdp_tp", "--init-from", str(tmp_path / "nope")], timeout=60)
+    assert_clean_user_error(res, "nope does not exist; give a Hugging Face checkpoint directory")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64,
+                                                      "num_attention_heads": 4, "num_hidden_layers": 2,
+                                                      "vocab_size": 32, "intermediate_size": 96}))
+    res = run([sys.executable, "-m", "mmm.examples.fsdp_tp", "--init-from", str(tmp_path), "--dim", "128"],
+              timeout=60)
+    assert_clean_user_error(res, "--dim: with --init-from the model's shape comes from")
+    res = run([sys.executable, "-m", "mmm.examples.fsdp_tp", "--init-from", str(tmp_path), "--seq-len", "16"],
+              timeout=60)
+    assert_clean_user_error(res, "no safetensors checkpoint in")
