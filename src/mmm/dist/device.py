@@ -85,3 +85,25 @@ def timeout_seconds(value: float | None = None) -> float:
     return seconds
 
 
+
+
+HOST_MMAP_THRESHOLD = 1 << 20  # bytes
+
+
+def return_freed_host_memory() -> bool:
+    """On glibc (Linux), serve host allocations of 1 MiB and more by mmap, so freeing a tensor gives its
+    memory back to the system at once. glibc's default raises that threshold as large blocks are freed
+    (up to 32 MiB), after which FSDP's per-block gathered parameters and gradients are carved from the
+    heap and stay resident when freed: a CPU rank's resident memory then climbs by about the whole
+    model over one step, though it never holds more than its shards and one block. Skipped when the
+    user set ``MALLOC_MMAP_THRESHOLD_`` (glibc then honours theirs) or ``MMM_HOST_MALLOC=default``.
+    True when applied."""
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") or os.environ.get("MMM_HOST_MALLOC") == "default":
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(-3, HOST_MMAP_THRESHOLD))  # -3: M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc
+        return False

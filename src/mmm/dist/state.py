@@ -126,6 +126,10 @@ def setup(
     timings = {"import_torch_s": time.perf_counter() - t_import}
     dev = pick_device(ranks.local_rank, device)
     bind_device(dev)
+    if dev.type == "cpu":  # tensors live in host memory: give freed ones back (see the function)
+        from mmm.dist.device import return_freed_host_memory
+
+        return_freed_host_memory()
     want_pg = True if init_process_group is None else init_process_group
     backend = None
     if want_pg and not dist.is_initialized():
