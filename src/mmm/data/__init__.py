@@ -36,10 +36,12 @@ class SyntheticTokens:
     seq_len: int
     name: str = "synthetic"
 
-    def global_batch(self, seed: int, step: int, batch: int) -> torch.Tensor:
+    def global_batch(self, seed: int, step: int, batch: int, rows: slice = slice(None)) -> torch.Tensor:
+        """Step ``step``'s global batch of ``batch`` sequences, or only its ``rows`` (the same values:
+        the per-row draws are made for the whole batch, the sequences built for the rows asked)."""
         g = _step_generator(seed, step)
-        x0 = torch.randint(0, self.vocab_size, (batch, 1), generator=g)
-        c = torch.randint(1, 9, (batch, 1), generator=g)
+        x0 = torch.randint(0, self.vocab_size, (batch, 1), generator=g)[rows]
+        c = torch.randint(1, 9, (batch, 1), generator=g)[rows]
         seq = [x0]
         for _ in range(self.seq_len):
             seq.append((5 * seq[-1] + c) % self.vocab_size)
@@ -58,9 +60,9 @@ class ByteCorpus:
         self.seq_len = seq_len
         self.name = name
 
-    def global_batch(self, seed: int, step: int, batch: int) -> torch.Tensor:
+    def global_batch(self, seed: int, step: int, batch: int, rows: slice = slice(None)) -> torch.Tensor:
         g = _step_generator(seed, step)
-        starts = torch.randint(0, len(self.data) - self.seq_len - 1, (batch,), generator=g)
+        starts = torch.randint(0, len(self.data) - self.seq_len - 1, (batch,), generator=g)[rows]
         idx = starts[:, None] + torch.arange(self.seq_len + 1)
         return self.data[idx].long()
 
@@ -87,11 +89,12 @@ def dataset_problems(name: str, *, vocab_size: int) -> list[str]:
 
 def local_batches(dataset, *, seed: int, global_batch: int, dp_rank: int, dp_size: int, start_step: int = 0,
                   device: torch.device | str = "cpu") -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(inputs, labels) for this dp rank, step after step: rows [dp_rank*b, (dp_rank+1)*b) of each global batch."""
+    """(inputs, labels) for this dp rank, step after step: rows [dp_rank*b, (dp_rank+1)*b) of each global
+    batch, built for those rows only."""
     local = global_batch // dp_size
+    mine = slice(dp_rank * local, (dp_rank + 1) * local)
     step = start_step
     while True:
-        rows = dataset.global_batch(seed, step, global_batch)[dp_rank * local:(dp_rank + 1) * local]
-        rows = rows.to(device, non_blocking=True)
+        rows = dataset.global_batch(seed, step, global_batch, rows=mine).to(device, non_blocking=True)
         yield rows[:, :-1], rows[:, 1:]
         step += 1

@@ -64,7 +64,12 @@ def _exchange(t: torch.Tensor, group, *, send_to: int, recv_from: int) -> torch.
 
 
 def _block(q, k, v, scale, causal):
-    """Exact attention of one (query chunk, key chunk) pair: output and log-sum-exp, in fp32."""
+    """Exact attention of one (query chunk, key chunk) pair: output and log-sum-exp, in fp32. Keys and
+    values with fewer heads than the queries (grouped-query attention) are expanded here, after the
+    ring moved them: the ring carries n_kv_heads, not n_heads."""
+    if k.shape[1] != q.shape[1]:
+        n_rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if causal:
         n = s.shape[-1]
@@ -82,7 +87,8 @@ def _merge(acc, new):
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group) -> torch.Tensor:
-    """Causal attention of load-balanced local shards (batch, heads, local_seq, head_dim) over ``group``."""
+    """Causal attention of load-balanced local shards (batch, heads, local_seq, head_dim) over ``group``;
+    k and v may have fewer heads than q (GQA): they travel the ring unexpanded."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     nxt, prv = dist.get_global_rank(group, (rank + 1) % cp), dist.get_global_rank(group, (rank - 1) % cp)
     scale = 1.0 / math.sqrt(q.shape[-1])

@@ -34,7 +34,8 @@ import torch
 from torch import nn
 
 from mmm.errors import UsageError
-from mmm.parallel.compose import ParallelSpec, block_items, find_blocks, get_submodule, parallelize
+from mmm.parallel.compose import (ParallelSpec, block_items, find_blocks, get_submodule, parallelize,
+                                  shards_parameters)
 from mmm.parallel.mesh import Mesh
 from mmm.parallel.tensor import loss_parallel_context
 
@@ -320,6 +321,10 @@ def build_pipeline(model: nn.Module, mesh: Mesh, spec: ParallelSpec | None = Non
     ranges = stage_layer_ranges(n_blocks, num_stages, split_points)
     mine = stage_ids(mesh.coord("pp"), pp, stages_per_rank)
     stage_spec = spec.replace(blocks=path, allow_missing=True)
+    if spec.reshard_after_forward is None and shards_parameters(mesh.dims, spec.dp):
+        # a stage runs forward for every microbatch before their backwards: resharding after each
+        # forward would all-gather its parameters again for every microbatch, twice
+        stage_spec = stage_spec.replace(reshard_after_forward=False)
     parts, stages = [], []
     for sid in mine:
         part = split_model(model, ranges[sid], first=sid == 0, last=sid == num_stages - 1, blocks=path,

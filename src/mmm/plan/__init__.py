@@ -27,7 +27,8 @@ Memory (bytes):
 Communication (payload bytes per step, as :class:`mmm.measure.CommCounter` counts them), by the
 process group that carries it (a flattened view over one axis is that axis):
   * FSDP: all-gather of the unsharded parameters in forward, again in backward for resharded
-    blocks (under PP: once per microbatch forward, once for backward), reduce-scatter of fp32
+    blocks (under PP, by default, once per step: a stage keeps them gathered over its microbatches;
+    with --reshard-after-forward true once per microbatch forward, once for backward), reduce-scatter of fp32
     gradients; HSDP adds an all-reduce of the gradient shard
     over dp_replicate; DDP all-reduces fp32 gradients;
   * ZeRO-1/2/3: gradients reduced (all-reduce / reduce-scatter) and parameters all-gathered; ZeRO-3
@@ -192,13 +193,14 @@ def estimate_memory(args, world: int) -> dict[str, float]:
     c = DTYPE_BYTES[args.dtype]
     t = args.batch_size // dims.dp * cfg.seq_len // dims.cp  # tokens per rank per step
     d, f, tp = cfg.dim, cfg.ffn_hidden, dims.tp
+    kvw = cfg.n_kv_heads * cfg.head_dim  # k and v width: grouped-query attention keeps them narrower
     norms_ffn = 2 * (2 / tp + 1) * t * d * c + 4 * t * f * c / tp
     if dims.cp == 1:
-        attention = 4 * t * d * c / tp  # q, k, v (rotated) and the attention output
+        attention = (2 * d + 2 * kvw) * t * c / tp  # q, k, v (rotated; k/v n_kv_heads wide) and the output
     else:  # ring attention: q, every rotated k/v pair, merged outputs, and fp32 scores + probabilities per pair
         cp, heads, chunk = dims.cp, cfg.n_heads / tp, cfg.seq_len // dims.cp // 2
         pairs = 2 * cp + 1  # (query chunk, key chunk) pairs a rank computes under causal load balancing
-        attention = (4 * cp + 2) * t * d * c / tp + pairs * 2 * (args.batch_size // dims.dp) * heads * chunk ** 2 * 4
+        attention = (2 * d + 4 * cp * kvw) * t * c / tp + pairs * 2 * (args.batch_size // dims.dp) * heads * chunk ** 2 * 4
     per_block = norms_ffn + attention
     if args.ac == "full":
         per_block = t * d * c  # a checkpointed block keeps only its input
@@ -262,6 +264,8 @@ def estimate_comm(args, world: int) -> dict[str, float]:
     if strategy in ("fsdp", "hsdp") and shards_parameters(dims, strategy):
         shard_view = "dp_shard" if strategy == "hsdp" else dp_view
         reshard = {"auto": "blocks", "true": "all", "false": "none"}[args.reshard_after_forward]
+        if dims.pp > 1 and args.reshard_after_forward == "auto":
+            reshard = "none"  # a stage keeps its parameters gathered over its microbatches
         regather = {"blocks": block_params, "all": params, "none": 0.0}[reshard]
         if dims.pp > 1 and reshard != "none":  # every microbatch's forward gathers; backward once more
             regather = params * (args.microbatches or dims.pp)
@@ -279,7 +283,7 @@ def estimate_comm(args, world: int) -> dict[str, float]:
     if dims.tp > 1:
         add("tp", (8 * blocks + 2 * first + 2 * last) * t * d * c)
     if dims.cp > 1:
-        add("cp", 8 * (dims.cp - 1) * blocks * t * d / tp * c)
+        add("cp", 8 * (dims.cp - 1) * blocks * t * cfg.n_kv_heads * cfg.head_dim / tp * c)  # k/v unexpanded
     if dims.pp > 1:  # per stage and neighbour: activations one way, their gradients back
         from mmm.parallel.pipeline import stage_ids
 

@@ -27,7 +27,8 @@ def build_parser(doc: str = "") -> ArgumentParser:
     g = add_strategy_args(p, dp_replicate=False)  # --dp-replicate is a mesh flag here
     g.add_argument("--reshard-after-forward", choices=["auto", "true", "false"], default="auto",
                    help="FSDP: free gathered parameters after forward (true: less memory, one more all-gather "
-                        "in backward); auto: every block but the root [auto]")
+                        "in backward); auto: every block but the root, and under --pp none (a stage keeps its "
+                        "parameters gathered over its microbatches) [auto]")
     g = p.add_argument_group("pipeline parallel (with --pp > 1)")
     g.add_argument("--pp-schedule", "--pp_schedule", dest="pp_schedule", choices=list(SCHEDULES), default=None,
                    help="pipelining schedule; interleaved ones need --stages-per-rank >= 2 [1f1b]")
