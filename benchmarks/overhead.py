@@ -5,8 +5,10 @@
 
 Runs, alternately under torchrun on the same ranks, `python -m mmm.examples.fsdp_tp` and
 benchmarks/raw_fsdp_tp.py (init_device_mesh + parallelize_module + fully_shard + a plain loop),
-same model, data, seed and mesh. dt is measured the same way in both (data, forward, backward,
-optimizer step); the first --warmup steps are left out. Prints each pair, the median ratio
+same model, data, seed, weights and mesh. dt is measured the same way in both: the wall time of
+the whole loop iteration, from the end of one to the end of the next (everything the trainer does
+per step: data, forward, backward, gradient norm, its one packed all-reduce, optimizer step,
+History); the first --warmup steps are left out. Prints each pair, the median ratio
 mmm / raw (goal: <= 1.03), and the largest relative difference between their loss curves (the
 two must compute the same thing).
 """

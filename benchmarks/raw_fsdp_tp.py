@@ -4,8 +4,11 @@
 
 Same Llama, same data (mmm.data's synthetic batches for the same seed), same TP + sequence parallel
 plan with loss parallel, same FSDP2 units (each block resharded after forward, the root not), same
-AdamW, fp32. No mmm bootstrap, mesh, engine, History or logging: init_device_mesh,
-parallelize_module, fully_shard and a plain loop. Rank 0 writes every step's loss and dt to --out.
+AdamW, fp32, the same weights (built on meta and materialised by mmm.parallel.materialize, as the
+trainer does: setup is not what this measures). No mmm bootstrap, mesh, engine, History or logging
+in the loop: init_device_mesh, parallelize_module, fully_shard and a plain loop whose dt is, as the
+trainer's, the wall time of the whole iteration (data, forward, backward, optimizer step, the loss
+all-reduce and its read). Rank 0 writes every step's loss and dt to --out.
 benchmarks/overhead.py runs it beside the trainer.
 """
 
@@ -25,6 +28,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 from mmm.data import local_batches, make_dataset
 from mmm.models.llama import Llama, LlamaConfig
+from mmm.parallel import materialize, meta_init
 
 
 def main() -> None:
@@ -46,8 +50,8 @@ def main() -> None:
     dp = world // args.tp
     mesh = init_device_mesh("cpu", (dp, args.tp), mesh_dim_names=("dp", "tp"))
     cfg = LlamaConfig(dim=args.dim, n_layers=args.n_layers, vocab_size=256, seq_len=args.seq_len)
-    torch.manual_seed(args.seed)
-    model = Llama(cfg)
+    with meta_init():
+        model = Llama(cfg)
 
     parallelize_module(model, mesh["tp"], {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -68,6 +72,7 @@ def main() -> None:
     for block in model.layers.values():
         fully_shard(block, mesh=mesh["dp"], reshard_after_forward=True)
     fully_shard(model, mesh=mesh["dp"], reshard_after_forward=False)
+    materialize(model, device="cpu", seed=args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
 
     data = make_dataset("synthetic", vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
@@ -75,8 +80,8 @@ def main() -> None:
                             dp_rank=mesh["dp"].get_local_rank(), dp_size=dp, device=torch.device("cpu"))
     dp_group = mesh["dp"].get_group()
     losses, dts = [], []
+    t_prev = time.perf_counter()
     for _ in range(args.max_iters):
-        t0 = time.perf_counter()
         inputs, labels = next(batches)
         with loss_parallel():
             logits = model(inputs)
@@ -84,10 +89,12 @@ def main() -> None:
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        dts.append(time.perf_counter() - t0)  # as the trainer's dt: data, forward, backward, optimizer step
         value = loss.detach().full_tensor().reshape(1).clone()
         dist.all_reduce(value, group=dp_group)
         losses.append(value.item() / dp)
+        now = time.perf_counter()
+        dts.append(now - t_prev)  # the whole iteration, as the trainer's dt
+        t_prev = now
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump({"loss": losses, "dt": dts}, f)

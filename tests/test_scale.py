@@ -187,3 +187,36 @@ def test_no_rank_holds_the_whole_model(tmp_path):
         assert mark["peak_rss_bytes"] < data["whole_bytes"], res.stdout
     summary = json.loads((tmp_path / "big" / "summary.json").read_text())
     assert len(summary["memory"]["after_setup"]) == 8 and summary["memory"]["after_setup"][0]["rss_bytes"] > 0
+
+
+# --------------------------------------------------------------------------- the lean step
+@pytest.mark.parametrize("flags", [["--tp", "2"], ["--pp", "2", "--tp", "2"], ["--cp", "2", "--tp", "2"],
+                                   ["--tp", "2", "--grad-clip", "0.5", "--on-nonfinite", "skip"]],
+                         ids=["dp2-tp2", "pp2-tp2", "cp2-tp2", "dp2-tp2-clip-skip"])
+def test_one_small_all_reduce_per_step(tmp_path, flags):
+    """Besides the model's own collectives (FSDP, TP, CP, PP), a step does exactly one, on the world
+    group: loss, non-finite and stop flags and the gradient norm, packed (--measure counts step 2)."""
+    res = run(launch("-n", "4", "python3", "-m", "mmm.examples.fsdp_tp", *flags, "--max-iters", "3", "--measure",
+                     "--no-plots", "--outdir", str(tmp_path)), timeout=240)
+    assert res.returncode == 0, res.output
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for rank in summary["measured_per_rank"]:
+        calls = rank["comm_calls"]
+        assert calls.get("world") == 1 and "other" not in calls, calls
+        assert rank["comm_bytes"]["world"] == 16, rank["comm_bytes"]  # four fp32 numbers
+
+
+def test_steps_read_late_are_all_recorded_in_order(tmp_path):
+    """With --log-every 4 most steps are read one step late: every step is still in history.jsonl, in
+    order, and the same values as a run that reads every step at once."""
+    common = ["-m", "mmm.examples.fsdp_tp", "--pp", "2", "--max-iters", "7", "--no-plots"]
+    late = run(launch("-n", "2", "python3", *common, "--log-every", "4", "--outdir", str(tmp_path / "late")),
+               timeout=180)
+    now = run(launch("-n", "2", "python3", *common, "--outdir", str(tmp_path / "now")), timeout=180)
+    assert late.returncode == 0 and now.returncode == 0, late.output + now.output
+    a, b = (jsonl(tmp_path / d / "history.jsonl", key=None) for d in ("late", "now"))
+    assert [r["iter"] for r in a] == list(range(1, 8))
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    assert all(r["dt"] > 0 and r["tps"] > 0 for r in a)
+    assert "iter=4 " in late.stderr + late.stdout and "iter=3 " not in late.stderr + late.stdout

@@ -50,7 +50,8 @@ class CommCounter(TorchDispatchMode):
     """``with CommCounter(groups) as c: ...`` then ``c.bytes`` = ``{dim name: payload bytes}``.
 
     ``groups`` maps names to process groups (e.g. :meth:`mmm.parallel.Mesh.named_groups`); traffic
-    on a group not in the map is counted under ``"other"``.
+    on the default (world) group is counted under ``"world"``, on any other group not in the map under
+    ``"other"``.
     """
 
     def __init__(self, groups: dict[str, Any]) -> None:
@@ -66,6 +67,8 @@ class CommCounter(TorchDispatchMode):
             if group is not None:
                 self._names.setdefault(group.group_name, name)
                 self._by_ranks.setdefault(tuple(dist.get_process_group_ranks(group)), name)
+        if dist.is_initialized():  # the default group: the training step's own packed all-reduce
+            self._names.setdefault(dist.group.WORLD.group_name, "world")
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
 

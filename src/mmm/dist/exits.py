@@ -50,6 +50,12 @@ def graceful_sigterm() -> None:
         signal.signal(signal.SIGTERM, _on_sigterm_graceful)
 
 
+def stop_flag() -> int:
+    """This rank's stop request: the signal number of a SIGTERM caught by :func:`graceful_sigterm`, else 0
+    (the training loop shares it in its one per-step all-reduce, :class:`mmm.training.step.StepSync`)."""
+    return _STOP_SIGNAL or 0
+
+
 def stop_agreed() -> str | None:
     """Whether any rank got SIGTERM, agreed by every rank (one small all-reduce): all ranks leave the
     loop after the same step. Returns the signal's name, or None."""

@@ -84,7 +84,8 @@ def train(args, info, outdir, startup) -> int:
     from mmm.parallel import ParallelSpec, init_mesh, meta_init
     from mmm.parallel.strategy import build_engine
     from mmm import dist
-    from mmm.training import Run, make_checkpointer, mean_over, resume, should_save, torchinfo_summary, train_step
+    from mmm.training import (Run, StepSync, make_checkpointer, resume, should_save, torchinfo_summary,
+                               train_step)
 
     log = get_logger()
     data = load_digits_data(args.data_dir)
@@ -123,7 +124,7 @@ def train(args, info, outdir, startup) -> int:
     start = resume(args, ckpt, startup)  # optimizer state carries the decayed learning rate
     first_epoch, skip = (start - 1) // per_epoch + 1, (start - 1) % per_epoch
     run = Run(EXAMPLE, info=info, outdir=outdir, startup=startup, warmup=args.warmup, log_every=args.log_every,
-              resume_step=start - 1)
+              resume_step=start - 1, sync=StepSync.for_engine(engine, device=device))
     epochs = History(outdir, write=info.is_main, warmup=0, name="epochs", step_key="epoch",
                      resume=first_epoch - 1 if start > 1 else None)
     train_x, train_y = data.train.images.to(device), data.train.labels.to(device)
@@ -138,20 +139,17 @@ def train(args, info, outdir, startup) -> int:
             if epoch == first_epoch and i < skip:
                 continue  # done before the checkpoint this run resumed from
             poison = run.begin_step(step + 1)
-            t0 = time.perf_counter()
             step += 1
             mine = idx[dp_rank * local:(dp_rank + 1) * local].to(device)
             end_of_epoch = i == len(batches) - 1
             last = epoch == args.epochs and end_of_epoch
-            loss, times = train_step(engine, train_x[mine], train_y[mine], log_softmax_nll, device=device, t_start=t0,
-                                     poison=poison, skip_nonfinite=args.on_nonfinite == "skip",
-                                     after_backward=(lambda: run.capture_memory(engine)) if last else None)
-            loss_value = mean_over(loss, dp_group)
+            _, reduced, times = train_step(engine, train_x[mine], train_y[mine], log_softmax_nll, sync=run.sync,
+                                           poison=poison, skip_nonfinite=args.on_nonfinite == "skip",
+                                           after_backward=(lambda: run.capture_memory(engine)) if last else None)
+            # the epoch's mean training loss needs every step's loss: read each step at once (a small model)
+            loss_value, stopping = run.reduce_now(step, reduced, times, rates={"samples_per_s": args.batch_size},
+                                                  grad_norm=engine.grad_norm, checkpointer=ckpt)
             losses.append(loss_value)
-            run.record(step, loss=loss_value, **times, samples_per_s=args.batch_size / times["dt"],
-                       grad_norm=engine.grad_norm)
-            run.check_loss(step, loss_value, skipped=bool(times.get("skipped")), checkpointer=ckpt)
-            stopping = run.stop_requested()
             if end_of_epoch:
                 break  # an epoch's last step is saved after its evaluation and learning-rate decay
             if should_save(args, step, last=False, stopping=stopping):

@@ -10,7 +10,6 @@ Writes history.jsonl (live), history.nc, summary.json and plots/ to --outdir.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 from mmm.flops import llama_flops_per_token
@@ -45,7 +44,7 @@ def train(args, info, outdir, startup) -> int:
     from mmm.parallel.context import apply_cp_llama, shard_sequence
     from mmm.parallel.strategy import build_engine
     from mmm.parallel.tensor import llama_tp_plan, loss_parallel_context
-    from mmm.training import compiled_graphs, mean_over, train_step
+    from mmm.training import compiled_graphs, train_step
 
     log = get_logger()
     # 1. the mesh: pp x dp_replicate x dp_shard x cp x tp
@@ -110,21 +109,18 @@ def train(args, info, outdir, startup) -> int:
     engine.train()
     for step in range(start, args.max_iters + 1):
         poison = run.begin_step(step)
-        t0 = time.perf_counter()
         inputs, labels = next(batches)
         if mesh.cp_enabled:
             cp_rank = mesh.coord("cp")
             inputs, labels = shard_sequence(inputs, cp_rank, mesh.cp), shard_sequence(labels, cp_rank, mesh.cp)
         last = step == args.max_iters
         with run.measuring(mesh, enabled=args.measure and step == MEASURE_STEP):
-            loss, times = train_step(engine, inputs, labels, loss_fn, device=info.device, t_start=t0,
-                                     context=loss_parallel_context(mesh.tp_enabled), poison=poison,
-                                     skip_nonfinite=args.on_nonfinite == "skip",
-                                     after_backward=(lambda: run.capture_memory(engine)) if last else None)
-            loss_value = mean_over(loss, mesh.group("dp_cp"))  # TP and PP peers already hold the same loss
-        run.record(step, force_log=last, loss=loss_value, **times, tps=tokens_per_step / times["dt"],
-                   grad_norm=engine.grad_norm)
-        if run.end_step(step, loss_value, args=args, checkpointer=ckpt, last=last, skipped=bool(times.get("skipped"))):
+            _, reduced, times = train_step(engine, inputs, labels, loss_fn, sync=run.sync,
+                                           context=loss_parallel_context(mesh.tp_enabled), poison=poison,
+                                           skip_nonfinite=args.on_nonfinite == "skip",
+                                           after_backward=(lambda: run.capture_memory(engine)) if last else None)
+        if run.end_step(step, reduced, times, args=args, checkpointer=ckpt, last=last, rates={"tps": tokens_per_step},
+                        grad_norm=engine.grad_norm):
             break
 
     extra = {

@@ -100,7 +100,8 @@ def train(args, info, outdir, startup) -> int:
     from mmm.parallel.strategy import build_engine
     from mmm.parallel.tensor import VIT_TP_PLAN
     from mmm import dist
-    from mmm.training import Run, compiled_graphs, make_checkpointer, mean_over, resume, torchinfo_summary, train_step
+    from mmm.training import (Run, StepSync, compiled_graphs, make_checkpointer, resume, torchinfo_summary,
+                               train_step)
 
     log = get_logger()
     mesh = init_mesh(tp=args.tp, dp_replicate=args.dp_replicate, dp_shard=-1)
@@ -126,13 +127,13 @@ def train(args, info, outdir, startup) -> int:
                  describe_sharding(engine.module))
     startup.mark("parallelize")
 
-    dp_group, dp_rank, local = mesh.group("dp"), mesh.coord("dp"), args.batch_size // mesh.dp
+    dp_rank, local = mesh.coord("dp"), args.batch_size // mesh.dp
     meta = {"example": EXAMPLE, "model": dict(vars(cfg)), "mesh": mesh.dims.degrees, "strategy": args.strategy,
             "seed": args.seed, "global_batch": args.batch_size}
     ckpt = make_checkpointer(args, engine, meta=meta, log=log)
     start = resume(args, ckpt, startup)
     run = Run(EXAMPLE, info=info, outdir=outdir, startup=startup, warmup=args.warmup, log_every=args.log_every,
-              resume_step=start - 1)
+              resume_step=start - 1, sync=StepSync.for_engine(engine, device=device))
     if info.is_main:
         log.info("training steps %d-%d: global batch %d images of %dx%d (%d per dp rank), dtype=%s, out=%s",
                  start, args.max_iters, args.batch_size, cfg.img_size, cfg.img_size, local, args.dtype, outdir)
@@ -144,18 +145,15 @@ def train(args, info, outdir, startup) -> int:
     engine.train()
     for step in range(start, args.max_iters + 1):
         poison = run.begin_step(step)
-        t0 = time.perf_counter()
         images, labels = data.global_batch(args.seed, step, args.batch_size)
         images = images[dp_rank * local:(dp_rank + 1) * local].to(device)
         labels = labels[dp_rank * local:(dp_rank + 1) * local].to(device)
         last = step == args.max_iters
-        loss, times = train_step(engine, images, labels, loss_fn, device=device, t_start=t0, poison=poison,
-                                 skip_nonfinite=args.on_nonfinite == "skip",
-                                 after_backward=(lambda: run.capture_memory(engine)) if last else None)
-        loss_value = mean_over(loss, dp_group)
-        run.record(step, force_log=last, loss=loss_value, **times, samples_per_s=args.batch_size / times["dt"],
-                   grad_norm=engine.grad_norm)
-        if run.end_step(step, loss_value, args=args, checkpointer=ckpt, last=last, skipped=bool(times.get("skipped"))):
+        _, reduced, times = train_step(engine, images, labels, loss_fn, sync=run.sync, poison=poison,
+                                       skip_nonfinite=args.on_nonfinite == "skip",
+                                       after_backward=(lambda: run.capture_memory(engine)) if last else None)
+        if run.end_step(step, reduced, times, args=args, checkpointer=ckpt, last=last,
+                        rates={"samples_per_s": args.batch_size}, grad_norm=engine.grad_norm):
             break
 
     extra = {"mesh": mesh.dims.degrees, "strategy": args.strategy, "dtype": args.dtype, "ac": args.ac,

@@ -70,6 +70,12 @@ def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, *
                     device: torch.device | str | None = None) -> float:
     """The global L2 norm of the gradients; when ``max_norm`` > 0, also scale them in place so that
     it is at most ``max_norm``. ``device``: where a rank without gradients joins the pp reduction."""
+    return float(grad_norm_(parameters, max_norm, pp_group=pp_group, device=device))
+
+
+def grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, *, pp_group=None,
+               device: torch.device | str | None = None) -> torch.Tensor:
+    """:func:`clip_grad_norm_` without reading the norm on the host: a 0-d tensor on the device."""
     params = [p for p in parameters if p.grad is not None]
     norm = total_norm([p.grad for p in params])
     if pp_group is not None:  # a stage without gradients still joins, on the collective's device
@@ -78,9 +84,45 @@ def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, *
         dist.all_reduce(squared, group=pp_group)
         norm = squared.sqrt().reshape(())
     if params and max_norm > 0:
-        groups: dict = {}
-        for p in params:
-            groups.setdefault(_group_key(p.grad), []).append(p)
-        for group in groups.values():  # foreach kernels take one mesh at a time
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm.to(group[0].grad.device))
-    return float(norm)
+        clip_with_norm_(params, max_norm, norm)
+    return norm
+
+
+def square_share(grads: list[torch.Tensor], *, stage_ranks: int) -> torch.Tensor:
+    """This rank's share of the global squared gradient norm, such that the SUM over every rank of
+    the world is the squared norm a single process would compute: each local square is divided by
+    the number of ranks holding the same values (``stage_ranks`` = the ranks of this pipeline stage,
+    world / pp, hold this stage's parameters; a DTensor's shard is held by the ranks of its
+    replicated mesh dimensions and by the stage ranks outside its mesh). Lets a training step fold
+    the norm into the one all-reduce it does anyway (:class:`mmm.training.step.StepSync`).
+    Gradients still Partial over a mesh dimension (not yet reduced) are reduced first."""
+    share = None
+    for g in grads:
+        if any(p.is_partial() for p in getattr(g, "placements", ())):
+            from torch.distributed.tensor import Replicate
+
+            g = g.redistribute(placements=[Replicate() if p.is_partial() else p for p in g.placements])
+        mesh = getattr(g, "device_mesh", None)
+        if mesh is None:
+            replicas = stage_ranks
+        else:
+            replicated = 1
+            for i, placement in enumerate(g.placements):
+                if placement.is_replicate():
+                    replicated *= mesh.size(i)
+            replicas = replicated * stage_ranks // mesh.size()
+        local = g.to_local() if hasattr(g, "to_local") else g
+        part = local.detach().float().pow(2).sum() / replicas
+        share = part if share is None else share + part.to(share.device)
+    return share if share is not None else torch.zeros(())
+
+
+def clip_with_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
+    """Scale gradients in place so that their global norm ``norm`` (a device tensor) is at most
+    ``max_norm``; no host sync."""
+    params = [p for p in parameters if p.grad is not None]
+    groups: dict = {}
+    for p in params:
+        groups.setdefault(_group_key(p.grad), []).append(p)
+    for group in groups.values():  # foreach kernels take one mesh at a time
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm.to(group[0].grad.device))

@@ -251,7 +251,10 @@ class Pipeline:
         self.pp_group, self.loss_parallel, self.device = pp_group, loss_parallel, device
         self.has_first, self.has_last = 0 in stage_ids, num_stages - 1 in stage_ids
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, *, share_loss: bool = True) -> torch.Tensor:
+        """Forward and backward over every microbatch; the mean loss over microbatches on every pipeline
+        rank (``share_loss=False``: on the last stage's ranks only, zero elsewhere, with no collective:
+        for a caller that reduces it with other values, as mmm's training step does)."""
         import torch.distributed as dist
 
         losses: list = []
@@ -263,6 +266,8 @@ class Pipeline:
                                 for x in losses]).mean()
         else:
             loss = torch.zeros((), device=self.device)
+        if not share_loss:
+            return loss
         loss = loss.reshape(1)
         dist.all_reduce(loss, group=self.pp_group)
         return loss.reshape(())

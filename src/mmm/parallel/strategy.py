@@ -101,7 +101,7 @@ class Engine:
     strategy: str
     module: nn.Module
     pipeline = None  # a mmm.parallel.pipeline.Pipeline under PP: it runs forward and backward
-    grad_norm: float | None = None
+    grad_norm: torch.Tensor | float | None = None  # a 0-d device tensor until read (float(...))
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -109,7 +109,7 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def step(self) -> None:
+    def step(self, grad_square: torch.Tensor | None = None) -> None:
         raise NotImplementedError
 
     def skip_step(self) -> None:
@@ -156,12 +156,33 @@ class TorchEngine(Engine):
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def step(self) -> None:
-        from mmm.parallel.grad_clip import clip_grad_norm_
+    def grad_square_share(self) -> torch.Tensor:
+        """This rank's share of the squared global gradient norm (summed over every rank it is the
+        square of the norm): :meth:`step` takes the sum back, so the norm rides on the training
+        step's one all-reduce instead of reductions of its own."""
+        import torch.distributed as dist
+
+        from mmm.parallel.grad_clip import square_share
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        pp = dist.get_world_size(self.pipeline.pp_group) if self.pipeline is not None else 1
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        share = square_share(grads, stage_ranks=world // pp)
+        return share.to(self.pipeline.device) if self.pipeline is not None else share
+
+    def step(self, grad_square: torch.Tensor | None = None) -> None:
+        """Clip (when ``max_grad_norm`` > 0) and step; ``grad_square``: the summed
+        :meth:`grad_square_share` of every rank (else the norm is reduced here)."""
+        from mmm.parallel.grad_clip import clip_with_norm_, grad_norm_
 
         pipe = self.pipeline
-        self.grad_norm = clip_grad_norm_(self.module.parameters(), self.max_grad_norm,
-                                         pp_group=pipe.pp_group if pipe else None, device=pipe.device if pipe else None)
+        if grad_square is None:
+            self.grad_norm = grad_norm_(self.module.parameters(), self.max_grad_norm,
+                                        pp_group=pipe.pp_group if pipe else None, device=pipe.device if pipe else None)
+        else:
+            self.grad_norm = grad_square.sqrt()
+            if self.max_grad_norm > 0:
+                clip_with_norm_(self.module.parameters(), self.max_grad_norm, self.grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -210,10 +231,13 @@ class DeepSpeedEngine(Engine):
         self._grad_peak = 0
         self._probe_hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in params]
 
-    def step(self) -> None:
+    def grad_square_share(self) -> None:
+        return None  # DeepSpeed measures (and clips) the norm itself
+
+    def step(self, grad_square: torch.Tensor | None = None) -> None:
         self.ds.step()  # also zeroes gradients (and clips, when the config says so)
         norm = self.ds.get_global_grad_norm()
-        self.grad_norm = float(norm) if norm is not None else None
+        self.grad_norm = norm  # a float or a device tensor, read when the step is recorded
 
     @property
     def param_groups(self):

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from mmm.errors import UsageError
+from mmm.training.step import StepSync, train_step  # noqa: F401  (the trainers' one step)
 
 
 # --------------------------------------------------------------------------- timing
@@ -220,53 +221,6 @@ def nonfinite_anywhere(loss: torch.Tensor) -> bool:
     return bool(flag.item())
 
 
-def train_step(engine, inputs, targets, loss_fn, *, device: torch.device, t_start: float, context=None,
-               after_backward=None, poison: bool = False, skip_nonfinite: bool = False
-               ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Forward, loss, backward, optimizer step, each timed with the device synchronised.
-
-    Returns the loss and ``{"dt", "dtf", "dtb"}``: the whole step since ``t_start`` (data
-    included), forward with the loss, and backward. Under pipeline parallel
-    (``engine.pipeline``) the schedule interleaves forward and backward over microbatches, so
-    ``dtf``/``dtb`` are None and the loss is the mean over microbatches. ``context`` wraps forward
-    and backward (e.g. loss parallel) without a pipeline; a pipeline applies its spec's own; ``after_backward()`` runs before the optimizer step (when
-    gradients exist: the moment to measure memory). ``poison`` makes the loss NaN (fault
-    injection); ``skip_nonfinite`` skips the optimizer step when the loss is NaN/inf on any rank,
-    and adds ``skipped`` (0/1) to the timings.
-    """
-    if engine.pipeline is not None:  # it wraps its schedule in its own loss-parallel context (its spec's)
-        loss = engine.pipeline.step(inputs, targets)
-        if poison:
-            loss = loss * float("nan")
-        t1 = t2 = None
-    else:
-        with context if context is not None else contextlib.nullcontext():
-            t0 = time.perf_counter()
-            loss = loss_fn(engine(inputs), targets)
-            if poison:
-                loss = loss * float("nan")
-            synchronize(device)
-            t1 = time.perf_counter()
-            if after_backward is not None and hasattr(engine, "arm_memory_probe"):
-                engine.arm_memory_probe()
-            engine.backward(loss)
-            synchronize(device)
-            t2 = time.perf_counter()
-    if after_backward is not None:
-        after_backward()
-    skipped = skip_nonfinite and nonfinite_anywhere(loss)
-    if skipped:
-        engine.skip_step()
-    else:
-        engine.step()
-    synchronize(device)
-    times = {"dt": time.perf_counter() - t_start, "dtf": None if t1 is None else t1 - t0,
-             "dtb": None if t2 is None else t2 - t1}
-    if skip_nonfinite:
-        times["skipped"] = int(skipped)
-    return loss, times
-
-
 def make_checkpointer(args, engine, *, meta: dict[str, Any], log=None):
     """A :class:`mmm.parallel.checkpoint.Checkpointer` for ``--checkpoint-dir`` (None without it)."""
     if not getattr(args, "checkpoint_dir", None):
@@ -309,16 +263,30 @@ def _measuring(run, mesh):
                     "activation_bytes": saved.bytes}
 
 
+class _Pending:
+    """A finished step whose values are still on their way from the device."""
+
+    def __init__(self, step: int, reduced, times, dt: float, rates: dict[str, float], metrics: dict,
+                 last: bool = False) -> None:
+        self.step, self.reduced, self.times, self.dt, self.rates, self.metrics = step, reduced, times, dt, rates, metrics
+        self.last = last
+
+
 class Run:
     """What the trainers share around their loop: History, step lines, startup, summary.
 
-    ``record(step, ...)`` appends to ``history.jsonl`` and prints ``iter=.. loss=..`` every
-    ``log_every`` steps (rank 0); the first call closes the startup clock. ``finish`` gathers
-    per-rank memory, writes ``history.nc``/``summary.json``/plots and prints the closing line.
+    The loop calls ``begin_step`` first and ``end_step`` last in every iteration; ``dt`` is the wall
+    time from one ``end_step`` to the next (the first: from ``begin_step``), so it covers everything
+    the loop does. ``end_step`` reads the step's packed all-reduce (:class:`mmm.training.step.StepSync`)
+    at once on steps that log, save, stop, or are the first or last; otherwise one step later, so
+    that steps that do not log never wait for the device. Each step is then recorded in order
+    (``history.jsonl``; an ``iter=.. loss=..`` line every ``log_every`` steps on rank 0; the first
+    record closes the startup clock). ``finish`` gathers per-rank memory, writes
+    ``history.nc``/``summary.json``/plots and prints the closing line.
     """
 
     def __init__(self, example: str, *, info, outdir: Path, startup: Startup, warmup: int = 2, log_every: int = 1,
-                 step_key: str = "iter", resume_step: int = 0) -> None:
+                 step_key: str = "iter", resume_step: int = 0, sync=None) -> None:
         from mmm.history import History
         from mmm.log import get_logger
 
@@ -334,12 +302,17 @@ class Run:
         # the model is built, sharded, materialised (and resumed) by now: what setup cost
         self.memory_marks: dict[str, dict[str, int]] = {"after_setup": memory_now(info.device)}
         self.measured: dict[str, Any] | None = None  # what --measure recorded on this rank
+        self.sync = sync  # the per-step all-reduce (mmm.training.step.StepSync)
+        self._t_last: float | None = None  # when the previous iteration ended
+        self._pending: _Pending | None = None
 
     def begin_step(self, step: int) -> bool:
         """Called as a step starts: carries out ``MMM_FAULT`` fault injection (:mod:`mmm.faults`);
         True when this step's loss must be made NaN."""
         from mmm.faults import inject
 
+        if self._t_last is None:
+            self._t_last = time.perf_counter()
         return inject(step, self.info.rank)
 
     def check_loss(self, step: int, loss_value: float, *, skipped: bool = False, checkpointer=None) -> None:
@@ -370,14 +343,54 @@ class Run:
             self.log.info("%s received: stopping after this step", self.stopped_by)
         return self.stopped_by is not None
 
-    def end_step(self, step: int, loss_value: float, *, args, checkpointer, last: bool, skipped: bool = False) -> bool:
-        """After ``record``: stop on a non-finite loss, agree on SIGTERM, save a checkpoint when one
-        is due. True: leave the loop (every rank alike)."""
-        self.check_loss(step, loss_value, skipped=skipped, checkpointer=checkpointer)
-        stopping = self.stop_requested()
+    def end_step(self, step: int, reduced, times, *, args, checkpointer, last: bool, rates: dict[str, float],
+                 **metrics) -> bool:
+        """Close a step: its ``dt``; its values read now or one step later (see the class doc), then
+        recorded, checked (a non-finite loss stops the run) and SIGTERM agreed on (every rank stops
+        after the same step); a checkpoint saved when one is due. ``rates``: name -> work per step
+        (e.g. ``{"tps": tokens}``), recorded as work / dt. ``metrics``: more values (0-d tensors stay
+        on the device until read). True: leave the loop (every rank alike)."""
+        now = time.perf_counter()
+        entry = _Pending(step, reduced, times, now - (self._t_last or now), rates, metrics, last)
+        self._t_last = now
+        if self._pending is not None:
+            self._flush(self._pending, checkpointer)
+            self._pending = None
+        every = getattr(args, "checkpoint_every", 0)
+        due = (last or self._recorded == 0 or step % self.log_every == 0 or reduced.read
+               or self.stopped_by is not None or (every and step % every == 0 and checkpointer is not None))
+        if due:
+            self._flush(entry, checkpointer)
+        else:
+            self._pending = entry
+        stopping = self.stopped_by is not None
+        if stopping and self._pending is not None:  # stop after this step: its values first
+            self._flush(self._pending, checkpointer)
+            self._pending = None
         if should_save(args, step, last=last, stopping=stopping):
-            checkpointer.save(step, {"loss": loss_value})
+            checkpointer.save(step, {"loss": self.hist.rows[-1].get("loss") if self.hist.rows else None})
         return stopping
+
+    def _flush(self, entry: _Pending, checkpointer) -> None:
+        loss, _, stop = entry.reduced.values()
+        times = entry.times.as_dict()
+        metrics = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in entry.metrics.items()}
+        self.record(entry.step, force_log=entry.last, loss=loss, dt=entry.dt,
+                    dtf=times["dtf"], dtb=times["dtb"], **{k: w / entry.dt for k, w in entry.rates.items()},
+                    **metrics, **({"skipped": times["skipped"]} if "skipped" in times else {}))
+        self.check_loss(entry.step, loss, skipped=bool(times.get("skipped")), checkpointer=checkpointer)
+        if stop and self.stopped_by is None:
+            self.stopped_by = "SIGTERM"
+            self.log.info("%s received: stopping after this step", self.stopped_by)
+
+    def reduce_now(self, step: int, reduced, times, *, rates: dict[str, float], checkpointer=None,
+                   **metrics) -> tuple[float, bool]:
+        """For loops that need every step's loss at once (the CNN trainer's epoch means): record and
+        check the step now; returns (loss, stopping). Saving stays with the caller."""
+        now = time.perf_counter()
+        self._flush(_Pending(step, reduced, times, now - (self._t_last or now), rates, metrics), checkpointer)
+        self._t_last = now
+        return self.hist.rows[-1]["loss"], self.stopped_by is not None
 
     def record(self, step: int, *, force_log: bool = False, **metrics) -> dict:
         rec = self.hist.update(step, **metrics)

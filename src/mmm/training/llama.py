@@ -188,14 +188,14 @@ def loop_setup(args, info, outdir, startup, engine, cfg, mesh, dataset, log):
     """What both training loops start from: the checkpointer, the first step (after ``--resume``),
     this dp rank's batches from that step on, and the Run that records the steps."""
     from mmm.data import local_batches
-    from mmm.training import Run, make_checkpointer, resume
+    from mmm.training import Run, StepSync, make_checkpointer, resume
 
     ckpt = make_checkpointer(args, engine, meta=checkpoint_meta(args, cfg, mesh), log=log)
     start = resume(args, ckpt, startup)
     batches = local_batches(dataset, seed=args.seed, global_batch=args.batch_size, dp_rank=mesh.coord("dp"),
                             dp_size=mesh.dp, start_step=start - 1, device=info.device)
     run = Run(EXAMPLE, info=info, outdir=outdir, startup=startup, warmup=args.warmup, log_every=args.log_every,
-              resume_step=start - 1)
+              resume_step=start - 1, sync=StepSync.for_engine(engine, device=info.device))
     return ckpt, start, batches, run
 
 

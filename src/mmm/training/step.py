@@ -1,0 +1,176 @@
+"""One training step, lean: forward, backward, one small packed all-reduce, optimizer step.
+
+Per step mmm adds exactly one collective of its own, :class:`StepSync`'s all-reduce of four
+numbers over every rank: this rank's share of the mean loss, whether its loss is non-finite,
+whether it got SIGTERM, and its share of the squared global gradient norm (which clipping needs
+before the optimizer step, so the reduction comes between backward and the step). Nothing is read back to the host on a step that does not log: the packed
+result is copied to the host without blocking and read one step later (or at once on steps that
+log, save, stop or skip non-finite losses), and on cuda/xpu the forward and backward are timed with
+device events, read with it. The gradient norm stays on the device until then too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+
+
+def _local_scalar(loss: torch.Tensor) -> torch.Tensor:
+    """The loss as a plain fp32 0-d tensor (a replicated DTensor's local value: no communication)."""
+    value = loss.detach()
+    if hasattr(value, "placements"):
+        from torch.distributed.tensor import Replicate
+
+        value = value.to_local() if all(isinstance(p, Replicate) for p in value.placements) else value.full_tensor()
+    return value.float().reshape(())
+
+
+class Reduced:
+    """A step's packed all-reduce result, on its way to the host."""
+
+    def __init__(self, packed: torch.Tensor) -> None:
+        self.grad_square = packed[3]  # stays on the device: the optimizer step clips with it
+        self._event = None
+        if packed.device.type in ("cuda", "xpu", "mps"):
+            backend = getattr(torch, packed.device.type)
+            self._host = packed.to("cpu", non_blocking=True)
+            self._event = backend.Event()
+            self._event.record()
+        else:
+            self._host = packed
+        self._values: tuple[float, bool, bool] | None = None
+
+    def values(self) -> tuple[float, bool, bool]:
+        """(mean loss over the data-parallel ranks, non-finite on any rank, SIGTERM on any rank);
+        waits for this step's reduction only, not for work queued after it."""
+        if self._values is None:
+            if self._event is not None:
+                self._event.synchronize()
+            loss, nonfinite, stop, _ = self._host.tolist()
+            self._values = (loss, nonfinite > 0, stop > 0)
+        return self._values
+
+    @property
+    def read(self) -> bool:
+        return self._values is not None
+
+
+class StepSync:
+    """The one collective mmm adds to a step. ``loss_holders`` ranks hold the loss (every rank; under
+    pipeline parallel those of the last stage), each adding loss / loss_holders, so the sum over
+    every rank is the mean over data-parallel (and context-parallel) ranks: tensor- and
+    pipeline-parallel peers hold the same loss."""
+
+    def __init__(self, *, device: torch.device, holds_loss: bool = True, loss_holders: int | None = None) -> None:
+        import torch.distributed as dist
+
+        self.device = device
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.weight = 1.0 / (loss_holders or self.world) if holds_loss else 0.0
+
+    @classmethod
+    def for_engine(cls, engine, *, device: torch.device) -> StepSync:
+        import torch.distributed as dist
+
+        pipe = getattr(engine, "pipeline", None)
+        if pipe is None:
+            return cls(device=device)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return cls(device=device, holds_loss=pipe.has_last, loss_holders=world // dist.get_world_size(pipe.pp_group))
+
+    def reduce(self, loss: torch.Tensor, grad_square: torch.Tensor | None = None) -> Reduced:
+        """All-reduce (sum) [loss share, non-finite, stop, ``grad_square`` share] over every rank."""
+        import torch.distributed as dist
+
+        from mmm.dist import stop_flag
+
+        value = _local_scalar(loss).to(self.device)
+        share = value * self.weight if self.weight else torch.zeros((), device=self.device)
+        stop = torch.tensor(float(stop_flag()), device=self.device)
+        grad = grad_square.float().reshape(()).to(self.device) if grad_square is not None else torch.zeros(
+            (), device=self.device)
+        packed = torch.stack([share, (~torch.isfinite(value)).float(), stop, grad])
+        if self.world > 1:
+            dist.all_reduce(packed)
+        return Reduced(packed)
+
+
+class _Timer:
+    """Marks on the host clock (CPU: its work is done when the call returns) or device events."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.kind = device.type if device.type in ("cuda", "xpu", "mps") else None
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.kind is None:
+            self.marks.append(time.perf_counter())
+        else:
+            event = getattr(torch, self.kind).Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+
+    def seconds(self, i: int, j: int) -> float:
+        a, b = self.marks[i], self.marks[j]
+        if self.kind is None:
+            return b - a
+        b.synchronize()
+        return a.elapsed_time(b) / 1e3
+
+
+class StepTimes:
+    """``dtf`` (forward + loss) and ``dtb`` (backward) of a step, read when the step is recorded;
+    None under pipeline parallel, whose schedule interleaves them."""
+
+    def __init__(self, timer: _Timer | None, skipped: bool | None) -> None:
+        self._timer, self.skipped = timer, skipped
+
+    def as_dict(self) -> dict[str, float | None]:
+        t = self._timer
+        out = {"dtf": t.seconds(0, 1) if t else None, "dtb": t.seconds(1, 2) if t else None}
+        if self.skipped is not None:
+            out["skipped"] = int(self.skipped)
+        return out
+
+
+def train_step(engine, inputs, targets, loss_fn, *, sync: StepSync, context=None, after_backward=None,
+               poison: bool = False, skip_nonfinite: bool = False) -> tuple[torch.Tensor, Reduced, StepTimes]:
+    """Forward, loss, backward, the packed all-reduce (:class:`StepSync`), optimizer step; no host sync.
+
+    Returns the loss (this rank's), the step's :class:`Reduced` values and its :class:`StepTimes`.
+    Under pipeline parallel (``engine.pipeline``) the schedule runs forward and backward over the
+    microbatches. ``context`` wraps forward and backward (e.g. loss parallel); ``after_backward()``
+    runs before the optimizer step (gradients exist: the moment to measure memory); ``poison`` makes
+    the loss NaN (fault injection); ``skip_nonfinite`` skips the optimizer step when the loss is
+    non-finite on any rank (that reads the reduction at once: a host sync on every step).
+    """
+    timer = None
+    if engine.pipeline is not None:  # it wraps its schedule in its own loss-parallel context (its spec's)
+        loss = engine.pipeline.step(inputs, targets, share_loss=False)
+        if poison:
+            loss = loss * float("nan")
+    else:
+        timer = _Timer(inputs.device)
+        with context if context is not None else contextlib.nullcontext():
+            timer.mark()
+            loss = loss_fn(engine(inputs), targets)
+            if poison:
+                loss = loss * float("nan")
+            timer.mark()
+            if after_backward is not None and hasattr(engine, "arm_memory_probe"):
+                engine.arm_memory_probe()
+            engine.backward(loss)
+            timer.mark()
+    if after_backward is not None:
+        after_backward()
+    share = engine.grad_square_share()
+    reduced = sync.reduce(loss, share)
+    skipped = skip_nonfinite and reduced.values()[1]
+    if skipped:
+        engine.skip_step()
+    else:
+        engine.step(reduced.grad_square if share is not None else None)
+    return loss, reduced, StepTimes(timer, skipped if skip_nonfinite else None)
