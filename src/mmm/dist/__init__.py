@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from mmm.dist.ranks import RankInfo, discover_ranks, expand_nodelist, parse_tasks_per_node  # noqa: F401
 from mmm.dist.rendezvous import derived_port, free_port, rendezvous  # noqa: F401
-from mmm.dist.device import DEFAULT_TIMEOUT_S, DEVICE_CHOICES, pick_backend, pick_device, timeout_seconds  # noqa: F401
+from mmm.dist.device import (  # noqa: F401
+    DEFAULT_TIMEOUT_S, DEVICE_CHOICES, pick_backend, pick_device, return_freed_host_memory, timeout_seconds)
 from mmm.dist.state import (  # noqa: F401
     DATA_SEED_STRIDE, DistInfo, banner, current, data_generator, data_seed, info, launch_time, seed_all, setup,
     teardown)

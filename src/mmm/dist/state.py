@@ -126,7 +126,7 @@ def setup(
     timings = {"import_torch_s": time.perf_counter() - t_import}
     dev = pick_device(ranks.local_rank, device)
     bind_device(dev)
-    if dev.type == "cpu":  # tensors live in host memory: give freed ones back (see the function)
+    if dev.type == "cpu" and os.environ.get("MMM_HOST_MALLOC") == "return":  # see the function
         from mmm.dist.device import return_freed_host_memory
 
         return_freed_host_memory()

@@ -55,6 +55,8 @@ def train(args, info, outdir, startup) -> int:
     #    only its own shards after step 3, every weight seeded by --seed and its name (any mesh, same weights)
     cfg = model_config(args)
     dataset = make_dataset(args.dataset, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
+    if info.device.type == "cpu":  # a large model in host memory: freed tensors go back at once (decided early)
+        dist.return_freed_host_memory(4 * cfg.num_params())
     with meta_init():
         model = Llama(cfg)
     n_params = sum(p.numel() for p in model.parameters())

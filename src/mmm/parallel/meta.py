@@ -147,6 +147,10 @@ def materialize(model: nn.Module, *, device: torch.device | str, seed: int,
         raise UsageError(f"buffer {meta_buffers[0]} is on meta, so its value is lost; build the model under "
                          "mmm.parallel.meta_init() (parameters on meta, buffers computed as usual)")
     init_fn = initializer(model, init)
+    if device.type == "cpu":  # a large model on host memory: have freed tensors returned at once
+        from mmm.dist.device import return_freed_host_memory
+
+        return_freed_host_memory(sum(p.numel() * p.element_size() for p in params))
     saved = {(id(m), k): m._buffers[k] for m, k in _buffer_slots(model)}
     model.to_empty(device=device)
     owned = _owned(model)
