@@ -4,7 +4,8 @@
     launch -n 4 python3 examples/bring_your_own_model.py --tp 2   # dp 2 x tp 2 (FSDP2 + TP)
     launch -n 4 python3 examples/bring_your_own_model.py --pp 2   # pp 2 x dp 2 (FSDP2 in each stage)
 
-The model is built from a config with random weights (no download). Every layout prints the same
+The model is built from a config on the meta device and each rank materialises only its shards, with
+random weights seeded by name (no download). Every layout prints the same
 per-step loss and global gradient norm as one process, given the same seed and global batch.
 Needs ``pip install 'mmm[hf]'`` (transformers).
 """
@@ -17,7 +18,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from mmm import dist
 from mmm.history import History
-from mmm.parallel import HF_LLAMA_TP_PLAN, ParallelSpec, build_pipeline, clip_grad_norm_, init_mesh, parallelize
+from mmm.parallel import (HF_LLAMA_TP_PLAN, ParallelSpec, build_pipeline, clip_grad_norm_, init_mesh, meta_init,
+                          parallelize)
 from mmm.training import mean_over
 
 
@@ -37,15 +39,16 @@ def main(argv=None):
     mesh = init_mesh(tp=args.tp, pp=args.pp)  # dp inferred from the world size
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(info.device)  # the same random weights on every rank
+    with meta_init():  # no parameter memory yet: each rank materialises only its shards below
+        model = LlamaForCausalLM(config)
 
     spec = ParallelSpec(tp_plan=HF_LLAMA_TP_PLAN, blocks="model.layers")  # FSDP2 over dp, fp32
+    # seed=0: every weight from the seed and its name (transformers' _init_weights), the same on any mesh
     if mesh.pp_enabled:
-        pipe = build_pipeline(model, mesh, spec, loss_fn=loss_fn, microbatches=2)
+        pipe = build_pipeline(model, mesh, spec, loss_fn=loss_fn, microbatches=2, device=info.device, seed=0)
         model = pipe.module  # this rank's stages, parameters under the full model's names
     else:
-        model = parallelize(model, mesh, spec)
+        model = parallelize(model, mesh, spec, device=info.device, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     history = History(args.outdir, write=info.is_main)
