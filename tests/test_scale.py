@@ -67,6 +67,33 @@ def test_the_initialisation_of_a_torch_module_is_reset_parameters():
     assert torch.equal(model[1].weight, torch.ones(3))
 
 
+def test_tied_parameters_stay_tied():
+    from mmm.parallel import materialize, meta_init
+
+    with meta_init():
+        model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+        model[1].weight = model[0].weight
+    materialize(model, device="cpu", seed=0)
+    assert model[1].weight is model[0].weight and model[0].weight.std() > 0
+
+
+def test_a_parameter_the_init_forgets_is_refused():
+    from mmm.parallel import materialize, meta_init
+
+    class Half(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+        def init_weights(self):
+            self.a.reset_parameters()  # b forgotten
+
+    with meta_init():
+        model = Half()
+    with pytest.raises(UsageError, match="b.weight was not initialised by Half.init_weights"):
+        materialize(model, device="cpu", seed=0)
+
+
 def test_what_cannot_be_materialised_is_refused_by_name():
     from mmm.models.llama import Llama
     from mmm.parallel import ParallelDims, materialize, meta_init, parallelize
@@ -220,3 +247,14 @@ def test_steps_read_late_are_all_recorded_in_order(tmp_path):
         assert [r[key] for r in a] == [r[key] for r in b], key
     assert all(r["dt"] > 0 and r["tps"] > 0 for r in a)
     assert "iter=4 " in late.stderr + late.stdout and "iter=3 " not in late.stderr + late.stdout
+
+
+def test_a_nan_on_a_stage_that_does_not_hold_the_loss_still_stops_the_run(tmp_path):
+    """Under PP only the last stage's loss counts; a NaN on stage 0 travels as the packed non-finite
+    flag and stops every rank with one line at that step."""
+    res = run(launch("-n", "2", "python3", "-m", "mmm.examples.fsdp_tp", "--pp", "2", "--max-iters", "6",
+                     "--log-every", "3", "--no-plots", "--outdir", str(tmp_path)),
+              env={**__import__("os").environ, "MMM_FAULT": "nan@2:0"}, timeout=180)
+    assert res.returncode != 0, res.output
+    assert "loss is nan at iter 2" in res.stderr, res.output
+    assert [r["iter"] for r in jsonl(tmp_path / "history.jsonl", key=None)] == [1, 2]

@@ -34,4 +34,4 @@ from mmm.dist.state import (  # noqa: F401
     teardown)
 from mmm.dist.exits import (  # noqa: F401
     Terminated, USAGE_ERROR_GRACE_S, finish, gather_objects, graceful_sigterm, peer_failure_message, run_main,
-    silent_ranks, stop_agreed, stop_flag)
+    silent_ranks, stop_flag)

@@ -45,7 +45,7 @@ def _on_sigterm_graceful(signum, frame):  # pragma: no cover - exercised through
 
 def graceful_sigterm() -> None:
     """From now on the first SIGTERM only asks the training loop to stop after the current step
-    (see :func:`stop_agreed`); a second one stops at once, as before."""
+    (:func:`stop_flag`, shared by the step's one all-reduce); a second one stops at once, as before."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm_graceful)
 
@@ -54,20 +54,6 @@ def stop_flag() -> int:
     """This rank's stop request: the signal number of a SIGTERM caught by :func:`graceful_sigterm`, else 0
     (the training loop shares it in its one per-step all-reduce, :class:`mmm.training.step.StepSync`)."""
     return _STOP_SIGNAL or 0
-
-
-def stop_agreed() -> str | None:
-    """Whether any rank got SIGTERM, agreed by every rank (one small all-reduce): all ranks leave the
-    loop after the same step. Returns the signal's name, or None."""
-    import torch
-    import torch.distributed as dist
-
-    flag = _STOP_SIGNAL or 0
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        t = torch.tensor([flag], dtype=torch.int32, device=info().device if current() is not None else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        flag = int(t.item())
-    return signal.Signals(flag).name if flag else None
 
 
 def _is_user_error(e: BaseException) -> bool:

@@ -134,6 +134,7 @@ def train(args, info, outdir, startup) -> int:
         t_epoch = time.perf_counter()
         engine.train()
         batches = epoch_batches(len(train_y), global_batch=args.batch_size, seed=args.seed, epoch=epoch)[:per_epoch]
+        run.restart_clock()  # the previous epoch's evaluation is not part of this epoch's first step
         losses = []
         for i, idx in enumerate(batches):
             if epoch == first_epoch and i < skip:

@@ -10,7 +10,6 @@ is the GLOBAL batch; the same --seed and global batch give the same losses on an
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 from mmm.cli import ArgumentParser, add_output_args, add_run_args, add_strategy_args, degree, positive_int, run_arg_problems

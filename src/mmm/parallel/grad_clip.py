@@ -96,7 +96,7 @@ def square_share(grads: list[torch.Tensor], *, stage_ranks: int) -> torch.Tensor
     replicated mesh dimensions and by the stage ranks outside its mesh). Lets a training step fold
     the norm into the one all-reduce it does anyway (:class:`mmm.training.step.StepSync`).
     Gradients still Partial over a mesh dimension (not yet reduced) are reduced first."""
-    share = None
+    by_replicas: dict[int, list[torch.Tensor]] = {}
     for g in grads:
         if any(p.is_partial() for p in getattr(g, "placements", ())):
             from torch.distributed.tensor import Replicate
@@ -110,11 +110,13 @@ def square_share(grads: list[torch.Tensor], *, stage_ranks: int) -> torch.Tensor
             for i, placement in enumerate(g.placements):
                 if placement.is_replicate():
                     replicated *= mesh.size(i)
-            replicas = replicated * stage_ranks // mesh.size()
-        local = g.to_local() if hasattr(g, "to_local") else g
-        part = local.detach().float().pow(2).sum() / replicas
-        share = part if share is None else share + part.to(share.device)
-    return share if share is not None else torch.zeros(())
+            replicas = max(1, replicated * stage_ranks // mesh.size())
+        by_replicas.setdefault(replicas, []).append(g.to_local() if hasattr(g, "to_local") else g)
+    parts = [torch.nn.utils.get_total_norm(local, norm_type=2.0).float() ** 2 / replicas  # foreach kernels
+             for replicas, local in by_replicas.items()]
+    if not parts:
+        return torch.zeros(())
+    return torch.stack([p.reshape(()).to(parts[0].device) for p in parts]).sum()
 
 
 def clip_with_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -152,7 +153,12 @@ def materialize(model: nn.Module, *, device: torch.device | str, seed: int,
 
         return_freed_host_memory(sum(p.numel() * p.element_size() for p in params))
     saved = {(id(m), k): m._buffers[k] for m, k in _buffer_slots(model)}
+    ties = [slots for _, _, slots in _owned(model).values() if len(slots) > 1]
     model.to_empty(device=device)
+    for slots in ties:  # to_empty gives every holder of a shared plain parameter its own copy: re-tie
+        first = slots[0][0]._parameters[slots[0][1]]
+        for mod, key in slots[1:]:
+            mod._parameters[key] = first
     owned = _owned(model)
     buffers = _buffer_slots(model)
     holders = {i: _placeholder(slots[0][0]._parameters[slots[0][1]]) for i, (_, _, slots) in owned.items()}
@@ -172,7 +178,9 @@ def materialize(model: nn.Module, *, device: torch.device | str, seed: int,
         with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
             for i, (name, owner, _) in owned.items():
                 target = actual[i]
-                full = nn.Parameter(torch.empty(target.shape, dtype=target.dtype, device=device),
+                full = nn.Parameter(torch.full(target.shape, math.nan, dtype=target.dtype, device=device)
+                                    if target.is_floating_point() else
+                                    torch.zeros(target.shape, dtype=target.dtype, device=device),
                                     requires_grad=target.requires_grad)
                 put(i, full)
                 torch.manual_seed(param_seed(seed, name))
@@ -184,6 +192,9 @@ def materialize(model: nn.Module, *, device: torch.device | str, seed: int,
                                          "reset_parameters(); give the model an init_weights() method") from None
                     raise
                 put(i, holders[i])
+                if full.is_floating_point() and bool(full.isnan().any()):
+                    raise UsageError(f"{name} was not initialised by {describe_init(model, init)}; make it "
+                                     "initialise every parameter (or pass init=)")
                 local = target.to_local() if isinstance(target, DTensor) else target
                 local.copy_(local_shard(full.data, target))
                 del full

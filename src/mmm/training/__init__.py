@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 import platform
 import sys
@@ -19,12 +20,6 @@ from mmm.training.step import StepSync, train_step  # noqa: F401  (the trainers'
 
 
 # --------------------------------------------------------------------------- timing
-def synchronize(device: torch.device) -> None:
-    """Wait for queued device work so that wall-clock timings mean something (no-op on CPU)."""
-    if device.type in {"cuda", "xpu", "mps"}:
-        getattr(torch, device.type).synchronize()
-
-
 def process_start_time() -> float:
     """Wall-clock time this process started (Linux /proc, 10 ms resolution), else now."""
     try:
@@ -208,19 +203,6 @@ def mean_over(value: torch.Tensor, group) -> float:
     return value.item()
 
 
-def nonfinite_anywhere(loss: torch.Tensor) -> bool:
-    """Whether the loss is NaN/inf on any rank (every rank gets the same answer)."""
-    import torch.distributed as dist
-
-    value = loss.detach()
-    if hasattr(value, "full_tensor"):
-        value = value.full_tensor()
-    flag = (~torch.isfinite(value.float())).any().to(torch.int32).reshape(1)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
-
-
 def make_checkpointer(args, engine, *, meta: dict[str, Any], log=None):
     """A :class:`mmm.parallel.checkpoint.Checkpointer` for ``--checkpoint-dir`` (None without it)."""
     if not getattr(args, "checkpoint_dir", None):
@@ -334,14 +316,9 @@ class Run:
         raise RunError(f"loss is {loss_value} at {self.hist.step_key} {step}; {good}. Lower --lr, use --dtype fp32, "
                        "--grad-clip, or --on-nonfinite skip")
 
-    def stop_requested(self) -> bool:
-        """True (on every rank alike) once any rank got SIGTERM: leave the loop after this step."""
-        from mmm.dist import stop_agreed
-
-        self.stopped_by = stop_agreed()
-        if self.stopped_by:
-            self.log.info("%s received: stopping after this step", self.stopped_by)
-        return self.stopped_by is not None
+    def restart_clock(self) -> None:
+        """The next step's ``dt`` starts now (after work that is not a training step: an evaluation)."""
+        self._t_last = time.perf_counter()
 
     def end_step(self, step: int, reduced, times, *, args, checkpointer, last: bool, rates: dict[str, float],
                  **metrics) -> bool:
@@ -363,22 +340,24 @@ class Run:
             self._flush(entry, checkpointer)
         else:
             self._pending = entry
-        stopping = self.stopped_by is not None
-        if stopping and self._pending is not None:  # stop after this step: its values first
-            self._flush(self._pending, checkpointer)
-            self._pending = None
+        stopping = self.stopped_by is not None  # a stop seen in the previous step's values made this one due
         if should_save(args, step, last=last, stopping=stopping):
             checkpointer.save(step, {"loss": self.hist.rows[-1].get("loss") if self.hist.rows else None})
         return stopping
 
     def _flush(self, entry: _Pending, checkpointer) -> None:
-        loss, _, stop = entry.reduced.values()
+        loss, nonfinite, stop = entry.reduced.values()
         times = entry.times.as_dict()
-        metrics = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in entry.metrics.items()}
+        metrics = dict(entry.metrics)
+        if entry.reduced.grad_norm is not None:  # from the packed reduction: no read of a device tensor
+            metrics["grad_norm"] = entry.reduced.grad_norm
+        metrics = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
         self.record(entry.step, force_log=entry.last, loss=loss, dt=entry.dt,
                     dtf=times["dtf"], dtb=times["dtb"], **{k: w / entry.dt for k, w in entry.rates.items()},
                     **metrics, **({"skipped": times["skipped"]} if "skipped" in times else {}))
-        self.check_loss(entry.step, loss, skipped=bool(times.get("skipped")), checkpointer=checkpointer)
+        # a rank whose loss does not count (an earlier pipeline stage) can still be non-finite
+        self.check_loss(entry.step, math.nan if nonfinite else loss, skipped=bool(times.get("skipped")),
+                        checkpointer=checkpointer)
         if stop and self.stopped_by is None:
             self.stopped_by = "SIGTERM"
             self.log.info("%s received: stopping after this step", self.stopped_by)

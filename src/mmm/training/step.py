@@ -12,6 +12,7 @@ device events, read with it. The gradient norm stays on the device until then to
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import Any
 
@@ -31,8 +32,10 @@ def _local_scalar(loss: torch.Tensor) -> torch.Tensor:
 class Reduced:
     """A step's packed all-reduce result, on its way to the host."""
 
-    def __init__(self, packed: torch.Tensor) -> None:
+    def __init__(self, packed: torch.Tensor, *, has_grad_norm: bool = False) -> None:
         self.grad_square = packed[3]  # stays on the device: the optimizer step clips with it
+        self.has_grad_norm = has_grad_norm
+        self._grad_norm: float | None = None
         self._event = None
         if packed.device.type in ("cuda", "xpu", "mps"):
             backend = getattr(torch, packed.device.type)
@@ -49,9 +52,16 @@ class Reduced:
         if self._values is None:
             if self._event is not None:
                 self._event.synchronize()
-            loss, nonfinite, stop, _ = self._host.tolist()
+            loss, nonfinite, stop, grad_square = self._host.tolist()
             self._values = (loss, nonfinite > 0, stop > 0)
+            self._grad_norm = math.sqrt(grad_square) if self.has_grad_norm else None
         return self._values
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The global gradient norm, when the step reduced it (None: the engine measured its own)."""
+        self.values()
+        return self._grad_norm
 
     @property
     def read(self) -> bool:
@@ -89,13 +99,13 @@ class StepSync:
 
         value = _local_scalar(loss).to(self.device)
         share = value * self.weight if self.weight else torch.zeros((), device=self.device)
-        stop = torch.tensor(float(stop_flag()), device=self.device)
+        stop = torch.full((), float(stop_flag()), device=self.device)  # a fill: no copy from the host
         grad = grad_square.float().reshape(()).to(self.device) if grad_square is not None else torch.zeros(
             (), device=self.device)
         packed = torch.stack([share, (~torch.isfinite(value)).float(), stop, grad])
         if self.world > 1:
             dist.all_reduce(packed)
-        return Reduced(packed)
+        return Reduced(packed, has_grad_norm=grad_square is not None)
 
 
 class _Timer:
