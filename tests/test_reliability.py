@@ -147,8 +147,10 @@ def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path, runner):
     res = run(ranks(2, runner, [*FSDP_TP, "--max-iters", "20", "--checkpoint-dir", str(ck), "--outdir", str(out)]),
               env=clean_env(MMM_FAULT="term@3:1"), timeout=120)  # only rank 1 is signalled
     assert res.returncode == 0, res.output
-    assert [p.name for p in ck.iterdir()] == ["step-00000003"]
-    assert jsonl(out / "history.jsonl", "iter") == [1, 2, 3]
+    # step 3 is not a logging step (--log-every 100), so its values (the SIGTERM flag among them) are
+    # read at the end of step 4: every rank stops after step 4, together, and saves it
+    assert [p.name for p in ck.iterdir()] == ["step-00000004"]
+    assert jsonl(out / "history.jsonl", "iter") == [1, 2, 3, 4]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stopped_by"] == "SIGTERM" and (out / "history.nc").is_file()
 

@@ -109,21 +109,22 @@ def train(args, info, outdir, startup) -> int:
                  args.dtype, outdir)
     dist.graceful_sigterm()
     engine.train()
-    for step in range(start, args.max_iters + 1):
-        poison = run.begin_step(step)
-        inputs, labels = next(batches)
-        if mesh.cp_enabled:
-            cp_rank = mesh.coord("cp")
-            inputs, labels = shard_sequence(inputs, cp_rank, mesh.cp), shard_sequence(labels, cp_rank, mesh.cp)
-        last = step == args.max_iters
-        with run.measuring(mesh, enabled=args.measure and step == MEASURE_STEP):
-            _, reduced, times = train_step(engine, inputs, labels, loss_fn, sync=run.sync,
-                                           context=loss_parallel_context(mesh.tp_enabled), poison=poison,
-                                           skip_nonfinite=args.on_nonfinite == "skip",
-                                           after_backward=(lambda: run.capture_memory(engine)) if last else None)
-        if run.end_step(step, reduced, times, args=args, checkpointer=ckpt, last=last, rates={"tps": tokens_per_step},
-                        grad_norm=engine.grad_norm):
-            break
+    with run:  # leaving on an error, the step read late is still written
+        for step in range(start, args.max_iters + 1):
+            poison = run.begin_step(step)
+            inputs, labels = next(batches)
+            if mesh.cp_enabled:
+                cp_rank = mesh.coord("cp")
+                inputs, labels = shard_sequence(inputs, cp_rank, mesh.cp), shard_sequence(labels, cp_rank, mesh.cp)
+            last = step == args.max_iters
+            with run.measuring(mesh, enabled=args.measure and step == MEASURE_STEP):
+                _, reduced, times = train_step(engine, inputs, labels, loss_fn, sync=run.sync,
+                                               context=loss_parallel_context(mesh.tp_enabled), poison=poison,
+                                               skip_nonfinite=args.on_nonfinite == "skip",
+                                               after_backward=(lambda: run.capture_memory(engine)) if last else None)
+            if run.end_step(step, reduced, times, args=args, checkpointer=ckpt, last=last,
+                            rates={"tps": tokens_per_step}, grad_norm=engine.grad_norm):
+                break
 
     extra = {
         "mesh": mesh.dims.degrees, "strategy": args.strategy, "dtype": args.dtype, "ac": args.ac,

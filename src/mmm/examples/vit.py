@@ -142,18 +142,19 @@ def train(args, info, outdir, startup) -> int:
 
     dist.graceful_sigterm()
     engine.train()
-    for step in range(start, args.max_iters + 1):
-        poison = run.begin_step(step)
-        images, labels = data.global_batch(args.seed, step, args.batch_size)
-        images = images[dp_rank * local:(dp_rank + 1) * local].to(device)
-        labels = labels[dp_rank * local:(dp_rank + 1) * local].to(device)
-        last = step == args.max_iters
-        _, reduced, times = train_step(engine, images, labels, loss_fn, sync=run.sync, poison=poison,
-                                       skip_nonfinite=args.on_nonfinite == "skip",
-                                       after_backward=(lambda: run.capture_memory(engine)) if last else None)
-        if run.end_step(step, reduced, times, args=args, checkpointer=ckpt, last=last,
-                        rates={"samples_per_s": args.batch_size}, grad_norm=engine.grad_norm):
-            break
+    with run:  # leaving on an error, the step read late is still written
+        for step in range(start, args.max_iters + 1):
+            poison = run.begin_step(step)
+            images, labels = data.global_batch(args.seed, step, args.batch_size)
+            images = images[dp_rank * local:(dp_rank + 1) * local].to(device)
+            labels = labels[dp_rank * local:(dp_rank + 1) * local].to(device)
+            last = step == args.max_iters
+            _, reduced, times = train_step(engine, images, labels, loss_fn, sync=run.sync, poison=poison,
+                                           skip_nonfinite=args.on_nonfinite == "skip",
+                                           after_backward=(lambda: run.capture_memory(engine)) if last else None)
+            if run.end_step(step, reduced, times, args=args, checkpointer=ckpt, last=last,
+                            rates={"samples_per_s": args.batch_size}, grad_norm=engine.grad_norm):
+                break
 
     extra = {"mesh": mesh.dims.degrees, "strategy": args.strategy, "dtype": args.dtype, "ac": args.ac,
              "compile": args.compile, "compiled_graphs": compiled_graphs(),

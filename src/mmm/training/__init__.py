@@ -316,6 +316,19 @@ class Run:
         raise RunError(f"loss is {loss_value} at {self.hist.step_key} {step}; {good}. Lower --lr, use --dtype fp32, "
                        "--grad-clip, or --on-nonfinite skip")
 
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        """Leaving the loop on an error (a peer died, a NaN): the step read late is still written, so
+        the history on disk holds every step that finished."""
+        pending, self._pending = self._pending, None
+        if exc_type is not None and pending is not None and pending.reduced.ready():
+            with contextlib.suppress(Exception):
+                loss, _, _ = pending.reduced.values()
+                self.record(pending.step, loss=loss, dt=pending.dt, **pending.times.as_dict())
+        return False
+
     def restart_clock(self) -> None:
         """The next step's ``dt`` starts now (after work that is not a training step: an evaluation)."""
         self._t_last = time.perf_counter()

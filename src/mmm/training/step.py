@@ -63,6 +63,10 @@ class Reduced:
         self.values()
         return self._grad_norm
 
+    def ready(self) -> bool:
+        """Whether the values can be read without waiting (the reduction has finished)."""
+        return self._event is None or self._event.query()
+
     @property
     def read(self) -> bool:
         return self._values is not None
