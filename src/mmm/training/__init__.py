@@ -344,8 +344,8 @@ class Run:
         entry = _Pending(step, reduced, times, now - (self._t_last or now), rates, metrics, last)
         self._t_last = now
         if self._pending is not None:
-            self._flush(self._pending, checkpointer)
-            self._pending = None
+            pending, self._pending = self._pending, None  # taken first: a failed check must not write it twice
+            self._flush(pending, checkpointer)
         every = getattr(args, "checkpoint_every", 0)
         due = (last or self._recorded == 0 or step % self.log_every == 0 or reduced.read
                or self.stopped_by is not None or (every and step % every == 0 and checkpointer is not None))
