@@ -155,3 +155,60 @@ def test_a_usage_error_on_one_rank_only_is_reported_by_that_rank():
     assert lines[0] == ("[rank 1] rank_local_error.py: error: --data-dir '/nodes/own/disk': no such directory on "
                         "this node"), res.output
     assert len(lines) >= 2 and all("rank 1 stopped answering" in ln for ln in lines[1:]), res.output  # rank 0
+
+
+def test_only_the_dead_rank_is_named_while_live_ones_are_busy(tmp_path):
+    """Rank 1 dies while rank 2 waits inside another collective and rank 3 computes: the roll call is
+    answered by each live rank's watcher thread, so every survivor names rank 1 and no other; each
+    live rank writes where it was to <stack dir>/rank-<r>.txt and the message points there."""
+    from mmm.dist import free_port
+
+    env = clean_env(WORLD_SIZE="4", LOCAL_WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                    MMM_STACK_DIR=str(tmp_path / "stacks"), MMM_TIMEOUT="60")
+    procs = [subprocess.Popen([sys.executable, str(SCRIPTS / "dead_rank.py"), "busy"],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL) for r in range(4)]
+    outs = [p.communicate(timeout=90) for p in procs]
+    assert [p.returncode for p in procs] == [1, 3, 1, 1], outs
+    for rank in (0, 2, 3):
+        err = outs[rank][1]
+        line = [ln for ln in err.splitlines() if f"[rank {rank}] dead_rank.py: error:" in ln]
+        assert len(line) == 1 and "lost contact with another rank" in line[0], err
+        assert f"{tmp_path / 'stacks'}/rank-*.txt" in line[0], err
+        assert "Traceback" not in err, err
+        # rank 0 holds the rendezvous store: it can always call the roll. Ranks 2 and 3 fail seconds
+        # later, when rank 0 may have left with the store: then they name nobody, never a live rank.
+        if rank == 0 or "stopped answering" in line[0]:
+            assert "error: rank 1 stopped answering" in line[0], err  # "rank 1", not "ranks 1, 2"
+    stacks = (tmp_path / "stacks" / "rank-2.txt").read_text()
+    assert "in_the_pair" in stacks and "roll call" in stacks, stacks  # rank 2 was in the pair's all-reduce
+    assert not (tmp_path / "stacks" / "rank-1.txt").exists() or "roll call" not in (
+        tmp_path / "stacks" / "rank-1.txt").read_text()
+
+
+def test_sigusr1_writes_every_ranks_stacks(tmp_path):
+    """A user watching a job that looks hung: kill -USR1 writes where each rank is, and the job goes on."""
+    stacks = tmp_path / "stacks"
+    p = subprocess.Popen(launch("--launcher", "local", "-n", "2", "python3", str(SCRIPTS / "wait_forever.py")),
+                         env=clean_env(MMM_STACK_DIR=str(stacks)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        ready = [p.stdout.readline() for _ in range(2)]
+        assert all(line.startswith("READY") for line in ready), ready
+        out = subprocess.run(["pgrep", "-f", f"{SCRIPTS / 'wait_forever.py'}"], capture_output=True, text=True)
+        pids = [int(x) for x in out.stdout.split() if int(x) != p.pid]
+        assert len(pids) == 2, out.stdout
+        for pid in pids:
+            os.kill(pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(
+                "wait_forever.py" in (stacks / f"rank-{r}.txt").read_text() for r in (0, 1)
+                if (stacks / f"rank-{r}.txt").exists()):
+            time.sleep(0.1)
+        for r in (0, 1):
+            text = (stacks / f"rank-{r}.txt").read_text()
+            assert 'wait_forever.py", line' in text and "in main" in text, text
+        assert p.poll() is None  # still running
+    finally:
+        os.killpg(p.pid, signal.SIGTERM)
+        p.communicate(timeout=30)

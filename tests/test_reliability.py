@@ -139,6 +139,11 @@ def test_a_stalled_rank_fails_the_others_after_the_timeout(tmp_path, runner):
     assert res.returncode != 0
     assert res.seconds < timeout + 60, res.seconds
     assert "collective timeout (8 s" in res.stderr and "rank 2 stopped answering" in res.stderr, res.stderr
+    # where the live ranks were: rank 0's message points to the stack files, each names the step's code
+    assert f"where each live rank was: {tmp_path / 'stacks'}/rank-*.txt" in res.stderr, res.stderr
+    for rank in (0, 1):
+        stacks = (tmp_path / "stacks" / f"rank-{rank}.txt").read_text()
+        assert "roll call after a failed collective" in stacks and "fsdp_tp.py" in stacks, stacks
 
 
 @pytest.mark.parametrize("runner", ["torchrun", "mpiexec"])

@@ -17,10 +17,13 @@ Environment variables read here (all optional):
 - ``MASTER_ADDR`` / ``MASTER_PORT``: rendezvous; set by ``launch`` and torchrun, otherwise
   shared over MPI (mpi4py), derived from the Slurm step, or local for one-node jobs.
 - ``LOG_FROM_ALL_RANKS=1``: log from every rank, not only rank 0.
+- ``MMM_STACK_DIR``: folder for each rank's Python stacks (``rank-<r>.txt``), written when a
+  collective fails and on ``SIGUSR1`` (the trainers use ``<outdir>/stacks``).
 
 Split by concern: :mod:`~mmm.dist.ranks` (who am I), :mod:`~mmm.dist.rendezvous` (where ranks
 meet), :mod:`~mmm.dist.device` (device, backend, timeout), :mod:`~mmm.dist.state` (setup, seeds,
-teardown), :mod:`~mmm.dist.exits` (signals, run_main, exit codes). Everything public is here too.
+teardown), :mod:`~mmm.dist.exits` (signals, run_main, exit codes), :mod:`~mmm.dist.liveness`
+(roll call of live ranks after a failure, stack files). Everything public is here too.
 """
 
 from __future__ import annotations
@@ -34,4 +37,5 @@ from mmm.dist.state import (  # noqa: F401
     teardown)
 from mmm.dist.exits import (  # noqa: F401
     Terminated, USAGE_ERROR_GRACE_S, finish, gather_objects, graceful_sigterm, peer_failure_message, run_main,
-    silent_ranks, stop_flag)
+    stop_flag)
+from mmm.dist.liveness import dump_stacks, set_stack_dir, silent_ranks, stack_dir  # noqa: F401

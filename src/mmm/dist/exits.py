@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import datetime
 import os
 import signal
 import sys
@@ -13,6 +12,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from mmm.dist import liveness
 from mmm.dist.device import timeout_seconds
 from mmm.dist.ranks import discover_ranks
 from mmm.dist.state import _first_line, current, info, teardown
@@ -69,7 +69,8 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
     - an unexpected exception: its traceback, prefixed by the rank, exit 1;
     - SIGTERM: exit 143 after teardown; Ctrl-C: exit 130;
     - always: barrier (on success) + destroy the process group + ``MPI.Finalize`` if
-      MPI was started, flush, then ``os._exit`` so no interpreter-shutdown race can abort.
+      MPI was started, flush, then leave without the interpreter's shutdown (where gloo's threads can
+      abort): ``os._exit``, or libc's ``exit()`` after ``MPI.Finalize`` (MPICH's Hydra needs it).
     """
     prog = prog or os.path.basename(sys.argv[0])
     if prog == "__main__.py":
@@ -108,9 +109,12 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
         rank = _rank_for_messages()
         peer = peer_failure_message(e)
         if peer is not None:  # one line per rank, not a wall of tracebacks
-            lost = silent_ranks()
+            liveness.note(traceback.format_exc())
+            lost = liveness.silent_ranks()
             if lost:
                 peer = f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} stopped answering; " + peer
+            if liveness.stack_dir() is not None:
+                peer += f"; where each live rank was: {liveness.stack_dir()}/rank-*.txt"
             print_error(peer, prog=prog, rank=rank)
             finish(code)
         tb = traceback.format_exc()
@@ -152,29 +156,6 @@ def peer_failure_message(e: BaseException) -> str | None:
         return (f"lost contact with another rank during a collective: a rank died or was killed; the launcher's "
                 f"message names it ({first})")
     return None  # a backend error of its own (invalid usage, out of memory): keep its traceback
-
-
-def silent_ranks(wait_s: float = 3.0) -> list[int] | None:
-    """After a failed collective: the ranks that do not check in through the rendezvous store within
-    ``wait_s`` (the dead or stalled ones), or None when that cannot be known (the store lived on
-    the lost rank, or there is no process group)."""
-    try:
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            return None
-        store = dist.distributed_c10d._get_default_store()
-        store.set_timeout(datetime.timedelta(seconds=wait_s))
-        rank, world = dist.get_rank(), dist.get_world_size()
-        store.set(f"mmm/alive/{rank}", "1")
-        deadline = time.monotonic() + wait_s
-        while True:
-            missing = [r for r in range(world) if not store.check([f"mmm/alive/{r}"])]
-            if not missing or time.monotonic() > deadline:
-                return missing
-            time.sleep(0.1)
-    except Exception:
-        return None
 
 
 _USAGE_KEY = "mmm/usage_error/0"
@@ -256,7 +237,22 @@ def finish(code: int = 0, *, together: bool | None = None) -> NoReturn:
                 stream.flush()
             except Exception:
                 pass
+        if _mpi_finalized():
+            # MPICH's Hydra counts a rank as finished only on a normal process exit, one that runs
+            # the C library's exit handlers: after os._exit its proxy may SIGKILL the other ranks.
+            # libc's exit() runs them and still skips Python's interpreter shutdown.
+            import ctypes
+
+            ctypes.CDLL(None).exit(code)
         os._exit(code)
+
+
+def _mpi_finalized() -> bool:
+    MPI = sys.modules.get("mpi4py.MPI")
+    try:
+        return MPI is not None and MPI.Is_finalized()
+    except Exception:
+        return False
 
 
 def gather_objects(obj: Any) -> list[Any]:

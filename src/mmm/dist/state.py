@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from mmm.dist import liveness
 from mmm.dist.device import DEFAULT_TIMEOUT_S, pick_backend, pick_device, timeout_seconds
 from mmm.dist.ranks import RankInfo, discover_ranks
 from mmm.dist.rendezvous import rendezvous
@@ -148,6 +149,10 @@ def setup(
         device=dev, backend=backend, timeout_s=timeout_s, seed=seed, timings=timings,
     )
     timings["setup_s"] = time.perf_counter() - t0
+    if backend is not None and ranks.world_size > 1:
+        if os.environ.get("MMM_STACK_DIR"):
+            liveness.set_stack_dir(os.environ["MMM_STACK_DIR"], ranks.rank)
+        liveness.start_watcher(ranks.rank)
     atexit.register(_atexit_teardown)
     log.debug("setup: %s", _INFO)
     return _INFO
@@ -232,6 +237,9 @@ def teardown(*, ok: bool = True, finalize_mpi: bool | None = None) -> None:
             dist.destroy_process_group()
         except Exception as e:  # pragma: no cover
             log.warning("destroy_process_group failed: %s", _first_line(e))
+    liveness.stop_watcher()
+    if ok:
+        liveness.close_stack_file()
     if "mpi4py.MPI" in sys.modules and (ok if finalize_mpi is None else finalize_mpi):
         MPI = sys.modules["mpi4py.MPI"]
         if MPI.Is_initialized() and not MPI.Is_finalized():

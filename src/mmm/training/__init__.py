@@ -287,6 +287,11 @@ class Run:
         self.sync = sync  # the per-step all-reduce (mmm.training.step.StepSync)
         self._t_last: float | None = None  # when the previous iteration ended
         self._pending: _Pending | None = None
+        if info.world_size > 1 and not os.environ.get("MMM_STACK_DIR"):
+            # where each rank was, written when a collective fails and on SIGUSR1 (mmm.dist.liveness)
+            from mmm.dist import set_stack_dir
+
+            set_stack_dir(outdir / "stacks", info.rank)
 
     def begin_step(self, step: int) -> bool:
         """Called as a step starts: carries out ``MMM_FAULT`` fault injection (:mod:`mmm.faults`);

@@ -1,0 +1,169 @@
+"""Who is still alive after a failed collective, and where every rank was: a roll call and stack files.
+
+A rank whose collective fails (a peer died, or the collective timeout fired) calls the roll
+(:func:`silent_ranks`). Every rank runs a small watcher thread, started by ``setup``, that waits
+on the rendezvous store with a client of its own: it answers the roll call even while its main
+thread is blocked inside another collective, so only ranks whose process is gone (or frozen) stay
+silent. Before answering, the watcher writes its rank's Python stacks (every thread, through
+:mod:`faulthandler`) to ``<dir>/rank-<r>.txt`` when a stack folder is set (:func:`set_stack_dir`;
+the trainers use ``<outdir>/stacks``): what each live rank was doing when the job stalled.
+
+``SIGUSR1`` writes the same stacks at any time (``kill -USR1 <pid>`` on a job that looks hung):
+to the rank's stack file when a folder is set, else to stderr. This works for gloo, NCCL and
+oneCCL alike; NCCL's flight recorder only sees NCCL.
+
+While nothing fails the watcher costs one idle store request every 30 seconds per rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+ROLL_CALL = "mmm/roll_call"
+_WAIT_S = 30.0
+
+_stack_file: IO[str] | None = None
+_stack_path: Path | None = None
+_watcher: _Watcher | None = None
+
+
+def _alive_key(rank: int) -> str:
+    return f"mmm/alive/{rank}"
+
+
+class _Watcher(threading.Thread):
+    def __init__(self, store: Any, rank: int) -> None:
+        super().__init__(name="mmm-roll-call", daemon=True)
+        self.store, self.rank = store, rank
+
+    def run(self) -> None:
+        timeout = datetime.timedelta(seconds=_WAIT_S)
+        while True:
+            t0 = time.monotonic()
+            try:
+                self.store.wait([ROLL_CALL], timeout)
+            except Exception:
+                if time.monotonic() - t0 < _WAIT_S / 2:  # the store is gone (the job is ending)
+                    return
+                continue  # only the wait's own timeout: keep waiting
+            try:
+                dump_stacks("roll call after a failed collective")
+                self.store.set(_alive_key(self.rank), "1")
+            except Exception:
+                pass
+            return
+
+
+def start_watcher(rank: int) -> None:
+    """Answer roll calls from now on (``setup`` calls it once the process group exists)."""
+    global _watcher
+    if _watcher is not None:
+        return
+    try:
+        import torch.distributed as dist
+
+        store = dist.distributed_c10d._get_default_store().clone()
+    except Exception:  # a store that cannot be cloned: roll calls will say "unknown"
+        return
+    _watcher = _Watcher(store, rank)
+    _watcher.start()
+    if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
+        faulthandler.register(signal.SIGUSR1, file=_stack_file or sys.stderr, all_threads=True, chain=False)
+
+
+def stop_watcher() -> None:
+    """Forget the watcher (teardown): a later ``setup`` starts a new one. The thread itself ends
+    when the store it waits on goes away."""
+    global _watcher
+    _watcher = None
+
+
+def set_stack_dir(path: str | os.PathLike, rank: int) -> Path:
+    """Write this rank's stacks to ``<path>/rank-<rank>.txt`` on a roll call and on ``SIGUSR1``."""
+    global _stack_file, _stack_path
+    target = Path(path) / f"rank-{rank}.txt"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if _stack_file is not None:
+        _stack_file.close()
+    _stack_file, _stack_path = open(target, "a", buffering=1), Path(path)
+    if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
+        faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True, chain=False)
+    return target
+
+
+def stack_dir() -> Path | None:
+    """The folder of the stack files (None when not set)."""
+    return _stack_path
+
+
+def dump_stacks(why: str, extra: str | None = None) -> None:
+    """Append every thread's Python stack to this rank's stack file (nothing without one)."""
+    f = _stack_file
+    if f is None:
+        return
+    f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}: {why}\n")
+    if extra:
+        f.write(extra.rstrip() + "\n")
+    f.flush()
+    faulthandler.dump_traceback(file=f, all_threads=True)
+    f.flush()
+
+
+def note(text: str) -> None:
+    """Append ``text`` (e.g. this rank's own error) to its stack file, if any."""
+    if _stack_file is not None:
+        _stack_file.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}\n{text.rstrip()}\n")
+        _stack_file.flush()
+
+
+def close_stack_file() -> None:
+    """Close this rank's stack file, and remove it (and the folder) when nothing was written."""
+    global _stack_file, _stack_path
+    f, folder = _stack_file, _stack_path
+    _stack_file = _stack_path = None
+    if f is None:
+        return
+    if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
+        faulthandler.unregister(signal.SIGUSR1)
+    try:
+        f.close()
+        path = Path(f.name)
+        if path.stat().st_size == 0:
+            path.unlink()
+            folder.rmdir()  # only when empty (other ranks' files keep it)
+    except OSError:
+        pass
+
+
+def silent_ranks(wait_s: float = 3.0) -> list[int] | None:
+    """After a failed collective: call the roll and return the ranks that do not answer within
+    ``wait_s`` (their process is gone or frozen), or None when that cannot be known (the store
+    lived on a lost rank, rank 0, or there is no process group). Every live rank's watcher answers at once,
+    whatever its main thread is doing, so a rank stuck in another collective is not named."""
+    try:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return None
+        store = dist.distributed_c10d._get_default_store()  # connected already: fails fast if the host is gone
+        store.set_timeout(datetime.timedelta(seconds=wait_s))
+        world = dist.get_world_size()
+        store.set(ROLL_CALL, "1")
+        if _watcher is None:  # this rank's own watcher was never started: answer for it here
+            store.set(_alive_key(dist.get_rank()), "1")
+        deadline = time.monotonic() + wait_s
+        while True:
+            missing = [r for r in range(world) if not store.check([_alive_key(r)])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.05)
+    except Exception:
+        return None
