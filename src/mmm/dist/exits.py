@@ -80,6 +80,7 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
     try:
         code = int(main(argv) or 0)
     except UsageError as e:
+        liveness.release_watcher()  # before rank 0, the store's host, may leave
         code = e.exit_code
         together = e.same_on_all_ranks
         rank = _rank_for_messages()

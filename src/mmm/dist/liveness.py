@@ -12,7 +12,8 @@ the trainers use ``<outdir>/stacks``): what each live rank was doing when the jo
 to the rank's stack file when a folder is set, else to stderr. This works for gloo, NCCL and
 oneCCL alike; NCCL's flight recorder only sees NCCL.
 
-While nothing fails the watcher costs one idle store request every 30 seconds per rank.
+While nothing fails a watcher costs one idle store request per rank every 30 seconds; it is
+released through its own key before its rank leaves.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-ROLL_CALL = "mmm/roll_call"
 _WAIT_S = 30.0
 
 _stack_file: IO[str] | None = None
@@ -35,25 +35,34 @@ _stack_path: Path | None = None
 _watcher: _Watcher | None = None
 
 
+def _wake_key(rank: int) -> str:
+    return f"mmm/roll_call/{rank}"
+
+
 def _alive_key(rank: int) -> str:
     return f"mmm/alive/{rank}"
 
 
 class _Watcher(threading.Thread):
+    """Waits (one idle store request at a time) on its rank's roll-call key; answers unless leaving."""
+
     def __init__(self, store: Any, rank: int) -> None:
         super().__init__(name="mmm-roll-call", daemon=True)
         self.store, self.rank = store, rank
+        self.leaving = False
 
     def run(self) -> None:
         timeout = datetime.timedelta(seconds=_WAIT_S)
-        while True:
+        while not self.leaving:
             t0 = time.monotonic()
             try:
-                self.store.wait([ROLL_CALL], timeout)
+                self.store.wait([_wake_key(self.rank)], timeout)
             except Exception:
                 if time.monotonic() - t0 < _WAIT_S / 2:  # the store is gone (the job is ending)
                     return
                 continue  # only the wait's own timeout: keep waiting
+            if self.leaving:  # woken by its own rank's teardown
+                return
             try:
                 dump_stacks("roll call after a failed collective")
                 self.store.set(_alive_key(self.rank), "1")
@@ -79,11 +88,22 @@ def start_watcher(rank: int) -> None:
         faulthandler.register(signal.SIGUSR1, file=_stack_file or sys.stderr, all_threads=True, chain=False)
 
 
-def stop_watcher() -> None:
-    """Forget the watcher (teardown): a later ``setup`` starts a new one. The thread itself ends
-    when the store it waits on goes away."""
+def release_watcher() -> None:
+    """End this rank's watcher before the rank leaves (teardown, or an error every rank shares): it is
+    woken through its own key, so no request is left waiting when the store's host exits (that would
+    print the store client's warnings). Best effort; a later ``setup`` starts a new watcher."""
     global _watcher
-    _watcher = None
+    w, _watcher = _watcher, None
+    if w is None or not w.is_alive():
+        return
+    w.leaving = True
+    try:
+        import torch.distributed as dist
+
+        dist.distributed_c10d._get_default_store().set(_wake_key(w.rank), "leaving")
+        w.join(timeout=2.0)
+    except Exception:
+        pass
 
 
 def set_stack_dir(path: str | os.PathLike, rank: int) -> Path:
@@ -156,7 +176,12 @@ def silent_ranks(wait_s: float = 3.0) -> list[int] | None:
         store = dist.distributed_c10d._get_default_store()  # connected already: fails fast if the host is gone
         store.set_timeout(datetime.timedelta(seconds=wait_s))
         world = dist.get_world_size()
-        store.set(ROLL_CALL, "1")
+        wake = [_wake_key(r) for r in range(world)]
+        if hasattr(store, "multi_set"):
+            store.multi_set(wake, ["roll call"] * world)
+        else:  # pragma: no cover - older stores
+            for key in wake:
+                store.set(key, "roll call")
         if _watcher is None:  # this rank's own watcher was never started: answer for it here
             store.set(_alive_key(dist.get_rank()), "1")
         deadline = time.monotonic() + wait_s

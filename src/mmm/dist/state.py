@@ -228,6 +228,7 @@ def teardown(*, ok: bool = True, finalize_mpi: bool | None = None) -> None:
     except Exception:
         ready = False
     if ready:
+        liveness.release_watcher()  # before anyone may leave: its store request must not outlive the host
         if ok and dist.get_world_size() > 1:
             try:
                 dist.barrier()
@@ -237,7 +238,6 @@ def teardown(*, ok: bool = True, finalize_mpi: bool | None = None) -> None:
             dist.destroy_process_group()
         except Exception as e:  # pragma: no cover
             log.warning("destroy_process_group failed: %s", _first_line(e))
-    liveness.stop_watcher()
     if ok:
         liveness.close_stack_file()
     if "mpi4py.MPI" in sys.modules and (ok if finalize_mpi is None else finalize_mpi):
