@@ -4,7 +4,7 @@ STAMP := $(VENV)/.mmm-installed
 NPROC ?= 4
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo smoke test test-fast venv clean
+.PHONY: demo smoke test test-fast test-deps venv clean
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh
 	bash scripts/bootstrap.sh $(VENV)
@@ -18,7 +18,11 @@ demo: $(STAMP)
 smoke: $(STAMP)
 	$(VENV)/bin/launch -n $(NPROC) python3 -m mmm --tp 2
 
-test: $(STAMP)
+# Slurm + munge for the real-launcher tests (root + apt-get only; otherwise those tests skip, saying why)
+test-deps:
+	bash scripts/test_deps.sh
+
+test: $(STAMP) test-deps
 	$(VENV)/bin/python -m pytest -q --durations=15
 
 test-fast: $(STAMP)

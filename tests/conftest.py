@@ -99,3 +99,22 @@ def jsonl(path, key: str | None = "loss") -> list:
 def max_rel_diff(a, b) -> float:
     assert len(a) == len(b) and a, (a, b)
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+# --------------------------------------------------------------------------- a real Slurm cluster
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A one-node Slurm cluster (munged, slurmctld, slurmd on this host, see tests/slurm_cluster.py)
+    for the session; skips, saying why, where the machine cannot run one; stopped by PID at the end."""
+    from slurm_cluster import ClusterFailed, ClusterUnavailable, SlurmCluster
+
+    try:
+        cluster = SlurmCluster.start(tmp_path_factory.mktemp("slurm"))
+    except ClusterUnavailable as e:
+        pytest.skip(str(e))
+    except ClusterFailed as e:
+        pytest.fail(f"the test Slurm cluster did not come up: {e}", pytrace=False)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

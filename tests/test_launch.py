@@ -90,6 +90,9 @@ def test_slurm_srun_command(tmp_path, monkeypatch):
     assert plan.argv[:7] == [str(fake), "--nodes=3", "--ntasks=12", "--ntasks-per-node=4", "--export=ALL",
                              "--kill-on-bad-exit=1", sys.executable]
     assert plan.env["MASTER_ADDR"] == "gpu1"
+    # the job's --cpus-per-task reaches the step (srun >= 22.05 no longer inherits it) and sets the threads
+    plan = L.plan_launch(["python3", "t.py"], env={**env, "SLURM_CPUS_PER_TASK": "8"}, nproc=12)
+    assert "--cpus-per-task=8" in plan.argv and plan.env["OMP_NUM_THREADS"] == "8"
 
 
 def test_too_many_ranks_for_the_allocation(tmp_path):
@@ -138,7 +141,7 @@ def test_dry_run_under_fake_slurm_cli(tmp_path):
 
 def test_dry_run_in_a_slurm_job_without_srun_on_path_prints_the_command(tmp_path):
     env = clean_env(SLURM_JOB_ID="7", SLURM_JOB_NODELIST="nid[001-002]", SLURM_NTASKS_PER_NODE="2",
-                    PATH=f"{tmp_path}:/usr/bin:/bin")
+                    PATH=str(tmp_path))  # no srun here (/usr/bin may have one)
     res = run(launch("--dry-run", "python3", "-c", "pass"), env=env)
     assert res.returncode == 0, res.output
     assert " srun --nodes=2 --ntasks=4 " in res.stdout.splitlines()[1]

@@ -3,6 +3,7 @@
     MMM_FAULT=kill@5:1      rank 1 sends itself SIGKILL when step 5 starts
     MMM_FAULT=stop@5:1      rank 1 stops itself (SIGSTOP): a stalled rank; the others time out
     MMM_FAULT=term@5        every rank gets SIGTERM at step 5 (a preemption): finish, save, exit 0
+    MMM_FAULT=term2@5       two SIGTERMs a few milliseconds apart (srun and the scheduler both signal)
     MMM_FAULT=nan@5         step 5's loss is NaN on every rank (``:R`` for one rank)
     MMM_FAULT=exit@5:2      rank 2 exits with code 3 at once, skipping teardown
 
@@ -16,11 +17,12 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 
 from mmm.errors import UsageError
 
-KINDS = ("kill", "stop", "term", "nan", "exit")
-_SPEC = re.compile(r"^(?P<kind>[a-z]+)@(?P<step>\d+)(?::(?P<rank>\d+))?$")
+KINDS = ("kill", "stop", "term", "term2", "nan", "exit")
+_SPEC = re.compile(r"^(?P<kind>[a-z0-9]+)@(?P<step>\d+)(?::(?P<rank>\d+))?$")
 _PARSED: dict[int, list[tuple[str, int | None]]] | None = None
 
 
@@ -48,6 +50,10 @@ def inject(step: int, rank: int) -> bool:
             poison = True
         elif kind == "exit":
             os._exit(3)
+        elif kind == "term2":
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.005)  # the handler runs in between: two deliveries, not one coalesced
+            os.kill(os.getpid(), signal.SIGTERM)
         else:
             sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}[kind]
             os.kill(os.getpid(), sig)

@@ -258,8 +258,10 @@ def plan_launch(
         add_env["MASTER_ADDR"] = "127.0.0.1" if on_this_machine or nodes == 1 and _is_this_host(hosts[0]) \
             else hosts[0]
         add_env["MASTER_PORT"] = str(free_port())
+    per_task = env.get("SLURM_CPUS_PER_TASK", "") if launcher == "srun" else ""
     if not env.get("OMP_NUM_THREADS"):
-        add_env["OMP_NUM_THREADS"] = str(max(1, cpus // ppn if not on_this_machine else cpus // max(total, 1)))
+        add_env["OMP_NUM_THREADS"] = per_task if per_task.isdigit() else \
+            str(max(1, cpus // ppn if not on_this_machine else cpus // max(total, 1)))
     if not env.get("MMM_LAUNCH_TIME"):  # an outer harness may have started the clock already
         add_env["MMM_LAUNCH_TIME"] = repr(time.time())
     add_env["MMM_LAUNCHER"] = f"launch/{launcher}"
@@ -275,7 +277,9 @@ def plan_launch(
                              "(e.g. `module load slurm`) or choose --launcher mpiexec")
         # a rank that dies takes the step down at once, instead of leaving the others blocked in a
         # collective until its timeout
-        argv = [exe, f"--nodes={nodes}", f"--ntasks={total}", f"--ntasks-per-node={ppn}", "--export=ALL",
+        # since Slurm 22.05 srun does not inherit the job's --cpus-per-task: pass it on
+        cpt = [f"--cpus-per-task={per_task}"] if per_task.isdigit() else []
+        argv = [exe, f"--nodes={nodes}", f"--ntasks={total}", f"--ntasks-per-node={ppn}", *cpt, "--export=ALL",
                 "--kill-on-bad-exit=1", *mpi_args, *cmd]
         return LaunchPlan("srun", argv, total, ppn, alloc, add_env)
     exe = find_mpiexec()

@@ -37,5 +37,5 @@ from mmm.dist.state import (  # noqa: F401
     teardown)
 from mmm.dist.exits import (  # noqa: F401
     Terminated, USAGE_ERROR_GRACE_S, finish, gather_objects, graceful_sigterm, peer_failure_message, run_main,
-    stop_flag)
+    stop_flag, uninterrupted)
 from mmm.dist.liveness import dump_stacks, set_stack_dir, silent_ranks, stack_dir  # noqa: F401

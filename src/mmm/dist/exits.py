@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from mmm.dist import liveness
@@ -34,18 +35,46 @@ def _on_sigterm(signum, frame):  # pragma: no cover - exercised through subproce
 
 
 _STOP_SIGNAL: int | None = None
+_STOP_AT = 0.0
+_UNINTERRUPTED = 0  # depth of uninterrupted() sections (a checkpoint being written)
+_DEFERRED: int | None = None  # a stop-now signal that arrived inside one
+REPEAT_WINDOW_S = 2.0  # a second SIGTERM this soon is the same request, sent twice (srun + scheduler)
 
 
 def _on_sigterm_graceful(signum, frame):  # pragma: no cover - exercised through subprocess tests
-    global _STOP_SIGNAL
-    if _STOP_SIGNAL is not None:  # a second SIGTERM: stop now
-        raise Terminated(128 + signum)
-    _STOP_SIGNAL = signum
+    global _STOP_SIGNAL, _STOP_AT, _DEFERRED
+    now = time.monotonic()
+    if _STOP_SIGNAL is None:
+        _STOP_SIGNAL, _STOP_AT = signum, now
+        return
+    if now - _STOP_AT < REPEAT_WINDOW_S:
+        return
+    if _UNINTERRUPTED:  # never stop in the middle of a checkpoint write: right after it
+        _DEFERRED = signum
+        return
+    raise Terminated(128 + signum)  # a second SIGTERM, later: stop now
+
+
+@contextlib.contextmanager
+def uninterrupted() -> Iterator[None]:
+    """A section a stop-now SIGTERM must not cut (a checkpoint write): such a signal takes effect
+    when the section ends. The first, graceful SIGTERM is unaffected (it only sets the stop flag)."""
+    global _UNINTERRUPTED, _DEFERRED
+    _UNINTERRUPTED += 1
+    try:
+        yield
+    finally:
+        _UNINTERRUPTED -= 1
+        if not _UNINTERRUPTED and _DEFERRED is not None:
+            signum, _DEFERRED = _DEFERRED, None
+            raise Terminated(128 + signum)
 
 
 def graceful_sigterm() -> None:
     """From now on the first SIGTERM only asks the training loop to stop after the current step
-    (:func:`stop_flag`, shared by the step's one all-reduce); a second one stops at once, as before."""
+    (:func:`stop_flag`, shared by the step's one all-reduce). A repeat within ``REPEAT_WINDOW_S``
+    is the same request (srun and the scheduler both signal); a later one stops at once, except
+    inside :func:`uninterrupted` (a checkpoint write), which it ends first."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm_graceful)
 

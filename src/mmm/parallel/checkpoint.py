@@ -8,7 +8,11 @@ Layout under ``--checkpoint-dir``::
 
 A save writes everything into the ``.tmp`` folder, then rank 0 renames it once every rank has
 finished, so a checkpoint is visible only when complete and a crash during a save leaves the
-previous one usable. ``keep_last`` prunes the oldest complete ones after a successful save.
+previous one usable (a re-save of a step sets the old folder aside until the new one is in place).
+``--resume latest`` takes the most recently SAVED checkpoint, not the highest step: a run resumed
+from an earlier step, then requeued, continues itself, not the run it abandoned. ``keep_last``
+prunes the least recently saved ones (each renamed away before it is deleted). Rank 0 alone reads
+the folder and broadcasts the step to load. A second SIGTERM during a save takes effect after it.
 
 Model and optimizer state go through ``torch.distributed.checkpoint.state_dict`` (fully
 qualified names of the plain model, DTensor shards of TP/FSDP), so a checkpoint saved on one
@@ -32,10 +36,14 @@ from typing import Any
 
 import torch
 
+from mmm.dist.exits import uninterrupted
 from mmm.errors import UsageError
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 META = "mmm.json"
+# what must match to resume: the model, and what defines the data of each step (a run resumed with
+# another seed, global batch, dataset or epoch length would silently train on other data)
+COMPAT_KEYS = ("model", "seed", "global_batch", "dataset", "steps_per_epoch")
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -43,7 +51,7 @@ def step_dir(root: Path, step: int) -> Path:
 
 
 def complete_steps(root: Path) -> list[int]:
-    """Steps of the complete checkpoints under ``root``, oldest first."""
+    """Steps of the complete checkpoints under ``root``, in step order."""
     if not root.is_dir():
         return []
     out = []
@@ -52,6 +60,43 @@ def complete_steps(root: Path) -> list[int]:
         if m and (p / META).is_file():
             out.append(int(m.group(1)))
     return sorted(out)
+
+
+def _saved_at(root: Path, step: int) -> float:
+    path = step_dir(root, step) / META
+    try:
+        return float(json.loads(path.read_text()).get("saved_at"))
+    except (OSError, ValueError, TypeError):
+        return path.stat().st_mtime if path.exists() else 0.0
+
+
+def steps_by_recency(root: Path) -> list[int]:
+    """Complete checkpoints, the most recently saved last. Not the same as step order: after
+    ``--resume 4000`` with 5000 and 6000 on disk from an abandoned run, the new run's 4100 is newer."""
+    return sorted(complete_steps(root), key=lambda step: (_saved_at(root, step), step))
+
+
+def latest_step(root: Path) -> int | None:
+    """The most recently saved complete checkpoint (what ``--resume latest`` takes), or None."""
+    steps = steps_by_recency(root)
+    return steps[-1] if steps else None
+
+
+def recover(root: Path) -> None:
+    """Undo what a crash in the middle of a re-save or a prune leaves (rank 0 only): a step set aside
+    as ``.step-N.old`` while its replacement was renamed in goes back; ``.del`` and ``.tmp`` folders
+    (never read) are removed."""
+    if not root.is_dir():
+        return
+    for p in root.iterdir():
+        if p.name.startswith(".step-") and p.name.endswith(".old"):
+            final = root / p.name[1:-len(".old")]
+            if final.exists():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                os.replace(p, final)
+        elif p.name.startswith(".step-") and p.name.endswith((".del", ".tmp")):
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def missing_step(root: Path, step: int, steps: list[int]) -> str:
@@ -124,7 +169,7 @@ class Checkpointer:
     """
 
     def __init__(self, root: str | os.PathLike, *, model=None, optimizer=None, deepspeed_engine=None,
-                 meta: dict[str, Any] | None = None, compat_keys: tuple[str, ...] = ("model",), keep_last: int = 0,
+                 meta: dict[str, Any] | None = None, compat_keys: tuple[str, ...] = COMPAT_KEYS, keep_last: int = 0,
                  log=None) -> None:
         self.root = Path(root)
         self.model, self.optimizer, self.ds = model, optimizer, deepspeed_engine
@@ -149,10 +194,17 @@ class Checkpointer:
         t0 = time.perf_counter()
         final = step_dir(self.root, step)
         tmp = self.root / f".{final.name}.tmp"
+        with uninterrupted():  # a second SIGTERM waits until the checkpoint is complete
+            self._save(step, extra, rank, world, final, tmp)
+        self.last_save_s = time.perf_counter() - t0
+        if self.log is not None:
+            self.log.info("checkpoint: step %d saved to %s in %.2fs", step, final, self.last_save_s)
+        return final
+
+    def _save(self, step: int, extra: dict[str, Any] | None, rank: int, world: int, final: Path, tmp: Path) -> None:
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-            for stale in self.root.glob(".step-*.tmp"):
-                shutil.rmtree(stale, ignore_errors=True)
+            recover(self.root)
             tmp.mkdir()
             (tmp / "rng").mkdir()
         _barrier()
@@ -172,37 +224,58 @@ class Checkpointer:
                 json.dump(meta, f, indent=1, default=str)
                 f.flush()
                 os.fsync(f.fileno())
-            if final.exists():  # a re-save of the same step (e.g. after a resume): replace it
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            self._prune()
+            if final.exists():  # a re-save of the same step (after a resume): set the old one aside first,
+                aside = self.root / f".{final.name}.old"  # so a crash between the renames loses nothing
+                os.replace(final, aside)
+                os.replace(tmp, final)
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+            self._prune(keep=step)
         _barrier()
-        self.last_save_s = time.perf_counter() - t0
-        if self.log is not None:
-            self.log.info("checkpoint: step %d saved to %s in %.2fs", step, final, self.last_save_s)
-        return final
 
-    def _prune(self) -> None:
+    def _prune(self, *, keep: int) -> None:
+        """Remove all but the ``keep_last`` most recently saved checkpoints (never ``keep``, the one
+        just written). Each goes by a rename first: a half-deleted folder never looks complete."""
         if self.keep_last <= 0:
             return
-        steps = complete_steps(self.root)
-        for old in steps[:-self.keep_last]:
-            shutil.rmtree(step_dir(self.root, old), ignore_errors=True)
+        for old in steps_by_recency(self.root)[:-self.keep_last]:
+            if old == keep:
+                continue
+            doomed = self.root / f".{step_dir(self.root, old).name}.del"
+            os.replace(step_dir(self.root, old), doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
 
     # ------------------------------------------------------------------ load
     def resolve(self, which: str) -> int | None:
-        """The step ``--resume`` names (None: 'latest' and no checkpoint yet)."""
-        steps = complete_steps(self.root)
-        if which == "latest":
-            return steps[-1] if steps else None
-        step = int(which)
-        if step not in steps:
-            raise UsageError(missing_step(self.root, step, steps))
-        return step
+        """The step ``--resume`` names (None: 'latest' and no checkpoint yet). Rank 0 alone reads the
+        folder and tells the others (a collective), so every rank loads the same step even where a
+        shared file system shows ranks different listings."""
+        found: list[Any] = [None]
+        rank, world = _rank_world()
+        if rank == 0:
+            recover(self.root)
+            steps = complete_steps(self.root)
+            if which == "latest":
+                found[0] = ("step", latest_step(self.root))
+            elif int(which) in steps:
+                found[0] = ("step", int(which))
+            else:
+                found[0] = ("error", missing_step(self.root, int(which), steps))
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.broadcast_object_list(found, src=0)
+        kind, value = found[0]
+        if kind == "error":
+            raise UsageError(value)
+        return value
 
     def check_compatible(self, saved: dict[str, Any], path: Path) -> None:
         problems = []
         for key in self.compat_keys:
+            if key not in self.meta or key not in saved:
+                continue  # not recorded by this trainer (or by an older checkpoint)
             mine, theirs = self.meta.get(key), saved.get(key)
             if isinstance(mine, dict) and isinstance(theirs, dict):
                 diff = [f"{k}={theirs.get(k)!r} (now {mine.get(k)!r})" for k in sorted(set(mine) | set(theirs))
@@ -220,7 +293,7 @@ class Checkpointer:
                             f"now {self.meta.get('mesh')})")
         if problems:
             raise UsageError(f"checkpoint {str(path)!r} does not fit this run: {'; '.join(problems)}; use the "
-                             "model flags it was saved with, or another --checkpoint-dir")
+                             "flags it was saved with, or another --checkpoint-dir")
 
     def load(self, which: str) -> dict[str, Any] | None:
         """Restore the checkpoint ``which`` names (a collective); its metadata, or None when

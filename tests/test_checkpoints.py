@@ -1,0 +1,156 @@
+"""Checkpoint folders under crashes, requeues and changed flags: what ``--resume latest`` takes, what
+pruning removes, what a crash between two renames leaves, what a resume refuses."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SCRIPTS, clean_env, launch, run
+
+from mmm.parallel.checkpoint import Checkpointer, complete_steps, latest_step, step_dir
+
+TINY = ["-m", "mmm.examples.fsdp_tp", "--dim", "64", "--n-layers", "2", "--seq-len", "32", "--batch-size", "4",
+        "--no-plots", "--log-every", "100"]
+
+
+def trainer(*args: str, timeout: float = 120):
+    return run([sys.executable, *TINY, *args], timeout=timeout)
+
+
+def ok(*args: str):
+    res = trainer(*args)
+    assert res.returncode == 0, res.output
+    return res
+
+
+def saver(root: Path, keep_last: int = 0) -> Checkpointer:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    return Checkpointer(root, model=model, optimizer=torch.optim.AdamW(model.parameters()), keep_last=keep_last,
+                        meta={"model": {"dim": 4}})
+
+
+def test_latest_is_the_most_recent_save_not_the_highest_step(tmp_path):
+    """Resumed from step 2 with steps 4 and 6 of the first run on disk, then requeued: the requeued run
+    continues the resumed one (5), and pruning removes the abandoned 6, not the new run's steps."""
+    ck = tmp_path / "ck"
+    ok("--max-iters", "6", "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--outdir", str(tmp_path / "a"))
+    assert complete_steps(ck) == [2, 4, 6]
+    ok("--max-iters", "5", "--checkpoint-dir", str(ck), "--checkpoint-every", "1", "--keep-last", "2",
+       "--resume", "2", "--outdir", str(tmp_path / "b"))
+    assert complete_steps(ck) == [4, 5]  # 6 was saved before 3, 4 and 5: it goes first
+    res = ok("--max-iters", "6", "--checkpoint-dir", str(ck), "--resume", "--outdir", str(tmp_path / "c"))
+    assert "resumed from" in res.output and "step-00000005" in res.output, res.output
+
+
+def test_every_rank_loads_the_step_rank_0_chose(tmp_path):
+    mine, stale = tmp_path / "rank0", tmp_path / "rank1"
+    for root, steps in ((mine, (2, 4)), (stale, (2, 6))):
+        for i, step in enumerate(steps):
+            d = step_dir(root, step)
+            d.mkdir(parents=True)
+            (d / "mmm.json").write_text(json.dumps({"step": step, "saved_at": 1000.0 + i}))
+    res = run(launch("--launcher", "local", "-n", "2", "python3", str(SCRIPTS / "resolve_latest.py"), str(mine),
+                     str(stale)), timeout=90)
+    assert res.returncode == 0, res.output
+    assert sorted(ln for ln in res.stdout.splitlines() if "resolves" in ln) == [
+        "rank 0 resolves latest to 4", "rank 1 resolves latest to 4"], res.output
+
+
+def test_a_crash_between_the_renames_of_a_resave_loses_nothing(tmp_path, monkeypatch):
+    ck = saver(tmp_path)
+    ck.save(3)
+    calls = []
+    real = os.replace
+
+    def crash_on_second(src, dst):
+        calls.append((src, dst))
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed between the renames")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save(3)  # a re-save of step 3 (a resumed run reaching it again)
+    monkeypatch.setattr(os, "replace", real)
+    again = saver(tmp_path)
+    assert again.resolve("latest") == 3  # the old step 3 is back in place
+    assert again.load("latest")["step"] == 3
+
+
+def test_a_prune_cut_short_never_leaves_a_folder_that_looks_complete(tmp_path, monkeypatch):
+    ck = saver(tmp_path, keep_last=1)
+    ck.save(1)
+    real = shutil.rmtree
+
+    def half(path, ignore_errors=False):  # removes the shards, then "crashes" before mmm.json goes
+        for f in Path(path).iterdir():
+            if f.name != "mmm.json":
+                real(f) if f.is_dir() else f.unlink()
+
+    monkeypatch.setattr(shutil, "rmtree", half)
+    ck.save(2)
+    monkeypatch.setattr(shutil, "rmtree", real)
+    assert complete_steps(tmp_path) == [2] and latest_step(tmp_path) == 2
+    saver(tmp_path, keep_last=1).save(3)  # the next save clears what was left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003"]
+
+
+@pytest.mark.parametrize("flag, value, saved", [("--seed", "2", "seed=0 (now 2)"),
+                                                ("--batch-size", "8", "global_batch=4 (now 8)"),
+                                                ("--dataset", "pydoc", "dataset='synthetic' (now 'pydoc')")])
+def test_resume_refuses_other_data(tmp_path, flag, value, saved):
+    ck = tmp_path / "ck"
+    if not ck.exists():
+        ok("--max-iters", "2", "--checkpoint-dir", str(ck), "--seed", "0", "--outdir", str(tmp_path / "a"))
+    res = trainer("--max-iters", "4", "--checkpoint-dir", str(ck), "--resume", "latest", flag, value,
+                  "--outdir", str(tmp_path / "b"))
+    assert res.returncode == 2 and "Traceback" not in res.output, res.output
+    line = [ln for ln in res.stderr.splitlines() if "error:" in ln]
+    assert len(line) == 1 and saved in line[0] and "step-00000002" in line[0], res.stderr
+
+
+def test_two_sigterms_at_once_still_finish_the_step_and_save(tmp_path):
+    """srun and the scheduler both signal: a SIGTERM repeated within milliseconds is the same request."""
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    res = run(launch("--launcher", "local", "-n", "2", "python3", *TINY, "--max-iters", "20", "--checkpoint-dir",
+                     str(ck), "--outdir", str(out)), env=clean_env(MMM_FAULT="term2@3"), timeout=120)
+    assert res.returncode == 0, res.output
+    assert complete_steps(ck) == [4], res.output
+    assert json.loads((out / "summary.json").read_text())["stopped_by"] == "SIGTERM"
+
+
+def test_a_later_second_sigterm_waits_for_the_checkpoint_being_written(tmp_path):
+    """Inside a save, a stop-now SIGTERM takes effect only once the checkpoint is complete."""
+    import signal
+
+    from mmm.dist import Terminated, graceful_sigterm
+
+    old = signal.getsignal(signal.SIGTERM)
+    graceful_sigterm()
+    try:
+        ck = saver(tmp_path)
+        os.kill(os.getpid(), signal.SIGTERM)  # the graceful one: a stop flag
+        time.sleep(2.2)  # past the repeat window
+        real = ck._state
+
+        def state_then_signal():
+            os.kill(os.getpid(), signal.SIGTERM)  # mid-save: stop now
+            return real()
+
+        ck._state = state_then_signal
+        with pytest.raises(Terminated):
+            ck.save(7)
+        assert complete_steps(tmp_path) == [7]
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        import mmm.dist.exits as exits
+
+        exits._STOP_SIGNAL = None

@@ -1,0 +1,89 @@
+"""Real Slurm: a one-node cluster on this host (the `slurm_cluster` fixture) runs mmm under salloc,
+plain srun (with and without PMI-2), sbatch of the shipped job script, and a rank killed mid-run."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import BIN, jsonl, run
+
+REPO = Path(__file__).resolve().parents[1]
+JOB_SCRIPT = REPO / "examples" / "jobs" / "slurm.sbatch"
+TINY = ["--dim", "64", "--n-layers", "2", "--seq-len", "32", "--batch-size", "8", "--no-plots"]
+
+
+def banner(output: str) -> str:
+    lines = [ln for ln in output.splitlines() if " | launcher=" in ln]
+    assert len(lines) == 1, output  # rank 0 only
+    return lines[0]
+
+
+def test_salloc_launch_runs_the_smoke_test(slurm_cluster):
+    res = run(["salloc", "-n", "4", str(BIN / "launch"), "python3", "-m", "mmm", "--tp", "2"],
+              env=slurm_cluster.environ(), timeout=120)
+    assert res.returncode == 0, res.output
+    assert "launch: 4 ranks (4 per host) on 1 host via srun; scheduler: slurm" in res.stderr, res.output
+    assert "launcher=launch/srun world=4 nodes=1 local_world=4" in banner(res.output)
+    assert "smoke test passed: 6 all-reduce checks on each of 4 ranks" in res.output, res.output
+    assert "Traceback" not in res.output, res.output
+
+
+@pytest.mark.parametrize("mpi", ["none", "pmi2"])
+def test_plain_srun_takes_the_slurm_path(slurm_cluster, mpi):
+    """No `launch`, no MASTER_ADDR: ranks and rendezvous come from the step's variables. Under
+    --mpi=pmi2 (PMI_RANK/PMI_SIZE set, no MPI local rank) mmm still reads the Slurm step, not MPI."""
+    env = slurm_cluster.environ()
+    if mpi == "pmi2":
+        plugins = subprocess.run(["srun", "--mpi=list"], env=env, capture_output=True, text=True, timeout=30)
+        if "pmi2" not in plugins.stdout + plugins.stderr:
+            pytest.skip(f"this Slurm has no pmi2 MPI plugin (srun --mpi=list: {plugins.stdout + plugins.stderr!r})")
+        probe = run(["srun", "-n", "2", "--mpi=pmi2", "printenv", "PMI_RANK"], env=env, timeout=60)
+        assert probe.returncode == 0 and sorted(probe.stdout.split()) == ["0", "1"], probe.output
+    res = run(["srun", "-n", "4", f"--mpi={mpi}", sys.executable, "-m", "mmm", "--tp", "2"], env=env, timeout=120)
+    assert res.returncode == 0, res.output
+    assert "launcher=slurm world=4 nodes=1 local_world=4" in banner(res.output)
+    assert "smoke test passed: 6 all-reduce checks on each of 4 ranks" in res.output, res.output
+    assert "Traceback" not in res.output, res.output
+
+
+def test_sbatch_of_the_shipped_job_script_trains(slurm_cluster, tmp_path):
+    """examples/jobs/slurm.sbatch as users copy it: #SBATCH lines overridden on the command line,
+    trainer flags after the script, `launch` found on PATH (an activated venv)."""
+    out = tmp_path / "out"
+    env = slurm_cluster.environ(PATH=f"{BIN}:{slurm_cluster.environ()['PATH']}")
+    sub = run(["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=4", f"--output={tmp_path}/job-%j.out",
+               f"--chdir={tmp_path}", str(JOB_SCRIPT), "--max-iters", "4", *TINY, "--outdir", str(out)],
+              env=env, timeout=60)
+    assert sub.returncode == 0, sub.output
+    job = sub.stdout.strip().split(";")[0]
+    state, code = slurm_cluster.wait_job(job, timeout=240)
+    log = (tmp_path / f"job-{job}.out").read_text()
+    assert (state, code) == ("COMPLETED", "0:0"), log
+    assert f"job {job}: 1 host(s) {slurm_cluster.node}, 4 tasks" in log, log
+    assert "launch: 4 ranks (4 per host) on 1 host via srun; scheduler: slurm" in log, log
+    assert "launcher=launch/srun world=4" in banner(log)
+    assert "mesh 2x2 over cpu: pp=1 x dp_replicate=1 x dp_shard=2 x cp=1 x tp=2" in log, log
+    assert re.search(r"INFO  done: final loss \d+\.\d+ .* \| " + re.escape(str(out)), log), log
+    rows = jsonl(out / "history.jsonl", key=None)
+    assert [r["iter"] for r in rows] == [1, 2, 3, 4], rows
+    assert all(r["loss"] > 0 and r["grad_norm"] > 0 for r in rows), rows
+    assert (out / "summary.json").is_file()
+
+
+def test_a_killed_rank_under_srun_ends_the_job_fast_naming_only_it(slurm_cluster, tmp_path):
+    """Rank 1 SIGKILLs itself at step 3: srun (--kill-on-bad-exit from `launch`) ends the step, the
+    survivors' one-line errors name rank 1 and no live rank, long before the 60 s collective timeout."""
+    res = run(["salloc", "-n", "4", str(BIN / "launch"), "python3", "-m", "mmm.examples.fsdp_tp", "--tpsize", "2",
+               "--max-iters", "20", *TINY, "--timeout", "60", "--outdir", str(tmp_path)],
+              env=slurm_cluster.environ(MMM_FAULT="kill@3:1"), timeout=150)
+    assert res.returncode != 0, res.output
+    assert res.seconds < 45, res.seconds
+    assert re.search(r"srun: error: \S+: task 1: Killed", res.stderr), res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if "stopped answering" in ln]
+    assert lines, res.stderr
+    named = [m.group(1) if (m := re.search(r"ranks? ([\d, ]+) stopped answering", ln)) else ln for ln in lines]
+    assert set(named) == {"1"}, "\n".join(lines)  # the dead rank, and no live one
+    assert "Traceback" not in res.stderr, res.stderr
+    assert jsonl(tmp_path / "history.jsonl", "iter")[:2] == [1, 2]  # the finished steps are on disk
