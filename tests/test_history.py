@@ -70,3 +70,28 @@ def test_import_history_is_light():
             "print([m for m in ('xarray', 'matplotlib', 'plotext', 'torch') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_update_takes_keywords_or_a_dict(tmp_path):
+    h = History(tmp_path)
+    h.update(1, loss=1.0, dt=0.5)
+    h.update({"loss": 0.9, "dt": 0.4}, step=2)
+    h.update(3, {"loss": 0.8}, dt=0.3)
+    h.update({"iter": 4, "loss": 0.7})  # a record of another History: its step comes along
+    h.update({"loss": torch.tensor(0.6)})  # no step: the next index
+    rows = [json.loads(x) for x in (tmp_path / "history.jsonl").read_text().splitlines()]
+    assert rows == [{"iter": 1, "loss": 1.0, "dt": 0.5}, {"iter": 2, "loss": 0.9, "dt": 0.4},
+                    {"iter": 3, "loss": 0.8, "dt": 0.3}, {"iter": 4, "loss": 0.7},
+                    {"iter": 4, "loss": pytest.approx(0.6)}]
+    assert h.update(step=9)["step"] == 9  # keywords alone stay metrics, as before
+    with pytest.raises(TypeError):
+        h.update({"loss": 1.0}, {"dt": 1.0})
+
+
+def test_hooks_see_every_record_as_it_is_made():
+    seen = []
+    h = History(None, hooks=[seen.append])
+    h.update(1, loss=2.0)
+    h.hooks.append(lambda rec: seen.append(("second", rec["iter"])))
+    h.update({"loss": 1.0}, step=2)
+    assert seen == [{"iter": 1, "loss": 2.0}, {"iter": 2, "loss": 1.0}, ("second", 2)]

@@ -6,7 +6,8 @@ import argparse
 
 from mmm.errors import ArgumentParser
 
-__all__ = ["ArgumentParser", "add_mesh_args", "add_output_args", "add_strategy_args", "nonnegative_int", "positive_int"]
+__all__ = ["ArgumentParser", "add_mesh_args", "add_output_args", "add_strategy_args", "nonnegative_int",
+           "output_arg_problems", "positive_int"]
 
 
 def _integer(text: str) -> int:
@@ -71,14 +72,41 @@ def add_strategy_args(parser: argparse.ArgumentParser, *, default: str = "fsdp",
 
 
 def add_output_args(parser: argparse.ArgumentParser, example: str, *, log_every: int = 1):
-    """``--outdir``, ``--log-every``, ``--warmup``, ``--no-plots``."""
+    """``--outdir``, ``--log-every``, ``--warmup``, ``--no-plots``; the trackers ``--wandb``
+    (``--wandb-project``, ``--wandb-name``) and ``--tensorboard``; ``--rank-timings``."""
     g = parser.add_argument_group("output")
     g.add_argument("--outdir", default=None, help=f"output folder [outputs/{example}/<UTC timestamp>]")
     g.add_argument("--log-every", "--log_every", dest="log_every", type=positive_int, default=log_every,
                    help=f"print every N steps [{log_every}]")
     g.add_argument("--warmup", type=nonnegative_int, default=2, help="steps excluded from timing statistics [2]")
     g.add_argument("--no-plots", action="store_true", help="skip text and image plots at the end")
+    t = parser.add_argument_group("tracking (rank 0 only, fed by the history; optional extras)")
+    t.add_argument("--wandb", action="store_true",
+                   help="log every history row to Weights & Biases, the run under <outdir>/wandb (WANDB_MODE=offline: "
+                        "no network, `wandb sync` it later); needs pip install 'mmm[wandb]'")
+    t.add_argument("--wandb-project", "--wandb_project", dest="wandb_project", default=None, metavar="NAME",
+                   help="W&B project [WANDB_PROJECT or mmm]")
+    t.add_argument("--wandb-name", "--wandb_name", dest="wandb_name", default=None, metavar="NAME",
+                   help="W&B run name [WANDB_NAME or W&B's own]")
+    t.add_argument("--tensorboard", action="store_true",
+                   help="write TensorBoard event files to <outdir>/tensorboard, a scalar per history key; needs "
+                        "pip install 'mmm[tensorboard]'")
+    t.add_argument("--rank-timings", "--rank_timings", dest="rank_timings", action="store_true",
+                   help="on logging steps, gather every rank's dt (one small all-gather over all ranks): dt_min, "
+                        "dt_max, dt_mean, slowest_rank and dt_lag in the history, so a straggler shows")
     return g
+
+
+def output_arg_problems(args) -> list[str]:
+    """Problems with the flags :func:`add_output_args` adds: a tracker whose package does not import
+    (checked on every rank, so every rank stops alike)."""
+    from mmm.tracking import tracker_problems
+
+    out = tracker_problems(args)
+    for flag in ("wandb_project", "wandb_name"):
+        if getattr(args, flag, None) is not None and not getattr(args, "wandb", False):
+            out.append(f"--{flag.replace('_', '-')} only applies with --wandb; add --wandb or drop it")
+    return out
 
 
 
@@ -112,10 +140,12 @@ def add_run_args(parser: argparse.ArgumentParser):
 
 
 def run_arg_problems(args) -> list[str]:
-    """Problems with the flags :func:`add_run_args` adds."""
+    """Problems with the flags :func:`add_run_args` adds, and those of :func:`output_arg_problems`
+    (every trainer asks this)."""
     from mmm.parallel.checkpoint import checkpoint_problems
 
     out = checkpoint_problems(args.checkpoint_dir, args.resume, args.checkpoint_every, args.keep_last)
+    out += output_arg_problems(args)
     if args.timeout is not None and not args.timeout > 0:
         out.append(f"--timeout {args.timeout:g} must be a positive number of seconds")
     if args.on_nonfinite == "skip" and getattr(args, "strategy", "").startswith("zero"):

@@ -7,7 +7,8 @@
     MMM_FAULT=nan@5         step 5's loss is NaN on every rank (``:R`` for one rank)
     MMM_FAULT=exit@5:2      rank 2 exits with code 3 at once, skipping teardown
 
-Several faults are separated by commas. The trainers call :func:`inject` at the start of every
+Several faults are separated by commas. Faults fire in a job's first attempt only (not after a
+relaunch by ``launch --retries``, ``MMM_RESTART`` >= 1), so a recovered job can finish. The trainers call :func:`inject` at the start of every
 step; a real signal is sent, so launchers and the other ranks see exactly what a real failure
 looks like. Unset (the default), it costs one dict lookup per step.
 """
@@ -40,8 +41,9 @@ def parse(text: str) -> dict[int, list[tuple[str, int | None]]]:
 def inject(step: int, rank: int) -> bool:
     """Carry out the faults set for ``step`` on ``rank``; True when this step's loss must be NaN."""
     global _PARSED
-    if _PARSED is None:
-        _PARSED = parse(os.environ.get("MMM_FAULT", ""))
+    if _PARSED is None:  # a job relaunched by `launch --retries` runs without faults: it can finish
+        restarted = os.environ.get("MMM_RESTART", "0") not in ("", "0")
+        _PARSED = {} if restarted else parse(os.environ.get("MMM_FAULT", ""))
     poison = False
     for kind, who in _PARSED.get(step, ()):
         if who is not None and who != rank:

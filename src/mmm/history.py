@@ -6,6 +6,7 @@ Usable by any training loop::
     for step in range(n):
         ...
         hist.update(step, loss=loss, dt=dt, dtf=dtf, dtb=dtb, tokens_per_s=tps)   # floats or 0-d tensors
+        # or: hist.update({"loss": loss, "dt": dt}, step=step)
     summary = hist.finalize(extra={"world_size": 4})   # history.nc, summary.json, plots/
 
 ``update`` appends one JSON line per step and flushes it, so a crash loses nothing that
@@ -14,7 +15,9 @@ finished. ``finalize`` writes ``history.nc`` (netCDF via xarray), ``summary.json
 ``extra``) and ``plots/<metric>.txt`` (plotext) and ``plots/<metric>.png`` (matplotlib),
 each file written to a temporary name and renamed into place. There are no hidden
 collectives: gathering across ranks is the caller's explicit choice. Heavy packages
-(xarray, plotext, matplotlib) load only inside ``finalize``.
+(xarray, plotext, matplotlib) load only inside ``finalize``. ``hooks`` are called with each
+record as it is made (experiment trackers, :mod:`mmm.tracking`); with none, ``update`` does no
+more than before.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,19 +66,21 @@ class History:
     """Collects per-step scalars; see the module docstring."""
 
     def __init__(self, outdir: str | os.PathLike | None = None, *, write: bool = True, warmup: int = DEFAULT_WARMUP,
-                 name: str = "history", step_key: str = "iter", resume: int | None = None) -> None:
+                 name: str = "history", step_key: str = "iter", resume: int | None = None,
+                 hooks: Iterable[Callable[[dict], Any]] = ()) -> None:
         """``name`` names the files (``<name>.jsonl``, ``<name>.nc``; plots ``<name>_<metric>`` unless
         it is "history"), so one run can keep per-step and per-epoch histories side by side.
 
         A new History starts ``<name>.jsonl`` afresh; ``resume=N`` keeps its records up to step N
         (those a checkpoint of step N covers), drops later ones (they will be run again), and
-        appends after them."""
+        appends after them. ``hooks`` (also ``self.hooks``, a list): called with every new record."""
         self.outdir = Path(outdir) if outdir is not None else None
         self.write = write and self.outdir is not None
         self.warmup = warmup
         self.name = name
         self.step_key = step_key
         self.rows: list[dict[str, float | int | None]] = []
+        self.hooks: list[Callable[[dict], Any]] = list(hooks)
         self._file = None
         path = self.outdir / f"{name}.jsonl" if self.outdir is not None else None
         if resume is not None and path is not None and path.is_file():
@@ -93,8 +98,21 @@ class History:
             # line-buffered: every step reaches the OS as it finishes (survives a crash or SIGKILL)
             self._file = open(path, "a" if resume is not None else "w", buffering=1)
 
-    def update(self, step: int | None = None, /, **metrics: Any) -> dict:
-        """Record one step's metrics (floats, ints or 0-d tensors); returns the record."""
+    def update(self, step: int | Mapping[str, Any] | None = None, values: Mapping[str, Any] | None = None, /,
+               **metrics: Any) -> dict:
+        """Record one step's metrics (floats, ints or 0-d tensors); returns the record.
+
+        ``update(3, loss=1.0)``, ``update(3, {"loss": 1.0})`` and ``update({"loss": 1.0}, step=3)``
+        record the same; a mapping may carry the step under the step key (``{"iter": 3, ...}``, a
+        record of another History). Without a step the record gets the next index."""
+        if step is not None and type(step) is not int and isinstance(step, Mapping):
+            if values is not None:
+                raise TypeError("update(metrics, step=N): pass the step by keyword after a mapping")
+            values = dict(step)
+            own = values.pop(self.step_key, None)
+            step = metrics.pop("step") if "step" in metrics else own
+        if values is not None:
+            metrics = {k: v for k, v in values.items() if k != self.step_key} | metrics
         rec = {self.step_key: len(self.rows) if step is None else int(step)}
         for k, v in metrics.items():
             t = type(v)
@@ -102,6 +120,9 @@ class History:
         self.rows.append(rec)
         if self._file is not None:
             self._file.write(_json_line(rec))
+        if self.hooks:
+            for hook in self.hooks:
+                hook(rec)
         return rec
 
     def __len__(self) -> int:

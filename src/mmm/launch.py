@@ -30,7 +30,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,7 +42,8 @@ PROG = "launch"
 MPI_FLAVORS = ("openmpi", "hydra", "pals")
 LAUNCHERS = ("auto", "mpiexec", "srun", "local")
 LOCAL_CPU_RANKS = 4
-FORWARDED_ENV = ("MASTER_ADDR", "MASTER_PORT", "MMM_LAUNCH_TIME", "OMP_NUM_THREADS", "MMM_LAUNCHER")
+FORWARDED_ENV = ("MASTER_ADDR", "MASTER_PORT", "MMM_LAUNCH_TIME", "OMP_NUM_THREADS", "MMM_LAUNCHER", "MMM_RUN_STAMP",
+                 "MMM_RESTART")
 
 
 # --------------------------------------------------------------------------- host lists
@@ -265,6 +266,8 @@ def plan_launch(
     if not env.get("MMM_LAUNCH_TIME"):  # an outer harness may have started the clock already
         add_env["MMM_LAUNCH_TIME"] = repr(time.time())
     add_env["MMM_LAUNCHER"] = f"launch/{launcher}"
+    if not env.get("MMM_RUN_STAMP"):  # one default output folder for every rank and every attempt
+        add_env["MMM_RUN_STAMP"] = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     cmd = _resolve_python(list(command))
 
     if launcher == "local":
@@ -289,13 +292,14 @@ def plan_launch(
             "(pip install 'mmm[mpi]' puts Open MPI's mpiexec in the virtual environment) or use --launcher local"
         )
     flavor = flavor or mpi_flavor(exe)
-    argv = [exe, *_mpiexec_flags(flavor, total, ppn, alloc, nodes, on_this_machine, add_env, cpus), *mpi_args, *cmd]
+    argv = [exe, *_mpiexec_flags(flavor, total, ppn, alloc, nodes, on_this_machine, add_env, cpus, env), *mpi_args,
+            *cmd]
     return LaunchPlan("mpiexec", argv, total, ppn, alloc, add_env, flavor)
 
 
 def _mpiexec_flags(flavor: str, total: int, ppn: int, alloc: Allocation, nodes: int, local: bool,
-                   add_env: Mapping[str, str], cpus: int) -> list[str]:
-    names = [*add_env, *(k for k in FORWARDED_ENV if k not in add_env and k in os.environ)]
+                   add_env: Mapping[str, str], cpus: int, env: Mapping[str, str]) -> list[str]:
+    names = [*add_env, *(k for k in FORWARDED_ENV if k not in add_env and k in env)]
     if flavor == "openmpi":
         flags = ["-n", str(total)]
         if hasattr(os, "geteuid") and os.geteuid() == 0:
@@ -317,7 +321,7 @@ def _mpiexec_flags(flavor: str, total: int, ppn: int, alloc: Allocation, nodes: 
         if alloc.hostfile:
             flags += ["--hostfile", alloc.hostfile]
         for k in names:
-            flags += ["--env", f"{k}={add_env.get(k, os.environ.get(k, ''))}"]
+            flags += ["--env", f"{k}={add_env.get(k, env.get(k, ''))}"]
         return flags
     flags = ["-n", str(total), "-ppn", str(ppn)]  # hydra
     if alloc.hostfile:
@@ -325,7 +329,7 @@ def _mpiexec_flags(flavor: str, total: int, ppn: int, alloc: Allocation, nodes: 
     elif not local:
         flags += ["-hosts", ",".join(alloc.hosts[:nodes])]
     for k in names:
-        flags += ["-genv", k, add_env.get(k, os.environ.get(k, ""))]
+        flags += ["-genv", k, add_env.get(k, env.get(k, ""))]
     return flags
 
 
@@ -335,7 +339,7 @@ def _is_this_host(host: str) -> bool:
 
 # --------------------------------------------------------------------------- run
 def spawn_local(cmd: Sequence[str], nproc: int, env: Mapping[str, str], *, settle_s: float = 5.0,
-                grace_s: float = 10.0) -> int:
+                grace_s: float = 10.0, signalled: list[int] | None = None) -> int:
     """Run ``nproc`` copies of ``cmd`` with torchrun-style variables; stop all when one fails.
 
     When a rank fails the others get ``settle_s`` seconds to exit on their own (bad input
@@ -355,7 +359,7 @@ def spawn_local(cmd: Sequence[str], nproc: int, env: Mapping[str, str], *, settl
                 p.kill()
             raise UsageError(f"cannot start {cmd[0]!r}: {e.strerror}") from None
 
-    signalled: list[int] = []
+    signalled = [] if signalled is None else signalled  # the signals forwarded (the caller may watch)
 
     def forward(signum, frame):
         signalled.append(signum)
@@ -399,6 +403,72 @@ def spawn_local(cmd: Sequence[str], nproc: int, env: Mapping[str, str], *, settl
             signal.signal(s, h)
 
 
+NOT_RETRIED = {0: "it succeeded", 2: "bad input fails again", 130: "interrupted (Ctrl-C)",
+               143: "terminated (SIGTERM: preemption or the scheduler's limit)"}
+
+
+def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) -> int:
+    """Run the plan once as a child (mpiexec/srun) or with the local spawner; its exit code.
+    SIGINT/SIGTERM are forwarded to the child and recorded in ``signalled``."""
+    if plan.launcher == "local":
+        code = spawn_local(plan.argv, plan.nproc, env, signalled=signalled)
+        return code
+    try:
+        p = subprocess.Popen(plan.argv, env=dict(env))
+    except OSError as e:
+        raise UsageError(f"cannot run {plan.argv[0]!r}: {e.strerror}") from None
+
+    def forward(signum, frame):
+        signalled.append(signum)
+        if p.poll() is None:
+            p.send_signal(signum)
+
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            try:
+                rc = p.wait()
+                break
+            except InterruptedError:  # pragma: no cover
+                continue
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    return 128 - rc if rc < 0 else rc
+
+
+def run_with_retries(replan: Callable[[Mapping[str, str]], LaunchPlan], first: LaunchPlan, retries: int, *,
+                     quiet: bool = False) -> int:
+    """Run the job; when it fails, run it again (at most ``retries`` more times) in the same allocation.
+    Every attempt gets ``MMM_RESTART=<attempt>`` and the first attempt's output stamp; when launch chose
+    the rendezvous port, each relaunch gets a fresh one. ``replan`` rebuilds the command for an
+    environment (MPI launchers carry variables on their command line). A trainer with
+    ``--checkpoint-dir`` resumes from its latest checkpoint on a restart. Not retried: success, bad
+    input (2), Ctrl-C (130), SIGTERM (143), and a signal sent to launch itself."""
+    fresh_port = "MASTER_PORT" in first.env
+    base = {**os.environ, **first.env}
+    attempt = 0
+    while True:
+        env = {**base, "MMM_RESTART": str(attempt)}
+        if attempt:
+            env["MMM_LAUNCH_TIME"] = repr(time.time())  # startup of this attempt
+            if fresh_port:
+                env["MASTER_PORT"] = str(free_port())
+        plan = replan(env)
+        signalled: list[int] = []
+        code = run_attempt(plan, {**env, **plan.env}, signalled)
+        why = "launch itself was signalled" if signalled else NOT_RETRIED.get(code)
+        if why is not None or attempt >= retries:
+            if code and attempt and not quiet:
+                print_error(f"attempt {attempt + 1} of {retries + 1} failed with exit code {code}; "
+                            f"{'giving up' if why is None else f'not retried: {why}'}", prog=PROG)
+            return code
+        attempt += 1
+        if not quiet:
+            print_error(f"attempt {attempt} of {retries + 1} failed with exit code {code}; relaunching "
+                        f"(MMM_RESTART={attempt}{', fresh rendezvous port' if fresh_port else ''})", prog=PROG)
+
+
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(
         prog=PROG,
@@ -420,6 +490,10 @@ def build_parser() -> ArgumentParser:
                    help="auto: mpiexec under PBS, srun under Slurm, else this venv's mpiexec if any, else local")
     p.add_argument("--mpi-args", default="", metavar="ARGS",
                    help="extra launcher flags, one quoted string (e.g. \"--cpu-bind depth -d 8\")")
+    p.add_argument("--retries", type=int, default=0, metavar="N",
+                   help="relaunch a failed job up to N times in the same allocation (fresh rendezvous port, "
+                        "MMM_RESTART=<attempt>); trainers with --checkpoint-dir resume from their latest "
+                        "checkpoint. Bad input (exit 2), Ctrl-C and SIGTERM are not retried [0]")
     p.add_argument("--dry-run", action="store_true", help="print the command and exit")
     p.add_argument("-q", "--quiet", action="store_true", help="do not print the launch line")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
@@ -432,6 +506,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = args.command[1:] if args.command[:1] == ["--"] else args.command
         plan = plan_launch(command, nproc=args.nproc, ppn=args.ppn, hostfile=args.hostfile,
                            launcher=args.launcher, mpi_args=shlex.split(args.mpi_args), dry_run=args.dry_run)
+        if args.retries < 0:
+            raise UsageError(f"--retries {args.retries} must be >= 0 (the number of relaunches after a failure)")
     except UsageError as e:
         print_error(str(e), prog=PROG)
         return 2
@@ -441,6 +517,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if not args.quiet:
         print(f"launch: {plan.describe()}", file=sys.stderr, flush=True)
+    if args.retries:
+        def replan(env: Mapping[str, str]) -> LaunchPlan:
+            return plan_launch(command, nproc=args.nproc, ppn=args.ppn, hostfile=args.hostfile, launcher=args.launcher,
+                               mpi_args=shlex.split(args.mpi_args), env=env, flavor=plan.mpi_flavor)
+
+        try:
+            return run_with_retries(replan, plan, args.retries, quiet=args.quiet)
+        except UsageError as e:
+            print_error(str(e), prog=PROG)
+            return 2
     env = {**os.environ, **plan.env}
     if plan.launcher == "local":
         try:

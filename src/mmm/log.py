@@ -66,7 +66,8 @@ def configure(
     return logger
 
 
-def _rich_wanted(env=os.environ) -> bool:
+def rich_wanted(env=os.environ) -> bool:
+    """Whether output is rich-rendered: ``MMM_RICH=0/1`` when set, else on a terminal outside MPI."""
     # MPI launchers hand ranks a pseudo-terminal even when the job writes to a file.
     forced = env.get("MMM_RICH", "").strip().lower()
     if forced:
@@ -77,7 +78,7 @@ def _rich_wanted(env=os.environ) -> bool:
 
 def _make_handler() -> logging.Handler:
     """Rich on a terminal; plain ``HH:MM:SS LEVEL message`` lines in a job's output file."""
-    if _rich_wanted():
+    if rich_wanted():
         try:
             from rich.console import Console
             from rich.logging import RichHandler

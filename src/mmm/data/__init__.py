@@ -9,7 +9,15 @@ Datasets:
 - ``synthetic``: learnable sequences ``x[t+1] = (5 * x[t] + c) mod V`` with a per-sequence
   offset ``c`` in 1..8 to infer from context; the loss falls quickly towards 0.
 - ``pydoc``: real English text, byte-level (vocab 256): the Python reference topics that
-  ship with CPython itself (``pydoc_data.topics``, ~466 KB), so no download is needed.
+  ship with CPython itself (``pydoc_data.topics``, ~466 KB), so no download is needed; the last
+  tenth is the held-out ``val`` split.
+- ``bin``: nanoGPT-style token files ``DIR/train.bin`` / ``DIR/val.bin`` (uint16, or uint32 as
+  ``meta.json`` or the file name says), read through a memory map (:mod:`mmm.data.tokens`).
+- ``hf``: a Hugging Face dataset saved with ``save_to_disk``: a text column tokenised at load
+  (``tokenizer.json`` or bytes), or pre-tokenised ``input_ids`` as they are.
+
+``bin`` and ``hf`` sample random windows of ``seq_len + 1`` tokens, the starts drawn per (seed,
+step) for the whole global batch. ``python -m mmm.data prepare`` writes token files from text.
 """
 
 from __future__ import annotations
@@ -19,14 +27,18 @@ from dataclasses import dataclass
 
 import torch
 
-DATASETS = ("synthetic", "pydoc")
+DATASETS = ("synthetic", "pydoc", "bin", "hf")
+ON_DISK = ("bin", "hf")  # datasets read from --data-dir
 BYTE_VOCAB = 256
 _STEP_STRIDE = 1_000_003  # steps per seed before generator seeds repeat
 
 
-def _step_generator(seed: int, step: int) -> torch.Generator:
+_SPLIT_SALT = {"train": 0, "val": 0x9E3779B97F4A7C15}  # a held-out split draws from a stream of its own
+
+
+def _step_generator(seed: int, step: int, split: str = "train") -> torch.Generator:
     g = torch.Generator()
-    g.manual_seed((seed * _STEP_STRIDE + step) % 2**63)
+    g.manual_seed((seed * _STEP_STRIDE + step + _SPLIT_SALT[split]) % 2**63)
     return g
 
 
@@ -35,11 +47,12 @@ class SyntheticTokens:
     vocab_size: int
     seq_len: int
     name: str = "synthetic"
+    split: str = "train"  # "val": sequences from a stream of their own (the same rule: a held-out set)
 
     def global_batch(self, seed: int, step: int, batch: int, rows: slice = slice(None)) -> torch.Tensor:
         """Step ``step``'s global batch of ``batch`` sequences, or only its ``rows`` (the same values:
         the per-row draws are made for the whole batch, the sequences built for the rows asked)."""
-        g = _step_generator(seed, step)
+        g = _step_generator(seed, step, self.split)
         x0 = torch.randint(0, self.vocab_size, (batch, 1), generator=g)[rows]
         c = torch.randint(1, 9, (batch, 1), generator=g)[rows]
         seq = [x0]
@@ -73,18 +86,63 @@ def pydoc_text() -> bytes:
     return "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
 
 
-def make_dataset(name: str, *, vocab_size: int, seq_len: int):
+def make_dataset(name: str, *, vocab_size: int, seq_len: int, data_dir=None, split: str = "train",
+                 text_column: str | None = None, tokenizer: str | None = None):
+    """The dataset ``name``; ``bin`` and ``hf`` read ``data_dir`` (its ``split``: ``train``, or ``val``
+    for evaluation). Token ids are checked against ``vocab_size`` once, here (a UsageError names the
+    file, the id and the fix)."""
     if name == "synthetic":
-        return SyntheticTokens(vocab_size, seq_len)
-    if name == "pydoc":
-        return ByteCorpus(pydoc_text(), seq_len, "pydoc")
+        return SyntheticTokens(vocab_size, seq_len, split=split)
+    if name == "pydoc":  # the last tenth is held out for evaluation
+        text = pydoc_text()
+        cut = len(text) * 9 // 10
+        return ByteCorpus(text[:cut] if split == "train" else text[cut:], seq_len, "pydoc" if split == "train"
+                          else "pydoc-val")
+    if name == "bin":
+        from mmm.data.tokens import bin_tokens
+
+        return bin_tokens(data_dir, seq_len=seq_len, vocab_size=vocab_size, split=split)
+    if name == "hf":
+        from mmm.data.tokens import hf_tokens
+
+        return hf_tokens(data_dir, seq_len=seq_len, vocab_size=vocab_size, split=split, text_column=text_column,
+                         tokenizer=tokenizer)
     raise ValueError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
 
 
-def dataset_problems(name: str, *, vocab_size: int) -> list[str]:
-    if name in ("pydoc",) and vocab_size < BYTE_VOCAB:
-        return [f"--dataset {name} is byte-level and needs --vocab-size >= {BYTE_VOCAB} (got {vocab_size})"]
-    return []
+def data_vocab_size(name: str, *, data_dir=None, tokenizer: str | None = None) -> tuple[int | None, str]:
+    """The vocabulary the data declares and where (meta.json, the tokenizer), or (None, "")."""
+    if name not in ON_DISK:
+        return (BYTE_VOCAB, f"--dataset {name} is byte-level") if name == "pydoc" else (None, "")
+    from mmm.data.tokens import data_vocab_size as on_disk
+
+    return on_disk(name, data_dir=data_dir, tokenizer=tokenizer)
+
+
+def dataset_problems(name: str, *, vocab_size: int, data_dir=None, text_column: str | None = None,
+                     tokenizer: str | None = None) -> list[str]:
+    """Problems with the data flags that need no data read (beyond meta.json or the tokenizer)."""
+    from mmm.errors import UsageError
+
+    out = []
+    if name not in ON_DISK:
+        given = [f for f, v in (("--data-dir", data_dir), ("--text-column", text_column), ("--tokenizer", tokenizer))
+                 if v is not None]
+        if given:
+            out.append(f"{', '.join(given)} only apply with --dataset bin or hf (got --dataset {name}); "
+                       "drop them or pick one of those")
+    elif name == "bin" and (text_column is not None or tokenizer is not None):
+        out.append("--text-column and --tokenizer apply to --dataset hf; token files (--dataset bin) are already "
+                   "tokenised (python -m mmm.data prepare --tokenizer ... makes them)")
+    try:
+        declared, where = data_vocab_size(name, data_dir=data_dir, tokenizer=tokenizer)
+    except UsageError as err:
+        return out + [str(err)]
+    if declared is not None and vocab_size < declared:
+        out.append(f"{where} and needs --vocab-size >= {declared} (got {vocab_size})" if name == "pydoc" else
+                   f"--vocab-size {vocab_size} is smaller than the data's vocabulary {declared} ({where}); use "
+                   f"--vocab-size {declared} or more, or leave it out to take the data's")
+    return out
 
 
 def local_batches(dataset, *, seed: int, global_batch: int, dp_rank: int, dp_size: int, start_step: int = 0,

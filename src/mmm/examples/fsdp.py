@@ -161,11 +161,12 @@ def train(args, info, outdir, startup) -> int:
             break
         test_loss, test_acc = evaluate(engine, data.test, batch=args.test_batch_size, rank=dp_rank, world=dp,
                                        group=dp_group, device=device)
+        test_acc *= 100  # percent: 97.62, not 0.9762
         finite = [x for x in losses if math.isfinite(x)]
         rec = epochs.update(epoch, dt=time.perf_counter() - t_epoch,
                             train_loss=sum(finite) / len(finite) if finite else math.nan,
                             test_loss=test_loss, test_acc=test_acc, lr=engine.param_groups[0]["lr"])
-        log.info("epoch=%d dt=%.2f train_loss=%.4f test_loss=%.4f test_acc=%.4f", epoch, rec["dt"],
+        log.info("epoch=%d dt=%.2f train_loss=%.4f test_loss=%.4f test_acc=%.2f", epoch, rec["dt"],
                  rec["train_loss"], test_loss, test_acc)
         for group in engine.param_groups:
             group["lr"] *= args.gamma
@@ -191,7 +192,7 @@ def train(args, info, outdir, startup) -> int:
 
 
 def evaluate(engine, split, *, batch: int, rank: int, world: int, group, device) -> tuple[float, float]:
-    """Loss and accuracy over the whole test set: each rank a padded shard, sums reduced over ranks."""
+    """Loss and accuracy (a fraction) over the whole test set: each rank a padded shard, sums reduced over ranks."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F

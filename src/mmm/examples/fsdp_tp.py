@@ -33,6 +33,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def train(args, info, outdir, startup) -> int:
+    import time
+
     import torch
     import torch.nn.functional as F
 
@@ -45,6 +47,9 @@ def train(args, info, outdir, startup) -> int:
     from mmm.parallel.strategy import build_engine
     from mmm.parallel.tensor import llama_tp_plan, loss_parallel_context
     from mmm.training import compiled_graphs, train_step
+    from mmm.training.evaluation import eval_due, perplexity
+    from mmm.training.schedule import schedule_from_args, set_lr
+    from mmm.training.step import evaluate
 
     log = get_logger()
     # 1. the mesh: pp x dp_replicate x dp_shard x cp x tp
@@ -54,7 +59,7 @@ def train(args, info, outdir, startup) -> int:
     # 2. the model: plain single-device code, built on `meta` (no memory yet); each rank materialises
     #    only its own shards after step 3, every weight seeded by --seed and its name (any mesh, same weights)
     cfg = model_config(args)
-    dataset = make_dataset(args.dataset, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
+    dataset = make_dataset(args.dataset, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, **flags.data_options(args))
     if info.device.type == "cpu":  # a large model in host memory: freed tensors go back at once (decided early)
         dist.return_freed_host_memory(4 * cfg.num_params())
     with meta_init():
@@ -100,6 +105,8 @@ def train(args, info, outdir, startup) -> int:
     # 4. the loop: each dp rank takes its slice of the global batch; cp ranks their sequence shards
     ckpt, start, batches, run = loop_setup(args, info, outdir, startup, engine, cfg, mesh, dataset, log)
     tokens_per_step = args.batch_size * cfg.seq_len
+    lr_at = schedule_from_args(args, total_steps=args.max_iters)  # the step's learning rate: warmup, decay
+    heldout = flags.heldout_batches(args, cfg, mesh, info.device) if args.eval_every else None
     if info.is_main:
         if mesh.cp_enabled:
             log.info("context parallel: ring attention over %d ranks, %d tokens each (chunks r and 2cp-1-r of %d)",
@@ -112,6 +119,8 @@ def train(args, info, outdir, startup) -> int:
     with run:  # leaving on an error, the step read late is still written
         for step in range(start, args.max_iters + 1):
             poison = run.begin_step(step)
+            lr = lr_at(step)
+            set_lr(engine, lr)
             inputs, labels = next(batches)
             if mesh.cp_enabled:
                 cp_rank = mesh.coord("cp")
@@ -122,10 +131,18 @@ def train(args, info, outdir, startup) -> int:
                                                context=loss_parallel_context(mesh.tp_enabled), poison=poison,
                                                skip_nonfinite=args.on_nonfinite == "skip",
                                                after_backward=(lambda: run.capture_memory(engine)) if last else None)
+            val = {}
+            if eval_due(args, step, last=last):  # the held-out loss, left out of the step's dt
+                t_eval = time.perf_counter()
+                val_loss = evaluate(engine, heldout, loss_fn, sync=run.sync,
+                                    context=lambda: loss_parallel_context(mesh.tp_enabled))
+                val = {"val_loss": val_loss, "val_ppl": perplexity(val_loss), "dt_eval": time.perf_counter() - t_eval}
+                run.exclude(val["dt_eval"])
             if run.end_step(step, reduced, times, args=args, checkpointer=ckpt, last=last,
-                            rates={"tps": tokens_per_step}, grad_norm=engine.grad_norm):
+                            rates={"tps": tokens_per_step}, grad_norm=engine.grad_norm, lr=lr, **val):
                 break
 
+    flags.export_hf(args, engine, cfg, info, run, log)  # --export-hf DIR: a Hugging Face checkpoint
     extra = {
         "mesh": mesh.dims.degrees, "strategy": args.strategy, "dtype": args.dtype, "ac": args.ac,
         "compile": args.compile, "compiled_graphs": compiled_graphs(),

@@ -41,9 +41,9 @@ from mmm.errors import UsageError
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 META = "mmm.json"
-# what must match to resume: the model, and what defines the data of each step (a run resumed with
-# another seed, global batch, dataset or epoch length would silently train on other data)
-COMPAT_KEYS = ("model", "seed", "global_batch", "dataset", "steps_per_epoch")
+# what must match to resume: the model, what defines the data of each step (a run resumed with another
+# seed, global batch, dataset or epoch length would silently train on other data) and the lr schedule
+COMPAT_KEYS = ("model", "seed", "global_batch", "dataset", "steps_per_epoch", "lr_schedule")
 
 
 def step_dir(root: Path, step: int) -> Path:

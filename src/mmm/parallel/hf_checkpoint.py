@@ -13,11 +13,17 @@ checkpoint. Names are mapped from Hugging Face's Llama layout to mmm's (``model.
 q_proj.weight`` -> ``layers.0.attention.wq.weight``), and the query/key projections are permuted from
 HF's rotary layout (rotate-half: the two halves of a head are the pairs) to mmm's (adjacent pairs).
 :func:`load_safetensors` is the generic loader (a Hugging Face model loads with its own names).
+
+The way out, :func:`export_hf_llama`, is the inverse: every rank takes part (DTensor shards are
+gathered with ``full_tensor()``; under pipeline parallel, the ranks of rank 0's pipeline send their
+stages to it), and rank 0 writes ``config.json`` + ``model.safetensors`` that transformers'
+``LlamaForCausalLM.from_pretrained`` loads, and that ``load_hf_llama`` reads back.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -84,6 +90,13 @@ def _unrotate(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
     """HF's rotary layout (per head: first half, second half) -> adjacent pairs, on whole heads."""
     heads = rows.shape[0] // head_dim
     return rows.reshape(heads, 2, head_dim // 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
+
+
+def _rotate(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """mmm's rotary layout (adjacent pairs) -> HF's (per head: first half, second half): the inverse of
+    :func:`_unrotate`."""
+    heads = rows.shape[0] // head_dim
+    return rows.reshape(heads, head_dim // 2, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
 
 
 def _read(handle, source: Source, region: tuple[slice, ...]) -> torch.Tensor:
@@ -199,3 +212,112 @@ def load_hf_llama(model: nn.Module, path: str | Path) -> None:
     cfg = getattr(model, "cfg", None) or llama_config_from_hf(path)
     tied = bool(hf.get("tie_word_embeddings")) and "lm_head.weight" not in _files(path)
     load_safetensors(model, path, sources=hf_llama_sources(cfg, tied=tied))
+
+
+# --------------------------------------------------------------------------- Llama out
+def hf_llama_config(cfg, *, tied: bool = False, dtype: torch.dtype = torch.float32) -> dict:
+    """transformers' ``LlamaConfig`` (as config.json) of mmm's :class:`~mmm.models.llama.LlamaConfig`:
+    the inverse of :func:`llama_config_from_hf` (``max_position_embeddings`` is ``seq_len``)."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_hidden, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
+        # rope_parameters for transformers >= 5, rope_theta for the releases before
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+        "rope_theta": float(cfg.rope_theta),
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+        "tie_word_embeddings": tied, "torch_dtype": str(dtype).removeprefix("torch."),
+        "initializer_range": 0.02, "use_cache": True,
+    }
+
+
+@torch.no_grad()
+def export_hf_llama(model: nn.Module, out_dir: str | Path, cfg, *, pp_group=None,
+                    dtype: torch.dtype | None = None) -> Path | None:
+    """Write mmm's Llama ``model`` as a Hugging Face Llama checkpoint in ``out_dir``: ``config.json``
+    (:func:`hf_llama_config`) and ``model.safetensors`` (HF names; query/key rows permuted back from
+    adjacent pairs to rotate-half). Works on any mesh: every rank must call it, since DTensor shards
+    (FSDP, TP, both) are gathered one parameter at a time with ``full_tensor()``; under pipeline
+    parallel, pass the pipeline's ``pp_group``: the ranks of rank 0's pipeline send their stages'
+    parameters to rank 0, one tensor at a time. Only rank 0 holds the whole model (on the host) and
+    writes; ``dtype`` casts on the way (default: the parameters' own). Returns ``out_dir`` on rank 0,
+    None elsewhere."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from mmm.parallel.meta import canonical_name
+
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{str(out)!r} is a file; export to a directory (it is created if missing)")
+    import importlib.util
+
+    if importlib.util.find_spec("safetensors") is None:  # every rank checks, before any collective
+        raise UsageError("exporting a Hugging Face checkpoint needs safetensors: pip install 'mmm[hf]'")
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    sources = hf_llama_sources(cfg)
+    members = dist.get_process_group_ranks(pp_group) if pp_group is not None else [rank]
+    collects = 0 in members  # this rank belongs to rank 0's pipeline (or is rank 0)
+    tensors: dict[str, torch.Tensor] = {}
+    params = [(canonical_name(n), p) for n, p in model.named_parameters()]
+    unknown = [n for n, _ in params if n not in sources]
+    if unknown:
+        raise UsageError(f"export_hf_llama writes mmm's Llama; {type(model).__name__} has other parameters: "
+                         f"{', '.join(unknown[:4])}")
+    if collects and rank != 0:  # a later stage of rank 0's pipeline: say what will come, then send it
+        dist.send_object_list([[(sources[n].key, tuple(p.shape), p.dtype) for n, p in params]], dst=0,
+                              group=pp_group)
+    for name, param in params:
+        full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+        if not collects:
+            continue  # gathered only because the collective needs every rank of the mesh
+        hd = sources[name].rotary_head_dim
+        full = _rotate(full, hd) if hd else full
+        if rank == 0:
+            tensors[sources[name].key] = full.to("cpu", dtype or full.dtype).contiguous()
+        else:
+            dist.send(full.contiguous(), dst=0, group=pp_group)
+        del full
+    if rank == 0:
+        for peer in members:
+            if peer == 0:
+                continue
+            listing: list = [None]
+            dist.recv_object_list(listing, src=peer, group=pp_group)
+            device = next(iter(model.parameters())).device
+            for key, shape, param_dtype in listing[0]:
+                buf = torch.empty(shape, dtype=param_dtype, device=device)
+                dist.recv(buf, src=peer, group=pp_group)
+                tensors[key] = buf.to("cpu", dtype or param_dtype).contiguous()
+        # mmm's Llama keeps the output layer apart from the embedding; tied by hand, named_parameters()
+        # lists the shared tensor once (as the embedding) and the checkpoint says tie_word_embeddings
+        embed, head = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
+        tied = embed is not None and head is not None and head.weight is embed.weight
+        _write_hf_llama(out, tensors, cfg, dtype=dtype or next(iter(tensors.values())).dtype, tied=tied)
+    if distributed:
+        dist.barrier()  # the checkpoint is complete when any rank returns
+    return out if rank == 0 else None
+
+
+def _write_hf_llama(out: Path, tensors: dict[str, torch.Tensor], cfg, *, dtype: torch.dtype, tied: bool) -> None:
+    from safetensors.torch import save_file
+
+    expected = {s.key for k, s in hf_llama_sources(cfg).items() if not (tied and k == "output.weight")}
+    missing = sorted(expected - set(tensors))
+    if missing:
+        raise UsageError(f"cannot export: no rank sent {', '.join(missing[:4])}; under pipeline parallel pass "
+                         "pp_group= so that the other stages reach rank 0")
+    out.mkdir(parents=True, exist_ok=True)
+    index = out / "model.safetensors.index.json"
+    if index.exists():  # a sharded checkpoint there would be read instead of the file written now
+        for shard in set(json.loads(index.read_text()).get("weight_map", {}).values()):
+            (out / shard).unlink(missing_ok=True)
+        index.unlink()
+    tmp = out / ".model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / "model.safetensors")
+    tmp = out / ".config.json.tmp"
+    tmp.write_text(json.dumps(hf_llama_config(cfg, tied=tied, dtype=dtype), indent=2) + "\n")
+    os.replace(tmp, out / "config.json")

@@ -272,6 +272,22 @@ class Pipeline:
         dist.all_reduce(loss, group=self.pp_group)
         return loss.reshape(())
 
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward only over every microbatch: the mean loss over microbatches on the last stage's
+        ranks, zero elsewhere (no collective; the caller reduces it, as with ``share_loss=False``)."""
+        if not hasattr(self.schedule, "eval"):
+            raise UsageError(f"evaluation needs a forward-only pipeline pass, which schedule {self.schedule_name} "
+                             "does not have here; choose --pp-schedule 1f1b or gpipe, or leave --eval-every off")
+        losses: list = []
+        with loss_parallel_context(self.loss_parallel):
+            self.schedule.eval(*((inputs,) if self.has_first else ()), target=targets if self.has_last else None,
+                               losses=losses if self.has_last else None)
+        if not self.has_last:
+            return torch.zeros((), device=self.device)
+        return torch.stack([(x.full_tensor() if hasattr(x, "full_tensor") else x).detach().float()
+                            for x in losses]).mean()
+
     def describe(self) -> str:
         blocks = ", ".join(f"{a}-{b - 1}" for a, b in self.layer_ranges)
         return (f"pipeline: {self.num_stages} stages (blocks {blocks}), "

@@ -88,6 +88,7 @@ def start(example: str, parser, argv, check_args) -> tuple[Any, Any, Path, Start
 
     startup = Startup()
     args = parser.parse_args(argv)
+    startup.args = args  # the flags, for Run: trackers, --rank-timings
     info = dist.setup(seed=args.seed, timeout=getattr(args, "timeout", None))
     startup.mark_setup(info)
     if info.is_main:
@@ -218,15 +219,31 @@ def make_checkpointer(args, engine, *, meta: dict[str, Any], log=None):
 
 def resume(args, checkpointer, startup: Startup | None = None) -> int:
     """The first step to run: 1, or one past the checkpoint ``--resume`` names (loading it is a
-    startup phase of its own, ``resume``)."""
-    if checkpointer is None or not getattr(args, "resume", None):
+    startup phase of its own, ``resume``). A job relaunched by ``launch --retries``
+    (``MMM_RESTART`` >= 1) resumes from the latest checkpoint, whatever ``--resume`` said."""
+    which = getattr(args, "resume", None)
+    if checkpointer is not None and restart_attempt():
+        from mmm import dist
+        from mmm.log import get_logger
+
+        which = "latest"
+        if dist.info().is_main:
+            get_logger().info("restart %d (launch --retries): resuming from the latest checkpoint in %s",
+                              restart_attempt(), checkpointer.root)
+    if checkpointer is None or not which:
         return 1
-    saved = checkpointer.load(args.resume)
+    saved = checkpointer.load(which)
     if saved is None:
         return 1
     if startup is not None:
         startup.mark("resume")
     return int(saved["step"]) + 1
+
+
+def restart_attempt() -> int:
+    """Which relaunch of the job this is (``MMM_RESTART`` set by ``launch --retries``; 0: the first run)."""
+    raw = os.environ.get("MMM_RESTART", "")
+    return int(raw) if raw.isdigit() else 0
 
 
 def should_save(args, step: int, *, last: bool, stopping: bool) -> bool:
@@ -287,6 +304,13 @@ class Run:
         self.sync = sync  # the per-step all-reduce (mmm.training.step.StepSync)
         self._t_last: float | None = None  # when the previous iteration ended
         self._pending: _Pending | None = None
+        from mmm.tracking import open_trackers  # --wandb/--tensorboard: rank 0, fed every History row
+
+        args = getattr(startup, "args", None)
+        self.trackers = open_trackers(args, example=example, info=info, outdir=outdir, step_key=step_key, log=self.log)
+        if self.trackers:
+            self.hist.hooks.append(self.trackers.log_row)
+        self.rank_timings = bool(getattr(args, "rank_timings", False))  # an all-gather on logging steps
         if info.world_size > 1 and not os.environ.get("MMM_STACK_DIR"):
             # where each rank was, written when a collective fails and on SIGUSR1 (mmm.dist.liveness)
             from mmm.dist import set_stack_dir
@@ -313,11 +337,11 @@ class Run:
             return
         good = "no checkpoint was saved"
         if checkpointer is not None:
-            from mmm.parallel.checkpoint import complete_steps, step_dir
+            from mmm.parallel.checkpoint import latest_step, step_dir
 
-            steps = complete_steps(checkpointer.root)
-            if steps:
-                good = f"the last good checkpoint is {step_dir(checkpointer.root, steps[-1])} (--resume {steps[-1]})"
+            last = latest_step(checkpointer.root)
+            if last is not None:
+                good = f"the last good checkpoint is {step_dir(checkpointer.root, last)} (--resume {last})"
         raise RunError(f"loss is {loss_value} at {self.hist.step_key} {step}; {good}. Lower --lr, use --dtype fp32, "
                        "--grad-clip, or --on-nonfinite skip")
 
@@ -332,11 +356,18 @@ class Run:
             with contextlib.suppress(Exception):
                 loss, _, _ = pending.reduced.values()
                 self.record(pending.step, loss=loss, dt=pending.dt, **pending.times.as_dict())
+        if exc_type is not None:
+            self.trackers.close(failed=True)  # after the late step: the trackers have it too
         return False
 
     def restart_clock(self) -> None:
         """The next step's ``dt`` starts now (after work that is not a training step: an evaluation)."""
         self._t_last = time.perf_counter()
+
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` of this iteration (an evaluation) out of its ``dt``."""
+        if self._t_last is not None:
+            self._t_last += seconds
 
     def end_step(self, step: int, reduced, times, *, args, checkpointer, last: bool, rates: dict[str, float],
                  **metrics) -> bool:
@@ -370,6 +401,10 @@ class Run:
         if entry.reduced.grad_norm is not None:  # from the packed reduction: no read of a device tensor
             metrics["grad_norm"] = entry.reduced.grad_norm
         metrics = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
+        if self.rank_timings and (entry.step % self.log_every == 0 or entry.last):  # every rank, same steps
+            from mmm.tracking import gather_rank_timings
+
+            metrics.update(gather_rank_timings(entry.dt, device=self.info.device))
         self.record(entry.step, force_log=entry.last, loss=loss, dt=entry.dt,
                     dtf=times["dtf"], dtb=times["dtb"], **{k: w / entry.dt for k, w in entry.rates.items()},
                     **metrics, **({"skipped": times["skipped"]} if "skipped" in times else {}))
@@ -446,6 +481,9 @@ class Run:
         summary_extra["state_bytes_theory"] = theory
         summary_extra["state_bytes_ratio_to_theory"] = worst / theory["total_bytes"]
         summary = self.hist.finalize(summary_extra, plots=plots)
+        from mmm.tracking import finish_run
+
+        finish_run(self, summary, rate_key=rate_key)  # rank 0: summary table, report.md, trackers closed
         if self.info.is_main:
             st = summary["stats"]
             parts = [f"final loss {summary['final_loss']:.4f}"] if summary["final_loss"] is not None else []

@@ -7,10 +7,13 @@ from __future__ import annotations
 from mmm.cli import (ArgumentParser, add_mesh_args, add_output_args, add_run_args, add_strategy_args, positive_int,
                      run_arg_problems)
 from mmm.errors import UsageError
+from mmm.training.evaluation import add_eval_args, eval_problems
+from mmm.training.schedule import add_schedule_args, schedule_from_args, schedule_problems
 
 EXAMPLE = "fsdp_tp"
 # the model-shape flags' defaults (--init-from takes the shape from a checkpoint's config instead)
-MODEL_DEFAULTS = {"dim": 256, "n_layers": 4, "n_heads": 8, "n_kv_heads": None, "vocab_size": 256}
+MODEL_DEFAULTS = {"dim": 256, "n_layers": 4, "n_heads": 8, "n_kv_heads": None, "vocab_size": None}
+DEFAULT_VOCAB = 256  # bytes: the vocabulary when neither --vocab-size nor the data gives one
 MEASURE_STEP = 2  # --measure watches this step (a warmup step with the default --warmup 2)
 
 
@@ -51,13 +54,17 @@ def build_parser(doc: str = "") -> ArgumentParser:
                    help="key/value heads for grouped-query attention [= n-heads]")
     g.add_argument("--vocab-size", "--vocab_size", dest="vocab_size", type=positive_int,
                    default=MODEL_DEFAULTS["vocab_size"],
-                   help="vocabulary; 256 for byte-level data [256]")
+                   help="vocabulary; at least the data's [the data's (meta.json, --tokenizer), else 256]")
     g.add_argument("--seq-len", "--seq_len", dest="seq_len", type=positive_int, default=128,
                    help="tokens per sequence [128]")
     g.add_argument("--init-from", dest="init_from", default=None, metavar="DIR",
                    help="start from a Hugging Face Llama checkpoint (config.json + *.safetensors, e.g. from "
                         "save_pretrained): the model's shape comes from its config.json, and each rank reads only "
                         "its own shards of the weights")
+    g.add_argument("--export-hf", dest="export_hf", default=None, metavar="DIR",
+                   help="after the last step write the weights as a Hugging Face Llama checkpoint (config.json + "
+                        "model.safetensors, and the data's tokenizer.json), loadable with transformers' "
+                        "LlamaForCausalLM.from_pretrained or --init-from")
     g = p.add_argument_group("training")
     g.add_argument("--batch-size", "--batch_size", dest="batch_size", type=positive_int, default=16,
                    help="GLOBAL batch in sequences per step, divisible by dp [16]")
@@ -74,12 +81,25 @@ def build_parser(doc: str = "") -> ArgumentParser:
     g.add_argument("--ac", choices=AC_MODES, default="none",
                    help="activation checkpointing: full block, or selective (keep matmul outputs) [none]")
     g.add_argument("--dataset", choices=DATASETS, default="synthetic",
-                   help="synthetic (learnable sequences) or pydoc (byte-level English text shipped with "
-                        "Python) [synthetic]")
+                   help="synthetic (learnable sequences), pydoc (byte-level English text shipped with Python), "
+                        "bin (token files DIR/train.bin, nanoGPT's format) or hf (a Hugging Face dataset saved "
+                        "with save_to_disk) [synthetic]")
+    g.add_argument("--data-dir", "--data_dir", dest="data_dir", default=None, metavar="DIR",
+                   help="--dataset bin: the directory of train.bin / val.bin (uint16; uint32 as meta.json or the "
+                        "name train.uint32.bin says; python -m mmm.data prepare writes one); --dataset hf: the "
+                        "save_to_disk directory")
+    g.add_argument("--text-column", dest="text_column", default=None, metavar="NAME",
+                   help="--dataset hf: the column to train on: text (tokenised at load) or lists of token ids "
+                        "[input_ids if there is one, else text]")
+    g.add_argument("--tokenizer", default=None, metavar="PATH|bytes",
+                   help="--dataset hf: a tokenizers tokenizer.json for the text column (its vocabulary sizes the "
+                        "model), or bytes [bytes]")
     g.add_argument("--measure", action="store_true",
                    help="on step 2 (a warmup step) count the bytes each mesh process group communicates and "
                         "the bytes of activations saved for backward, per rank, into summary.json "
                         "(measured_per_rank); that step runs slower")
+    add_schedule_args(p)
+    add_eval_args(p)
     add_output_args(p, EXAMPLE)
     add_run_args(p)
     return p
@@ -135,14 +155,27 @@ def arg_problems(args, world_size: int) -> list[str]:
         problems += tp_problems(tp=dims.tp, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                                 vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
         problems += batch_problems(args.batch_size, dims.dp)
-    problems += dataset_problems(args.dataset, vocab_size=cfg.vocab_size)
+    problems += dataset_problems(args.dataset, vocab_size=cfg.vocab_size, **data_options(args))
+    if args.export_hf and _is_file(args.export_hf):
+        problems.append(f"--export-hf {args.export_hf!r} is a file; give a directory (it is created if missing)")
+    if args.export_hf and args.strategy.startswith("zero"):
+        problems.append(f"--export-hf gathers the torch-sharded model; --strategy {args.strategy} hands the model to "
+                        "DeepSpeed: use --strategy fsdp, hsdp or ddp")
     if args.grad_clip < 0:
         problems.append(f"--grad-clip {args.grad_clip} must be >= 0 (0 turns clipping off)")
     problems += run_arg_problems(args)
+    problems += schedule_problems(args, total_steps=args.max_iters)
+    problems += eval_problems(args)
     if args.measure and args.max_iters < MEASURE_STEP:
         problems.append(f"--measure watches step {MEASURE_STEP}; --max-iters {args.max_iters} is too few "
                         f"(use --max-iters {MEASURE_STEP} or more)")
     return problems
+
+
+def _is_file(path: str) -> bool:
+    from pathlib import Path
+
+    return Path(path).is_file()
 
 
 def pp_schedule(args) -> str:
@@ -181,7 +214,8 @@ def reshard_after_forward(args) -> bool | None:
 def checkpoint_meta(args, cfg, mesh) -> dict:
     """What a checkpoint records about the run; ``model`` must match to resume."""
     return {"example": EXAMPLE, "model": dict(vars(cfg)), "mesh": mesh.dims.degrees, "strategy": args.strategy,
-            "seed": args.seed, "global_batch": args.batch_size, "dataset": args.dataset}
+            "seed": args.seed, "global_batch": args.batch_size, "dataset": args.dataset,
+            "lr_schedule": schedule_from_args(args, total_steps=args.max_iters).as_dict()}
 
 
 def loop_setup(args, info, outdir, startup, engine, cfg, mesh, dataset, log):
@@ -199,12 +233,66 @@ def loop_setup(args, info, outdir, startup, engine, cfg, mesh, dataset, log):
     return ckpt, start, batches, run
 
 
+def heldout_batches(args, cfg, mesh, device) -> list:
+    """This rank's part of the ``--eval-iters`` held-out global batches (the same ones at every
+    evaluation; the data's ``val`` split), sharded over the sequence under context parallel."""
+    from mmm.data import local_batches, make_dataset
+    from mmm.parallel.context import shard_sequence
+
+    val = make_dataset(args.dataset, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, split="val",
+                       **data_options(args))
+    stream = local_batches(val, seed=args.seed, global_batch=args.batch_size, dp_rank=mesh.coord("dp"),
+                           dp_size=mesh.dp, start_step=0, device=device)
+    out = [next(stream) for _ in range(args.eval_iters)]
+    if mesh.cp_enabled:
+        r = mesh.coord("cp")
+        out = [(shard_sequence(x, r, mesh.cp), shard_sequence(y, r, mesh.cp)) for x, y in out]
+    return out
+
+
 def model_config(args):
+    """The model's shape: the flags (the vocabulary: --vocab-size, else the data's, else 256), or
+    --init-from's config.json."""
     from mmm.models.llama import LlamaConfig
 
     if getattr(args, "init_from", None):
         from mmm.parallel.hf_checkpoint import llama_config_from_hf
 
         return llama_config_from_hf(args.init_from, seq_len=args.seq_len)
+    vocab = args.vocab_size
+    if vocab is None:
+        from mmm.data import data_vocab_size
+
+        vocab = data_vocab_size(getattr(args, "dataset", "synthetic"), data_dir=getattr(args, "data_dir", None),
+                                tokenizer=getattr(args, "tokenizer", None))[0] or DEFAULT_VOCAB
     return LlamaConfig(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
-                       vocab_size=args.vocab_size, seq_len=args.seq_len)
+                       vocab_size=vocab, seq_len=args.seq_len)
+
+
+def data_options(args) -> dict:
+    """The flags that say where --dataset bin / hf read from (for mmm.data.make_dataset)."""
+    return {k: getattr(args, k, None) for k in ("data_dir", "text_column", "tokenizer")}
+
+
+def export_hf(args, engine, cfg, info, run, log) -> None:
+    """--export-hf DIR after the last step (not after a SIGTERM stop): every rank takes part in the
+    gather, rank 0 writes; the data's tokenizer.json goes along when there is one."""
+    if not args.export_hf:
+        return
+    if run.stopped_by is not None:
+        if info.is_main:
+            log.info("--export-hf skipped: the run stopped early (%s); resume it to the last step", run.stopped_by)
+        return
+    import shutil
+    from pathlib import Path
+
+    from mmm.parallel.hf_checkpoint import export_hf_llama
+
+    pp_group = engine.pipeline.pp_group if engine.pipeline is not None else None
+    out = export_hf_llama(engine.unwrapped(), args.export_hf, cfg, pp_group=pp_group)
+    tokenizer = Path(args.tokenizer) if args.tokenizer not in (None, "bytes") else \
+        Path(args.data_dir) / "tokenizer.json" if args.dataset == "bin" and args.data_dir else None
+    if out is not None and tokenizer is not None and tokenizer.is_file():
+        shutil.copyfile(tokenizer, out / "tokenizer.json")
+    if info.is_main:
+        log.info("Hugging Face checkpoint written to %s (config.json, model.safetensors)", args.export_hf)

@@ -188,3 +188,29 @@ def train_step(engine, inputs, targets, loss_fn, *, sync: StepSync, context=None
     else:
         engine.step(reduced.grad_square if share is not None else None)
     return loss, reduced, StepTimes(timer, skipped if skip_nonfinite else None)
+
+
+@torch.no_grad()
+def evaluate(engine, batches, loss_fn, *, sync: StepSync, context=None) -> float:
+    """The mean loss over ``batches`` (an iterable of this rank's (inputs, targets), the same number on
+    every rank) with the model in eval mode and no gradients, reduced over ranks like a training step's
+    loss (one all-reduce): the validation loss of the whole global batch, on every rank. ``context``:
+    a function returning the context each forward runs in (e.g. loss parallel), called per batch."""
+    total, n = None, 0
+    engine.eval()
+    try:
+        for inputs, targets in batches:
+            if engine.pipeline is not None:
+                loss = engine.pipeline.evaluate(inputs, targets)
+            else:
+                with context() if context is not None else contextlib.nullcontext():
+                    loss = loss_fn(engine(inputs), targets)
+            value = _local_scalar(loss)
+            total = value if total is None else total + value
+            n += 1
+    finally:
+        engine.train()
+    if not n:
+        raise ValueError("evaluate() got no batches")
+    loss, _, _ = sync.reduce(total / n).values()
+    return loss

@@ -1,0 +1,323 @@
+"""Token data on disk: nanoGPT-style ``.bin`` token files and Hugging Face datasets saved with
+``save_to_disk``, sampled as random windows of ``seq_len + 1`` tokens.
+
+Each step's global batch draws its window starts from the (seed, step) generator, for the whole
+batch; a data-parallel rank then reads only its rows (from a memory map: no full load). So the
+windows are the same on any mesh, and resuming at a step restores the data position.
+
+Token files (``--dataset bin --data-dir DIR``)::
+
+    DIR/train.bin  DIR/val.bin     flat arrays of token ids, uint16 unless told otherwise
+    DIR/meta.json                  optional: {"dtype": "uint16"|"uint32", "vocab_size": V, ...}
+    DIR/meta.pkl                   optional (nanoGPT's): its vocab_size
+    DIR/train.uint32.bin           the dtype in the name (instead of, or agreeing with, meta.json)
+
+``python -m mmm.data prepare`` writes such a directory (with meta.json and the tokenizer).
+numpy reads the files; ``datasets`` and ``tokenizers`` are imported only for Hugging Face data.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from mmm.errors import UsageError
+
+DTYPES = ("uint16", "uint32")
+# end-of-document tokens looked for in a tokenizer's vocabulary, in this order
+EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>", "[SEP]")
+BYTE_EOS = 0  # the byte-level "tokenizer" ends a document with byte 0, which text does not contain
+_SCAN_CHUNK = 1 << 26  # tokens per chunk when scanning a file for its largest id
+
+
+class TokenWindows:
+    """Random windows of ``seq_len + 1`` tokens of a 1-D token array (a numpy memmap or array)."""
+
+    def __init__(self, tokens, *, seq_len: int, name: str, source: str, vocab_size: int,
+                 max_token: int | None = None) -> None:
+        n = len(tokens)
+        if n < seq_len + 1:
+            raise UsageError(f"{source} holds {n} tokens, fewer than one window of --seq-len {seq_len} + 1; "
+                             f"use --seq-len {max(n - 1, 1)} or less, or more data")
+        top = int(max_token) if max_token is not None else largest_token(tokens)
+        if top >= vocab_size:
+            raise UsageError(f"{source}: token id {top} >= --vocab-size {vocab_size}; the model's vocabulary must "
+                             f"hold every token id: pass --vocab-size {top + 1} or more (or record the tokenizer's "
+                             "vocab_size in meta.json)")
+        self.tokens, self.seq_len, self.name, self.source = tokens, seq_len, name, source
+        self.vocab_size, self.max_token = vocab_size, top
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def global_batch(self, seed: int, step: int, batch: int, rows: slice = slice(None)) -> torch.Tensor:
+        """Step ``step``'s global batch (``batch`` windows), or only its ``rows``: the starts are drawn
+        for the whole batch, the tokens read for the rows asked."""
+        import numpy as np
+
+        from mmm.data import _step_generator
+
+        starts = torch.randint(0, len(self.tokens) - self.seq_len, (batch,), generator=_step_generator(seed, step))
+        idx = starts[rows].numpy()[:, None] + np.arange(self.seq_len + 1)
+        return torch.from_numpy(np.asarray(self.tokens[idx], dtype=np.int64))
+
+
+def largest_token(tokens) -> int:
+    """The largest id in a token array, read in chunks (a memmap is never loaded whole)."""
+    top = 0
+    for i in range(0, len(tokens), _SCAN_CHUNK):
+        top = max(top, int(tokens[i:i + _SCAN_CHUNK].max()))
+    return top
+
+
+# --------------------------------------------------------------------------- .bin token files
+def check_data_dir(data_dir: str | Path | None, dataset: str) -> Path:
+    if data_dir is None:
+        raise UsageError(f"--dataset {dataset} reads a directory: add --data-dir DIR")
+    path = Path(data_dir)
+    if not path.exists():
+        raise UsageError(f"--data-dir {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise UsageError(f"--data-dir {str(path)!r} is a file; give the directory that holds it")
+    return path
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """nanoGPT's meta.pkl is dicts, strings and numbers: anything that names a class is refused."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a meta.pkl")
+
+
+def read_meta(data_dir: Path) -> dict:
+    """``meta.json`` of a token directory, else the vocab_size of a nanoGPT ``meta.pkl``, else {}."""
+    file = data_dir / "meta.json"
+    if file.is_file():
+        try:
+            meta = json.loads(file.read_text())
+        except (ValueError, UnicodeDecodeError) as err:
+            raise UsageError(f"{file} is not valid JSON ({err})") from None
+        if not isinstance(meta, dict):
+            raise UsageError(f"{file} holds a {type(meta).__name__}; expected an object such as "
+                             '{"dtype": "uint16", "vocab_size": 50257}')
+    elif (data_dir / "meta.pkl").is_file():
+        file = data_dir / "meta.pkl"
+        try:
+            with open(file, "rb") as f:
+                raw = _PlainUnpickler(f).load()
+        except Exception as err:  # noqa: BLE001 - any unreadable pickle is the user's file
+            raise UsageError(f"{file} could not be read ({err}); write a meta.json instead") from None
+        meta = {"vocab_size": raw.get("vocab_size")} if isinstance(raw, dict) else {}
+    else:
+        return {}
+    dtype = meta.get("dtype")
+    if dtype is not None and dtype not in DTYPES:
+        raise UsageError(f"{file}: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    vocab = meta.get("vocab_size")
+    if vocab is not None and (not isinstance(vocab, int) or vocab < 1):
+        raise UsageError(f"{file}: vocab_size {vocab!r} is not a positive integer")
+    return {**meta, "_file": str(file)}
+
+
+def bin_file(data_dir: Path, split: str) -> tuple[Path, str]:
+    """The token file of ``split`` in ``data_dir`` and its dtype: from the name (``train.uint32.bin``),
+    else meta.json's ``dtype``, else uint16 (nanoGPT's)."""
+    meta = read_meta(data_dir)
+    named = [(data_dir / f"{split}.{d}.bin", d) for d in DTYPES if (data_dir / f"{split}.{d}.bin").is_file()]
+    plain = data_dir / f"{split}.bin"
+    found = ([(plain, meta.get("dtype") or "uint16")] if plain.is_file() else []) + named
+    if not found:
+        raise UsageError(f"--data-dir {str(data_dir)!r} has no {split}.bin (nor {split}.uint16.bin / "
+                         f"{split}.uint32.bin); write one with: python -m mmm.data prepare --out {data_dir} FILES")
+    if len(found) > 1:
+        raise UsageError(f"--data-dir {str(data_dir)!r} has {len(found)} token files for {split!r}: "
+                         f"{', '.join(p.name for p, _ in found)}; keep one")
+    path, dtype = found[0]
+    if meta.get("dtype") and meta["dtype"] != dtype:
+        raise UsageError(f"{path} is named {dtype} but {meta['_file']} says dtype {meta['dtype']!r}; make them agree")
+    return path, dtype
+
+
+def open_bin(path: Path, dtype: str):
+    """A read-only numpy memmap of a token file (size checked against the dtype)."""
+    import numpy as np
+
+    size, itemsize = path.stat().st_size, np.dtype(dtype).itemsize
+    if size % itemsize:
+        raise UsageError(f"{path} is {size} bytes, not a whole number of {dtype} tokens ({itemsize} bytes each); "
+                         "is its dtype right? (meta.json's dtype, or a name such as train.uint32.bin)")
+    if size == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def bin_tokens(data_dir, *, seq_len: int, vocab_size: int, split: str = "train") -> TokenWindows:
+    """``--dataset bin``: windows of ``DIR/<split>.bin``."""
+    data_dir = check_data_dir(data_dir, "bin")
+    path, dtype = bin_file(data_dir, split)
+    tokens = open_bin(path, dtype)
+    meta = read_meta(data_dir)
+    # prepare records each split's largest id with its token count: trusted when the count still
+    # matches the file, so a large file is not scanned on every rank at every start
+    recorded = (meta.get("max_token") or {}).get(split)
+    if recorded is not None and (meta.get("tokens") or {}).get(split) != len(tokens):
+        recorded = None
+    return TokenWindows(tokens, seq_len=seq_len, name=f"bin:{data_dir.name}/{path.name}", source=str(path),
+                        vocab_size=vocab_size, max_token=recorded)
+
+
+# --------------------------------------------------------------------------- tokenizers
+class ByteTokenizer:
+    """UTF-8 bytes as token ids (vocab 256); a document ends with byte 0."""
+
+    name = "bytes"
+    vocab_size = 256
+    eos_id = BYTE_EOS
+    eos_token = "\\x00"
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        return [list(t.encode("utf-8")) for t in texts]
+
+
+class FileTokenizer:
+    """A Hugging Face ``tokenizers`` tokenizer.json; documents end with its end-of-text token (the
+    first of :data:`EOS_TOKENS` in its vocabulary; none: documents are joined as they are)."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise UsageError(f"--tokenizer {path} needs the tokenizers package: pip install 'mmm[data]'") from None
+        if not path.is_file():
+            raise UsageError(f"--tokenizer {str(path)!r} does not exist; give a tokenizer.json file, or 'bytes'")
+        try:
+            self.tok = Tokenizer.from_file(str(path))
+        except Exception as err:  # noqa: BLE001 - the user's file
+            raise UsageError(f"--tokenizer {path} is not a tokenizers JSON file ({str(err).splitlines()[0]})") \
+                from None
+        self.name, self.path = str(path), path
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        vocab = self.tok.get_vocab(with_added_tokens=True)
+        self.eos_token = next((t for t in EOS_TOKENS if t in vocab), None)
+        self.eos_id = vocab[self.eos_token] if self.eos_token is not None else None
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+
+def get_tokenizer(spec: str | None):
+    """``bytes`` (or None) for byte-level, else a tokenizer.json path."""
+    if spec in (None, "bytes"):
+        return ByteTokenizer()
+    path = Path(spec)
+    return _file_tokenizer(path, path.stat().st_mtime_ns if path.is_file() else None)
+
+
+@lru_cache(maxsize=4)
+def _file_tokenizer(path: Path, mtime_ns: int | None) -> FileTokenizer:  # read again when the file changes
+    return FileTokenizer(path)
+
+
+def token_dtype(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= 2 ** 16 else "uint32"
+
+
+def encode_documents(tokenizer, texts: list[str]):
+    """One numpy array of the texts' tokens, each document followed by the end-of-text id."""
+    import numpy as np
+
+    dtype = token_dtype(tokenizer.vocab_size)
+    parts = []
+    for ids in tokenizer.encode(texts):
+        parts.append(np.asarray(ids, dtype=dtype))
+        if tokenizer.eos_id is not None:
+            parts.append(np.asarray([tokenizer.eos_id], dtype=dtype))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+
+# --------------------------------------------------------------------------- Hugging Face datasets
+HF_SPLITS = {"train": ("train",), "val": ("val", "validation", "valid", "test")}
+
+
+def _load_hf_split(data_dir: Path, split: str):
+    try:
+        import datasets
+    except ImportError:
+        raise UsageError("--dataset hf needs the datasets package: pip install 'mmm[data]'") from None
+    try:
+        loaded = datasets.load_from_disk(str(data_dir))
+    except FileNotFoundError as err:
+        raise UsageError(f"--data-dir {str(data_dir)!r} is not a dataset saved with save_to_disk() "
+                         f"({str(err).splitlines()[0]})") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        for key in HF_SPLITS.get(split, (split,)):
+            if key in loaded:
+                return loaded[key], key
+        raise UsageError(f"--data-dir {str(data_dir)!r} has no {split!r} split (it has: {', '.join(loaded)})")
+    if split != "train":
+        raise UsageError(f"--data-dir {str(data_dir)!r} holds one dataset, no {split!r} split; save a DatasetDict "
+                         "with train and validation splits")
+    return loaded, None
+
+
+def hf_token_array(data_dir, *, split: str = "train", text_column: str | None = None,
+                   tokenizer: str | None = None, batch_rows: int = 1000):
+    """The token stream of a saved dataset's split: a text column tokenised (documents joined with
+    the end-of-text id), or a pre-tokenised column (lists of ids, e.g. ``input_ids``) as it is.
+    Returns (tokens, description)."""
+    import numpy as np
+
+    data_dir = check_data_dir(data_dir, "hf")
+    ds, key = _load_hf_split(data_dir, split)
+    columns = list(ds.column_names)
+    column = text_column or ("input_ids" if "input_ids" in columns else "text")
+    if column not in columns:
+        raise UsageError(f"--data-dir {str(data_dir)!r} has no column {column!r} (it has: {', '.join(columns)}); "
+                         "name the text with --text-column")
+    source = f"{data_dir}{'[' + key + ']' if key else ''}:{column}"
+    if len(ds) == 0:
+        return np.zeros(0, dtype=np.uint16), source
+    first = ds[0][column]
+    parts = []
+    if isinstance(first, str):
+        tok = get_tokenizer(tokenizer)
+        for batch in ds.select_columns([column]).iter(batch_size=batch_rows):
+            parts.append(encode_documents(tok, batch[column]))
+    elif isinstance(first, (list, tuple)) or hasattr(first, "__array__"):
+        for batch in ds.select_columns([column]).iter(batch_size=batch_rows):
+            parts += [np.asarray(ids, dtype=np.int64).reshape(-1) for ids in batch[column]]
+    else:
+        raise UsageError(f"{source}: column {column!r} holds {type(first).__name__} values; expected text or lists "
+                         "of token ids")
+    tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    if tokens.size and tokens.min() < 0:
+        raise UsageError(f"{source}: token id {int(tokens.min())} is negative")
+    if tokens.dtype == np.int64 and tokens.size and tokens.max() < 2 ** 32:  # pre-tokenised: keep it compact
+        tokens = tokens.astype(token_dtype(int(tokens.max()) + 1))
+    return tokens, source
+
+
+def hf_tokens(data_dir, *, seq_len: int, vocab_size: int, split: str = "train", text_column: str | None = None,
+              tokenizer: str | None = None) -> TokenWindows:
+    """``--dataset hf``: windows of a saved dataset's token stream (tokenised at load, on every rank)."""
+    tokens, source = hf_token_array(data_dir, split=split, text_column=text_column, tokenizer=tokenizer)
+    return TokenWindows(tokens, seq_len=seq_len, name=f"hf:{Path(data_dir).name}", source=source,
+                        vocab_size=vocab_size)
+
+
+# --------------------------------------------------------------------------- vocabulary
+def data_vocab_size(dataset: str, *, data_dir=None, tokenizer: str | None = None) -> tuple[int | None, str]:
+    """The vocabulary the data declares, and where it says so: meta.json / meta.pkl of token files,
+    the tokenizer of a Hugging Face dataset (byte-level: 256); (None, "") when it declares none
+    (pre-tokenised data without a tokenizer: the largest id is checked at load)."""
+    if dataset == "bin":
+        meta = read_meta(check_data_dir(data_dir, "bin"))
+        return (meta["vocab_size"], meta["_file"]) if meta.get("vocab_size") else (None, "")
+    if dataset == "hf" and tokenizer is not None:
+        tok = get_tokenizer(tokenizer)
+        return tok.vocab_size, f"--tokenizer {tok.name}"
+    return None, ""
