@@ -128,8 +128,10 @@ class SyntheticImages:
         g = torch.Generator().manual_seed(self.template_seed)
         self.templates = torch.randn(self.num_classes, self.channels, self.img_size, self.img_size, generator=g)
 
-    def global_batch(self, seed: int, step: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    def global_batch(self, seed: int, step: int, batch: int, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
+        """Step ``step``'s images and labels; ``split="val"``: a held-out stream (the same classes)."""
+        salt = 0 if split == "train" else 0x9E3779B97F4A7C15
+        g = torch.Generator().manual_seed((seed * 1_000_003 + step + salt) % 2**63)
         labels = torch.randint(0, self.num_classes, (batch,), generator=g)
         noise = torch.randn(batch, self.channels, self.img_size, self.img_size, generator=g)
         return self.templates[labels] + self.noise * noise, labels

@@ -22,6 +22,8 @@ EXAMPLE = "fsdp"
 
 
 def build_parser() -> ArgumentParser:
+    from mmm.training.schedule import add_schedule_args
+
     p = ArgumentParser(prog=f"python -m mmm.examples.{EXAMPLE}", description=__doc__.split("\n\n")[0],
                        epilog=__doc__.split("\n\n", 2)[2])
     add_strategy_args(p)
@@ -34,7 +36,8 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--test-batch-size", "--test_batch_size", dest="test_batch_size", type=positive_int,
                    default=256, help="evaluation batch per rank [256]")
     g.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate [3e-3]")
-    g.add_argument("--gamma", type=float, default=0.7, help="learning-rate decay per epoch [0.7]")
+    g.add_argument("--gamma", type=float, default=None,
+                   help="with --lr-schedule epoch: learning-rate factor after each epoch [0.7]")
     g.add_argument("--dropout", type=float, default=0.0, help="dropout probability [0]")
     g.add_argument("--seed", type=int, default=1, help="seed of weights and data order [1]")
     g.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype [fp32]")
@@ -42,12 +45,14 @@ def build_parser() -> ArgumentParser:
                    help="folder with MNIST IDX files [bundled 8x8 digits]")
     g.add_argument("--save-model", "--save_model", dest="save_model", action="store_true",
                    help="save the trained weights (full state dict) to <outdir>/model.pt")
+    add_schedule_args(p, extra_kinds=("epoch",))  # epoch: x --gamma after each epoch, as before
     add_output_args(p, EXAMPLE, log_every=50)
     add_run_args(p)
     return p
 
 
 def check_args(args, world_size: int) -> None:
+    from mmm.training.schedule import schedule_problems
     from mmm.parallel import ParallelDims, check_degrees
     from mmm.parallel.strategy import strategy_problems
     from mmm.training import batch_problems
@@ -63,6 +68,16 @@ def check_args(args, world_size: int) -> None:
     if args.lr <= 0:
         problems.append(f"--lr {args.lr} must be > 0")
     problems += run_arg_problems(args)
+    if (args.lr_schedule or "epoch") == "epoch":
+        if args.warmup_steps or args.min_lr is not None or args.lr_decay_steps is not None:
+            problems.append("--warmup-steps, --min-lr and --lr-decay-steps need a per-step schedule: add "
+                            "--lr-schedule cosine, linear or constant (the default, epoch, multiplies by --gamma)")
+        if args.gamma is not None and args.gamma <= 0:
+            problems.append(f"--gamma {args.gamma} must be > 0")
+    else:
+        if args.gamma is not None:
+            problems.append(f"--gamma {args.gamma} applies to --lr-schedule epoch only (not {args.lr_schedule})")
+        problems += schedule_problems(args, total_steps=None)
     if problems:
         raise UsageError("; ".join(problems))
 
@@ -86,6 +101,7 @@ def train(args, info, outdir, startup) -> int:
     from mmm import dist
     from mmm.training import (Run, StepSync, make_checkpointer, resume, should_save, torchinfo_summary,
                                train_step)
+    from mmm.training.schedule import schedule_from_args, set_lr
 
     log = get_logger()
     data = load_digits_data(args.data_dir)
@@ -119,7 +135,10 @@ def train(args, info, outdir, startup) -> int:
     per_epoch = min(per_epoch, args.steps_per_epoch or per_epoch)
     meta = {"example": EXAMPLE, "model": {"type": "DigitsCNN", "img_size": data.img_size, "num_params": n_params},
             "mesh": mesh.dims.degrees, "strategy": args.strategy, "seed": args.seed,
-            "global_batch": args.batch_size, "steps_per_epoch": per_epoch}
+            "global_batch": args.batch_size, "steps_per_epoch": per_epoch,
+            "lr_schedule": {"kind": "epoch", "lr": args.lr, "gamma": 0.7 if args.gamma is None else args.gamma}
+            if (args.lr_schedule or "epoch") == "epoch" else
+            schedule_from_args(args, total_steps=args.epochs * per_epoch).as_dict()}
     ckpt = make_checkpointer(args, engine, meta=meta, log=log)
     start = resume(args, ckpt, startup)  # optimizer state carries the decayed learning rate
     first_epoch, skip = (start - 1) // per_epoch + 1, (start - 1) % per_epoch
@@ -129,6 +148,8 @@ def train(args, info, outdir, startup) -> int:
                      resume=first_epoch - 1 if start > 1 else None)
     train_x, train_y = data.train.images.to(device), data.train.labels.to(device)
     step, stopping = start - 1, False
+    per_step_lr = None if (args.lr_schedule or "epoch") == "epoch" else \
+        schedule_from_args(args, total_steps=args.epochs * per_epoch)
     dist.graceful_sigterm()
     for epoch in range(first_epoch, args.epochs + 1):
         t_epoch = time.perf_counter()
@@ -141,6 +162,8 @@ def train(args, info, outdir, startup) -> int:
                 continue  # done before the checkpoint this run resumed from
             poison = run.begin_step(step + 1)
             step += 1
+            if per_step_lr is not None:
+                set_lr(engine, per_step_lr(step))
             mine = idx[dp_rank * local:(dp_rank + 1) * local].to(device)
             end_of_epoch = i == len(batches) - 1
             last = epoch == args.epochs and end_of_epoch
@@ -149,7 +172,8 @@ def train(args, info, outdir, startup) -> int:
                                            after_backward=(lambda: run.capture_memory(engine)) if last else None)
             # the epoch's mean training loss needs every step's loss: read each step at once (a small model)
             loss_value, stopping = run.reduce_now(step, reduced, times, rates={"samples_per_s": args.batch_size},
-                                                  grad_norm=engine.grad_norm, checkpointer=ckpt)
+                                                  grad_norm=engine.grad_norm, checkpointer=ckpt,
+                                                  lr=engine.param_groups[0]["lr"])
             losses.append(loss_value)
             if end_of_epoch:
                 break  # an epoch's last step is saved after its evaluation and learning-rate decay
@@ -168,8 +192,9 @@ def train(args, info, outdir, startup) -> int:
                             test_loss=test_loss, test_acc=test_acc, lr=engine.param_groups[0]["lr"])
         log.info("epoch=%d dt=%.2f train_loss=%.4f test_loss=%.4f test_acc=%.2f", epoch, rec["dt"],
                  rec["train_loss"], test_loss, test_acc)
-        for group in engine.param_groups:
-            group["lr"] *= args.gamma
+        if per_step_lr is None:  # --lr-schedule epoch
+            for group in engine.param_groups:
+                group["lr"] *= 0.7 if args.gamma is None else args.gamma
         if should_save(args, step, last=epoch == args.epochs, stopping=stopping):
             ckpt.save(step, {"loss": losses[-1] if losses else None, "epoch": epoch})
         if stopping:

@@ -20,6 +20,8 @@ EXAMPLE = "vit"
 
 def build_parser() -> ArgumentParser:
     from mmm.parallel.activation_checkpoint import AC_MODES
+    from mmm.training.evaluation import add_eval_args
+    from mmm.training.schedule import add_schedule_args
 
     p = ArgumentParser(prog=f"python -m mmm.examples.{EXAMPLE}", description=__doc__.split("\n\n")[0],
                        epilog=__doc__.split("\n\n", 2)[2])
@@ -47,6 +49,8 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype [fp32]")
     g.add_argument("--compile", action="store_true", help="torch.compile each block")
     g.add_argument("--ac", choices=AC_MODES, default="none", help="activation checkpointing [none]")
+    add_schedule_args(p)
+    add_eval_args(p)
     add_output_args(p, EXAMPLE)
     add_run_args(p)
     return p
@@ -64,6 +68,8 @@ def check_args(args, world_size: int) -> None:
     from mmm.parallel.compose import compile_problems
     from mmm.parallel.strategy import strategy_problems
     from mmm.training import batch_problems
+    from mmm.training.evaluation import eval_problems
+    from mmm.training.schedule import schedule_problems
     from mmm.parallel.tensor import vit_tp_problems
 
     degrees = {"dp_replicate": args.dp_replicate, "dp_shard": -1, "tp": args.tp}
@@ -77,6 +83,8 @@ def check_args(args, world_size: int) -> None:
         problems += vit_tp_problems(tp=dims.tp, num_heads=args.num_heads)
         problems += batch_problems(args.batch_size, dims.dp)
     problems += run_arg_problems(args)
+    problems += schedule_problems(args, total_steps=args.max_iters)
+    problems += eval_problems(args)
     if problems:
         raise UsageError("; ".join(problems))
 
@@ -89,6 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def train(args, info, outdir, startup) -> int:
+    import time
+
     import torch
     import torch.nn.functional as F
 
@@ -101,6 +111,9 @@ def train(args, info, outdir, startup) -> int:
     from mmm import dist
     from mmm.training import (Run, StepSync, compiled_graphs, make_checkpointer, resume, torchinfo_summary,
                                train_step)
+    from mmm.training.evaluation import eval_due
+    from mmm.training.schedule import schedule_from_args, set_lr
+    from mmm.training.step import evaluate
 
     log = get_logger()
     mesh = init_mesh(tp=args.tp, dp_replicate=args.dp_replicate, dp_shard=-1)
@@ -128,7 +141,8 @@ def train(args, info, outdir, startup) -> int:
 
     dp_rank, local = mesh.coord("dp"), args.batch_size // mesh.dp
     meta = {"example": EXAMPLE, "model": dict(vars(cfg)), "mesh": mesh.dims.degrees, "strategy": args.strategy,
-            "seed": args.seed, "global_batch": args.batch_size}
+            "seed": args.seed, "global_batch": args.batch_size,
+            "lr_schedule": schedule_from_args(args, total_steps=args.max_iters).as_dict()}
     ckpt = make_checkpointer(args, engine, meta=meta, log=log)
     start = resume(args, ckpt, startup)
     run = Run(EXAMPLE, info=info, outdir=outdir, startup=startup, warmup=args.warmup, log_every=args.log_every,
@@ -140,11 +154,19 @@ def train(args, info, outdir, startup) -> int:
     def loss_fn(logits, labels):
         return F.cross_entropy(logits.float(), labels)
 
+    lr_at = schedule_from_args(args, total_steps=args.max_iters)  # the step's learning rate: warmup, decay
+    heldout = []  # this rank's part of the --eval-iters held-out global batches (the same ones each time)
+    for k in range(args.eval_iters if args.eval_every else 0):
+        x, y = data.global_batch(args.seed, k, args.batch_size, split="val")
+        heldout.append((x[dp_rank * local:(dp_rank + 1) * local].to(device), y[dp_rank * local:(dp_rank + 1) * local]
+                        .to(device)))
     dist.graceful_sigterm()
     engine.train()
     with run:  # leaving on an error, the step read late is still written
         for step in range(start, args.max_iters + 1):
             poison = run.begin_step(step)
+            lr = lr_at(step)
+            set_lr(engine, lr)
             images, labels = data.global_batch(args.seed, step, args.batch_size)
             images = images[dp_rank * local:(dp_rank + 1) * local].to(device)
             labels = labels[dp_rank * local:(dp_rank + 1) * local].to(device)
@@ -152,8 +174,14 @@ def train(args, info, outdir, startup) -> int:
             _, reduced, times = train_step(engine, images, labels, loss_fn, sync=run.sync, poison=poison,
                                            skip_nonfinite=args.on_nonfinite == "skip",
                                            after_backward=(lambda: run.capture_memory(engine)) if last else None)
+            val = {}
+            if eval_due(args, step, last=last):  # the held-out loss, left out of the step's dt
+                t_eval = time.perf_counter()
+                val = {"val_loss": evaluate(engine, heldout, loss_fn, sync=run.sync),
+                       "dt_eval": time.perf_counter() - t_eval}
+                run.exclude(val["dt_eval"])
             if run.end_step(step, reduced, times, args=args, checkpointer=ckpt, last=last,
-                            rates={"samples_per_s": args.batch_size}, grad_norm=engine.grad_norm):
+                            rates={"samples_per_s": args.batch_size}, grad_norm=engine.grad_norm, lr=lr, **val):
                 break
 
     extra = {"mesh": mesh.dims.degrees, "strategy": args.strategy, "dtype": args.dtype, "ac": args.ac,
