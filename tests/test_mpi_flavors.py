@@ -60,7 +60,7 @@ def test_smoke_test_through_launch(mpi):
     assert "TCPStore" not in res.stderr and "Traceback" not in res.stderr, res.stderr  # a quiet, clean exit
 
 
-def test_a_finished_job_is_not_killed_by_hydra(mpi):
+def test_a_finished_job_is_not_killed_by_hydra(mpi, tmp_path):
     """After MPI_Finalize a rank must leave by a normal process exit: Hydra's proxy SIGKILLs the other
     ranks of a job whose rank vanished by _exit (rc 9 after 'smoke test passed', mostly when a shell
     follows python in the rank's command)."""
@@ -70,6 +70,12 @@ def test_a_finished_job_is_not_killed_by_hydra(mpi):
         res = run([str(envdir / "bin" / "mpiexec"), "-n", "4", "bash", "-c", f"{py} -m mmm --tp 2; exit $?"],
                   env=env_of(envdir), timeout=120)
         assert res.returncode == 0 and "smoke test passed" in res.output, (attempt, res.output)
+    # after training too (torch's thread-local destructors must not run at that exit: rc 134)
+    for attempt in range(2):
+        res = run([str(envdir / "bin" / "mpiexec"), "-n", "2", "bash", "-c",
+                   f"{py} -m mmm.examples.fsdp_tp {' '.join(TINY)} --max-iters 2 --outdir {tmp_path / str(attempt)}; "
+                   "exit $?"], env=env_of(envdir), timeout=180)
+        assert res.returncode == 0 and "done: final loss" in res.output, (attempt, res.output)
 
 
 def test_fsdp_tp_trainer_through_launch(mpi, tmp_path):

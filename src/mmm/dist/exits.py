@@ -268,12 +268,13 @@ def finish(code: int = 0, *, together: bool | None = None) -> NoReturn:
             except Exception:
                 pass
         if _mpi_finalized():
-            # MPICH's Hydra counts a rank as finished only on a normal process exit, one that runs
-            # the C library's exit handlers: after os._exit its proxy may SIGKILL the other ranks.
-            # libc's exit() runs them and still skips Python's interpreter shutdown.
+            # MPICH's Hydra counts a rank as finished only on a normal process exit (C exit handlers
+            # run): after a bare _exit its proxy may SIGKILL the other ranks (rc 9). libc's exit()
+            # runs them and still skips Python's shutdown; called through PyDLL, i.e. holding the GIL,
+            # which torch's thread-local destructors need there (through CDLL they abort: rc 134).
             import ctypes
 
-            ctypes.CDLL(None).exit(code)
+            ctypes.PyDLL(None).exit(code)
         os._exit(code)
 
 
