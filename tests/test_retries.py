@@ -4,7 +4,6 @@ latest checkpoint; the result is the uninterrupted run's, step for step."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 from conftest import clean_env, jsonl, launch, run

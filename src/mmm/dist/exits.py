@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from mmm.dist import liveness
 from mmm.dist.device import timeout_seconds
 from mmm.dist.ranks import discover_ranks
-from mmm.dist.state import _first_line, current, info, teardown
+from mmm.dist.state import _first_line, current, teardown
 from mmm.errors import UsageError, print_error
 
 if TYPE_CHECKING:  # pragma: no cover
