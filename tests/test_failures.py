@@ -193,17 +193,19 @@ def test_sigusr1_writes_every_ranks_stacks(tmp_path):
                          env=clean_env(MMM_STACK_DIR=str(stacks)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, stdin=subprocess.DEVNULL, start_new_session=True)
     try:
-        ready = [p.stdout.readline() for _ in range(2)]
-        assert all(line.startswith("READY") for line in ready), ready
+        seen = ""  # two ranks share the pipe: their lines may interleave, so count the words
+        while seen.count("READY") < 2 and p.poll() is None:
+            seen += p.stdout.readline()
+        assert seen.count("READY") == 2, seen
         out = subprocess.run(["pgrep", "-f", f"{SCRIPTS / 'wait_forever.py'}"], capture_output=True, text=True)
         pids = [int(x) for x in out.stdout.split() if int(x) != p.pid]
         assert len(pids) == 2, out.stdout
         for pid in pids:
             os.kill(pid, signal.SIGUSR1)
         deadline = time.monotonic() + 10
+        files = [stacks / f"rank-{r}.txt" for r in (0, 1)]
         while time.monotonic() < deadline and not all(
-                "wait_forever.py" in (stacks / f"rank-{r}.txt").read_text() for r in (0, 1)
-                if (stacks / f"rank-{r}.txt").exists()):
+                f.exists() and "wait_forever.py" in f.read_text() for f in files):
             time.sleep(0.1)
         for r in (0, 1):
             text = (stacks / f"rank-{r}.txt").read_text()

@@ -1,6 +1,8 @@
 """`launch`: scheduler detection, host lists, the commands it builds, and its errors."""
 
+import subprocess
 import sys
+import time
 
 import pytest
 from conftest import clean_env, launch, run
@@ -171,3 +173,58 @@ def test_exit_code_of_the_command_is_returned(launcher):
     assert res.returncode == 7 if launcher == "local" else res.returncode != 0, res.output
     ok = run(launch("--launcher", launcher, "-n", "2", "python3", "-c", "pass"))
     assert ok.returncode == 0, ok.output
+
+
+def _ranks_noting_themselves(folder, n):
+    """n real processes that note themselves as mmm's ranks do at setup, then wait for their fate."""
+    code = ("import sys, time\nfrom mmm.dist import liveness\nliveness.record_pid(int(sys.argv[1]))\n"
+            "line = sys.stdin.readline().strip()\n"
+            "if line: liveness.record_exit(line); sys.exit(int(line))\ntime.sleep(60)\n")
+    env = clean_env(MMM_PID_DIR=str(folder))
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], env=env, stdin=subprocess.PIPE, text=True)
+             for r in range(n)]
+    deadline = time.monotonic() + 30
+    while len(list(folder.iterdir())) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return procs
+
+
+def _watch(folder, n, fates):
+    """Start a RankWatch, then deal each rank its fate in order: "kill" (SIGKILL) or an exit code."""
+    procs = _ranks_noting_themselves(folder, n)
+    w = L.RankWatch(str(folder), n)
+    w.start()
+    try:
+        time.sleep(0.3)  # the watch has found every rank
+        for rank, fate in fates:
+            if fate == "kill":
+                procs[rank].kill()
+            else:
+                procs[rank].stdin.write(f"{fate}\n")
+                procs[rank].stdin.flush()
+            procs[rank].wait(timeout=30)
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        time.sleep(0.3)
+        w.done.set()
+        w.join(timeout=5)
+    return w.first_silent()
+
+
+def test_rank_watch_names_the_rank_killed_first_not_those_killed_after(tmp_path):
+    """MPICH's Hydra kills every rank once one dies and names some process; launch names the first."""
+    named = _watch(tmp_path, 3, [(1, "kill"), (0, "kill"), (2, "kill")])
+    assert named is not None and named.startswith("rank 1 (pid ") and "died first" in named, named
+
+
+def test_rank_watch_skips_ranks_that_finished_and_defers_to_a_rank_that_spoke(tmp_path):
+    (tmp_path / "a").mkdir()
+    named = _watch(tmp_path / "a", 3, [(0, "0"), (2, "kill"), (1, "kill")])  # rank 0 finished well first
+    assert named is not None and named.startswith("rank 2 (pid "), named
+    (tmp_path / "b").mkdir()  # a rank that left with an error of its own said so: nothing to add
+    assert _watch(tmp_path / "b", 3, [(2, "1"), (0, "kill"), (1, "kill")]) is None
+    (tmp_path / "c").mkdir()  # a rank that never noted itself (another host): the order is not known
+    assert L.RankWatch(str(tmp_path / "c"), 4).first_silent() is None

@@ -98,13 +98,14 @@ def test_a_killed_rank_ends_the_job_fast_naming_only_it(mpi, tmp_path):
     assert res.returncode != 0, res.output
     assert res.seconds < 60, res.seconds
     named = [ln for ln in res.stderr.splitlines() if "stopped answering" in ln]
-    # Intel MPI lets the survivors speak; MPICH's Hydra SIGKILLs them at once and names the process itself
     assert all("error: rank 1 stopped answering" in ln for ln in named), named
-    if name == "impi":
+    if name == "impi":  # Intel MPI lets the survivors speak
         assert named, res.output
-    else:
-        assert named or ("BAD TERMINATION" in res.stdout and "EXIT CODE: 9" in res.stdout), res.output
-    assert "Traceback" not in res.stderr, res.stderr
+    # MPICH's Hydra SIGKILLs the survivors at once and names some process (rank 0's, measured): launch
+    # watches the ranks and names the one that died first, under both
+    died = [ln for ln in res.stderr.splitlines() if "died first" in ln]
+    assert len(died) == 1 and died[0].startswith("launch: error: rank 1 (pid "), res.stderr
+    assert "Traceback" not in res.stderr and "frame #" not in res.stderr, res.stderr  # nor c10d's C++ stacks
     rows = [json.loads(line)["iter"] for line in (tmp_path / "history.jsonl").read_text().splitlines()]
     # the finished steps are on disk; under MPICH step 2 may be lost with its late read (Hydra SIGKILLs
     # every rank within milliseconds, before rank 0 writes a step whose values it reads one step late)

@@ -29,6 +29,8 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -407,17 +409,106 @@ NOT_RETRIED = {0: "it succeeded", 2: "bad input fails again", 130: "interrupted 
                143: "terminated (SIGTERM: preemption or the scheduler's limit)"}
 
 
+class RankWatch(threading.Thread):
+    """Which of this host's ranks ended first. mmm's ranks note their process in ``folder``
+    (``MMM_PID_DIR``) at setup and their exit when they leave by their own hand; this thread waits on
+    every such process (pidfds) and records the order in which they end. MPICH's Hydra kills every rank
+    the moment one dies and names only some process; this names the rank that died."""
+
+    def __init__(self, folder: str, nproc: int) -> None:
+        super().__init__(name="mmm-rank-watch", daemon=True)
+        self.folder, self.nproc = Path(folder), nproc
+        self.rank_of: dict[int, str] = {}  # pid -> rank
+        self.ended: list[list[int]] = []  # pids, one list per wake-up, in order
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        import select
+
+        poller, fds = select.poll(), {}
+        while not self.done.is_set():
+            if len(self.rank_of) < self.nproc:  # ranks still starting: look for their notes
+                for f in self.folder.iterdir():
+                    if f.suffix == ".exit" or not f.name.rpartition(".")[2].isdigit():
+                        continue
+                    pid = int(f.name.rpartition(".")[2])
+                    if pid in self.rank_of:
+                        continue
+                    try:
+                        self.rank_of[pid] = f.read_text().strip()
+                        fd = os.pidfd_open(pid)
+                    except OSError:  # gone already (a wake-up of its own), or no pidfds here
+                        self.ended.append([pid])
+                        continue
+                    fds[fd] = pid
+                    poller.register(fd, select.POLLIN)
+            events = poller.poll(50 if len(self.rank_of) < self.nproc else 250)
+            if events:
+                self.ended.append([fds[fd] for fd, _ in events])
+                for fd, _ in events:
+                    poller.unregister(fd)
+                    del fds[fd]
+                    os.close(fd)
+        for fd in fds:
+            os.close(fd)
+
+    def first_silent(self) -> str | None:
+        """After a failed job: the rank(s) that ended first without leaving by their own hand (killed
+        by a signal, or crashed), as a message; None when a rank that failed first said so itself,
+        or when some ranks are not on this host (their order cannot be seen from here)."""
+        if len(self.rank_of) < self.nproc:
+            return None
+        for batch in self.ended:
+            how = {pid: self._exit_of(pid) for pid in batch}
+            failed = [pid for pid in batch if how[pid] != "0"]
+            if not failed:
+                continue
+            if any(how[pid] is not None for pid in failed):
+                return None  # it left with an error of its own, and said so
+            failed.sort(key=lambda pid: int(self.rank_of[pid]) if self.rank_of[pid].isdigit() else 0)
+            names = ", ".join(f"{self.rank_of[p]} (pid {p})" for p in failed)
+            return (f"rank{'s' if len(failed) > 1 else ''} {names} died first, without a word: killed by a "
+                    "signal (e.g. the out-of-memory killer) or crashed")
+        return None
+
+    def _exit_of(self, pid: int) -> str | None:
+        try:
+            return next(self.folder.glob(f"*.{pid}.exit")).read_text().strip()
+        except (StopIteration, OSError):
+            return None
+
+
 def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) -> int:
     """Run the plan once as a child (mpiexec/srun) or with the local spawner; its exit code.
-    SIGINT/SIGTERM are forwarded to the child and recorded in ``signalled``."""
+    SIGINT/SIGTERM are forwarded to the child and recorded in ``signalled``. Under a Hydra ``mpiexec``
+    launch watches this host's ranks (:class:`RankWatch`) and names the one that died first."""
     if plan.launcher == "local":
         code = spawn_local(plan.argv, plan.nproc, env, signalled=signalled)
         return code
+    watcher = None
+    if plan.launcher == "mpiexec" and plan.mpi_flavor == "hydra" and hasattr(os, "pidfd_open"):
+        watcher = RankWatch(tempfile.mkdtemp(prefix="mmm-pids-"), plan.nproc)
+        env = {**env, "MMM_PID_DIR": str(watcher.folder)}
     try:
         p = subprocess.Popen(plan.argv, env=dict(env))
     except OSError as e:
         raise UsageError(f"cannot run {plan.argv[0]!r}: {e.strerror}") from None
+    if watcher is not None:
+        watcher.start()
+    try:
+        rc = _wait_forwarding(p, signalled)
+    finally:
+        if watcher is not None:
+            watcher.done.set()
+            watcher.join(timeout=2.0)
+            named = watcher.first_silent() if p.returncode and not signalled else None
+            shutil.rmtree(watcher.folder, ignore_errors=True)
+            if named:
+                print_error(named, prog=PROG)
+    return rc
 
+
+def _wait_forwarding(p: subprocess.Popen, signalled: list[int]) -> int:
     def forward(signum, frame):
         signalled.append(signum)
         if p.poll() is None:
@@ -528,9 +619,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print_error(str(e), prog=PROG)
             return 2
     env = {**os.environ, **plan.env}
-    if plan.launcher == "local":
+    if plan.launcher == "local" or plan.mpi_flavor == "hydra":  # hydra: launch stays to name a failed rank
         try:
-            return spawn_local(plan.argv, plan.nproc, env)
+            return run_attempt(plan, env, [])
         except UsageError as e:
             print_error(str(e), prog=PROG)
             return 2

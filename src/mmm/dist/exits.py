@@ -267,6 +267,7 @@ def finish(code: int = 0, *, together: bool | None = None) -> NoReturn:
                 stream.flush()
             except Exception:
                 pass
+        liveness.record_exit(code)
         if _mpi_finalized():
             # MPICH's Hydra counts a rank as finished only on a normal process exit (C exit handlers
             # run): after a bare _exit its proxy may SIGKILL the other ranks (rc 9). libc's exit()

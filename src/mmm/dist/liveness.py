@@ -22,6 +22,7 @@ import datetime
 import faulthandler
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -163,19 +164,23 @@ def close_stack_file() -> None:
         pass
 
 
-def silent_ranks(wait_s: float = 3.0) -> list[int] | None:
+def silent_ranks(wait_s: float = 3.0, linger_s: float = 5.0) -> list[int] | None:
     """After a failed collective: call the roll and return the ranks that do not answer within
     ``wait_s`` (their process is gone or frozen), or None when that cannot be known (the store
     lived on a lost rank, rank 0, or there is no process group). Every live rank's watcher answers at once,
-    whatever its main thread is doing, so a rank stuck in another collective is not named."""
+    whatever its main thread is doing, so a rank stuck in another collective is not named. Rank 0, the
+    store's host, then waits up to ``linger_s`` for the live ranks to finish their own roll calls, so that
+    none of them loses the store in the middle of one."""
     try:
         import torch.distributed as dist
 
         if not dist.is_initialized():
             return None
-        store = dist.distributed_c10d._get_default_store()  # connected already: fails fast if the host is gone
+        store = dist.distributed_c10d._get_default_store()
+        if _store_host_gone(store):  # a request on the old client would only print the client's warnings
+            return None
         store.set_timeout(datetime.timedelta(seconds=wait_s))
-        world = dist.get_world_size()
+        world, me = dist.get_world_size(), dist.get_rank()
         wake = [_wake_key(r) for r in range(world)]
         if hasattr(store, "multi_set"):
             store.multi_set(wake, ["roll call"] * world)
@@ -188,7 +193,61 @@ def silent_ranks(wait_s: float = 3.0) -> list[int] | None:
         while True:
             missing = [r for r in range(world) if not store.check([_alive_key(r)])]
             if not missing or time.monotonic() > deadline:
-                return missing
+                break
             time.sleep(0.05)
+        store.set(_done_key(me), "1")
+        if me == 0:  # the store's host: stay while the live ranks still call their own roll (~seconds)
+            others = [_done_key(r) for r in range(1, world) if r not in missing]
+            deadline = time.monotonic() + linger_s
+            while others and time.monotonic() < deadline and not store.check(others):
+                time.sleep(0.05)
+        return missing
     except Exception:
         return None
+
+
+def _done_key(rank: int) -> str:
+    return f"mmm/roll_done/{rank}"
+
+
+def _store_host_gone(store: Any) -> bool:
+    """True when the store's server refuses a fresh connection: its host (rank 0) has left."""
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    host, port = getattr(store, "host", None), getattr(store, "port", None)
+    if not host or not port:
+        return False
+    try:
+        socket.create_connection((host, port), timeout=1.0).close()
+    except OSError:
+        return True
+    return False
+
+
+def record_pid(rank: int) -> None:
+    """Note this process for ``launch`` (``MMM_PID_DIR``, a folder it made on its host): under a launcher
+    that kills every rank the moment one dies without saying which (MPICH's Hydra), launch watches
+    these processes and names the rank that ended first. Nothing when the folder is not on this host."""
+    global _pid_file
+    folder = os.environ.get("MMM_PID_DIR")
+    if not folder or not os.path.isdir(folder):
+        return
+    try:
+        path = Path(folder, f"{socket.gethostname()}.{os.getpid()}")
+        path.write_text(str(rank))
+        _pid_file = path
+    except OSError:
+        pass
+
+
+def record_exit(how: int | str) -> None:
+    """Note that this rank is leaving by its own hand (an exit code, or "atexit"), so launch does not
+    take it for one that was killed or crashed."""
+    if _pid_file is not None:
+        try:
+            _pid_file.with_name(_pid_file.name + ".exit").write_text(str(how))
+        except OSError:
+            pass
+
+
+_pid_file: Path | None = None

@@ -116,6 +116,7 @@ def setup(
         return _INFO
     t0 = time.perf_counter()
     ranks = discover_ranks()
+    liveness.record_pid(ranks.rank)
     from mmm import log as mlog
 
     mlog.configure(rank=ranks.rank, world_size=ranks.world_size, all_ranks=all_ranks_log)
@@ -249,6 +250,7 @@ def teardown(*, ok: bool = True, finalize_mpi: bool | None = None) -> None:
 
 def _atexit_teardown() -> None:
     # A program that forgot teardown(): destroy without a barrier (peers may have exited).
+    liveness.record_exit("atexit")
     try:
         import torch.distributed as dist
 
