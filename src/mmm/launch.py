@@ -508,9 +508,19 @@ def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) 
     return rc
 
 
+def _ctrl_c_reached_the_child() -> bool:
+    """A Ctrl-C typed in the terminal went to the whole foreground process group, the child included."""
+    try:
+        return os.isatty(0) and os.tcgetpgrp(0) == os.getpgrp()
+    except OSError:
+        return False
+
+
 def _wait_forwarding(p: subprocess.Popen, signalled: list[int]) -> int:
     def forward(signum, frame):
         signalled.append(signum)
+        if signum == signal.SIGINT and _ctrl_c_reached_the_child():
+            return  # a second SIGINT would make mpiexec abort instead of stopping the ranks
         if p.poll() is None:
             p.send_signal(signum)
 
