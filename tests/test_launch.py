@@ -194,23 +194,30 @@ def _watch(folder, n, fates):
     procs = _ranks_noting_themselves(folder, n)
     w = L.RankWatch(str(folder), n)
     w.start()
+
+    def until(condition):
+        deadline = time.monotonic() + 30
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert condition()
+
     try:
-        time.sleep(0.3)  # the watch has found every rank
-        for rank, fate in fates:
+        until(lambda: len(w.rank_of) == n)  # the watch has found every rank
+        for k, (rank, fate) in enumerate(fates):
             if fate == "kill":
                 procs[rank].kill()
             else:
                 procs[rank].stdin.write(f"{fate}\n")
                 procs[rank].stdin.flush()
             procs[rank].wait(timeout=30)
-            time.sleep(0.2)
+            until(lambda: sum(map(len, w.ended)) == k + 1)  # seen ending before the next one goes
     finally:
         for p in procs:
             p.kill()
             p.wait()
-        time.sleep(0.3)
         w.done.set()
         w.join(timeout=5)
+    assert not w.blind
     return w.first_silent()
 
 
@@ -228,3 +235,10 @@ def test_rank_watch_skips_ranks_that_finished_and_defers_to_a_rank_that_spoke(tm
     assert _watch(tmp_path / "b", 3, [(2, "1"), (0, "kill"), (1, "kill")]) is None
     (tmp_path / "c").mkdir()  # a rank that never noted itself (another host): the order is not known
     assert L.RankWatch(str(tmp_path / "c"), 4).first_silent() is None
+    (tmp_path / "c" / "another-host.1").write_text("0")  # a note from another host is not this host's pid 1
+    w = L.RankWatch(str(tmp_path / "c"), 1)
+    w.start()
+    time.sleep(0.2)
+    w.done.set()
+    w.join(timeout=5)
+    assert w.rank_of == {} and w.first_silent() is None

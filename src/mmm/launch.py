@@ -413,50 +413,70 @@ class RankWatch(threading.Thread):
     """Which of this host's ranks ended first. mmm's ranks note their process in ``folder``
     (``MMM_PID_DIR``) at setup and their exit when they leave by their own hand; this thread waits on
     every such process (pidfds) and records the order in which they end. MPICH's Hydra kills every rank
-    the moment one dies and names only some process; this names the rank that died."""
+    the moment one dies and names only some process; this names the rank that died. It stays silent
+    rather than guess: ranks on other hosts, a kernel without pidfds, a note it could not read."""
 
     def __init__(self, folder: str, nproc: int) -> None:
         super().__init__(name="mmm-rank-watch", daemon=True)
         self.folder, self.nproc = Path(folder), nproc
+        self.host = socket.gethostname()
         self.rank_of: dict[int, str] = {}  # pid -> rank
         self.ended: list[list[int]] = []  # pids, one list per wake-up, in order
+        self.blind = False  # the order cannot be known (then first_silent says nothing)
         self.done = threading.Event()
 
     def run(self) -> None:
         import select
 
         poller, fds = select.poll(), {}
-        while not self.done.is_set():
-            if len(self.rank_of) < self.nproc:  # ranks still starting: look for their notes
-                for f in self.folder.iterdir():
-                    if f.suffix == ".exit" or not f.name.rpartition(".")[2].isdigit():
-                        continue
-                    pid = int(f.name.rpartition(".")[2])
-                    if pid in self.rank_of:
-                        continue
-                    try:
-                        self.rank_of[pid] = f.read_text().strip()
-                        fd = os.pidfd_open(pid)
-                    except OSError:  # gone already (a wake-up of its own), or no pidfds here
-                        self.ended.append([pid])
-                        continue
-                    fds[fd] = pid
-                    poller.register(fd, select.POLLIN)
-            events = poller.poll(50 if len(self.rank_of) < self.nproc else 250)
+
+        def collect(timeout_ms: int) -> None:
+            events = poller.poll(timeout_ms)
             if events:
                 self.ended.append([fds[fd] for fd, _ in events])
                 for fd, _ in events:
                     poller.unregister(fd)
                     del fds[fd]
                     os.close(fd)
-        for fd in fds:
-            os.close(fd)
+
+        try:
+            while not self.done.is_set():
+                if len(self.rank_of) < self.nproc:  # ranks still starting: look for their notes
+                    collect(0)  # what ended before this look comes first
+                    self._look(poller, fds)
+                collect(50 if len(self.rank_of) < self.nproc else 250)
+            collect(0)
+        except Exception:  # never a traceback from a helper thread; never a guess either
+            self.blind = True
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _look(self, poller, fds: dict[int, int]) -> None:
+        import errno
+        import select
+
+        for f in self.folder.iterdir():
+            host, _, pid_s = f.name.rpartition(".")
+            if host != self.host or not pid_s.isdigit() or int(pid_s) in self.rank_of:
+                continue  # an exit note, a note being written, a rank of another host
+            pid = int(pid_s)
+            self.rank_of[pid] = f.read_text().strip()
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError as e:
+                if e.errno != errno.ESRCH:  # no pidfds here (old kernel, seccomp): the order is unknown
+                    self.blind = True
+                self.ended.append([pid])  # gone already
+                continue
+            fds[fd] = pid
+            poller.register(fd, select.POLLIN)
 
     def first_silent(self) -> str | None:
         """After a failed job: the rank(s) that ended first without leaving by their own hand (killed
-        by a signal, or crashed), as a message; None when a rank that failed first said so itself,
-        or when some ranks are not on this host (their order cannot be seen from here)."""
-        if len(self.rank_of) < self.nproc:
+        by a signal, a crash, ``os._exit``), as a message; None when a rank that failed first said so
+        itself, or when the order cannot be known here (ranks on other hosts, no pidfds)."""
+        if self.blind or len(self.rank_of) < self.nproc:
             return None
         for batch in self.ended:
             how = {pid: self._exit_of(pid) for pid in batch}
@@ -465,16 +485,19 @@ class RankWatch(threading.Thread):
                 continue
             if any(how[pid] is not None for pid in failed):
                 return None  # it left with an error of its own, and said so
-            failed.sort(key=lambda pid: int(self.rank_of[pid]) if self.rank_of[pid].isdigit() else 0)
-            names = ", ".join(f"{self.rank_of[p]} (pid {p})" for p in failed)
-            return (f"rank{'s' if len(failed) > 1 else ''} {names} died first, without a word: killed by a "
-                    "signal (e.g. the out-of-memory killer) or crashed")
+            ranks = sorted((self.rank_of.get(pid, "?"), pid) for pid in failed)
+            if any(not r.isdigit() for r, _ in ranks):
+                return None
+            ranks.sort(key=lambda rp: int(rp[0]))
+            names = ", ".join(f"{r} (pid {p})" for r, p in ranks)
+            return (f"rank{'s' if len(ranks) > 1 else ''} {names} died first, without a word: killed by a "
+                    "signal (e.g. the out-of-memory killer), a crash or os._exit")
         return None
 
     def _exit_of(self, pid: int) -> str | None:
         try:
-            return next(self.folder.glob(f"*.{pid}.exit")).read_text().strip()
-        except (StopIteration, OSError):
+            return (self.folder / f"{self.host}.{pid}.exit").read_text().strip()
+        except OSError:
             return None
 
 
@@ -492,6 +515,8 @@ def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) 
     try:
         p = subprocess.Popen(plan.argv, env=dict(env))
     except OSError as e:
+        if watcher is not None:
+            shutil.rmtree(watcher.folder, ignore_errors=True)
         raise UsageError(f"cannot run {plan.argv[0]!r}: {e.strerror}") from None
     if watcher is not None:
         watcher.start()
@@ -501,30 +526,44 @@ def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) 
         if watcher is not None:
             watcher.done.set()
             watcher.join(timeout=2.0)
-            named = watcher.first_silent() if p.returncode and not signalled else None
-            shutil.rmtree(watcher.folder, ignore_errors=True)
-            if named:
-                print_error(named, prog=PROG)
+            if not watcher.is_alive():
+                named = watcher.first_silent() if p.returncode and not signalled else None
+                shutil.rmtree(watcher.folder, ignore_errors=True)
+                if named:
+                    print_error(named, prog=PROG)
     return rc
 
 
 def _ctrl_c_reached_the_child() -> bool:
-    """A Ctrl-C typed in the terminal went to the whole foreground process group, the child included."""
+    """A Ctrl-C typed in launch's terminal went to the whole foreground process group, the child included."""
     try:
-        return os.isatty(0) and os.tcgetpgrp(0) == os.getpgrp()
+        fd = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)
+    except OSError:
+        return False  # no controlling terminal: someone sent it to launch alone
+    try:
+        return os.tcgetpgrp(fd) == os.getpgrp()
     except OSError:
         return False
+    finally:
+        os.close(fd)
+
+
+_STOPPING = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")  # recorded: a job stopped on purpose is not retried
+_PASSED_ON = ("SIGUSR1", "SIGUSR2")  # e.g. SIGUSR1: every mmm rank writes its stacks
 
 
 def _wait_forwarding(p: subprocess.Popen, signalled: list[int]) -> int:
+    """Wait for the child, passing on the signals launch gets (as when the child had taken launch's place)."""
     def forward(signum, frame):
-        signalled.append(signum)
+        if signal.Signals(signum).name in _STOPPING:
+            signalled.append(signum)
         if signum == signal.SIGINT and _ctrl_c_reached_the_child():
             return  # a second SIGINT would make mpiexec abort instead of stopping the ranks
         if p.poll() is None:
             p.send_signal(signum)
 
-    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    sigs = [getattr(signal, name) for name in (*_STOPPING, *_PASSED_ON) if hasattr(signal, name)]
+    old = {sig: signal.signal(sig, forward) for sig in sigs}
     try:
         while True:
             try:

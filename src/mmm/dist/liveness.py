@@ -234,7 +234,7 @@ def record_pid(rank: int) -> None:
         return
     try:
         path = Path(folder, f"{socket.gethostname()}.{os.getpid()}")
-        path.write_text(str(rank))
+        _write_whole(path, str(rank))
         _pid_file = path
     except OSError:
         pass
@@ -245,9 +245,16 @@ def record_exit(how: int | str) -> None:
     take it for one that was killed or crashed."""
     if _pid_file is not None:
         try:
-            _pid_file.with_name(_pid_file.name + ".exit").write_text(str(how))
+            _write_whole(_pid_file.with_name(_pid_file.name + ".exit"), str(how))
         except OSError:
             pass
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Readers see the file whole or not at all (its name appears only once written)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 _pid_file: Path | None = None
