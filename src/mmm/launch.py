@@ -485,7 +485,7 @@ class RankWatch(threading.Thread):
                 continue
             if any(how[pid] is not None for pid in failed):
                 return None  # it left with an error of its own, and said so
-            ranks = sorted((self.rank_of.get(pid, "?"), pid) for pid in failed)
+            ranks = [(self.rank_of.get(pid, "?"), pid) for pid in failed]
             if any(not r.isdigit() for r, _ in ranks):
                 return None
             ranks.sort(key=lambda rp: int(rp[0]))
