@@ -4,7 +4,7 @@ STAMP := $(VENV)/.mmm-installed
 NPROC ?= 4
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo smoke test test-fast test-deps venv clean
+.PHONY: demo smoke test test-fast test-deps lint format venv clean
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh
 	bash scripts/bootstrap.sh $(VENV)
@@ -22,7 +22,16 @@ smoke: $(STAMP)
 test-deps:
 	bash scripts/test_deps.sh
 
-test: $(STAMP) test-deps
+# ruff: lint + formatting (configured in pyproject.toml); `make format` rewrites in place
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+test: $(STAMP) test-deps lint
 	$(VENV)/bin/python -m pytest -q --durations=15
 
 test-fast: $(STAMP)

@@ -57,13 +57,17 @@ def main() -> None:
         med = statistics.median(times)
         p90 = statistics.quantiles(times, n=10)[-1]
         kind = "0-d tensors" if as_tensors else "floats"
-        print(f"update, 8 {kind}: median {med:.2f} us, p90 {p90:.2f} us ({med / b_med:.2f}x baseline) "
-              f"[goal <= 20 us: {'ok' if med <= 20 else 'MISSED'}]")
+        print(
+            f"update, 8 {kind}: median {med:.2f} us, p90 {p90:.2f} us ({med / b_med:.2f}x baseline) "
+            f"[goal <= 20 us: {'ok' if med <= 20 else 'MISSED'}]"
+        )
         t0 = time.perf_counter()
         h.finalize({"bench": True}, print_plots=False)
         fin = time.perf_counter() - t0
-        print(f"finalize {args.steps} steps ({kind}), netCDF + summary + {len(KEYS)} text and {len(KEYS)} png plots: "
-              f"{fin:.2f} s [goal <= 5 s: {'ok' if fin <= 5 else 'MISSED'}]")
+        print(
+            f"finalize {args.steps} steps ({kind}), netCDF + summary + {len(KEYS)} text and {len(KEYS)} png plots: "
+            f"{fin:.2f} s [goal <= 5 s: {'ok' if fin <= 5 else 'MISSED'}]"
+        )
     print(f"outputs in {root}")
 
 

@@ -24,16 +24,39 @@ import sys
 import tempfile
 from pathlib import Path
 
-COMMON = ["--strategy", "fsdp", "--max-iters", "1", "--warmup", "0", "--no-plots", "--seq-len", "16",
-          "--vocab-size", "256"]
+COMMON = [
+    "--strategy",
+    "fsdp",
+    "--max-iters",
+    "1",
+    "--warmup",
+    "0",
+    "--no-plots",
+    "--seq-len",
+    "16",
+    "--vocab-size",
+    "256",
+]
 TINY = ["--dim", "64", "--n-layers", "2", "--n-heads", "4"]
 
 
 def run(launch: str, ranks: int, flags: list[str], out: Path) -> dict:
-    cmd = [launch, "-q", "-n", str(ranks), sys.executable, "-m", "mmm.examples.fsdp_tp", *COMMON, *flags,
-           "--outdir", str(out)]
-    res = subprocess.run(cmd, capture_output=True, text=True, env={**__import__("os").environ,
-                                                                     "OMP_NUM_THREADS": "1", "MMM_RICH": "0"})
+    cmd = [
+        launch,
+        "-q",
+        "-n",
+        str(ranks),
+        sys.executable,
+        "-m",
+        "mmm.examples.fsdp_tp",
+        *COMMON,
+        *flags,
+        "--outdir",
+        str(out),
+    ]
+    res = subprocess.run(
+        cmd, capture_output=True, text=True, env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "MMM_RICH": "0"}
+    )
     if res.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed (exit {res.returncode}):\n{res.stderr[-3000:]}")
     return json.loads((out / "summary.json").read_text())
@@ -55,13 +78,19 @@ def main() -> None:
     launch = str(Path(sys.executable).parent / "launch")
     batch = ["--batch-size", str(args.ranks)]
     tiny = run(launch, args.ranks, TINY + batch, root / "tiny")
-    big = run(launch, args.ranks, ["--dim", str(args.dim), "--n-layers", str(args.n_layers),
-                                   "--n-heads", str(args.n_heads)] + batch, root / "big")
+    big = run(
+        launch,
+        args.ranks,
+        ["--dim", str(args.dim), "--n-layers", str(args.n_layers), "--n-heads", str(args.n_heads)] + batch,
+        root / "big",
+    )
     psi = big["model"]["num_params"]
     whole, ideal = 4 * psi, 16 * psi / args.ranks
-    print(f"\nFSDP over {args.ranks} ranks, fp32 + AdamW, one step; model {psi / 1e6:.0f}M parameters = "
-          f"{whole / 2**30:.2f} GiB of fp32 weights (dim {args.dim}, {args.n_layers} layers); "
-          f"ideal sharded state {ideal / 2**30:.2f} GiB/rank (0.5x at 8 ranks)\n")
+    print(
+        f"\nFSDP over {args.ranks} ranks, fp32 + AdamW, one step; model {psi / 1e6:.0f}M parameters = "
+        f"{whole / 2**30:.2f} GiB of fp32 weights (dim {args.dim}, {args.n_layers} layers); "
+        f"ideal sharded state {ideal / 2**30:.2f} GiB/rank (0.5x at 8 ranks)\n"
+    )
     print("| rank | tiny peak GiB | after setup GiB (+growth) | after step 1 GiB (+growth) | growth / whole model |")
     print("|---:|---:|---:|---:|---:|")
     worst = 0.0
@@ -70,13 +99,28 @@ def main() -> None:
         setup = peak(big["memory"]["after_setup"][r])
         step = peak(big["memory"]["after_first_step"][r])
         worst = max(worst, (step - base) / whole)
-        print(f"| {r} | {base / 2**30:.2f} | {setup / 2**30:.2f} (+{(setup - base) / 2**30:.2f}) | "
-              f"{step / 2**30:.2f} (+{(step - base) / 2**30:.2f}) | {(step - base) / whole:.3f}x |")
-    print(f"\nworst rank: peak grows {worst:.3f}x of the whole model's fp32 weights "
-          f"(ideal {ideal / whole:.3f}x; before meta-device construction: 3.5x)")
-    (root / "memory.json").write_text(json.dumps({"ranks": args.ranks, "num_params": psi, "whole_bytes": whole,
-                                                  "ideal_bytes": ideal, "worst_growth_ratio": worst,
-                                                  "tiny": tiny["memory"], "big": big["memory"]}, indent=1))
+        print(
+            f"| {r} | {base / 2**30:.2f} | {setup / 2**30:.2f} (+{(setup - base) / 2**30:.2f}) | "
+            f"{step / 2**30:.2f} (+{(step - base) / 2**30:.2f}) | {(step - base) / whole:.3f}x |"
+        )
+    print(
+        f"\nworst rank: peak grows {worst:.3f}x of the whole model's fp32 weights "
+        f"(ideal {ideal / whole:.3f}x; before meta-device construction: 3.5x)"
+    )
+    (root / "memory.json").write_text(
+        json.dumps(
+            {
+                "ranks": args.ranks,
+                "num_params": psi,
+                "whole_bytes": whole,
+                "ideal_bytes": ideal,
+                "worst_growth_ratio": worst,
+                "tiny": tiny["memory"],
+                "big": big["memory"],
+            },
+            indent=1,
+        )
+    )
     print(f"data: {root / 'memory.json'}")
 
 

@@ -46,35 +46,71 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
-    model = ["--dim", "256", "--n-layers", "4", "--seq-len", "128", "--batch-size", "16", "--max-iters",
-             str(args.steps)]
+    model = [
+        "--dim",
+        "256",
+        "--n-layers",
+        "4",
+        "--seq-len",
+        "128",
+        "--batch-size",
+        "16",
+        "--max-iters",
+        str(args.steps),
+    ]
     ratios, mmm_dts, raw_dts, loss_diff = [], [], [], 0.0
     with tempfile.TemporaryDirectory(prefix="mmm-overhead-") as tmpdir:
         tmp = Path(tmpdir)
         for i in range(args.repeats):
             out = tmp / f"mmm{i}"
-            run(torchrun(args.ranks, ["-m", "mmm.examples.fsdp_tp", "--tp", str(args.tp), *model, "--no-plots",
-                                      "--log-every", "1000", "--outdir", str(out)]))
+            run(
+                torchrun(
+                    args.ranks,
+                    [
+                        "-m",
+                        "mmm.examples.fsdp_tp",
+                        "--tp",
+                        str(args.tp),
+                        *model,
+                        "--no-plots",
+                        "--log-every",
+                        "1000",
+                        "--outdir",
+                        str(out),
+                    ],
+                )
+            )
             rows = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
-            mmm = statistics.mean(r["dt"] for r in rows[args.warmup:])
-            run(torchrun(args.ranks, [str(HERE / "raw_fsdp_tp.py"), "--tp", str(args.tp), *model,
-                                      "--out", str(tmp / f"raw{i}.json")]))
+            mmm = statistics.mean(r["dt"] for r in rows[args.warmup :])
+            run(
+                torchrun(
+                    args.ranks,
+                    [str(HERE / "raw_fsdp_tp.py"), "--tp", str(args.tp), *model, "--out", str(tmp / f"raw{i}.json")],
+                )
+            )
             raw_run = json.loads((tmp / f"raw{i}.json").read_text())
-            raw = statistics.mean(raw_run["dt"][args.warmup:])
+            raw = statistics.mean(raw_run["dt"][args.warmup :])
             loss_diff = max(loss_diff, max(abs(a["loss"] - b) / abs(b) for a, b in zip(rows, raw_run["loss"])))
             mmm_dts.append(mmm)
             raw_dts.append(raw)
             ratios.append(mmm / raw)
-            print(f"  pair {i + 1}: mmm dt {mmm:.4f}s, raw dt {raw:.4f}s, ratio {mmm / raw:.3f}", file=sys.stderr,
-                  flush=True)
-    print(f"\noverhead, {args.ranks} ranks (tp={args.tp} x dp={args.ranks // args.tp}), fsdp_tp default model, "
-          f"{args.steps} steps ({args.warmup} warmup), {os.cpu_count()} cores\n")
+            print(
+                f"  pair {i + 1}: mmm dt {mmm:.4f}s, raw dt {raw:.4f}s, ratio {mmm / raw:.3f}",
+                file=sys.stderr,
+                flush=True,
+            )
+    print(
+        f"\noverhead, {args.ranks} ranks (tp={args.tp} x dp={args.ranks // args.tp}), fsdp_tp default model, "
+        f"{args.steps} steps ({args.warmup} warmup), {os.cpu_count()} cores\n"
+    )
     print("| | mmm dt (s) | raw torch dt (s) | mmm / raw |")
     print("|---|---|---|---|")
     for i, (a, b) in enumerate(zip(mmm_dts, raw_dts), 1):
         print(f"| pair {i} | {a:.4f} | {b:.4f} | {a / b:.3f} |")
-    print(f"| median | {statistics.median(mmm_dts):.4f} | {statistics.median(raw_dts):.4f} | "
-          f"{statistics.median(ratios):.3f} |")
+    print(
+        f"| median | {statistics.median(mmm_dts):.4f} | {statistics.median(raw_dts):.4f} | "
+        f"{statistics.median(ratios):.3f} |"
+    )
     print(f"\nloss curves: max relative difference {loss_diff:.2e} (same model, data and plan)")
 
 

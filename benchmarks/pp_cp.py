@@ -39,8 +39,10 @@ def bubble(root: Path, iters: int) -> None:
     model = ["--dim", "256", "--n-layers", "8", "--seq-len", "128", "--batch-size", "16", "--max-iters", str(iters)]
     single = run(1, [*model, "--dp-shard", "1"], root / "single")
     p = 4
-    print(f"\npipeline bubble, pp={p} GPipe, {model[1]}-wide {model[3]}-block Llama, batch 16 x 128; "
-          f"one process: dt {single:.4f}s; {os.cpu_count()} cores\n")
+    print(
+        f"\npipeline bubble, pp={p} GPipe, {model[1]}-wide {model[3]}-block Llama, batch 16 x 128; "
+        f"one process: dt {single:.4f}s; {os.cpu_count()} cores\n"
+    )
     print("| microbatches | dt s | dt / (single / p) | ideal (m + p - 1) / m |")
     print("|---|---|---|---|")
     for m in (1, 4, 8):

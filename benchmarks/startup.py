@@ -26,8 +26,19 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
-TRAINER = ["-m", "mmm.examples.fsdp_tp", "--strategy", "ddp", "--max-iters", "1", "--warmup", "0", "--no-plots",
-           "--log-every", "1"]
+TRAINER = [
+    "-m",
+    "mmm.examples.fsdp_tp",
+    "--strategy",
+    "ddp",
+    "--max-iters",
+    "1",
+    "--warmup",
+    "0",
+    "--no-plots",
+    "--log-every",
+    "1",
+]
 
 
 def _free_port() -> int:
@@ -44,8 +55,18 @@ def command(launcher: str, n: int, args: list[str]) -> list[str]:
         fwd = []
         for name in ("MASTER_ADDR", "MASTER_PORT", "MMM_LAUNCH_TIME", "OMP_NUM_THREADS", "PYTHONPATH"):
             fwd += ["-x", name]
-        return [str(BIN / "mpiexec"), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", *fwd, "-n",
-                str(n), py, *args]
+        return [
+            str(BIN / "mpiexec"),
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "--bind-to",
+            "none",
+            *fwd,
+            "-n",
+            str(n),
+            py,
+            *args,
+        ]
     if launcher == "launch":
         return [str(BIN / "launch"), "-q", "-n", str(n), py, *args]
     raise ValueError(launcher)
@@ -59,8 +80,13 @@ def one(kind: str, launcher: str, n: int, tmp: Path) -> dict:
         args = [str(HERE / "startup_floor.py"), str(out / "floor.json")]
     else:
         args = [*TRAINER, "--outdir", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MMM_RICH": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port())}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MMM_RICH": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+    }
     cmd = command(launcher, n, args)
     env["MMM_LAUNCH_TIME"] = repr(time.time())
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600)
@@ -99,12 +125,24 @@ def main() -> None:
                 med = statistics.median(mmm)
                 phase_med = {k[:-2]: statistics.median(ph[k] for ph in phases) for k in phases[0]}
                 rows.append((n, launcher, floor, med, phase_med))
-                raw.append({"ranks": n, "launcher": launcher, "floor_s": floors.get(floor_launcher), "mmm_s": mmm,
-                            "phases": phases})
-                print(f"  {n} ranks, {launcher}: floor {floor:.2f}s, mmm {med:.2f}s ({med / floor:.2f}x)",
-                      file=sys.stderr, flush=True)
-    print(f"\nstartup, launch to first finished step (median of {args.repeats}); {os.cpu_count()} cores; "
-          "model: fsdp_tp defaults (dim 256, 4 blocks, seq 128, batch 16), DDP\n")
+                raw.append(
+                    {
+                        "ranks": n,
+                        "launcher": launcher,
+                        "floor_s": floors.get(floor_launcher),
+                        "mmm_s": mmm,
+                        "phases": phases,
+                    }
+                )
+                print(
+                    f"  {n} ranks, {launcher}: floor {floor:.2f}s, mmm {med:.2f}s ({med / floor:.2f}x)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    print(
+        f"\nstartup, launch to first finished step (median of {args.repeats}); {os.cpu_count()} cores; "
+        "model: fsdp_tp defaults (dim 256, 4 blocks, seq 128, batch 16), DDP\n"
+    )
     print("| ranks | launcher | floor (s) | mmm (s) | mmm / floor | mmm phases (s) |")
     print("|---|---|---|---|---|---|")
     for n, launcher, floor, med, ph in rows:

@@ -26,8 +26,11 @@ def main() -> None:
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", 1)))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
-    cfg = LlamaConfig(dim=int(env.get("FLOOR_DIM", 256)), n_layers=int(env.get("FLOOR_LAYERS", 4)),
-                      seq_len=int(env.get("FLOOR_SEQ", 128)))
+    cfg = LlamaConfig(
+        dim=int(env.get("FLOOR_DIM", 256)),
+        n_layers=int(env.get("FLOOR_LAYERS", 4)),
+        seq_len=int(env.get("FLOOR_SEQ", 128)),
+    )
     model = DistributedDataParallel(Llama(cfg))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = int(env.get("FLOOR_BATCH", 16)) // world
@@ -41,8 +44,9 @@ def main() -> None:
     if rank == 0:
         launch = float(env["MMM_LAUNCH_TIME"])
         with open(sys.argv[1], "w") as f:
-            json.dump({"first_step_time": done, "launch_time": launch, "startup_s": done - launch,
-                       "loss": loss_value}, f)
+            json.dump(
+                {"first_step_time": done, "launch_time": launch, "startup_s": done - launch, "loss": loss_value}, f
+            )
     dist.destroy_process_group()
 
 

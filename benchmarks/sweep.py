@@ -34,23 +34,33 @@ from pathlib import Path
 
 LAUNCH = str(Path(sys.executable).parent / "launch")
 TRAINER_DEFAULTS = ["--max-iters", "10", "--log-every", "5", "--no-plots", "--measure"]
-MIB = 2 ** 20
+MIB = 2**20
 
 
 def build_parser() -> argparse.ArgumentParser:
     from mmm.cli import ArgumentParser, positive_int
 
-    p = ArgumentParser(prog="python benchmarks/sweep.py", description=__doc__.split("\n\n")[0],
-                       epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(
+        prog="python benchmarks/sweep.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--world", type=positive_int, required=True, help="ranks per run")
-    p.add_argument("--strategies", default=None, metavar="S,S",
-                   help="data-parallel strategies to sweep, comma-separated [all]")
-    p.add_argument("--combos", default=None, metavar="LABEL,LABEL",
-                   help="run only these layouts (labels as python -m mmm.plan prints them) [every valid one]")
+    p.add_argument(
+        "--strategies", default=None, metavar="S,S", help="data-parallel strategies to sweep, comma-separated [all]"
+    )
+    p.add_argument(
+        "--combos",
+        default=None,
+        metavar="LABEL,LABEL",
+        help="run only these layouts (labels as python -m mmm.plan prints them) [every valid one]",
+    )
     p.add_argument("--out", default=None, help="output folder [outputs/sweep/<UTC timestamp>]")
     p.add_argument("--timeout", type=positive_int, default=900, help="seconds one run may take [900]")
-    p.add_argument("--launch-args", default="", metavar="'ARGS'",
-                   help="extra flags for `launch` (e.g. '--launcher local') ['']")
+    p.add_argument(
+        "--launch-args", default="", metavar="'ARGS'", help="extra flags for `launch` (e.g. '--launcher local') ['']"
+    )
     return p
 
 
@@ -71,14 +81,15 @@ def select(args, trainer_argv: list[str]):
     problems = []
     for label in wanted:
         if label not in by_label:
-            problems.append(f"{label!r} is not a layout of {args.world} ranks with these flags (python -m mmm.plan "
-                            f"--world {args.world} lists them)")
+            problems.append(
+                f"{label!r} is not a layout of {args.world} ranks with these flags (python -m mmm.plan "
+                f"--world {args.world} lists them)"
+            )
         elif not by_label[label].valid:
             problems.append(f"{label} is invalid: {'; '.join(by_label[label].problems)}")
     if problems or not wanted:
         raise UsageError("--combos: " + ("; ".join(problems) or "empty list"))
     return [by_label[label] for label in wanted], plan_args
-
 
 
 def _error_line(text: str) -> str:
@@ -93,13 +104,32 @@ def run_one(combo, args, trainer_argv: list[str], out: Path) -> dict:
     """One layout under launch; its summary (or its error)."""
     rundir = out / "runs" / combo.label
     rundir.mkdir(parents=True, exist_ok=True)
-    cmd = [LAUNCH, *args.launch_args.split(), "-n", str(args.world), sys.executable, "-m", "mmm.examples.fsdp_tp",
-           *TRAINER_DEFAULTS, *trainer_argv, *combo.flags, "--outdir", str(rundir)]
+    cmd = [
+        LAUNCH,
+        *args.launch_args.split(),
+        "-n",
+        str(args.world),
+        sys.executable,
+        "-m",
+        "mmm.examples.fsdp_tp",
+        *TRAINER_DEFAULTS,
+        *trainer_argv,
+        *combo.flags,
+        "--outdir",
+        str(rundir),
+    ]
     env = {**os.environ, "MMM_RICH": "0"}
     t0 = time.time()
     # its own session, so that a timeout stops launch and every rank it started
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                         stdin=subprocess.DEVNULL, start_new_session=True)
+    p = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = p.communicate(timeout=args.timeout)
         code = p.returncode
@@ -148,9 +178,10 @@ def to_dataset(combos, results, plan_args):
     import xarray as xr
 
     labels = [c.label for c in combos]
-    groups = sorted({g for c in combos for g in (c.comm or {})}
-                    | {g for r in results if r["ok"] for m in r["summary"].get("measured_per_rank", [])
-                       for g in m["comm_bytes"]})
+    groups = sorted(
+        {g for c in combos for g in (c.comm or {})}
+        | {g for r in results if r["ok"] for m in r["summary"].get("measured_per_rank", []) for g in m["comm_bytes"]}
+    )
     data: dict = {}
     for axis in ("pp", "dp_replicate", "dp_shard", "cp", "tp"):
         data[axis] = ("combo", np.array([c.degrees[axis] for c in combos], dtype=np.int64))
@@ -183,8 +214,14 @@ def to_dataset(combos, results, plan_args):
         data["est_comm_bytes"] = (("combo", "group"), est)
         data["comm_bytes"] = (("combo", "group"), meas)
     ds = xr.Dataset(data, coords={"combo": labels, **({"group": groups} if groups else {})})
-    ds.attrs.update({"world_size": plan_args.world, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                     "trainer_flags": " ".join(sys.argv[1:]), "units": "bytes, seconds, tokens/s"})
+    ds.attrs.update(
+        {
+            "world_size": plan_args.world,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "trainer_flags": " ".join(sys.argv[1:]),
+            "units": "bytes, seconds, tokens/s",
+        }
+    )
     ds["tokens_per_s"].attrs["long_name"] = "warmup-excluded mean tokens per second"
     ds["peak_memory_bytes"].attrs["long_name"] = "max over ranks of peak device memory (peak RSS on CPU)"
     return ds
@@ -197,25 +234,33 @@ def markdown(ds, *, cores: int | None = None) -> str:
     tps = ds["tokens_per_s"].values
     order = sorted(range(len(tps)), key=lambda i: (not ds["ok"].values[i], -(tps[i] if tps[i] == tps[i] else 0)))
     best = np.nanmax(tps) if np.isfinite(tps).any() else math.nan
-    head = ("| # | layout | tokens/s | dt (s) | dtf (s) | dtb (s) | peak mem/rank (MiB) | state/rank (MiB) "
-            "| startup (s) | MFU | ratio to best |")
+    head = (
+        "| # | layout | tokens/s | dt (s) | dtf (s) | dtb (s) | peak mem/rank (MiB) | state/rank (MiB) "
+        "| startup (s) | MFU | ratio to best |"
+    )
     lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
     for n, i in enumerate(order, 1):
-        v = {k: ds[k].values[i] for k in ("tokens_per_s", "dt", "dtf", "dtb", "peak_memory_bytes", "state_bytes",
-                                           "startup_s", "mfu")}
+        v = {
+            k: ds[k].values[i]
+            for k in ("tokens_per_s", "dt", "dtf", "dtb", "peak_memory_bytes", "state_bytes", "startup_s", "mfu")
+        }
         label = str(ds["combo"].values[i])
         if not ds["ok"].values[i]:
             lines.append(f"| {n} | {label} | failed: {ds['error'].values[i]} ||||||||")
             continue
         mfu = f"{100 * v['mfu']:.1f}%" if v["mfu"] == v["mfu"] else "-"
         dtf, dtb = (f"{v[k]:.4f}" if v[k] == v[k] else "-" for k in ("dtf", "dtb"))  # no split under PP
-        lines.append(f"| {n} | {label} | {v['tokens_per_s']:.0f} | {v['dt']:.4f} | {dtf} | {dtb} | "
-                     f"{v['peak_memory_bytes'] / MIB:.0f} | {v['state_bytes'] / MIB:.1f} | {v['startup_s']:.2f} | "
-                     f"{mfu} | {v['tokens_per_s'] / best:.2f} |")
-    note = (f"\n{int(ds.attrs['world_size'])} ranks per run; ratio = tokens/s / best tokens/s; dt/dtf/dtb: "
-            "warmup-excluded means of step / forward / backward time; peak mem: max over ranks of peak device "
-            "memory (peak RSS on CPU); state: parameters + gradients + optimizer state, busiest rank; startup: "
-            "launch to first finished step")
+        lines.append(
+            f"| {n} | {label} | {v['tokens_per_s']:.0f} | {v['dt']:.4f} | {dtf} | {dtb} | "
+            f"{v['peak_memory_bytes'] / MIB:.0f} | {v['state_bytes'] / MIB:.1f} | {v['startup_s']:.2f} | "
+            f"{mfu} | {v['tokens_per_s'] / best:.2f} |"
+        )
+    note = (
+        f"\n{int(ds.attrs['world_size'])} ranks per run; ratio = tokens/s / best tokens/s; dt/dtf/dtb: "
+        "warmup-excluded means of step / forward / backward time; peak mem: max over ranks of peak device "
+        "memory (peak RSS on CPU); state: parameters + gradients + optimizer state, busiest rank; startup: "
+        "launch to first finished step"
+    )
     if cores:
         note += f"; this machine has {cores} cores"
     return "\n".join(lines) + "\n" + note + "\n"
@@ -246,8 +291,9 @@ def plots(ds, outdir: Path) -> None:
     plt.clf()
     plt.theme("clear")
     plt.plotsize(110, 3 * len(labels) + 4)
-    plt.stacked_bar(labels, [dtf, dtb], labels=["dtf (#)", "dtb (=)"], orientation="horizontal", marker=["#", "="],
-                    width=0.6)
+    plt.stacked_bar(
+        labels, [dtf, dtb], labels=["dtf (#)", "dtb (=)"], orientation="horizontal", marker=["#", "="], width=0.6
+    )
     plt.title("forward (dtf) + backward (dtb) seconds per step")
     atomic_write_text(outdir / "step_split.txt", _ANSI.sub("", plt.build()) + "\n")
 
@@ -257,10 +303,17 @@ def plots(ds, outdir: Path) -> None:
     import matplotlib.pyplot as mpl
 
     height = max(2.5, 0.35 * len(labels) + 1)
-    for name, draw in (("tokens_per_s", lambda ax: ax.barh(labels, tps, color="tab:blue")),
-                       ("step_split", lambda ax: (ax.barh(labels, dtf, label="dtf (forward)"),
-                                                  ax.barh(labels, dtb, left=dtf, label="dtb (backward)"),
-                                                  ax.legend()))):
+    for name, draw in (
+        ("tokens_per_s", lambda ax: ax.barh(labels, tps, color="tab:blue")),
+        (
+            "step_split",
+            lambda ax: (
+                ax.barh(labels, dtf, label="dtf (forward)"),
+                ax.barh(labels, dtb, left=dtf, label="dtb (backward)"),
+                ax.legend(),
+            ),
+        ),
+    ):
         fig, ax = mpl.subplots(figsize=(8, height), dpi=100)
         draw(ax)
         ax.invert_yaxis()
@@ -278,8 +331,14 @@ def _progress():
     if sys.stderr.isatty() and os.environ.get("MMM_RICH", "1") != "0":
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        progress = Progress(TextColumn("[bold]sweep"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                            TextColumn("{task.description}"), transient=False)
+        progress = Progress(
+            TextColumn("[bold]sweep"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.description}"),
+            transient=False,
+        )
         return progress
     return None
 
@@ -287,8 +346,9 @@ def _progress():
 def main(argv=None) -> int:
     args, trainer_argv = build_parser().parse_known_args(argv)
     combos, plan_args = select(args, trainer_argv)
-    out = Path(args.out or Path("outputs") / "sweep" / datetime.datetime.now(datetime.timezone.utc).strftime(
-        "%Y%m%d-%H%M%S"))
+    out = Path(
+        args.out or Path("outputs") / "sweep" / datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    )
     out.mkdir(parents=True, exist_ok=True)
     print(f"sweep: {len(combos)} layouts of {args.world} ranks -> {out}", flush=True)
     results = []
@@ -303,10 +363,16 @@ def main(argv=None) -> int:
                 progress.update(task, description=combo.label)
             r = run_one(combo, args, trainer_argv, out)
             results.append(r)
-            line = (f"[{i}/{len(combos)}] {combo.label}: "
-                    + (f"{_stat(r['summary'], 'tps'):.0f} tokens/s, dt {_stat(r['summary'], 'dt'):.4f}s, "
-                       f"startup {r['summary'].get('startup_s', math.nan):.2f}s" if r["ok"]
-                       else f"FAILED: {r['error']}") + f" ({r['wall_s']:.1f}s)")
+            line = (
+                f"[{i}/{len(combos)}] {combo.label}: "
+                + (
+                    f"{_stat(r['summary'], 'tps'):.0f} tokens/s, dt {_stat(r['summary'], 'dt'):.4f}s, "
+                    f"startup {r['summary'].get('startup_s', math.nan):.2f}s"
+                    if r["ok"]
+                    else f"FAILED: {r['error']}"
+                )
+                + f" ({r['wall_s']:.1f}s)"
+            )
             if progress is not None:
                 progress.console.print(line)
                 progress.advance(task)

@@ -30,8 +30,21 @@ import tempfile
 from pathlib import Path
 
 STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
-MODEL = ["--depth", "4", "--num-heads", "8", "--head-dim", "32", "--img-size", "16", "--batch-size", "8",
-         "--max-iters", "2", "--no-plots"]
+MODEL = [
+    "--depth",
+    "4",
+    "--num-heads",
+    "8",
+    "--head-dim",
+    "32",
+    "--img-size",
+    "16",
+    "--batch-size",
+    "8",
+    "--max-iters",
+    "2",
+    "--no-plots",
+]
 
 
 def main() -> None:
@@ -46,8 +59,21 @@ def main() -> None:
     rows = []
     for strategy in STRATEGIES:
         out = root / strategy
-        cmd = [launch, "-q", "-n", str(args.ranks), sys.executable, "-m", "mmm.examples.vit", *MODEL, *extra,
-               "--strategy", strategy, "--outdir", str(out)]
+        cmd = [
+            launch,
+            "-q",
+            "-n",
+            str(args.ranks),
+            sys.executable,
+            "-m",
+            "mmm.examples.vit",
+            *MODEL,
+            *extra,
+            "--strategy",
+            strategy,
+            "--outdir",
+            str(out),
+        ]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             print(f"{strategy}: FAILED\n{res.stderr[-2000:]}")
@@ -55,19 +81,26 @@ def main() -> None:
         s = json.loads((out / "summary.json").read_text())
         worst = max(s["memory_per_rank"], key=lambda m: m["total_bytes"])
         rows.append((strategy, s["model"]["num_params"], worst, s["state_bytes_theory"]))
-    print(f"\nper-rank state bytes, {args.ranks} ranks, fp32 + AdamW (Psi = {rows[0][1]:,} parameters); "
-          "held right after the last backward, and the most gradient bytes held during it\n")
-    print("| strategy | params (ratio) | grads (ratio) | optimizer (ratio) | total MiB | theory MiB | ratio "
-          "| grads peak in backward MiB |")
+    print(
+        f"\nper-rank state bytes, {args.ranks} ranks, fp32 + AdamW (Psi = {rows[0][1]:,} parameters); "
+        "held right after the last backward, and the most gradient bytes held during it\n"
+    )
+    print(
+        "| strategy | params (ratio) | grads (ratio) | optimizer (ratio) | total MiB | theory MiB | ratio "
+        "| grads peak in backward MiB |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for strategy, _, m, t in rows:
         cells = [f"{m[k] / 2**20:.3f} ({m[k] / t[k]:.2f})" for k in ("param_bytes", "grad_bytes", "optim_bytes")]
         peak = m.get("grad_peak_bytes")
         peak_cell = f"{peak / 2**20:.3f}" if peak else "-"
-        print(f"| {strategy} | {' | '.join(cells)} | {m['total_bytes'] / 2**20:.3f} | "
-              f"{t['total_bytes'] / 2**20:.3f} | {m['total_bytes'] / t['total_bytes']:.3f} | {peak_cell} |")
-    (root / "zero_memory.json").write_text(json.dumps(
-        [{"strategy": s, "num_params": psi, "measured": m, "theory": t} for s, psi, m, t in rows], indent=1))
+        print(
+            f"| {strategy} | {' | '.join(cells)} | {m['total_bytes'] / 2**20:.3f} | "
+            f"{t['total_bytes'] / 2**20:.3f} | {m['total_bytes'] / t['total_bytes']:.3f} | {peak_cell} |"
+        )
+    (root / "zero_memory.json").write_text(
+        json.dumps([{"strategy": s, "num_params": psi, "measured": m, "theory": t} for s, psi, m, t in rows], indent=1)
+    )
     print(f"\nraw figures: {root / 'zero_memory.json'}")
 
 

@@ -21,8 +21,9 @@ class MLPStack(nn.Module):
     def __init__(self, width=32, depth=4, classes=5):
         super().__init__()
         self.inp = nn.Linear(16, width)
-        self.layers = nn.ModuleList([nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU())
-                                     for _ in range(depth)])
+        self.layers = nn.ModuleList(
+            [nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU()) for _ in range(depth)]
+        )
         self.head = nn.Linear(width, classes)
 
     def forward(self, x):
@@ -46,8 +47,9 @@ def main(argv=None):
     reference = [p.detach().clone() for p in model.parameters()]  # to replay the run in one process
 
     # 2 stages of 2 blocks; "inp" stays on the first stage, "head" on the last
-    pipe = build_pipeline(model, mesh, ParallelSpec(dp="none"), loss_fn=F.cross_entropy, microbatches=4,
-                          schedule="gpipe")
+    pipe = build_pipeline(
+        model, mesh, ParallelSpec(dp="none"), loss_fn=F.cross_entropy, microbatches=4, schedule="gpipe"
+    )
     opt = torch.optim.SGD(pipe.module.parameters(), lr=0.1)
 
     losses_by_step = []

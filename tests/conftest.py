@@ -14,9 +14,26 @@ import pytest
 
 BIN = Path(sys.executable).parent
 SCRIPTS = Path(__file__).parent / "scripts"
-_STRIP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PBS_NODEFILE",
-          "PBS_JOBID", "SLURM_JOB_ID", "SLURM_PROCID", "SLURM_STEP_ID", "MMM_DEVICE", "MMM_BACKEND",
-          "LOG_FROM_ALL_RANKS", "MMM_LOG_ALL_RANKS", "MMM_LAUNCH_TIME", "MMM_LAUNCHER", "CUDA_VISIBLE_DEVICES")
+_STRIP = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "PBS_NODEFILE",
+    "PBS_JOBID",
+    "SLURM_JOB_ID",
+    "SLURM_PROCID",
+    "SLURM_STEP_ID",
+    "MMM_DEVICE",
+    "MMM_BACKEND",
+    "LOG_FROM_ALL_RANKS",
+    "MMM_LOG_ALL_RANKS",
+    "MMM_LAUNCH_TIME",
+    "MMM_LAUNCHER",
+    "CUDA_VISIBLE_DEVICES",
+)
 
 
 @dataclass
@@ -41,8 +58,15 @@ def clean_env(**extra: str) -> dict[str, str]:
 def run(cmd: list[str], *, env: dict[str, str] | None = None, timeout: float = 120, cwd=None) -> Result:
     t0 = time.monotonic()
     try:
-        p = subprocess.run(cmd, env=env or clean_env(), capture_output=True, text=True, timeout=timeout, cwd=cwd,
-                           stdin=subprocess.DEVNULL)
+        p = subprocess.run(
+            cmd,
+            env=env or clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+        )
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"timed out after {timeout}s (a hang): {cmd}\n{e.stdout}\n{e.stderr}")
     return Result(p.returncode, p.stdout, p.stderr, time.monotonic() - t0)

@@ -29,9 +29,23 @@ NODE_CPUS = 8
 PARTITION = "debug"
 # variables of an enclosing job or launcher that must not leak into the jobs of this cluster
 _STRIP_PREFIXES = ("SLURM_", "SALLOC_", "SBATCH_", "SRUN_", "PMI_", "PMIX_", "OMPI_", "PALS_", "PBS_")
-_STRIP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "MMM_LAUNCHER",
-          "MMM_LAUNCH_TIME", "MMM_DEVICE", "MMM_BACKEND", "LOG_FROM_ALL_RANKS", "MMM_LOG_ALL_RANKS", "MMM_FAULT",
-          "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
+_STRIP = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "MMM_LAUNCHER",
+    "MMM_LAUNCH_TIME",
+    "MMM_DEVICE",
+    "MMM_BACKEND",
+    "LOG_FROM_ALL_RANKS",
+    "MMM_LOG_ALL_RANKS",
+    "MMM_FAULT",
+    "MPI_LOCALRANKID",
+    "MPI_LOCALNRANKS",
+)
 
 
 class ClusterUnavailable(RuntimeError):
@@ -48,8 +62,10 @@ def missing_requirements() -> str | None:
         return "a real Slurm cluster needs root (slurmd starts job steps as their user)"
     absent = [c for c in (*DAEMONS, *CLIENTS) if shutil.which(c, path=_sbin_path()) is None]
     if absent:
-        return (f"Slurm/munge not installed ({', '.join(absent)} not found); `make test-deps` (scripts/test_deps.sh) "
-                "installs Debian's slurm-wlm and munge as root")
+        return (
+            f"Slurm/munge not installed ({', '.join(absent)} not found); `make test-deps` (scripts/test_deps.sh) "
+            "installs Debian's slurm-wlm and munge as root"
+        )
     return None
 
 
@@ -144,12 +160,22 @@ class SlurmCluster:
         r = self.root
         key, sock = r / "munge.key", r / "munge.socket"
         if not key.exists():
-            subprocess.run([_which("mungekey"), "--create", "--keyfile", str(key)], check=True, timeout=30,
-                           capture_output=True)
+            subprocess.run(
+                [_which("mungekey"), "--create", "--keyfile", str(key)], check=True, timeout=30, capture_output=True
+            )
         sock.unlink(missing_ok=True)  # a stale socket would pass for a running munged
-        self._spawn("munged", [_which("munged"), "--foreground", "--force", f"--socket={sock}",
-                               f"--key-file={key}", f"--pid-file={r / 'munged.pid'}",
-                               f"--seed-file={r / 'munged.seed'}"])
+        self._spawn(
+            "munged",
+            [
+                _which("munged"),
+                "--foreground",
+                "--force",
+                f"--socket={sock}",
+                f"--key-file={key}",
+                f"--pid-file={r / 'munged.pid'}",
+                f"--seed-file={r / 'munged.seed'}",
+            ],
+        )
         self._wait("munge's socket", lambda: sock.exists(), deadline)
         self.conf.write_text(self.config())
         self._spawn("slurmctld", [_which("slurmctld"), "-D", "-c", "-f", str(self.conf)])
@@ -168,13 +194,13 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={r / 'munge.socket'}
-StateSaveLocation={r / 'state'}
-SlurmdSpoolDir={r / 'spool'}
-SlurmctldPidFile={r / 'slurmctld.pid'}
-SlurmdPidFile={r / 'slurmd.pid'}
-SlurmctldLogFile={r / 'slurmctld.log'}
-SlurmdLogFile={r / 'slurmd.log'}
+AuthInfo=socket={r / "munge.socket"}
+StateSaveLocation={r / "state"}
+SlurmdSpoolDir={r / "spool"}
+SlurmctldPidFile={r / "slurmctld.pid"}
+SlurmdPidFile={r / "slurmd.pid"}
+SlurmctldLogFile={r / "slurmctld.log"}
+SlurmdLogFile={r / "slurmd.log"}
 SlurmctldDebug=info
 SlurmdDebug=info
 ProctrackType=proctrack/linuxproc
@@ -202,8 +228,9 @@ PartitionName={PARTITION} Nodes={self.node} Default=YES MaxTime=INFINITE State=U
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.root / f"{name}.out", "ab")
-        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            cwd=self.root, env=self.environ())
+        self.procs[name] = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.root, env=self.environ()
+        )
         log.close()
 
     def _wait(self, what: str, ready, deadline: float) -> None:
@@ -211,8 +238,9 @@ PartitionName={PARTITION} Nodes={self.node} Default=YES MaxTime=INFINITE State=U
         while True:
             for name, p in self.procs.items():
                 if p.poll() is not None:
-                    raise ClusterFailed(f"{name} exited with code {p.returncode} while waiting for {what}\n"
-                                        f"{self._failure_context()}")
+                    raise ClusterFailed(
+                        f"{name} exited with code {p.returncode} while waiting for {what}\n{self._failure_context()}"
+                    )
             if ready():
                 return
             if time.monotonic() > deadline:
@@ -229,8 +257,13 @@ PartitionName={PARTITION} Nodes={self.node} Default=YES MaxTime=INFINITE State=U
 
     def sinfo_state(self) -> str:
         try:
-            p = subprocess.run([_which("sinfo"), "-h", "-N", "-n", self.node, "-o", "%t"], env=self.environ(),
-                               capture_output=True, text=True, timeout=10)
+            p = subprocess.run(
+                [_which("sinfo"), "-h", "-N", "-n", self.node, "-o", "%t"],
+                env=self.environ(),
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
         except subprocess.TimeoutExpired:
             return ""
         return p.stdout.strip() if p.returncode == 0 else ""
@@ -247,8 +280,13 @@ PartitionName={PARTITION} Nodes={self.node} Default=YES MaxTime=INFINITE State=U
         deadline = time.monotonic() + timeout
         state = "?"
         while time.monotonic() < deadline:
-            p = subprocess.run([_which("scontrol"), "show", "job", "-o", job_id], env=self.environ(),
-                               capture_output=True, text=True, timeout=10)
+            p = subprocess.run(
+                [_which("scontrol"), "show", "job", "-o", job_id],
+                env=self.environ(),
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
             fields = dict(f.split("=", 1) for f in p.stdout.split() if "=" in f)
             state = fields.get("JobState", "?")
             if state not in {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "?"}:
@@ -261,12 +299,21 @@ PartitionName={PARTITION} Nodes={self.node} Default=YES MaxTime=INFINITE State=U
         """Cancel this cluster's jobs, then stop slurmd, slurmctld and munged by their PIDs."""
         if self.procs.get("slurmctld") and self.procs["slurmctld"].poll() is None:
             try:
-                subprocess.run([_which("scancel"), "--full", f"--partition={PARTITION}"], env=self.environ(),
-                               capture_output=True, timeout=10)
+                subprocess.run(
+                    [_which("scancel"), "--full", f"--partition={PARTITION}"],
+                    env=self.environ(),
+                    capture_output=True,
+                    timeout=10,
+                )
                 end = time.monotonic() + grace
                 while time.monotonic() < end:
-                    q = subprocess.run([_which("squeue"), "-h", "-o", "%i"], env=self.environ(),
-                                       capture_output=True, text=True, timeout=10)
+                    q = subprocess.run(
+                        [_which("squeue"), "-h", "-o", "%i"],
+                        env=self.environ(),
+                        capture_output=True,
+                        text=True,
+                        timeout=10,
+                    )
                     if q.returncode != 0 or not q.stdout.strip():
                         break
                     time.sleep(0.2)

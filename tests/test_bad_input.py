@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+
 from conftest import clean_env, launch, run
 
 FILE = "<file>"  # replaced by a path that is a file
@@ -46,8 +47,26 @@ def paths(tmp_path_factory):
     empty = root / "empty"
     empty.mkdir()
     ckpt = root / "ckpt"
-    res = run([sys.executable, "-m", "mmm.examples.fsdp_tp", "--dim", "64", "--n-layers", "2", "--seq-len", "32",
-               "--max-iters", "1", "--no-plots", "--checkpoint-dir", str(ckpt), "--outdir", str(root / "o")])
+    res = run(
+        [
+            sys.executable,
+            "-m",
+            "mmm.examples.fsdp_tp",
+            "--dim",
+            "64",
+            "--n-layers",
+            "2",
+            "--seq-len",
+            "32",
+            "--max-iters",
+            "1",
+            "--no-plots",
+            "--checkpoint-dir",
+            str(ckpt),
+            "--outdir",
+            str(root / "o"),
+        ]
+    )
     assert res.returncode == 0, res.output
     return {FILE: str(f), CKPT: str(ckpt), EMPTY: str(empty)}
 
@@ -71,14 +90,30 @@ def assert_one_clean_line(res, needles):
         assert needle in lines[0], (needle, lines[0])
 
 
-@pytest.mark.parametrize("trainer, flags, env, needles", TRAINER_CASES,
-                         ids=[f"{t}:{' '.join(f) or next(iter(e), '')}" for t, f, e, _ in TRAINER_CASES])
+@pytest.mark.parametrize(
+    "trainer, flags, env, needles",
+    TRAINER_CASES,
+    ids=[f"{t}:{' '.join(f) or next(iter(e), '')}" for t, f, e, _ in TRAINER_CASES],
+)
 def test_trainer_bad_input(paths, trainer, flags, env, needles):
-    base = {"fsdp_tp": ["--dim", "64", "--n-layers", "2", "--seq-len", "32", "--max-iters", "4"],
-            "fsdp": ["--epochs", "1", "--steps-per-epoch", "2"], "vit": ["--depth", "2", "--max-iters", "4"]}[trainer]
+    base = {
+        "fsdp_tp": ["--dim", "64", "--n-layers", "2", "--seq-len", "32", "--max-iters", "4"],
+        "fsdp": ["--epochs", "1", "--steps-per-epoch", "2"],
+        "vit": ["--depth", "2", "--max-iters", "4"],
+    }[trainer]
     # the case's flags come last, so they win over the small defaults
-    cmd = launch("--launcher", "local", "-n", "2", "python3", "-m", f"mmm.examples.{trainer}", "--no-plots", *base,
-                 *_fill(flags, paths))
+    cmd = launch(
+        "--launcher",
+        "local",
+        "-n",
+        "2",
+        "python3",
+        "-m",
+        f"mmm.examples.{trainer}",
+        "--no-plots",
+        *base,
+        *_fill(flags, paths),
+    )
     res = run(cmd, env=clean_env(**env), timeout=60)
     assert_one_clean_line(res, _fill(needles, paths))
 
@@ -110,7 +145,8 @@ def test_flag_checks_in_process():
     from mmm.parallel.checkpoint import checkpoint_problems
 
     assert checkpoint_problems(None, "latest", 0, 0) == [
-        "--resume latest needs --checkpoint-dir (the folder holding step-NNNNNNNN checkpoints)"]
+        "--resume latest needs --checkpoint-dir (the folder holding step-NNNNNNNN checkpoints)"
+    ]
     assert any("'soon'" in p for p in checkpoint_problems("ck", "soon", 0, 0))
     assert any("--keep-last -1" in p for p in checkpoint_problems("ck", None, 0, -1))
     assert parse("kill@5:1, nan@7") == {5: [("kill", 1)], 7: [("nan", None)]}

@@ -12,12 +12,25 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SCRIPTS, clean_env, launch, run
 
+from conftest import SCRIPTS, clean_env, launch, run
 from mmm.parallel.checkpoint import Checkpointer, complete_steps, latest_step, step_dir
 
-TINY = ["-m", "mmm.examples.fsdp_tp", "--dim", "64", "--n-layers", "2", "--seq-len", "32", "--batch-size", "4",
-        "--no-plots", "--log-every", "100"]
+TINY = [
+    "-m",
+    "mmm.examples.fsdp_tp",
+    "--dim",
+    "64",
+    "--n-layers",
+    "2",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--no-plots",
+    "--log-every",
+    "100",
+]
 
 
 def trainer(*args: str, timeout: float = 120):
@@ -33,8 +46,13 @@ def ok(*args: str):
 def saver(root: Path, keep_last: int = 0) -> Checkpointer:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
-    return Checkpointer(root, model=model, optimizer=torch.optim.AdamW(model.parameters()), keep_last=keep_last,
-                        meta={"model": {"dim": 4}})
+    return Checkpointer(
+        root,
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters()),
+        keep_last=keep_last,
+        meta={"model": {"dim": 4}},
+    )
 
 
 def test_latest_is_the_most_recent_save_not_the_highest_step(tmp_path):
@@ -43,8 +61,20 @@ def test_latest_is_the_most_recent_save_not_the_highest_step(tmp_path):
     ck = tmp_path / "ck"
     ok("--max-iters", "6", "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--outdir", str(tmp_path / "a"))
     assert complete_steps(ck) == [2, 4, 6]
-    ok("--max-iters", "5", "--checkpoint-dir", str(ck), "--checkpoint-every", "1", "--keep-last", "2",
-       "--resume", "2", "--outdir", str(tmp_path / "b"))
+    ok(
+        "--max-iters",
+        "5",
+        "--checkpoint-dir",
+        str(ck),
+        "--checkpoint-every",
+        "1",
+        "--keep-last",
+        "2",
+        "--resume",
+        "2",
+        "--outdir",
+        str(tmp_path / "b"),
+    )
     assert complete_steps(ck) == [4, 5]  # 6 was saved before 3, 4 and 5: it goes first
     res = ok("--max-iters", "6", "--checkpoint-dir", str(ck), "--resume", "--outdir", str(tmp_path / "c"))
     assert "resumed from" in res.output and "step-00000005" in res.output, res.output
@@ -57,11 +87,15 @@ def test_every_rank_loads_the_step_rank_0_chose(tmp_path):
             d = step_dir(root, step)
             d.mkdir(parents=True)
             (d / "mmm.json").write_text(json.dumps({"step": step, "saved_at": 1000.0 + i}))
-    res = run(launch("--launcher", "local", "-n", "2", "python3", str(SCRIPTS / "resolve_latest.py"), str(mine),
-                     str(stale)), timeout=90)
+    res = run(
+        launch("--launcher", "local", "-n", "2", "python3", str(SCRIPTS / "resolve_latest.py"), str(mine), str(stale)),
+        timeout=90,
+    )
     assert res.returncode == 0, res.output
     assert sorted(ln for ln in res.stdout.splitlines() if "resolves" in ln) == [
-        "rank 0 resolves latest to 4", "rank 1 resolves latest to 4"], res.output
+        "rank 0 resolves latest to 4",
+        "rank 1 resolves latest to 4",
+    ], res.output
 
 
 def test_a_crash_between_the_renames_of_a_resave_loses_nothing(tmp_path, monkeypatch):
@@ -103,15 +137,30 @@ def test_a_prune_cut_short_never_leaves_a_folder_that_looks_complete(tmp_path, m
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003"]
 
 
-@pytest.mark.parametrize("flag, value, saved", [("--seed", "2", "seed=0 (now 2)"),
-                                                ("--batch-size", "8", "global_batch=4 (now 8)"),
-                                                ("--dataset", "pydoc", "dataset='synthetic' (now 'pydoc')")])
+@pytest.mark.parametrize(
+    "flag, value, saved",
+    [
+        ("--seed", "2", "seed=0 (now 2)"),
+        ("--batch-size", "8", "global_batch=4 (now 8)"),
+        ("--dataset", "pydoc", "dataset='synthetic' (now 'pydoc')"),
+    ],
+)
 def test_resume_refuses_other_data(tmp_path, flag, value, saved):
     ck = tmp_path / "ck"
     if not ck.exists():
         ok("--max-iters", "2", "--checkpoint-dir", str(ck), "--seed", "0", "--outdir", str(tmp_path / "a"))
-    res = trainer("--max-iters", "4", "--checkpoint-dir", str(ck), "--resume", "latest", flag, value,
-                  "--outdir", str(tmp_path / "b"))
+    res = trainer(
+        "--max-iters",
+        "4",
+        "--checkpoint-dir",
+        str(ck),
+        "--resume",
+        "latest",
+        flag,
+        value,
+        "--outdir",
+        str(tmp_path / "b"),
+    )
     assert res.returncode == 2 and "Traceback" not in res.output, res.output
     line = [ln for ln in res.stderr.splitlines() if "error:" in ln]
     assert len(line) == 1 and saved in line[0] and "step-00000002" in line[0], res.stderr
@@ -120,8 +169,24 @@ def test_resume_refuses_other_data(tmp_path, flag, value, saved):
 def test_two_sigterms_at_once_still_finish_the_step_and_save(tmp_path):
     """srun and the scheduler both signal: a SIGTERM repeated within milliseconds is the same request."""
     ck, out = tmp_path / "ck", tmp_path / "out"
-    res = run(launch("--launcher", "local", "-n", "2", "python3", *TINY, "--max-iters", "20", "--checkpoint-dir",
-                     str(ck), "--outdir", str(out)), env=clean_env(MMM_FAULT="term2@3"), timeout=120)
+    res = run(
+        launch(
+            "--launcher",
+            "local",
+            "-n",
+            "2",
+            "python3",
+            *TINY,
+            "--max-iters",
+            "20",
+            "--checkpoint-dir",
+            str(ck),
+            "--outdir",
+            str(out),
+        ),
+        env=clean_env(MMM_FAULT="term2@3"),
+        timeout=120,
+    )
     assert res.returncode == 0, res.output
     assert complete_steps(ck) == [4], res.output
     assert json.loads((out / "summary.json").read_text())["stopped_by"] == "SIGTERM"

@@ -4,14 +4,33 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_clean_user_error, launch, mpiexec, run
 
+from conftest import assert_clean_user_error, launch, mpiexec, run
 from mmm.errors import UsageError
 from mmm.parallel.context import context_parallel, cp_problems, local_positions, shard_sequence
 
 MODULE = ["-m", "mmm.examples.fsdp_tp"]
-MODEL = ["--dim", "64", "--n-layers", "2", "--n-heads", "8", "--n-kv-heads", "4", "--seq-len", "32",
-         "--batch-size", "8", "--max-iters", "6", "--lr", "3e-3", "--seed", "3", "--no-plots"]
+MODEL = [
+    "--dim",
+    "64",
+    "--n-layers",
+    "2",
+    "--n-heads",
+    "8",
+    "--n-kv-heads",
+    "4",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "8",
+    "--max-iters",
+    "6",
+    "--lr",
+    "3e-3",
+    "--seed",
+    "3",
+    "--no-plots",
+]
 RTOL = 1e-5
 
 
@@ -23,8 +42,9 @@ def test_load_balanced_positions():
     assert sorted(everything.tolist()) == list(range(32))
     x = torch.arange(16).view(1, 16)
     assert shard_sequence(x, 1, 2).tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]]
-    assert cp_problems(cp=4, seq_len=36) == ["--seq-len 36 is not divisible by 2 x cp = 8; context parallel cuts "
-                                             "the sequence into 2*cp load-balanced chunks"]
+    assert cp_problems(cp=4, seq_len=36) == [
+        "--seq-len 36 is not divisible by 2 x cp = 8; context parallel cuts the sequence into 2*cp load-balanced chunks"
+    ]
 
 
 def test_context_parallel_needs_an_attention_hook():
@@ -40,10 +60,13 @@ def test_own_attention_example_script(n):
     assert f"ring attention over {n} ranks matches full attention: outputs and gradients" in res.stdout
 
 
-@pytest.mark.parametrize("n, flags, needle", [
-    (4, ["--cp", "4", "--seq-len", "36"], "--seq-len 36 is not divisible by 2 x cp = 8"),
-    (4, ["--cp", "2", "--tp", "2", "--seq-len", "36"], "--seq-len 36 is not divisible by 2 x cp x tp = 8"),
-])
+@pytest.mark.parametrize(
+    "n, flags, needle",
+    [
+        (4, ["--cp", "4", "--seq-len", "36"], "--seq-len 36 is not divisible by 2 x cp = 8"),
+        (4, ["--cp", "2", "--tp", "2", "--seq-len", "36"], "--seq-len 36 is not divisible by 2 x cp x tp = 8"),
+    ],
+)
 def test_cp_bad_input(n, flags, needle):
     res = run(launch("--launcher", "local", "-n", str(n), "python3", *MODULE, *flags), timeout=90)
     assert_clean_user_error(res, needle)

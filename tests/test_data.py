@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+
 from conftest import assert_clean_user_error, jsonl, launch, max_rel_diff, run, torchrun
 
 tokenizers = pytest.importorskip("tokenizers", reason="tokenizers is not installed (pip install 'mmm[data]')")
@@ -35,8 +36,12 @@ def train_tokenizer(docs: list[str], path) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(docs, trainer=trainer)
     tok.save(str(path))
 
@@ -56,20 +61,30 @@ def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("corpus")
     text = pydoc_text().decode("utf-8")
     size = -(-len(text) // N_DOCS)
-    docs = [text[i:i + size] for i in range(0, len(text), size)]
+    docs = [text[i : i + size] for i in range(0, len(text), size)]
     (root / "docs").mkdir()
     for i, doc in enumerate(docs):
         (root / "docs" / f"doc{i}.txt").write_text(doc, encoding="utf-8")
     tokenizer = root / "tokenizer.json"
     train_tokenizer(docs, tokenizer)
     prepare("--tokenizer", str(tokenizer), "--out", str(root / "bin16"), str(root / "docs"))
-    prepare("--tokenizer", str(tokenizer), "--dtype", "uint32", "--val-fraction", "0.1", "--out",
-            str(root / "bin32"), *(str(root / "docs" / f"doc{i}.txt") for i in range(N_DOCS)))
+    prepare(
+        "--tokenizer",
+        str(tokenizer),
+        "--dtype",
+        "uint32",
+        "--val-fraction",
+        "0.1",
+        "--out",
+        str(root / "bin32"),
+        *(str(root / "docs" / f"doc{i}.txt") for i in range(N_DOCS)),
+    )
     tok = tokenizers.Tokenizer.from_file(str(tokenizer))
     eos = tok.token_to_id("<|endoftext|>")
     stream = np.concatenate([np.asarray(tok.encode(d, add_special_tokens=False).ids + [eos]) for d in docs])
-    return SimpleNamespace(root=root, docs=docs, tokenizer=tokenizer, eos=eos, stream=stream,
-                           bin16=root / "bin16", bin32=root / "bin32")
+    return SimpleNamespace(
+        root=root, docs=docs, tokenizer=tokenizer, eos=eos, stream=stream, bin16=root / "bin16", bin32=root / "bin32"
+    )
 
 
 def test_prepare_writes_both_dtypes_and_meta(corpus):
@@ -103,7 +118,7 @@ def test_windows_are_the_same_for_any_dp_split_and_dtype(corpus):
             assert torch.equal(torch.cat(parts), whole)
         assert torch.equal(d32.global_batch(5, step, batch), whole)  # uint32 files read as the same tokens
         starts = torch.randint(0, len(train) - seq, (batch,), generator=_step_generator(5, step))
-        assert torch.equal(whole, torch.stack([torch.from_numpy(train[s:s + seq + 1]) for s in starts.tolist()]))
+        assert torch.equal(whole, torch.stack([torch.from_numpy(train[s : s + seq + 1]) for s in starts.tolist()]))
     # the trainer's iterator: dp rank r's rows of each step, inputs and labels shifted by one
     x, y = next(local_batches(d16, seed=5, global_batch=batch, dp_rank=1, dp_size=2, start_step=7))
     mine = d16.global_batch(5, 7, batch)[4:]
@@ -124,8 +139,12 @@ def hf_dirs(corpus):
     ids = [tok.encode(d, add_special_tokens=False).ids + [corpus.eos] for d in corpus.docs]
     text, pre = corpus.root / "hf_text", corpus.root / "hf_ids"
     datasets.Dataset.from_dict({"text": corpus.docs, "n": list(range(N_DOCS))}).save_to_disk(str(text))
-    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"input_ids": ids}),
-                          "validation": datasets.Dataset.from_dict({"input_ids": ids[:1]})}).save_to_disk(str(pre))
+    datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"input_ids": ids}),
+            "validation": datasets.Dataset.from_dict({"input_ids": ids[:1]}),
+        }
+    ).save_to_disk(str(pre))
     return SimpleNamespace(text=text, pre=pre)
 
 
@@ -139,7 +158,7 @@ def test_hf_datasets_give_the_token_stream(corpus, hf_dirs):
     tokens, _ = hf_token_array(hf_dirs.pre)  # input_ids, as they are
     assert np.array_equal(tokens, corpus.stream)
     val, source = hf_token_array(hf_dirs.pre, split="val")
-    assert "validation" in source and len(val) == len(tokens[:np.flatnonzero(corpus.stream == corpus.eos)[0] + 1])
+    assert "validation" in source and len(val) == len(tokens[: np.flatnonzero(corpus.stream == corpus.eos)[0] + 1])
     raw, _ = hf_token_array(hf_dirs.text, tokenizer="bytes")  # byte-level: UTF-8 bytes, byte 0 ends a document
     assert np.array_equal(raw, np.frombuffer(b"".join(d.encode() + b"\0" for d in corpus.docs), dtype=np.uint8))
     a = make_dataset("hf", vocab_size=VOCAB, seq_len=32, data_dir=hf_dirs.text, tokenizer=str(corpus.tokenizer))
@@ -157,8 +176,22 @@ def test_hf_datasets_give_the_token_stream(corpus, hf_dirs):
 def reference(corpus, tmp_path_factory):
     """One process, 12 steps on the uint16 token files (vocabulary from meta.json)."""
     out = tmp_path_factory.mktemp("bin1")
-    res = run([sys.executable, *MODULE, *TINY, "--dataset", "bin", "--data-dir", str(corpus.bin16),
-               "--max-iters", "12", "--outdir", str(out)], timeout=180)
+    res = run(
+        [
+            sys.executable,
+            *MODULE,
+            *TINY,
+            "--dataset",
+            "bin",
+            "--data-dir",
+            str(corpus.bin16),
+            "--max-iters",
+            "12",
+            "--outdir",
+            str(out),
+        ],
+        timeout=180,
+    )
     assert res.returncode == 0, res.output
     assert "vocab_size=400" in res.output  # the model's vocabulary came from the data
     return jsonl(out / "history.jsonl", key=None)
@@ -174,8 +207,9 @@ def test_two_ranks_match_one_process_and_resume_on_the_same_batches(corpus, refe
     step 6, the steps go on as the uninterrupted run's."""
     out, ck = tmp_path / "run", tmp_path / "ck"
     common = [*MODULE, *TINY, "--dataset", "bin", "--data-dir", str(corpus.bin32), "--checkpoint-dir", str(ck)]
-    res = run(launch("-n", "2", "python3", *common, "--tpsize", "2", "--max-iters", "3", "--outdir", str(out)),
-              timeout=240)
+    res = run(
+        launch("-n", "2", "python3", *common, "--tpsize", "2", "--max-iters", "3", "--outdir", str(out)), timeout=240
+    )
     assert res.returncode == 0, res.output
     got = jsonl(out / "history.jsonl", key=None)
     for key in ("loss", "grad_norm"):
@@ -193,12 +227,48 @@ def test_trainer_on_a_saved_hf_dataset(corpus, hf_dirs, tmp_path):
     """Text tokenised at load (vocabulary from the tokenizer) on one process = pre-tokenised input_ids
     on tp 2 (vocabulary from --vocab-size): the same stream, the same steps."""
     one, two = tmp_path / "text", tmp_path / "ids"
-    res = run([sys.executable, *MODULE, *TINY, "--dataset", "hf", "--data-dir", str(hf_dirs.text), "--tokenizer",
-               str(corpus.tokenizer), "--max-iters", "3", "--outdir", str(one)], timeout=180)
+    res = run(
+        [
+            sys.executable,
+            *MODULE,
+            *TINY,
+            "--dataset",
+            "hf",
+            "--data-dir",
+            str(hf_dirs.text),
+            "--tokenizer",
+            str(corpus.tokenizer),
+            "--max-iters",
+            "3",
+            "--outdir",
+            str(one),
+        ],
+        timeout=180,
+    )
     assert res.returncode == 0, res.output
     assert "vocab_size=400" in res.output
-    res = run(launch("-n", "2", "python3", *MODULE, *TINY, "--dataset", "hf", "--data-dir", str(hf_dirs.pre),
-                     "--vocab-size", str(VOCAB), "--tp", "2", "--max-iters", "3", "--outdir", str(two)), timeout=240)
+    res = run(
+        launch(
+            "-n",
+            "2",
+            "python3",
+            *MODULE,
+            *TINY,
+            "--dataset",
+            "hf",
+            "--data-dir",
+            str(hf_dirs.pre),
+            "--vocab-size",
+            str(VOCAB),
+            "--tp",
+            "2",
+            "--max-iters",
+            "3",
+            "--outdir",
+            str(two),
+        ),
+        timeout=240,
+    )
     assert res.returncode == 0, res.output
     a, b = (jsonl(d / "history.jsonl", key=None) for d in (one, two))
     for key in ("loss", "grad_norm"):
@@ -214,8 +284,24 @@ def _write_tokens(path, values, dtype=np.uint16):
 def test_bad_data_is_one_line_naming_the_file_and_value(corpus, tmp_path):
     big = tmp_path / "big" / "train.bin"  # ids up to 300, no meta.json: the default vocabulary is 256
     _write_tokens(big, np.arange(1000) % 301)
-    res = run(launch("--launcher", "local", "-n", "2", "python3", *MODULE, *TINY, "--dataset", "bin", "--data-dir",
-                     str(big.parent), "--max-iters", "1"), timeout=120)
+    res = run(
+        launch(
+            "--launcher",
+            "local",
+            "-n",
+            "2",
+            "python3",
+            *MODULE,
+            *TINY,
+            "--dataset",
+            "bin",
+            "--data-dir",
+            str(big.parent),
+            "--max-iters",
+            "1",
+        ),
+        timeout=120,
+    )
     assert_clean_user_error(res, f"{big}: token id 300 >= --vocab-size 256", "pass --vocab-size 301 or more")
     assert res.returncode == 2
     assert len([line for line in res.stderr.splitlines() if "error:" in line and "launch:" not in line]) == 1
@@ -224,8 +310,10 @@ def test_bad_data_is_one_line_naming_the_file_and_value(corpus, tmp_path):
     for flags, needles in [
         (["--data-dir", str(short.parent)], [f"{short} holds 20 tokens, fewer than one window of --seq-len 32 + 1"]),
         (["--data-dir", str(tmp_path / "nope")], [f"--data-dir '{tmp_path / 'nope'}' does not exist"]),
-        (["--data-dir", str(corpus.bin16), "--vocab-size", "300"],
-         ["--vocab-size 300 is smaller than the data's vocabulary 400", "meta.json"]),
+        (
+            ["--data-dir", str(corpus.bin16), "--vocab-size", "300"],
+            ["--vocab-size 300 is smaller than the data's vocabulary 400", "meta.json"],
+        ),
     ]:
         res = run([sys.executable, *MODULE, *TINY, "--dataset", "bin", *flags, "--max-iters", "1"], timeout=120)
         assert_clean_user_error(res, *needles)
@@ -239,9 +327,12 @@ def test_bad_flags_found_before_any_data_is_read(corpus, tmp_path):
 
     assert dataset_problems("bin", vocab_size=VOCAB) == ["--dataset bin reads a directory: add --data-dir DIR"]
     assert dataset_problems("synthetic", vocab_size=256, data_dir="x")[0].startswith(
-        "--data-dir only apply with --dataset bin or hf (got --dataset synthetic)")
-    assert "--tokenizer 'nope.json' does not exist" in dataset_problems("hf", vocab_size=256, data_dir=corpus.root,
-                                                                         tokenizer="nope.json")[0]
+        "--data-dir only apply with --dataset bin or hf (got --dataset synthetic)"
+    )
+    assert (
+        "--tokenizer 'nope.json' does not exist"
+        in dataset_problems("hf", vocab_size=256, data_dir=corpus.root, tokenizer="nope.json")[0]
+    )
     odd = tmp_path / "odd" / "train.bin"
     odd.parent.mkdir()
     odd.write_bytes(b"\0" * 99)
@@ -251,8 +342,10 @@ def test_bad_flags_found_before_any_data_is_read(corpus, tmp_path):
     (odd.parent / "train.uint16.bin").write_bytes(b"\0" * 100)
     with pytest.raises(UsageError, match=r"2 token files for 'train': train.bin, train.uint16.bin; keep one"):
         make_dataset("bin", vocab_size=256, seq_len=8, data_dir=odd.parent)
-    res = run([sys.executable, "-m", "mmm.data", "prepare", "--out", str(tmp_path / "o"), str(tmp_path / "none.txt")],
-              timeout=60)
+    res = run(
+        [sys.executable, "-m", "mmm.data", "prepare", "--out", str(tmp_path / "o"), str(tmp_path / "none.txt")],
+        timeout=60,
+    )
     assert_clean_user_error(res, f"{tmp_path / 'none.txt'} does not exist")
     assert res.returncode == 2
 
@@ -267,8 +360,11 @@ def test_nanogpt_meta_pkl_gives_the_vocabulary_and_nothing_else_runs(tmp_path):
 
     chars = sorted(set("to be or not to be"))
     _write_tokens(tmp_path / "train.bin", [chars.index(c) for c in "to be or not to be" * 4])
-    (tmp_path / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": len(chars), "itos": dict(enumerate(chars)),
-                                                      "stoi": {c: i for i, c in enumerate(chars)}}))
+    (tmp_path / "meta.pkl").write_bytes(
+        pickle.dumps(
+            {"vocab_size": len(chars), "itos": dict(enumerate(chars)), "stoi": {c: i for i, c in enumerate(chars)}}
+        )
+    )
     assert data_vocab_size("bin", data_dir=tmp_path) == (len(chars), str(tmp_path / "meta.pkl"))
     data = make_dataset("bin", vocab_size=len(chars), seq_len=8, data_dir=tmp_path)
     assert data.global_batch(0, 0, 2).max() < len(chars)

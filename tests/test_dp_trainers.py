@@ -8,13 +8,29 @@ import sys
 
 import pytest
 import torch
+
 from conftest import assert_clean_user_error, clean_env, launch, run, torchrun
 
 RTOL = 1e-5
 STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
 CNN = ["-m", "mmm.examples.fsdp", "--epochs", "2", "--steps-per-epoch", "3", "--batch-size", "32", "--no-plots"]
-VIT = ["-m", "mmm.examples.vit", "--max-iters", "5", "--depth", "2", "--num-heads", "4", "--head-dim", "8",
-       "--img-size", "16", "--batch-size", "8", "--no-plots"]
+VIT = [
+    "-m",
+    "mmm.examples.vit",
+    "--max-iters",
+    "5",
+    "--depth",
+    "2",
+    "--num-heads",
+    "4",
+    "--head-dim",
+    "8",
+    "--img-size",
+    "16",
+    "--batch-size",
+    "8",
+    "--no-plots",
+]
 
 
 def jsonl(path, key="loss"):
@@ -44,8 +60,11 @@ def vit_reference(tmp_path_factory):
 
 
 def _parallel(n, args, tmp_path, runner, timeout=300):
-    cmd = torchrun(n, *args, "--outdir", str(tmp_path)) if runner == "torchrun" else \
-        launch("-n", str(n), "python3", *args, "--outdir", str(tmp_path))
+    cmd = (
+        torchrun(n, *args, "--outdir", str(tmp_path))
+        if runner == "torchrun"
+        else launch("-n", str(n), "python3", *args, "--outdir", str(tmp_path))
+    )
     res = run(cmd, timeout=timeout)
     assert res.returncode == 0, res.output
     return res
@@ -54,8 +73,25 @@ def _parallel(n, args, tmp_path, runner, timeout=300):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_state_bytes_per_rank_match_zero_theory(tmp_path, strategy):
     """Per-rank parameter + gradient + optimizer bytes on 4 ranks within 10% of the ZeRO paper's figures."""
-    big = ["-m", "mmm.examples.vit", "--depth", "4", "--num-heads", "8", "--head-dim", "32", "--img-size", "16",
-           "--batch-size", "8", "--max-iters", "2", "--no-plots", "--strategy", strategy]
+    big = [
+        "-m",
+        "mmm.examples.vit",
+        "--depth",
+        "4",
+        "--num-heads",
+        "8",
+        "--head-dim",
+        "32",
+        "--img-size",
+        "16",
+        "--batch-size",
+        "8",
+        "--max-iters",
+        "2",
+        "--no-plots",
+        "--strategy",
+        strategy,
+    ]
     _parallel(4, big, tmp_path, "launch")
     s = json.loads((tmp_path / "summary.json").read_text())
     theory = s["state_bytes_theory"]
@@ -72,8 +108,22 @@ def test_state_bytes_per_rank_match_zero_theory(tmp_path, strategy):
 def test_cnn_defaults_reach_95_percent_on_two_ranks(tmp_path, strategy):
     n = 4 if strategy == "hsdp" else 2
     extra = ["--dp-replicate", "2"] if strategy == "hsdp" else []
-    res = run(launch("-n", str(n), "python3", "-m", "mmm.examples.fsdp", "--strategy", strategy, *extra,
-                     "--no-plots", "--outdir", str(tmp_path)), timeout=300)
+    res = run(
+        launch(
+            "-n",
+            str(n),
+            "python3",
+            "-m",
+            "mmm.examples.fsdp",
+            "--strategy",
+            strategy,
+            *extra,
+            "--no-plots",
+            "--outdir",
+            str(tmp_path),
+        ),
+        timeout=300,
+    )
     assert res.returncode == 0, res.output
     assert res.seconds < 120
     epochs = [line for line in res.stdout.splitlines() if " epoch=" in line]
@@ -99,9 +149,28 @@ def test_mnist_idx_files_and_saved_model(tmp_path):
         _write_idx(data / f"{prefix}-images-idx3-ubyte.gz", images)
         _write_idx(data / f"{prefix}-labels-idx1-ubyte.gz", labels.to(torch.uint8))
     out = tmp_path / "out"
-    res = run(launch("-n", "2", "python3", "-m", "mmm.examples.fsdp", "--data-dir", str(data), "--epochs", "1",
-                     "--batch-size", "32", "--strategy", "zero3", "--save-model", "--no-plots", "--outdir", str(out)),
-              timeout=300)
+    res = run(
+        launch(
+            "-n",
+            "2",
+            "python3",
+            "-m",
+            "mmm.examples.fsdp",
+            "--data-dir",
+            str(data),
+            "--epochs",
+            "1",
+            "--batch-size",
+            "32",
+            "--strategy",
+            "zero3",
+            "--save-model",
+            "--no-plots",
+            "--outdir",
+            str(out),
+        ),
+        timeout=300,
+    )
     assert res.returncode == 0, res.output
     assert "data: mnist, 128 train / 40 test images of 28x28" in res.stdout
     from mmm.models.cnn import DigitsCNN
@@ -120,19 +189,27 @@ def test_old_spellings_run_the_same_programs():
     assert "--img-size" in res.stdout and "--max-iters" in res.stdout
 
 
-@pytest.mark.parametrize("module, n, flags, needles", [
-    ("vit", 2, ["--strategy", "zero4"], ["argument --strategy: invalid choice: 'zero4'"]),
-    ("vit", 4, ["--strategy", "zero2", "--tp", "2"], ["--strategy zero2 (DeepSpeed) runs pure data parallel here",
-                                                      "--tp 2"]),
-    ("fsdp", 2, ["--data-dir", "/tmp"], ["--data-dir '/tmp' holds no MNIST: missing train-images-idx3-ubyte"]),
-    ("fsdp", 4, ["--batch-size", "30"], ["--batch-size 30 is not divisible by 4 data-parallel ranks"]),
-    ("vit", 2, ["--batch-size", "5"], ["--batch-size 5 is not divisible by 2 data-parallel ranks"]),
-    ("fsdp", 2, ["--offload-optimizer"], ["--offload-optimizer needs --strategy zero1, zero2 or zero3"]),
-    ("vit", 2, ["--num-heads", "3", "--tp", "2"], ["--num-heads 3 is not divisible by tp=2"]),
-])
+@pytest.mark.parametrize(
+    "module, n, flags, needles",
+    [
+        ("vit", 2, ["--strategy", "zero4"], ["argument --strategy: invalid choice: 'zero4'"]),
+        (
+            "vit",
+            4,
+            ["--strategy", "zero2", "--tp", "2"],
+            ["--strategy zero2 (DeepSpeed) runs pure data parallel here", "--tp 2"],
+        ),
+        ("fsdp", 2, ["--data-dir", "/tmp"], ["--data-dir '/tmp' holds no MNIST: missing train-images-idx3-ubyte"]),
+        ("fsdp", 4, ["--batch-size", "30"], ["--batch-size 30 is not divisible by 4 data-parallel ranks"]),
+        ("vit", 2, ["--batch-size", "5"], ["--batch-size 5 is not divisible by 2 data-parallel ranks"]),
+        ("fsdp", 2, ["--offload-optimizer"], ["--offload-optimizer needs --strategy zero1, zero2 or zero3"]),
+        ("vit", 2, ["--num-heads", "3", "--tp", "2"], ["--num-heads 3 is not divisible by tp=2"]),
+    ],
+)
 def test_bad_input(module, n, flags, needles):
-    res = run(launch("--launcher", "local", "-n", str(n), "python3", "-m", f"mmm.examples.{module}", *flags),
-              timeout=90)
+    res = run(
+        launch("--launcher", "local", "-n", str(n), "python3", "-m", f"mmm.examples.{module}", *flags), timeout=90
+    )
     assert_clean_user_error(res, *needles)
     assert len([line for line in res.stderr.splitlines() if "error:" in line and "launch:" not in line]) == 1
     assert res.seconds < 30
@@ -142,8 +219,11 @@ def test_zero_without_deepspeed_says_how_to_install(tmp_path):
     # a stand-in package that fails to import, as an absent DeepSpeed would
     (tmp_path / "deepspeed").mkdir()
     (tmp_path / "deepspeed" / "__init__.py").write_text("raise ImportError('No module named deepspeed')\n")
-    res = run(launch("--launcher", "local", "-n", "2", "python3", *VIT, "--strategy", "zero1"),
-              env=clean_env(PYTHONPATH=str(tmp_path)), timeout=90)
+    res = run(
+        launch("--launcher", "local", "-n", "2", "python3", *VIT, "--strategy", "zero1"),
+        env=clean_env(PYTHONPATH=str(tmp_path)),
+        timeout=90,
+    )
     assert_clean_user_error(res, "need DeepSpeed, which is not installed: pip install 'mmm[deepspeed]'")
 
 
@@ -155,5 +235,6 @@ def test_zero2_optimizer_offload_runs_and_matches(tmp_path):
     base = [*VIT, "--strategy", "zero2"]
     _parallel(2, base, tmp_path / "plain", "launch")
     _parallel(2, [*base, "--offload-optimizer"], tmp_path / "offload", "launch", timeout=1200)
-    assert max_rel_diff(jsonl(tmp_path / "offload" / "history.jsonl"), jsonl(tmp_path / "plain" / "history.jsonl")) \
-        <= 1e-4
+    assert (
+        max_rel_diff(jsonl(tmp_path / "offload" / "history.jsonl"), jsonl(tmp_path / "plain" / "history.jsonl")) <= 1e-4
+    )

@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 
 import pytest
+
 from conftest import jsonl, launch, max_rel_diff, run, torchrun
 
 RTOL = 1e-5
@@ -20,16 +21,71 @@ RTOL = 1e-5
 # base configurations: the trainer and the flags every case of that base shares
 BASES = {
     # tiny but complete: GQA (8 query / 4 kv heads), every TP split in the matrix valid
-    "llama": ["-m", "mmm.examples.fsdp_tp", "--dim", "64", "--n-layers", "2", "--n-heads", "8", "--n-kv-heads", "4",
-              "--seq-len", "32", "--batch-size", "8", "--max-iters", "5", "--lr", "3e-3", "--seed", "3", "--no-plots"],
+    "llama": [
+        "-m",
+        "mmm.examples.fsdp_tp",
+        "--dim",
+        "64",
+        "--n-layers",
+        "2",
+        "--n-heads",
+        "8",
+        "--n-kv-heads",
+        "4",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "8",
+        "--max-iters",
+        "5",
+        "--lr",
+        "3e-3",
+        "--seed",
+        "3",
+        "--no-plots",
+    ],
     # 8 blocks: pipelines of 2, 4 and interleaved 2x2 / 4x2 stages
-    "llama8": ["-m", "mmm.examples.fsdp_tp", "--dim", "64", "--n-layers", "8", "--n-heads", "8", "--n-kv-heads", "4",
-               "--seq-len", "32", "--batch-size", "8", "--max-iters", "5", "--lr", "3e-3", "--seed", "5",
-               "--no-plots"],
-    "vit": ["-m", "mmm.examples.vit", "--max-iters", "5", "--depth", "2", "--num-heads", "4", "--head-dim", "8",
-            "--img-size", "16", "--batch-size", "8", "--no-plots"],
-    "cnn": ["-m", "mmm.examples.fsdp", "--epochs", "2", "--steps-per-epoch", "3", "--batch-size", "32",
-            "--no-plots"],
+    "llama8": [
+        "-m",
+        "mmm.examples.fsdp_tp",
+        "--dim",
+        "64",
+        "--n-layers",
+        "8",
+        "--n-heads",
+        "8",
+        "--n-kv-heads",
+        "4",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "8",
+        "--max-iters",
+        "5",
+        "--lr",
+        "3e-3",
+        "--seed",
+        "5",
+        "--no-plots",
+    ],
+    "vit": [
+        "-m",
+        "mmm.examples.vit",
+        "--max-iters",
+        "5",
+        "--depth",
+        "2",
+        "--num-heads",
+        "4",
+        "--head-dim",
+        "8",
+        "--img-size",
+        "16",
+        "--batch-size",
+        "8",
+        "--no-plots",
+    ],
+    "cnn": ["-m", "mmm.examples.fsdp", "--epochs", "2", "--steps-per-epoch", "3", "--batch-size", "32", "--no-plots"],
 }
 
 
@@ -43,8 +99,11 @@ class Case:
 
     def cmd(self, outdir) -> list[str]:
         args = [*BASES[self.base], *self.flags, "--outdir", str(outdir)]
-        return torchrun(self.ranks, *args) if self.launcher == "torchrun" else \
-            launch("-n", str(self.ranks), "python3", *args)
+        return (
+            torchrun(self.ranks, *args)
+            if self.launcher == "torchrun"
+            else launch("-n", str(self.ranks), "python3", *args)
+        )
 
 
 def C(name, base, ranks, flags="", launcher="launch") -> Case:
@@ -73,8 +132,13 @@ MATRIX = [
     # pipeline parallel
     C("pp2-gpipe", "llama8", 2, "--pp 2 --pp-schedule gpipe --microbatches 4", "torchrun"),
     C("pp2-1f1b", "llama8", 2, "--pp 2 --pp-schedule 1f1b --microbatches 4"),
-    C("pp2-interleaved", "llama8", 2, "--pp 2 --pp-schedule interleaved-1f1b --stages-per-rank 2 --microbatches 4",
-      "torchrun"),
+    C(
+        "pp2-interleaved",
+        "llama8",
+        2,
+        "--pp 2 --pp-schedule interleaved-1f1b --stages-per-rank 2 --microbatches 4",
+        "torchrun",
+    ),
     C("pp4-gpipe", "llama8", 4, "--pp 4 --pp-schedule gpipe --microbatches 4"),
     C("pp4-1f1b", "llama8", 4, "--pp 4 --pp-schedule 1f1b --microbatches 8", "torchrun"),
     C("pp4-interleaved", "llama8", 4, "--pp 4 --pp-schedule interleaved-1f1b --stages-per-rank 2 --microbatches 4"),
@@ -129,6 +193,7 @@ def test_layout_matches_one_process(references, tmp_path, case):
         assert "tp:Shard(0)" in res.stdout  # the sharding table shows the TP plan
     if case.base == "cnn":  # the per-epoch evaluation over the sharded test set, too
         got, want = jsonl(tmp_path / "epochs.jsonl", key=None), jsonl(ref / "epochs.jsonl", key=None)
-        assert compare(got, want, keys=("train_loss", "test_loss")) == pytest.approx({"train_loss": 0, "test_loss": 0},
-                                                                                     abs=RTOL)
+        assert compare(got, want, keys=("train_loss", "test_loss")) == pytest.approx(
+            {"train_loss": 0, "test_loss": 0}, abs=RTOL
+        )
         assert [r["test_acc"] for r in got] == [r["test_acc"] for r in want]

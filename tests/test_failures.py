@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+
 from conftest import SCRIPTS, assert_clean_user_error, clean_env, launch, mpiexec, run, torchrun
 
 
@@ -18,8 +19,12 @@ def test_invalid_degrees_one_line_every_rank_fails(runner):
     res = run(cmd, timeout=60)
     # argparse rejects pp=0 before anything starts
     assert_clean_user_error(res, "argument --pp/--ppsize: 0 is not a degree")
-    res = run(launch("--launcher", "local", "-n", "4", "python3", "-m", "mmm", "--tp", "3") if runner == "launch-local"
-              else mpiexec(4, "-m", "mmm", "--tp", "3"), timeout=60)
+    res = run(
+        launch("--launcher", "local", "-n", "4", "python3", "-m", "mmm", "--tp", "3")
+        if runner == "launch-local"
+        else mpiexec(4, "-m", "mmm", "--tp", "3"),
+        timeout=60,
+    )
     assert_clean_user_error(res, "tp=3 does not divide world size 4; valid tp for 4 ranks: 1, 2, 4")
     mmm_errors = [line for line in res.stderr.splitlines() if "python -m mmm: error:" in line]
     assert len(mmm_errors) == 1, res.stderr  # printed once (rank 0), yet every rank exits non-zero
@@ -32,9 +37,17 @@ def test_every_rank_exits_nonzero_on_bad_input():
     from mmm.dist import free_port
 
     env = clean_env(WORLD_SIZE="4", LOCAL_WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    procs = [subprocess.Popen([sys.executable, "-m", "mmm", "--tp", "3"], env={**env, "RANK": str(r),
-                              "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              stdin=subprocess.DEVNULL) for r in range(4)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "mmm", "--tp", "3"],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            stdin=subprocess.DEVNULL,
+        )
+        for r in range(4)
+    ]
     outs = [p.communicate(timeout=60) for p in procs]
     assert [p.returncode for p in procs] == [2, 2, 2, 2], outs
     assert "tp=3 does not divide world size 4" in outs[0][1]
@@ -42,13 +55,17 @@ def test_every_rank_exits_nonzero_on_bad_input():
     assert all("Traceback" not in out + err for out, err in outs), outs
 
 
-@pytest.mark.parametrize("device, needle", [
-    ("cuda", "device 'cuda' was MMM_DEVICE but this machine has none"),
-    ("gpu", "unknown device 'gpu' (MMM_DEVICE); choose one of: auto, cpu, cuda, xpu, mps"),
-])
+@pytest.mark.parametrize(
+    "device, needle",
+    [
+        ("cuda", "device 'cuda' was MMM_DEVICE but this machine has none"),
+        ("gpu", "unknown device 'gpu' (MMM_DEVICE); choose one of: auto, cpu, cuda, xpu, mps"),
+    ],
+)
 def test_unavailable_or_unknown_device(device, needle):
-    res = run(launch("--launcher", "local", "-n", "2", "python3", "-m", "mmm"), env=clean_env(MMM_DEVICE=device),
-              timeout=60)
+    res = run(
+        launch("--launcher", "local", "-n", "2", "python3", "-m", "mmm"), env=clean_env(MMM_DEVICE=device), timeout=60
+    )
     assert_clean_user_error(res, needle)
 
 
@@ -63,9 +80,11 @@ def test_report_dir_that_is_a_file(tmp_path):
 @pytest.mark.parametrize("mode", ["exit", "raise"])
 def test_a_dead_rank_does_not_leave_the_others_waiting(runner, mode):
     script = str(SCRIPTS / "dead_rank.py")
-    cmd = {"launch-local": launch("--launcher", "local", "-n", "3", "python3", script, mode),
-           "mpiexec": mpiexec(3, script, mode),
-           "torchrun": torchrun(3, script, mode)}[runner]
+    cmd = {
+        "launch-local": launch("--launcher", "local", "-n", "3", "python3", script, mode),
+        "mpiexec": mpiexec(3, script, mode),
+        "torchrun": torchrun(3, script, mode),
+    }[runner]
     res = run(cmd, env=clean_env(MMM_TIMEOUT="300"), timeout=90)
     assert res.returncode != 0, res.output
     assert res.seconds < 60, res.seconds  # far below the 300 s collective timeout
@@ -76,9 +95,14 @@ def test_a_dead_rank_does_not_leave_the_others_waiting(runner, mode):
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_launch_forwards_signals_and_ranks_exit_cleanly(sig, code):
-    p = subprocess.Popen(launch("--launcher", "local", "-n", "2", "python3", str(SCRIPTS / "wait_forever.py")),
-                         env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         stdin=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        launch("--launcher", "local", "-n", "2", "python3", str(SCRIPTS / "wait_forever.py")),
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
     seen: list[str] = []
     reader = threading.Thread(target=lambda: seen.extend(iter(p.stdout.readline, "")), daemon=True)
     reader.start()
@@ -115,24 +139,39 @@ def test_consecutive_four_rank_runs_exit_zero(runner):
 
 
 def test_import_mmm_and_parallel_stay_light():
-    code = ("import sys, mmm; assert 'torch' not in sys.modules, 'import mmm pulled torch'\n"
-            "from mmm.parallel import init_mesh\n"
-            "heavy = [m for m in ('deepspeed', 'xarray', 'matplotlib', 'plotext', 'torchinfo', 'mpi4py')"
-            " if m in sys.modules]\n"
-            "assert not heavy, heavy\nprint('light')")
+    code = (
+        "import sys, mmm; assert 'torch' not in sys.modules, 'import mmm pulled torch'\n"
+        "from mmm.parallel import init_mesh\n"
+        "heavy = [m for m in ('deepspeed', 'xarray', 'matplotlib', 'plotext', 'torchinfo', 'mpi4py')"
+        " if m in sys.modules]\n"
+        "assert not heavy, heavy\nprint('light')"
+    )
     res = run([sys.executable, "-c", code])
     assert res.returncode == 0 and res.stdout.strip() == "light", res.output
 
 
-@pytest.mark.parametrize("make, peer", [
-    (lambda: ConnectionRefusedError("[Errno 111] Connection refused"), False),  # the user's own socket
-    (lambda: TimeoutError("operation timed out"), False),
-    (lambda: RuntimeError("read error while parsing config.json"), False),
-    (lambda: RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
-                          "[127.0.0.1]:51234"), True),
-    (lambda: RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
-                          "10000ms for recv operation to complete"), True),
-], ids=["user-socket", "user-timeout", "user-read-error", "gloo-peer-closed", "gloo-timeout"])
+@pytest.mark.parametrize(
+    "make, peer",
+    [
+        (lambda: ConnectionRefusedError("[Errno 111] Connection refused"), False),  # the user's own socket
+        (lambda: TimeoutError("operation timed out"), False),
+        (lambda: RuntimeError("read error while parsing config.json"), False),
+        (
+            lambda: RuntimeError(
+                "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:51234"
+            ),
+            True,
+        ),
+        (
+            lambda: RuntimeError(
+                "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+                "10000ms for recv operation to complete"
+            ),
+            True,
+        ),
+    ],
+    ids=["user-socket", "user-timeout", "user-read-error", "gloo-peer-closed", "gloo-timeout"],
+)
 def test_only_collective_failures_become_one_line_peer_errors(make, peer):
     """A real bug whose text happens to say 'connection refused' or 'timed out' keeps its traceback."""
     from mmm.dist import peer_failure_message
@@ -152,8 +191,9 @@ def test_a_usage_error_on_one_rank_only_is_reported_by_that_rank():
     res = run(launch("--launcher", "local", "-n", "2", "python3", str(SCRIPTS / "rank_local_error.py")), timeout=60)
     assert res.returncode != 0
     lines = [ln for ln in res.stderr.splitlines() if "error:" in ln and "launch:" not in ln]
-    assert lines[0] == ("[rank 1] rank_local_error.py: error: --data-dir '/nodes/own/disk': no such directory on "
-                        "this node"), res.output
+    assert lines[0] == (
+        "[rank 1] rank_local_error.py: error: --data-dir '/nodes/own/disk': no such directory on this node"
+    ), res.output
     assert len(lines) >= 2 and all("rank 1 stopped answering" in ln for ln in lines[1:]), res.output  # rank 0
 
 
@@ -163,11 +203,25 @@ def test_only_the_dead_rank_is_named_while_live_ones_are_busy(tmp_path):
     live rank writes where it was to <stack dir>/rank-<r>.txt and the message points there."""
     from mmm.dist import free_port
 
-    env = clean_env(WORLD_SIZE="4", LOCAL_WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-                    MMM_STACK_DIR=str(tmp_path / "stacks"), MMM_TIMEOUT="60")
-    procs = [subprocess.Popen([sys.executable, str(SCRIPTS / "dead_rank.py"), "busy"],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL) for r in range(4)]
+    env = clean_env(
+        WORLD_SIZE="4",
+        LOCAL_WORLD_SIZE="4",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        MMM_STACK_DIR=str(tmp_path / "stacks"),
+        MMM_TIMEOUT="60",
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPTS / "dead_rank.py"), "busy"],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            stdin=subprocess.DEVNULL,
+        )
+        for r in range(4)
+    ]
     outs = [p.communicate(timeout=90) for p in procs]
     assert [p.returncode for p in procs] == [1, 3, 1, 1], outs
     for rank in (0, 2, 3):
@@ -182,16 +236,24 @@ def test_only_the_dead_rank_is_named_while_live_ones_are_busy(tmp_path):
             assert "error: rank 1 stopped answering" in line[0], err  # "rank 1", not "ranks 1, 2"
     stacks = (tmp_path / "stacks" / "rank-2.txt").read_text()
     assert "in_the_pair" in stacks and "roll call" in stacks, stacks  # rank 2 was in the pair's all-reduce
-    assert not (tmp_path / "stacks" / "rank-1.txt").exists() or "roll call" not in (
-        tmp_path / "stacks" / "rank-1.txt").read_text()
+    assert (
+        not (tmp_path / "stacks" / "rank-1.txt").exists()
+        or "roll call" not in (tmp_path / "stacks" / "rank-1.txt").read_text()
+    )
 
 
 def test_sigusr1_writes_every_ranks_stacks(tmp_path):
     """A user watching a job that looks hung: kill -USR1 writes where each rank is, and the job goes on."""
     stacks = tmp_path / "stacks"
-    p = subprocess.Popen(launch("--launcher", "local", "-n", "2", "python3", str(SCRIPTS / "wait_forever.py")),
-                         env=clean_env(MMM_STACK_DIR=str(stacks)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, stdin=subprocess.DEVNULL, start_new_session=True)
+    p = subprocess.Popen(
+        launch("--launcher", "local", "-n", "2", "python3", str(SCRIPTS / "wait_forever.py")),
+        env=clean_env(MMM_STACK_DIR=str(stacks)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         seen = ""  # two ranks share the pipe: their lines may interleave, so count the words
         while seen.count("READY") < 2 and p.poll() is None:
@@ -204,8 +266,7 @@ def test_sigusr1_writes_every_ranks_stacks(tmp_path):
             os.kill(pid, signal.SIGUSR1)
         deadline = time.monotonic() + 10
         files = [stacks / f"rank-{r}.txt" for r in (0, 1)]
-        while time.monotonic() < deadline and not all(
-                f.exists() and "wait_forever.py" in f.read_text() for f in files):
+        while time.monotonic() < deadline and not all(f.exists() and "wait_forever.py" in f.read_text() for f in files):
             time.sleep(0.1)
         for r in (0, 1):
             text = (stacks / f"rank-{r}.txt").read_text()

@@ -4,11 +4,31 @@ import json
 import sys
 
 import pytest
-from conftest import assert_clean_user_error, clean_env, launch, run, torchrun
+
+from conftest import assert_clean_user_error, launch, run, torchrun
 
 # Tiny but complete: GQA (8 query / 4 kv heads), 2 blocks, every TP split in the matrix valid.
-MODEL = ["--dim", "64", "--n-layers", "2", "--n-heads", "8", "--n-kv-heads", "4", "--seq-len", "32",
-         "--batch-size", "8", "--max-iters", "6", "--lr", "3e-3", "--seed", "3", "--no-plots"]
+MODEL = [
+    "--dim",
+    "64",
+    "--n-layers",
+    "2",
+    "--n-heads",
+    "8",
+    "--n-kv-heads",
+    "4",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "8",
+    "--max-iters",
+    "6",
+    "--lr",
+    "3e-3",
+    "--seed",
+    "3",
+    "--no-plots",
+]
 RTOL = 1e-5
 MODULE = ["-m", "mmm.examples.fsdp_tp"]
 
@@ -31,8 +51,9 @@ def reference(tmp_path_factory):
 
 
 def test_outputs_and_log_lines(tmp_path):
-    res = run(launch("-n", "4", "python3", *MODULE, *MODEL[:-1], "--tpsize", "2", "--outdir", str(tmp_path)),
-              timeout=240)
+    res = run(
+        launch("-n", "4", "python3", *MODULE, *MODEL[:-1], "--tpsize", "2", "--outdir", str(tmp_path)), timeout=240
+    )
     assert res.returncode == 0, res.output
     step_lines = [line for line in res.stdout.splitlines() if " iter=" in line]
     assert len(step_lines) == 6  # one line per step, rank 0 only
@@ -43,12 +64,23 @@ def test_outputs_and_log_lines(tmp_path):
     assert "FSDPTransformerBlock" in res.stdout or "FSDP" in res.stdout  # the model after parallelisation
     assert "startup " in res.stdout
     s = json.loads((tmp_path / "summary.json").read_text())
-    for key in ("world_size", "mesh", "strategy", "final_loss", "stats", "memory_per_rank", "startup_s",
-                "startup_phases", "versions", "mfu"):
+    for key in (
+        "world_size",
+        "mesh",
+        "strategy",
+        "final_loss",
+        "stats",
+        "memory_per_rank",
+        "startup_s",
+        "startup_phases",
+        "versions",
+        "mfu",
+    ):
         assert key in s, key
     assert s["mesh"]["tp"] == 2 and s["mesh"]["dp_shard"] == 2
-    assert list(s["startup_phases"]) == [f"{p}_s" for p in ("interpreter", "imports", "process_group", "mesh",
-                                                             "model", "parallelize", "first_step")]
+    assert list(s["startup_phases"]) == [
+        f"{p}_s" for p in ("interpreter", "imports", "process_group", "mesh", "model", "parallelize", "first_step")
+    ]
     assert abs(sum(s["startup_phases"].values()) - s["startup_s"]) < 0.05
     assert 0 < s["mfu"] < 1 and s["flops"]["flops_per_unit"] > 0
     assert s["compile"] is False and s["compiled_graphs"] == 0
@@ -70,9 +102,34 @@ def test_fsdp_state_is_a_quarter_on_four_ranks(tmp_path):
 
 @pytest.mark.parametrize("dataset", ["synthetic", "pydoc"])
 def test_loss_falls(tmp_path, dataset):
-    res = run(launch("-n", "2", "python3", *MODULE, "--dim", "64", "--n-layers", "2", "--n-heads", "4",
-                     "--seq-len", "64", "--batch-size", "8", "--max-iters", "30", "--dataset", dataset,
-                     "--no-plots", "--tp", "2", "--outdir", str(tmp_path)), timeout=240)
+    res = run(
+        launch(
+            "-n",
+            "2",
+            "python3",
+            *MODULE,
+            "--dim",
+            "64",
+            "--n-layers",
+            "2",
+            "--n-heads",
+            "4",
+            "--seq-len",
+            "64",
+            "--batch-size",
+            "8",
+            "--max-iters",
+            "30",
+            "--dataset",
+            dataset,
+            "--no-plots",
+            "--tp",
+            "2",
+            "--outdir",
+            str(tmp_path),
+        ),
+        timeout=240,
+    )
     assert res.returncode == 0, res.output
     got = losses(tmp_path)
     first, last = sum(got[:3]) / 3, sum(got[-3:]) / 3
@@ -81,8 +138,9 @@ def test_loss_falls(tmp_path, dataset):
 
 @pytest.mark.parametrize("n, flags", [(2, []), (2, ["--pp", "2", "--microbatches", "2"])], ids=["dp2", "pp2"])
 def test_compiled_blocks_match_single_process(reference, tmp_path, n, flags):
-    res = run(launch("-n", str(n), "python3", *MODULE, *MODEL, "--compile", *flags, "--outdir", str(tmp_path)),
-              timeout=300)
+    res = run(
+        launch("-n", str(n), "python3", *MODULE, *MODEL, "--compile", *flags, "--outdir", str(tmp_path)), timeout=300
+    )
     assert res.returncode == 0, res.output
     assert max_rel_diff(losses(tmp_path), reference) <= RTOL
     s = json.loads((tmp_path / "summary.json").read_text())
@@ -97,11 +155,15 @@ def bf16_reference(tmp_path_factory):
     return losses(out)
 
 
-@pytest.mark.parametrize("n, flags", [
-    (4, ["--tp", "2"]),                               # FSDP2's mixed-precision policy
-    (2, ["--pp", "2", "--microbatches", "2"]),         # pipeline stages without FSDP: autocast
-    (4, ["--pp", "2", "--microbatches", "2"]),         # pipeline stages with FSDP (dp 2)
-], ids=["dp2-tp2", "pp2", "pp2-dp2"])
+@pytest.mark.parametrize(
+    "n, flags",
+    [
+        (4, ["--tp", "2"]),  # FSDP2's mixed-precision policy
+        (2, ["--pp", "2", "--microbatches", "2"]),  # pipeline stages without FSDP: autocast
+        (4, ["--pp", "2", "--microbatches", "2"]),  # pipeline stages with FSDP (dp 2)
+    ],
+    ids=["dp2-tp2", "pp2", "pp2-dp2"],
+)
 def test_bf16_really_computes_in_bf16(reference, bf16_reference, tmp_path, n, flags):
     """bf16 moves the losses off the fp32 ones (so it is on) and stays near one process in bf16."""
     res = run(torchrun(n, *MODULE, *MODEL, *flags, "--dtype", "bf16", "--outdir", str(tmp_path)), timeout=240)
@@ -113,21 +175,33 @@ def test_bf16_really_computes_in_bf16(reference, bf16_reference, tmp_path, n, fl
     assert json.loads((tmp_path / "summary.json").read_text())["dtype"] == "bf16"
 
 
-@pytest.mark.parametrize("n, flags, needles", [
-    (4, ["--tpsize", "3"], ["tp=3 does not divide world size 4; valid tp for 4 ranks: 1, 2, 4"]),
-    (4, ["--n-heads", "6", "--tpsize", "4"], ["--n-heads 6 is not divisible by tp=4"]),
-    (2, ["--batch-size", "3"], ["--batch-size 3 is not divisible by 2 data-parallel ranks", "use a multiple of 2"]),
-    (2, ["--dtype", "fp13"], ["argument --dtype: invalid choice: 'fp13'"]),
-    (2, ["--max-iters", "0"], ["argument --max-iters/--max_iters: 0 must be >= 1"]),
-    (2, ["--strategy", "ddp", "--tp", "2"], ["--strategy ddp does not compose with tp"]),
-    (2, ["--compile", "--tp", "2"], ["--compile with --tp 2 is not supported"]),
-    (2, ["--microbatches", "2", "--pp-schedule", "gpipe"],
-     ["--pp-schedule, --microbatches only apply with --pp > 1 (got pp=1)"]),
-    (2, ["--strategy", "ddp", "--reshard-after-forward", "true"],
-     ["--reshard-after-forward true is an FSDP option; --strategy ddp with dp=2, cp=1 does not shard"]),
-    (2, ["--tp", "2", "--reshard-after-forward", "false"],  # fsdp, but dp = cp = 1: nothing to reshard
-     ["--reshard-after-forward false is an FSDP option; --strategy fsdp with dp=1, cp=1 does not shard"]),
-])
+@pytest.mark.parametrize(
+    "n, flags, needles",
+    [
+        (4, ["--tpsize", "3"], ["tp=3 does not divide world size 4; valid tp for 4 ranks: 1, 2, 4"]),
+        (4, ["--n-heads", "6", "--tpsize", "4"], ["--n-heads 6 is not divisible by tp=4"]),
+        (2, ["--batch-size", "3"], ["--batch-size 3 is not divisible by 2 data-parallel ranks", "use a multiple of 2"]),
+        (2, ["--dtype", "fp13"], ["argument --dtype: invalid choice: 'fp13'"]),
+        (2, ["--max-iters", "0"], ["argument --max-iters/--max_iters: 0 must be >= 1"]),
+        (2, ["--strategy", "ddp", "--tp", "2"], ["--strategy ddp does not compose with tp"]),
+        (2, ["--compile", "--tp", "2"], ["--compile with --tp 2 is not supported"]),
+        (
+            2,
+            ["--microbatches", "2", "--pp-schedule", "gpipe"],
+            ["--pp-schedule, --microbatches only apply with --pp > 1 (got pp=1)"],
+        ),
+        (
+            2,
+            ["--strategy", "ddp", "--reshard-after-forward", "true"],
+            ["--reshard-after-forward true is an FSDP option; --strategy ddp with dp=2, cp=1 does not shard"],
+        ),
+        (
+            2,
+            ["--tp", "2", "--reshard-after-forward", "false"],  # fsdp, but dp = cp = 1: nothing to reshard
+            ["--reshard-after-forward false is an FSDP option; --strategy fsdp with dp=1, cp=1 does not shard"],
+        ),
+    ],
+)
 def test_bad_input_one_line_every_rank(n, flags, needles):
     res = run(launch("--launcher", "local", "-n", str(n), "python3", *MODULE, *flags), timeout=60)
     assert_clean_user_error(res, *needles)

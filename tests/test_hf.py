@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from conftest import jsonl, launch, max_rel_diff, run
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'mmm[hf]')")
@@ -14,8 +15,15 @@ RTOL = 1e-5
 
 
 def tiny_llama():
-    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    config = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_cache=False,
+    )
     return transformers.LlamaForCausalLM(config)
 
 

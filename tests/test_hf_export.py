@@ -12,14 +12,30 @@ import json
 import sys
 
 import pytest
+
 from conftest import SCRIPTS, jsonl, launch, run
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'mmm[hf]')")
 
 MODULE = ["-m", "mmm.examples.fsdp_tp"]
 # GQA (8 query / 4 kv heads) so that the query and key permutations differ in size
-TINY = ["--dim", "64", "--n-layers", "2", "--n-heads", "8", "--n-kv-heads", "4", "--seq-len", "32",
-        "--batch-size", "8", "--seed", "3", "--no-plots"]
+TINY = [
+    "--dim",
+    "64",
+    "--n-layers",
+    "2",
+    "--n-heads",
+    "8",
+    "--n-kv-heads",
+    "4",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "8",
+    "--seed",
+    "3",
+    "--no-plots",
+]
 RTOL = 1e-5
 
 
@@ -32,17 +48,83 @@ def ok(cmd, timeout=240):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
-    ok(launch("-n", "4", "python3", *MODULE, *TINY, "--tp", "2", "--max-iters", "3",
-              "--export-hf", str(root / "tp"), "--outdir", str(root / "run_tp")))
-    ok(launch("-n", "4", "python3", *MODULE, *TINY, "--pp", "2", "--max-iters", "3",
-              "--export-hf", str(root / "pp"), "--outdir", str(root / "run_pp")))
+    ok(
+        launch(
+            "-n",
+            "4",
+            "python3",
+            *MODULE,
+            *TINY,
+            "--tp",
+            "2",
+            "--max-iters",
+            "3",
+            "--export-hf",
+            str(root / "tp"),
+            "--outdir",
+            str(root / "run_tp"),
+        )
+    )
+    ok(
+        launch(
+            "-n",
+            "4",
+            "python3",
+            *MODULE,
+            *TINY,
+            "--pp",
+            "2",
+            "--max-iters",
+            "3",
+            "--export-hf",
+            str(root / "pp"),
+            "--outdir",
+            str(root / "run_pp"),
+        )
+    )
     ok([sys.executable, *MODULE, *TINY, "--max-iters", "4", "--outdir", str(root / "straight")], timeout=180)
     # round trip: start from the export, one step that changes nothing (lr 0), export again
-    ok([sys.executable, *MODULE, "--init-from", str(root / "tp"), "--seq-len", "32", "--batch-size", "8", "--seed",
-        "3", "--no-plots", "--lr", "0", "--max-iters", "1", "--export-hf", str(root / "again"),
-        "--outdir", str(root / "run_again")], timeout=180)
-    res = ok([sys.executable, str(SCRIPTS / "hf_export_check.py"), str(root / "tp"), str(root / "pp"),
-              "--seq-len", "32", "--batch-size", "8", "--seed", "3", "--steps", "0,3"], timeout=180)
+    ok(
+        [
+            sys.executable,
+            *MODULE,
+            "--init-from",
+            str(root / "tp"),
+            "--seq-len",
+            "32",
+            "--batch-size",
+            "8",
+            "--seed",
+            "3",
+            "--no-plots",
+            "--lr",
+            "0",
+            "--max-iters",
+            "1",
+            "--export-hf",
+            str(root / "again"),
+            "--outdir",
+            str(root / "run_again"),
+        ],
+        timeout=180,
+    )
+    res = ok(
+        [
+            sys.executable,
+            str(SCRIPTS / "hf_export_check.py"),
+            str(root / "tp"),
+            str(root / "pp"),
+            "--seq-len",
+            "32",
+            "--batch-size",
+            "8",
+            "--seed",
+            "3",
+            "--steps",
+            "0,3",
+        ],
+        timeout=180,
+    )
     return root, json.loads(res.stdout.strip().splitlines()[-1])
 
 
@@ -50,8 +132,13 @@ def test_transformers_loads_the_export_and_gives_mmms_logits(runs):
     root, check = runs
     config = json.loads((root / "tp" / "config.json").read_text())
     assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
-    assert (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"],
-            config["vocab_size"], config["tie_word_embeddings"]) == (64, 8, 4, 256, False)
+    assert (
+        config["hidden_size"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["vocab_size"],
+        config["tie_word_embeddings"],
+    ) == (64, 8, 4, 256, False)
     for name in ("tp", "pp"):
         got = check[str(root / name)]
         assert got["max_abs_diff"] <= 1e-5 * max(1.0, got["logits_std"]), got
@@ -77,8 +164,9 @@ def test_init_from_the_export_round_trips(runs):
     assert abs(first - theirs) <= RTOL * abs(theirs), (first, theirs)
     a, b = load_file(str(root / "tp" / "model.safetensors")), load_file(str(root / "again" / "model.safetensors"))
     assert sorted(a) == sorted(b) and all(a[k].equal(b[k]) for k in a)
-    assert json.loads((root / "tp" / "config.json").read_text()) == \
-        json.loads((root / "again" / "config.json").read_text())
+    assert json.loads((root / "tp" / "config.json").read_text()) == json.loads(
+        (root / "again" / "config.json").read_text()
+    )
 
 
 def test_export_is_refused_where_the_model_is_deepspeeds(tmp_path):

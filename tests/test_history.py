@@ -66,8 +66,9 @@ def test_non_writing_rank_writes_nothing_but_returns_summary(tmp_path):
 
 
 def test_import_history_is_light():
-    code = ("import sys, mmm.history\n"
-            "print([m for m in ('xarray', 'matplotlib', 'plotext', 'torch') if m in sys.modules])")
+    code = (
+        "import sys, mmm.history\nprint([m for m in ('xarray', 'matplotlib', 'plotext', 'torch') if m in sys.modules])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -80,9 +81,13 @@ def test_update_takes_keywords_or_a_dict(tmp_path):
     h.update({"iter": 4, "loss": 0.7})  # a record of another History: its step comes along
     h.update({"loss": torch.tensor(0.6)})  # no step: the next index
     rows = [json.loads(x) for x in (tmp_path / "history.jsonl").read_text().splitlines()]
-    assert rows == [{"iter": 1, "loss": 1.0, "dt": 0.5}, {"iter": 2, "loss": 0.9, "dt": 0.4},
-                    {"iter": 3, "loss": 0.8, "dt": 0.3}, {"iter": 4, "loss": 0.7},
-                    {"iter": 4, "loss": pytest.approx(0.6)}]
+    assert rows == [
+        {"iter": 1, "loss": 1.0, "dt": 0.5},
+        {"iter": 2, "loss": 0.9, "dt": 0.4},
+        {"iter": 3, "loss": 0.8, "dt": 0.3},
+        {"iter": 4, "loss": 0.7},
+        {"iter": 4, "loss": pytest.approx(0.6)},
+    ]
     assert h.update(step=9)["step"] == 9  # keywords alone stay metrics, as before
     with pytest.raises(TypeError):
         h.update({"loss": 1.0}, {"dt": 1.0})

@@ -5,19 +5,22 @@ import sys
 import time
 
 import pytest
-from conftest import clean_env, launch, run
 
+from conftest import clean_env, launch, run
 from mmm import launch as L
 from mmm.errors import UsageError
 
 
-@pytest.mark.parametrize("text, hosts", [
-    ("nid[001-003,010]", ["nid001", "nid002", "nid003", "nid010"]),
-    ("login1,gpu[8-10]", ["login1", "gpu8", "gpu9", "gpu10"]),
-    ("x[1-2]-ib[0-1]", ["x1-ib0", "x1-ib1", "x2-ib0", "x2-ib1"]),
-    ("node0042", ["node0042"]),
-    ("a[09-11],b[1,3]", ["a09", "a10", "a11", "b1", "b3"]),
-])
+@pytest.mark.parametrize(
+    "text, hosts",
+    [
+        ("nid[001-003,010]", ["nid001", "nid002", "nid003", "nid010"]),
+        ("login1,gpu[8-10]", ["login1", "gpu8", "gpu9", "gpu10"]),
+        ("x[1-2]-ib[0-1]", ["x1-ib0", "x1-ib1", "x2-ib0", "x2-ib1"]),
+        ("node0042", ["node0042"]),
+        ("a[09-11],b[1,3]", ["a09", "a10", "a11", "b1", "b3"]),
+    ],
+)
 def test_slurm_nodelist_expansion(text, hosts):
     assert L.expand_nodelist(text) == hosts
 
@@ -42,10 +45,20 @@ def test_detect_pbs_slurm_and_none(tmp_path):
     f.write_text("h1\nh2\nh3\n")
     pbs = L.detect_allocation({"PBS_NODEFILE": str(f), "PBS_JOBID": "123.pbs", "MMM_GPUS_PER_NODE": "4"})
     assert (pbs.scheduler, pbs.hosts, pbs.accelerators_per_host, pbs.hostfile) == ("pbs", ["h1", "h2", "h3"], 4, str(f))
-    slurm = L.detect_allocation({"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "nid[001-002]",
-                                 "SLURM_NTASKS_PER_NODE": "8", "CUDA_VISIBLE_DEVICES": ""})
-    assert (slurm.scheduler, slurm.hosts, slurm.slots_per_host, slurm.accelerators_per_host) == \
-        ("slurm", ["nid001", "nid002"], 8, 0)
+    slurm = L.detect_allocation(
+        {
+            "SLURM_JOB_ID": "9",
+            "SLURM_JOB_NODELIST": "nid[001-002]",
+            "SLURM_NTASKS_PER_NODE": "8",
+            "CUDA_VISIBLE_DEVICES": "",
+        }
+    )
+    assert (slurm.scheduler, slurm.hosts, slurm.slots_per_host, slurm.accelerators_per_host) == (
+        "slurm",
+        ["nid001", "nid002"],
+        8,
+        0,
+    )
     none = L.detect_allocation({"CUDA_VISIBLE_DEVICES": "0,1"})
     assert (none.scheduler, none.num_hosts, none.accelerators_per_host) == ("none", 1, 2)
 
@@ -78,7 +91,7 @@ def test_pbs_hydra_and_pals_commands(tmp_path):
     assert "-genv" in a and "MASTER_ADDR" in a
     pals = L.plan_launch(["python3", "t.py"], env=env, flavor="pals", ppn=6)
     b = pals.argv
-    assert b[1:5] == ["-n", "18", "--ppn", "6"] and f"MASTER_ADDR=h1" in b
+    assert b[1:5] == ["-n", "18", "--ppn", "6"] and "MASTER_ADDR=h1" in b
 
 
 def test_slurm_srun_command(tmp_path, monkeypatch):
@@ -89,8 +102,15 @@ def test_slurm_srun_command(tmp_path, monkeypatch):
     env = {"SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "gpu[1-4]", "MMM_GPUS_PER_NODE": "4"}
     plan = L.plan_launch(["python3", "t.py"], env=env, nproc=12)
     assert plan.launcher == "srun"
-    assert plan.argv[:7] == [str(fake), "--nodes=3", "--ntasks=12", "--ntasks-per-node=4", "--export=ALL",
-                             "--kill-on-bad-exit=1", sys.executable]
+    assert plan.argv[:7] == [
+        str(fake),
+        "--nodes=3",
+        "--ntasks=12",
+        "--ntasks-per-node=4",
+        "--export=ALL",
+        "--kill-on-bad-exit=1",
+        sys.executable,
+    ]
     assert plan.env["MASTER_ADDR"] == "gpu1"
     # the job's --cpus-per-task reaches the step (srun >= 22.05 no longer inherits it) and sets the threads
     plan = L.plan_launch(["python3", "t.py"], env={**env, "SLURM_CPUS_PER_TASK": "8"}, nproc=12)
@@ -132,8 +152,9 @@ def test_dry_run_under_fake_slurm_cli(tmp_path):
     fake = tmp_path / "srun"
     fake.write_text("#!/bin/sh\n")
     fake.chmod(0o755)
-    env = clean_env(SLURM_JOB_ID="1", SLURM_JOB_NODELIST="nid[001-002]", SLURM_NTASKS_PER_NODE="2",
-                    PATH=f"{tmp_path}:/usr/bin:/bin")
+    env = clean_env(
+        SLURM_JOB_ID="1", SLURM_JOB_NODELIST="nid[001-002]", SLURM_NTASKS_PER_NODE="2", PATH=f"{tmp_path}:/usr/bin:/bin"
+    )
     res = run(launch("--dry-run", "python3", "-c", "pass"), env=env)
     assert res.returncode == 0, res.output
     assert "4 ranks (2 per host) on 2 hosts via srun; scheduler: slurm" in res.stdout
@@ -142,8 +163,9 @@ def test_dry_run_under_fake_slurm_cli(tmp_path):
 
 
 def test_dry_run_in_a_slurm_job_without_srun_on_path_prints_the_command(tmp_path):
-    env = clean_env(SLURM_JOB_ID="7", SLURM_JOB_NODELIST="nid[001-002]", SLURM_NTASKS_PER_NODE="2",
-                    PATH=str(tmp_path))  # no srun here (/usr/bin may have one)
+    env = clean_env(
+        SLURM_JOB_ID="7", SLURM_JOB_NODELIST="nid[001-002]", SLURM_NTASKS_PER_NODE="2", PATH=str(tmp_path)
+    )  # no srun here (/usr/bin may have one)
     res = run(launch("--dry-run", "python3", "-c", "pass"), env=env)
     assert res.returncode == 0, res.output
     assert " srun --nodes=2 --ntasks=4 " in res.stdout.splitlines()[1]
@@ -152,12 +174,15 @@ def test_dry_run_in_a_slurm_job_without_srun_on_path_prints_the_command(tmp_path
     assert "module load slurm" in res.stderr and "Traceback" not in res.output
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["-n", "0", "python3"], "-n/--nproc 0 must be >= 1"),
-    (["--launcher", "pbs", "python3"], "argument --launcher: invalid choice: 'pbs'"),
-    ([], "no command to launch"),
-    (["--hostfile", "/nonexistent/hosts", "python3"], "hostfile '/nonexistent/hosts' does not exist"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["-n", "0", "python3"], "-n/--nproc 0 must be >= 1"),
+        (["--launcher", "pbs", "python3"], "argument --launcher: invalid choice: 'pbs'"),
+        ([], "no command to launch"),
+        (["--hostfile", "/nonexistent/hosts", "python3"], "hostfile '/nonexistent/hosts' does not exist"),
+    ],
+)
 def test_bad_launch_input(args, needle):
     res = run(launch(*args))
     assert res.returncode == 2
@@ -167,9 +192,18 @@ def test_bad_launch_input(args, needle):
 
 @pytest.mark.parametrize("launcher", ["local", "mpiexec"])
 def test_exit_code_of_the_command_is_returned(launcher):
-    res = run(launch("--launcher", launcher, "-n", "2", "python3", "-c",
-                     "import os, sys; sys.exit(0 if os.environ.get('RANK', os.environ.get('OMPI_COMM_WORLD_RANK'))"
-                     " == '0' else 7)"))
+    res = run(
+        launch(
+            "--launcher",
+            launcher,
+            "-n",
+            "2",
+            "python3",
+            "-c",
+            "import os, sys; sys.exit(0 if os.environ.get('RANK', os.environ.get('OMPI_COMM_WORLD_RANK'))"
+            " == '0' else 7)",
+        )
+    )
     assert res.returncode == 7 if launcher == "local" else res.returncode != 0, res.output
     ok = run(launch("--launcher", launcher, "-n", "2", "python3", "-c", "pass"))
     assert ok.returncode == 0, ok.output
@@ -177,12 +211,16 @@ def test_exit_code_of_the_command_is_returned(launcher):
 
 def _ranks_noting_themselves(folder, n):
     """n real processes that note themselves as mmm's ranks do at setup, then wait for their fate."""
-    code = ("import sys, time\nfrom mmm.dist import liveness\nliveness.record_pid(int(sys.argv[1]))\n"
-            "line = sys.stdin.readline().strip()\n"
-            "if line: liveness.record_exit(line); sys.exit(int(line))\ntime.sleep(60)\n")
+    code = (
+        "import sys, time\nfrom mmm.dist import liveness\nliveness.record_pid(int(sys.argv[1]))\n"
+        "line = sys.stdin.readline().strip()\n"
+        "if line: liveness.record_exit(line); sys.exit(int(line))\ntime.sleep(60)\n"
+    )
     env = clean_env(MMM_PID_DIR=str(folder))
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], env=env, stdin=subprocess.PIPE, text=True)
-             for r in range(n)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(r)], env=env, stdin=subprocess.PIPE, text=True)
+        for r in range(n)
+    ]
     deadline = time.monotonic() + 30
     while len(list(folder.iterdir())) < n and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -32,15 +32,19 @@ def test_every_violation_is_listed_at_once():
 
 def test_product_mismatch_suggests_inference():
     _, problems = check_degrees(8, tp=2, dp_shard=2)
-    assert problems == ["pp=1 x dp_replicate=1 x dp_shard=2 x cp=1 x tp=2 = 4 ranks, but the world size is 8; "
-                        "set one degree to -1 to infer it (e.g. dp_shard=-1) or launch 4 ranks"]
+    assert problems == [
+        "pp=1 x dp_replicate=1 x dp_shard=2 x cp=1 x tp=2 = 4 ranks, but the world size is 8; "
+        "set one degree to -1 to infer it (e.g. dp_shard=-1) or launch 4 ranks"
+    ]
 
 
 def test_fixed_degrees_that_cannot_be_completed():
     _, problems = check_degrees(12, tp=4, cp=2, dp_shard=-1)
     assert len(problems) == 1
-    assert "(cp=2, tp=4) multiply to 8, which does not divide world size 12, so dp_shard=-1 cannot be inferred" \
+    assert (
+        "(cp=2, tp=4) multiply to 8, which does not divide world size 12, so dp_shard=-1 cannot be inferred"
         in problems[0]
+    )
 
 
 def test_unknown_axis_and_bad_types():

@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from conftest import clean_env, run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,8 +27,13 @@ def mpi(request):
     name = request.param
     dest = os.environ.get("MMM_TEST_ENVS", str(ROOT / ".venvs"))
     try:
-        out = subprocess.run(["bash", str(ROOT / "scripts" / "mpi_env.sh"), name, f"{dest}/{name}"],
-                             capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+        out = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "mpi_env.sh"), name, f"{dest}/{name}"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            stdin=subprocess.DEVNULL,
+        )
     except subprocess.TimeoutExpired:
         pytest.skip(f"building the {name} environment took over 600 s")
     if out.returncode != 0:
@@ -55,8 +61,10 @@ def test_smoke_test_through_launch(mpi):
     name, envdir = mpi
     res = run(launch_in(envdir, "-n", "4", "python3", "-m", "mmm", "--tp", "2"), env=env_of(envdir), timeout=120)
     assert res.returncode == 0, res.output
-    assert "via mpiexec (hydra)" in res.stderr and "smoke test passed: 6 all-reduce checks on each of 4 ranks" \
-        in res.output, res.output
+    assert (
+        "via mpiexec (hydra)" in res.stderr
+        and "smoke test passed: 6 all-reduce checks on each of 4 ranks" in res.output
+    ), res.output
     assert "TCPStore" not in res.stderr and "Traceback" not in res.stderr, res.stderr  # a quiet, clean exit
 
 
@@ -67,21 +75,51 @@ def test_a_finished_job_is_not_killed_by_hydra(mpi, tmp_path):
     name, envdir = mpi
     py = envdir / "bin" / "python"
     for attempt in range(3):
-        res = run([str(envdir / "bin" / "mpiexec"), "-n", "4", "bash", "-c", f"{py} -m mmm --tp 2; exit $?"],
-                  env=env_of(envdir), timeout=120)
+        res = run(
+            [str(envdir / "bin" / "mpiexec"), "-n", "4", "bash", "-c", f"{py} -m mmm --tp 2; exit $?"],
+            env=env_of(envdir),
+            timeout=120,
+        )
         assert res.returncode == 0 and "smoke test passed" in res.output, (attempt, res.output)
     # after training too (torch's thread-local destructors must not run at that exit: rc 134)
     for attempt in range(2):
-        res = run([str(envdir / "bin" / "mpiexec"), "-n", "2", "bash", "-c",
-                   f"{py} -m mmm.examples.fsdp_tp {' '.join(TINY)} --max-iters 2 --outdir {tmp_path / str(attempt)}; "
-                   "exit $?"], env=env_of(envdir), timeout=180)
+        res = run(
+            [
+                str(envdir / "bin" / "mpiexec"),
+                "-n",
+                "2",
+                "bash",
+                "-c",
+                f"{py} -m mmm.examples.fsdp_tp {' '.join(TINY)} --max-iters 2 --outdir {tmp_path / str(attempt)}; "
+                "exit $?",
+            ],
+            env=env_of(envdir),
+            timeout=180,
+        )
         assert res.returncode == 0 and "done: final loss" in res.output, (attempt, res.output)
 
 
 def test_fsdp_tp_trainer_through_launch(mpi, tmp_path):
     name, envdir = mpi
-    res = run(launch_in(envdir, "-n", "4", "python3", "-m", "mmm.examples.fsdp_tp", "--tpsize", "2", *TINY,
-                        "--max-iters", "3", "--outdir", str(tmp_path)), env=env_of(envdir), timeout=240)
+    res = run(
+        launch_in(
+            envdir,
+            "-n",
+            "4",
+            "python3",
+            "-m",
+            "mmm.examples.fsdp_tp",
+            "--tpsize",
+            "2",
+            *TINY,
+            "--max-iters",
+            "3",
+            "--outdir",
+            str(tmp_path),
+        ),
+        env=env_of(envdir),
+        timeout=240,
+    )
     assert res.returncode == 0, res.output
     rows = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
     assert [r["iter"] for r in rows] == [1, 2, 3]
@@ -92,9 +130,25 @@ def test_fsdp_tp_trainer_through_launch(mpi, tmp_path):
 
 def test_a_killed_rank_ends_the_job_fast_naming_only_it(mpi, tmp_path):
     name, envdir = mpi
-    res = run(launch_in(envdir, "-n", "4", "python3", "-m", "mmm.examples.fsdp_tp", "--tpsize", "2", *TINY,
-                        "--max-iters", "30", "--outdir", str(tmp_path)),
-              env=env_of(envdir, MMM_FAULT="kill@3:1", MMM_TIMEOUT="120"), timeout=180)
+    res = run(
+        launch_in(
+            envdir,
+            "-n",
+            "4",
+            "python3",
+            "-m",
+            "mmm.examples.fsdp_tp",
+            "--tpsize",
+            "2",
+            *TINY,
+            "--max-iters",
+            "30",
+            "--outdir",
+            str(tmp_path),
+        ),
+        env=env_of(envdir, MMM_FAULT="kill@3:1", MMM_TIMEOUT="120"),
+        timeout=180,
+    )
     assert res.returncode != 0, res.output
     assert res.seconds < 60, res.seconds
     named = [ln for ln in res.stderr.splitlines() if "stopped answering" in ln]

@@ -3,7 +3,6 @@
 import json
 import sys
 
-import pytest
 from conftest import SCRIPTS, clean_env, launch, mpiexec, run, torchrun
 
 # Hand-computed rank lists. Axis order pp, dp_replicate, dp_shard, cp, tp (tp innermost).

@@ -2,16 +2,34 @@
 
 import pytest
 import torch
-from conftest import assert_clean_user_error, jsonl, launch, max_rel_diff, run, run_ranks, single_process_run
-
-from mmm.models.llama import Llama, LlamaConfig
 from torch import nn
 
+from conftest import assert_clean_user_error, jsonl, launch, max_rel_diff, run, run_ranks, single_process_run
+from mmm.models.llama import Llama, LlamaConfig
 from mmm.parallel.pipeline import outer_modules, pipeline_problems, split_model, stage_ids, stage_layer_ranges
 
 MODULE = ["-m", "mmm.examples.fsdp_tp"]
-MODEL = ["--dim", "64", "--n-layers", "8", "--n-heads", "8", "--n-kv-heads", "4", "--seq-len", "32",
-         "--batch-size", "8", "--max-iters", "5", "--lr", "3e-3", "--seed", "5", "--no-plots"]
+MODEL = [
+    "--dim",
+    "64",
+    "--n-layers",
+    "8",
+    "--n-heads",
+    "8",
+    "--n-kv-heads",
+    "4",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "8",
+    "--max-iters",
+    "5",
+    "--lr",
+    "3e-3",
+    "--seed",
+    "5",
+    "--no-plots",
+]
 RTOL = 1e-5
 
 
@@ -64,23 +82,38 @@ def test_split_module_list_keeps_full_names_and_runs_its_own_forward():
     assert pre == ["model.embed"] and sorted(post) == ["head", "model.norm"]
     mid = split_model(model, (1, 3), first=False, last=False)
     assert sorted(n for n, _ in mid.named_parameters()) == [
-        "model.layers.1.bias", "model.layers.1.weight", "model.layers.2.bias", "model.layers.2.weight"]
+        "model.layers.1.bias",
+        "model.layers.1.weight",
+        "model.layers.2.bias",
+        "model.layers.2.weight",
+    ]
     x = torch.randn(2, 3, 4)
     assert torch.equal(mid(x), model.model.layers[2](model.model.layers[1](x)))  # tuple output -> its tensor
     first = split_model(model, (0, 1), first=True, last=False)
     assert isinstance(first.model.embed, nn.Embedding) and isinstance(first.head, nn.Identity)
 
 
-@pytest.mark.parametrize("kwargs, needle", [
-    (dict(n_layers=6, schedule="gpipe", stages_per_rank=1, microbatches=2, local_batch=4, pp=4),
-     "--n-layers 6 does not split evenly into 4 stages"),
-    (dict(n_layers=8, schedule="gpipe", stages_per_rank=1, microbatches=3, local_batch=4, pp=2),
-     "--microbatches 3 does not divide the per-dp-rank batch 4"),
-    (dict(n_layers=8, schedule="interleaved-1f1b", stages_per_rank=1, microbatches=2, local_batch=4, pp=2),
-     "--pp-schedule interleaved-1f1b interleaves several stages per rank"),
-    (dict(n_layers=8, schedule="zigzag", stages_per_rank=1, microbatches=2, local_batch=4, pp=2),
-     "unknown --pp-schedule 'zigzag'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (
+            dict(n_layers=6, schedule="gpipe", stages_per_rank=1, microbatches=2, local_batch=4, pp=4),
+            "--n-layers 6 does not split evenly into 4 stages",
+        ),
+        (
+            dict(n_layers=8, schedule="gpipe", stages_per_rank=1, microbatches=3, local_batch=4, pp=2),
+            "--microbatches 3 does not divide the per-dp-rank batch 4",
+        ),
+        (
+            dict(n_layers=8, schedule="interleaved-1f1b", stages_per_rank=1, microbatches=2, local_batch=4, pp=2),
+            "--pp-schedule interleaved-1f1b interleaves several stages per rank",
+        ),
+        (
+            dict(n_layers=8, schedule="zigzag", stages_per_rank=1, microbatches=2, local_batch=4, pp=2),
+            "unknown --pp-schedule 'zigzag'",
+        ),
+    ],
+)
 def test_pipeline_problems_name_values(kwargs, needle):
     problems = pipeline_problems(**kwargs)
     assert any(needle in p for p in problems), problems
@@ -91,11 +124,14 @@ def reference(tmp_path_factory):
     return jsonl(single_process_run(tmp_path_factory, "single", [*MODULE, *MODEL]) / "history.jsonl")
 
 
-@pytest.mark.parametrize("n, flags, needle", [
-    (2, ["--pp", "2", "--n-layers", "3"], "--n-layers 3 does not split evenly into 2 stages"),
-    (2, ["--pp", "2", "--batch-size", "6", "--microbatches", "4"], "--microbatches 4 does not divide"),
-    (2, ["--pp", "2", "--pp-schedule", "zigzag"], "argument --pp-schedule/--pp_schedule: invalid choice: 'zigzag'"),
-])
+@pytest.mark.parametrize(
+    "n, flags, needle",
+    [
+        (2, ["--pp", "2", "--n-layers", "3"], "--n-layers 3 does not split evenly into 2 stages"),
+        (2, ["--pp", "2", "--batch-size", "6", "--microbatches", "4"], "--microbatches 4 does not divide"),
+        (2, ["--pp", "2", "--pp-schedule", "zigzag"], "argument --pp-schedule/--pp_schedule: invalid choice: 'zigzag'"),
+    ],
+)
 def test_pipeline_bad_input(n, flags, needle):
     res = run(launch("--launcher", "local", "-n", str(n), "python3", *MODULE, *flags), timeout=90)
     assert_clean_user_error(res, needle)
@@ -116,12 +152,16 @@ def clipped_reference(tmp_path_factory):
     return jsonl(out / "history.jsonl", key=None)
 
 
-@pytest.mark.parametrize("flags", [
-    ["--pp", "2", "--microbatches", "2"],             # pp2 x dp2: norms summed over stages
-    ["--pp", "2", "--tp", "2", "--microbatches", "2"],  # pp2 x tp2: over stages and TP shards
-    ["--tp", "2"],                                      # dp2 x tp2 (FSDP + TP DTensors)
-    ["--strategy", "zero2", "--tp", "1"],               # DeepSpeed clips by its config
-], ids=["pp2-dp2", "pp2-tp2", "dp2-tp2", "zero2"])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--pp", "2", "--microbatches", "2"],  # pp2 x dp2: norms summed over stages
+        ["--pp", "2", "--tp", "2", "--microbatches", "2"],  # pp2 x tp2: over stages and TP shards
+        ["--tp", "2"],  # dp2 x tp2 (FSDP + TP DTensors)
+        ["--strategy", "zero2", "--tp", "1"],  # DeepSpeed clips by its config
+    ],
+    ids=["pp2-dp2", "pp2-tp2", "dp2-tp2", "zero2"],
+)
 def test_global_grad_norm_clipping_matches_single_process(clipped_reference, tmp_path, flags):
     run_ranks(4, [*MODULE, *MODEL, "--grad-clip", "0.5", *flags], tmp_path)
     assert any(r["grad_norm"] > 0.5 for r in clipped_reference)  # clipping really happens

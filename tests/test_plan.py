@@ -6,8 +6,8 @@ import json
 import sys
 
 import pytest
-from conftest import assert_clean_user_error, run, run_ranks
 
+from conftest import assert_clean_user_error, run, run_ranks
 from mmm.plan import plan
 
 FSDP_TP = ["-m", "mmm.examples.fsdp_tp", "--max-iters", "2", "--measure", "--no-plots"]
@@ -25,8 +25,13 @@ def test_every_layout_listed_with_reasons():
     # 5 axes over 4 ranks: 15 factorizations x 6 strategies
     assert len(combos) == 15 * 6
     valid = {c.label for c in combos if c.valid}
-    assert {"pp1-dpr1-dps4-cp1-tp1-ddp", "pp1-dpr1-dps2-cp1-tp2-fsdp", "pp1-dpr2-dps2-cp1-tp1-hsdp",
-            "pp2-dpr1-dps2-cp1-tp1-fsdp", "pp1-dpr1-dps4-cp1-tp1-zero3"} <= valid
+    assert {
+        "pp1-dpr1-dps4-cp1-tp1-ddp",
+        "pp1-dpr1-dps2-cp1-tp2-fsdp",
+        "pp1-dpr2-dps2-cp1-tp1-hsdp",
+        "pp2-dpr1-dps2-cp1-tp1-fsdp",
+        "pp1-dpr1-dps4-cp1-tp1-zero3",
+    } <= valid
     by_label = {c.label: c for c in combos}
     assert any("DDP cannot hold sharded" in p for p in by_label["pp1-dpr1-dps2-cp1-tp2-ddp"].problems)
     assert any("needs --strategy hsdp" in p for p in by_label["pp1-dpr2-dps2-cp1-tp1-fsdp"].problems)
@@ -44,12 +49,15 @@ def test_model_flags_change_validity_and_estimates():
     assert long.memory["activation_bytes"] > 1.9 * short.memory["activation_bytes"]
 
 
-@pytest.mark.parametrize("label", [
-    "pp1-dpr1-dps2-cp1-tp2-fsdp",
-    "pp1-dpr1-dps1-cp2-tp2-fsdp",
-    "pp1-dpr2-dps2-cp1-tp1-hsdp",
-    "pp2-dpr1-dps2-cp1-tp1-fsdp",
-])
+@pytest.mark.parametrize(
+    "label",
+    [
+        "pp1-dpr1-dps2-cp1-tp2-fsdp",
+        "pp1-dpr1-dps1-cp2-tp2-fsdp",
+        "pp1-dpr2-dps2-cp1-tp1-hsdp",
+        "pp2-dpr1-dps2-cp1-tp1-fsdp",
+    ],
+)
 def test_estimates_match_measured(tmp_path, label):
     combo = {c.label: c for c in plan(4, max_iters=2, measure=True)}[label]
     run_ranks(4, [*FSDP_TP, *combo.flags], tmp_path)
@@ -82,12 +90,15 @@ def test_cli_lists_table_invalid_reasons_and_json(tmp_path):
     assert any(r["valid"] and r["memory"]["total_bytes"] > 0 for r in rows)
 
 
-@pytest.mark.parametrize("flags, needles", [
-    (["--world", "0"], ["--world", "0"]),
-    (["--world", "4", "--tp", "3"], ["tp=3"]),
-    (["--world", "4", "--tp", "2", "--strategy", "ddp"], ["ddp", "tp=2"]),
-    (["--world", "4", "--strategies", "fsdp,zero9"], ["zero9"]),
-])
+@pytest.mark.parametrize(
+    "flags, needles",
+    [
+        (["--world", "0"], ["--world", "0"]),
+        (["--world", "4", "--tp", "3"], ["tp=3"]),
+        (["--world", "4", "--tp", "2", "--strategy", "ddp"], ["ddp", "tp=2"]),
+        (["--world", "4", "--strategies", "fsdp,zero9"], ["zero9"]),
+    ],
+)
 def test_cli_bad_input(flags, needles):
     res = run([sys.executable, "-m", "mmm.plan", *flags], timeout=60)
     assert res.returncode == 2
@@ -121,8 +132,20 @@ def test_peak_table_and_env(monkeypatch):
     assert mfu(tokens_per_s=1000, flops_per_token=1e9, peaks=[1e12, None]) is None
 
 
-SWEEP = [sys.executable, "benchmarks/sweep.py", "--world", "2", "--max-iters", "4", "--dim", "64", "--n-layers", "2",
-         "--seq-len", "32"]
+SWEEP = [
+    sys.executable,
+    "benchmarks/sweep.py",
+    "--world",
+    "2",
+    "--max-iters",
+    "4",
+    "--dim",
+    "64",
+    "--n-layers",
+    "2",
+    "--seq-len",
+    "32",
+]
 
 
 def test_sweep_runs_layouts_and_writes_table_dataset_plots(tmp_path):
@@ -151,8 +174,18 @@ def test_sweep_records_a_failed_layout_and_goes_on(tmp_path):
     import xarray as xr
 
     # one second is too short for any run: each is stopped (with its ranks), recorded, and the sweep goes on
-    res = run([*SWEEP, "--combos", "pp1-dpr1-dps2-cp1-tp1-ddp,pp1-dpr1-dps2-cp1-tp1-fsdp", "--timeout", "1",
-               "--out", str(tmp_path)], timeout=120)
+    res = run(
+        [
+            *SWEEP,
+            "--combos",
+            "pp1-dpr1-dps2-cp1-tp1-ddp,pp1-dpr1-dps2-cp1-tp1-fsdp",
+            "--timeout",
+            "1",
+            "--out",
+            str(tmp_path),
+        ],
+        timeout=120,
+    )
     assert res.returncode == 1, res.output
     assert res.output.count("FAILED") == 2, res.output
     ds = xr.open_dataset(tmp_path / "results.nc")
@@ -161,12 +194,15 @@ def test_sweep_records_a_failed_layout_and_goes_on(tmp_path):
     assert "failed: " in (tmp_path / "results.md").read_text()
 
 
-@pytest.mark.parametrize("flags, needles", [
-    (["--world", "0"], ["--world", "0"]),
-    (["--world", "2", "--combos", "pp1-dpr1-dps1-cp1-tp2-ddp"], ["pp1-dpr1-dps1-cp1-tp2-ddp", "DDP"]),
-    (["--world", "2", "--combos", "pp1-dpr1-dps3-cp1-tp1-ddp"], ["pp1-dpr1-dps3-cp1-tp1-ddp"]),
-    (["--world", "2", "--tp", "3"], ["tp=3"]),
-])
+@pytest.mark.parametrize(
+    "flags, needles",
+    [
+        (["--world", "0"], ["--world", "0"]),
+        (["--world", "2", "--combos", "pp1-dpr1-dps1-cp1-tp2-ddp"], ["pp1-dpr1-dps1-cp1-tp2-ddp", "DDP"]),
+        (["--world", "2", "--combos", "pp1-dpr1-dps3-cp1-tp1-ddp"], ["pp1-dpr1-dps3-cp1-tp1-ddp"]),
+        (["--world", "2", "--tp", "3"], ["tp=3"]),
+    ],
+)
 def test_sweep_bad_input(flags, needles, tmp_path):
     res = run([sys.executable, "benchmarks/sweep.py", *flags, "--out", str(tmp_path)], timeout=60)
     assert res.returncode == 2

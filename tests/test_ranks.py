@@ -2,8 +2,7 @@
 
 import pytest
 
-from mmm.dist import (RankInfo, data_seed, derived_port, discover_ranks, parse_tasks_per_node, pick_device,
-                      rendezvous)
+from mmm.dist import RankInfo, data_seed, derived_port, discover_ranks, parse_tasks_per_node, pick_device, rendezvous
 from mmm.errors import UsageError
 
 
@@ -14,8 +13,13 @@ def test_torchrun_variables():
 
 
 def test_openmpi_variables():
-    env = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "12", "OMPI_COMM_WORLD_LOCAL_RANK": "3",
-           "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "PMIX_RANK": "3"}
+    env = {
+        "OMPI_COMM_WORLD_RANK": "3",
+        "OMPI_COMM_WORLD_SIZE": "12",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "3",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+        "PMIX_RANK": "3",
+    }
     info = discover_ranks(env)
     assert (info.rank, info.world_size, info.local_rank, info.local_world_size, info.source) == (3, 12, 3, 4, "openmpi")
     assert info.num_nodes == 3
@@ -24,8 +28,7 @@ def test_openmpi_variables():
 def test_mpich_hydra_and_cray_pals():
     hydra = {"PMI_RANK": "6", "PMI_SIZE": "8", "MPI_LOCALRANKID": "2", "MPI_LOCALNRANKS": "4"}
     assert discover_ranks(hydra) == RankInfo(6, 8, 2, 4, "mpich")
-    pals = {"PALS_RANKID": "13", "PMI_SIZE": "24", "PALS_LOCAL_RANKID": "1", "PMI_LOCAL_SIZE": "12",
-            "PMI_RANK": "13"}
+    pals = {"PALS_RANKID": "13", "PMI_SIZE": "24", "PALS_LOCAL_RANKID": "1", "PMI_LOCAL_SIZE": "12", "PMI_RANK": "13"}
     assert discover_ranks(pals) == RankInfo(13, 24, 1, 12, "pals")
 
 
@@ -35,8 +38,15 @@ def test_torchrun_wins_over_mpi_variables():
 
 
 def test_slurm_step_with_uneven_tasks_per_node():
-    env = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_PROCID": "9", "SLURM_STEP_NUM_TASKS": "11",
-           "SLURM_LOCALID": "1", "SLURM_NODEID": "2", "SLURM_STEP_TASKS_PER_NODE": "4(x2),3"}
+    env = {
+        "SLURM_JOB_ID": "77",
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": "9",
+        "SLURM_STEP_NUM_TASKS": "11",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODEID": "2",
+        "SLURM_STEP_TASKS_PER_NODE": "4(x2),3",
+    }
     assert discover_ranks(env) == RankInfo(9, 11, 1, 3, "slurm")
 
 
@@ -54,11 +64,14 @@ def test_parse_tasks_per_node():
     assert parse_tasks_per_node("8") == [8]
 
 
-@pytest.mark.parametrize("env, needle", [
-    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x'"),
-    ({"RANK": "4", "WORLD_SIZE": "4"}, "RANK=4 with WORLD_SIZE=4"),
-    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "0"}, "OMPI_COMM_WORLD_SIZE=0"),
-])
+@pytest.mark.parametrize(
+    "env, needle",
+    [
+        ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x'"),
+        ({"RANK": "4", "WORLD_SIZE": "4"}, "RANK=4 with WORLD_SIZE=4"),
+        ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "0"}, "OMPI_COMM_WORLD_SIZE=0"),
+    ],
+)
 def test_malformed_variables_are_named(env, needle):
     with pytest.raises(UsageError, match=None) as e:
         discover_ranks(env)
@@ -117,13 +130,23 @@ def test_unknown_and_missing_devices(monkeypatch):
 def test_srun_pmi2_uses_the_slurm_step_not_mpi():
     """srun --mpi=pmi2 exports PMI_RANK/PMI_SIZE but no MPI_LOCALRANKID: taking the MPICH path made
     local rank = global rank and started MPI through mpi4py (which hung on PMI-2)."""
-    env = {"PMI_RANK": "3", "PMI_SIZE": "4", "SLURM_PROCID": "3", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "4",
-           "SLURM_LOCALID": "1", "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_NODEID": "1", "SLURM_JOB_ID": "7"}
+    env = {
+        "PMI_RANK": "3",
+        "PMI_SIZE": "4",
+        "SLURM_PROCID": "3",
+        "SLURM_STEP_ID": "0",
+        "SLURM_NTASKS": "4",
+        "SLURM_LOCALID": "1",
+        "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+        "SLURM_NODEID": "1",
+        "SLURM_JOB_ID": "7",
+    }
     info = discover_ranks(env, use_mpi4py=False)
     assert (info.rank, info.world_size, info.local_rank, info.source) == (3, 4, 1, "slurm")
     # plain Hydra (MPICH/Intel MPI mpiexec) keeps its own variables
-    hydra = discover_ranks({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"},
-                           use_mpi4py=False)
+    hydra = discover_ranks(
+        {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}, use_mpi4py=False
+    )
     assert hydra.source == "mpich" and hydra.local_rank == 1
 
 

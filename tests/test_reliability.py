@@ -10,9 +10,9 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+
 from conftest import clean_env, jsonl, launch, max_rel_diff, mpiexec, run, torchrun
 
 TINY = ["--dim", "64", "--n-layers", "2", "--seq-len", "32", "--no-plots", "--log-every", "100"]
@@ -22,8 +22,11 @@ FSDP_TP = ["-m", "mmm.examples.fsdp_tp", *TINY]
 def ranks(n: int, runner: str, args: list[str], **env: str) -> list[str]:
     if n == 1:
         return [sys.executable, *args]
-    return {"torchrun": torchrun, "mpiexec": mpiexec}[runner](n, *args) if runner != "launch" \
+    return (
+        {"torchrun": torchrun, "mpiexec": mpiexec}[runner](n, *args)
+        if runner != "launch"
         else launch("-n", str(n), "python3", *args)
+    )
 
 
 def ok(cmd, *, timeout=240, **env):
@@ -38,8 +41,11 @@ def test_exact_resume_same_mesh_and_history_continues(tmp_path):
     ok(torchrun(2, *FSDP_TP, "--max-iters", "6", "--outdir", str(full)))
     part = tmp_path / "part"
     ok(torchrun(2, *FSDP_TP, "--max-iters", "3", "--checkpoint-dir", str(ck), "--outdir", str(part)))
-    ok(mpiexec(2, *FSDP_TP, "--max-iters", "6", "--checkpoint-dir", str(ck), "--resume", "latest",
-               "--outdir", str(part)))
+    ok(
+        mpiexec(
+            2, *FSDP_TP, "--max-iters", "6", "--checkpoint-dir", str(ck), "--resume", "latest", "--outdir", str(part)
+        )
+    )
     assert jsonl(part / "history.jsonl", "iter") == [1, 2, 3, 4, 5, 6]  # one record per step, no repeats
     assert jsonl(part / "history.jsonl") == jsonl(full / "history.jsonl")  # bit-identical in fp32
     summary = json.loads((part / "summary.json").read_text())
@@ -50,18 +56,58 @@ def test_resharding_resume_continues_the_same_curve(tmp_path):
     """Saved at dp=4 -> resumed at dp=2 x tp=2; saved at tp=2 -> one process; saved at pp=2 -> dp=2."""
     full = tmp_path / "full"
     ck4 = tmp_path / "ck_dp4"
-    ok(launch("-n", "4", "python3", *FSDP_TP, "--max-iters", "6", "--checkpoint-dir", str(ck4),
-              "--checkpoint-every", "3", "--outdir", str(full)))
+    ok(
+        launch(
+            "-n",
+            "4",
+            "python3",
+            *FSDP_TP,
+            "--max-iters",
+            "6",
+            "--checkpoint-dir",
+            str(ck4),
+            "--checkpoint-every",
+            "3",
+            "--outdir",
+            str(full),
+        )
+    )
     reference = jsonl(full / "history.jsonl")[3:]
     cases = [
         (ck4, launch("-n", "4", "python3", *FSDP_TP, "--tp", "2")),
         (tmp_path / "ck_tp2", [sys.executable, *FSDP_TP]),
         (tmp_path / "ck_pp2", torchrun(2, *FSDP_TP)),
     ]
-    ok(torchrun(2, *FSDP_TP, "--tp", "2", "--max-iters", "3", "--checkpoint-dir", str(cases[1][0]),
-                "--outdir", str(tmp_path / "o_tp2")))
-    ok(launch("-n", "2", "python3", *FSDP_TP, "--pp", "2", "--max-iters", "3", "--checkpoint-dir",
-              str(cases[2][0]), "--outdir", str(tmp_path / "o_pp2")))
+    ok(
+        torchrun(
+            2,
+            *FSDP_TP,
+            "--tp",
+            "2",
+            "--max-iters",
+            "3",
+            "--checkpoint-dir",
+            str(cases[1][0]),
+            "--outdir",
+            str(tmp_path / "o_tp2"),
+        )
+    )
+    ok(
+        launch(
+            "-n",
+            "2",
+            "python3",
+            *FSDP_TP,
+            "--pp",
+            "2",
+            "--max-iters",
+            "3",
+            "--checkpoint-dir",
+            str(cases[2][0]),
+            "--outdir",
+            str(tmp_path / "o_pp2"),
+        )
+    )
     for i, (ck, cmd) in enumerate(cases):
         out = tmp_path / f"resumed{i}"
         res = ok([*cmd, "--max-iters", "6", "--checkpoint-dir", str(ck), "--resume", "3", "--outdir", str(out)])
@@ -73,28 +119,49 @@ def test_resharding_resume_continues_the_same_curve(tmp_path):
 def test_deepspeed_checkpoint_resume_and_mesh_check(tmp_path):
     ck, out = tmp_path / "ck", tmp_path / "out"
     zero = [*FSDP_TP, "--strategy", "zero2"]
-    ok(torchrun(2, *zero, "--max-iters", "6", "--checkpoint-dir", str(ck), "--checkpoint-every", "3",
-                "--outdir", str(out)))
+    ok(
+        torchrun(
+            2, *zero, "--max-iters", "6", "--checkpoint-dir", str(ck), "--checkpoint-every", "3", "--outdir", str(out)
+        )
+    )
     assert (ck / "step-00000003" / "deepspeed").is_dir()
     res_out = tmp_path / "res"
-    ok(torchrun(2, *zero, "--max-iters", "6", "--checkpoint-dir", str(ck), "--resume", "3", "--outdir",
-                str(res_out)))
+    ok(torchrun(2, *zero, "--max-iters", "6", "--checkpoint-dir", str(ck), "--resume", "3", "--outdir", str(res_out)))
     assert jsonl(res_out / "history.jsonl") == jsonl(out / "history.jsonl")[3:]
-    res = run([sys.executable, *zero, "--max-iters", "6", "--checkpoint-dir", str(ck), "--resume", "3",
-               "--outdir", str(tmp_path / "x")], timeout=120)
+    res = run(
+        [
+            sys.executable,
+            *zero,
+            "--max-iters",
+            "6",
+            "--checkpoint-dir",
+            str(ck),
+            "--resume",
+            "3",
+            "--outdir",
+            str(tmp_path / "x"),
+        ],
+        timeout=120,
+    )
     assert res.returncode == 2 and "Traceback" not in res.output, res.output
     assert "same mesh" in res.stderr and "dp_shard" in res.stderr, res.stderr
 
 
-@pytest.mark.parametrize("example, flags", [
-    ("vit", ["--depth", "2", "--max-iters", "4"]),
-    ("fsdp", ["--epochs", "2", "--steps-per-epoch", "2"]),  # resumes at an epoch boundary (lr decayed)
-])
+@pytest.mark.parametrize(
+    "example, flags",
+    [
+        ("vit", ["--depth", "2", "--max-iters", "4"]),
+        ("fsdp", ["--epochs", "2", "--steps-per-epoch", "2"]),  # resumes at an epoch boundary (lr decayed)
+    ],
+)
 def test_every_trainer_resumes_on_another_mesh(tmp_path, example, flags):
     full, ck = tmp_path / "full", tmp_path / "ck"
     args = ["-m", f"mmm.examples.{example}", *flags, "--no-plots"]
-    ok(launch("-n", "2", "python3", *args, "--checkpoint-dir", str(ck), "--checkpoint-every", "2",
-              "--outdir", str(full)))
+    ok(
+        launch(
+            "-n", "2", "python3", *args, "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--outdir", str(full)
+        )
+    )
     out = tmp_path / "resumed"
     ok([sys.executable, *args, "--checkpoint-dir", str(ck), "--resume", "2", "--outdir", str(out)])
     assert max_rel_diff(jsonl(out / "history.jsonl"), jsonl(full / "history.jsonl")[2:]) <= 1e-5
@@ -102,26 +169,70 @@ def test_every_trainer_resumes_on_another_mesh(tmp_path, example, flags):
 
 def test_incompatible_checkpoint_keep_last_and_partial_saves(tmp_path):
     ck = tmp_path / "ck"
-    ok([sys.executable, *FSDP_TP, "--max-iters", "5", "--checkpoint-dir", str(ck), "--checkpoint-every", "1",
-        "--keep-last", "2", "--outdir", str(tmp_path / "a")])
+    ok(
+        [
+            sys.executable,
+            *FSDP_TP,
+            "--max-iters",
+            "5",
+            "--checkpoint-dir",
+            str(ck),
+            "--checkpoint-every",
+            "1",
+            "--keep-last",
+            "2",
+            "--outdir",
+            str(tmp_path / "a"),
+        ]
+    )
     assert sorted(p.name for p in ck.iterdir()) == ["step-00000004", "step-00000005"]
     # what a crash mid-save leaves behind is never taken for a checkpoint
     (ck / ".step-00000009.tmp").mkdir()
     (ck / "step-00000010").mkdir()  # no mmm.json: incomplete
-    res = run([sys.executable, *FSDP_TP, "--dim", "32", "--max-iters", "6", "--checkpoint-dir", str(ck),
-               "--resume", "latest", "--outdir", str(tmp_path / "b")], timeout=120)
+    res = run(
+        [
+            sys.executable,
+            *FSDP_TP,
+            "--dim",
+            "32",
+            "--max-iters",
+            "6",
+            "--checkpoint-dir",
+            str(ck),
+            "--resume",
+            "latest",
+            "--outdir",
+            str(tmp_path / "b"),
+        ],
+        timeout=120,
+    )
     assert res.returncode == 2 and "Traceback" not in res.output, res.output
     line = [ln for ln in res.stderr.splitlines() if "error:" in ln]
     assert len(line) == 1 and "step-00000005" in line[0] and "dim=64 (now 32)" in line[0], res.stderr
-    res = ok([sys.executable, *FSDP_TP, "--max-iters", "6", "--checkpoint-dir", str(ck), "--resume", "latest",
-              "--outdir", str(tmp_path / "c")])
+    res = ok(
+        [
+            sys.executable,
+            *FSDP_TP,
+            "--max-iters",
+            "6",
+            "--checkpoint-dir",
+            str(ck),
+            "--resume",
+            "latest",
+            "--outdir",
+            str(tmp_path / "c"),
+        ]
+    )
     assert "resumed from" in res.output and "step-00000005" in res.output
 
 
 @pytest.mark.parametrize("runner", ["torchrun", "mpiexec"])
 def test_sigkill_of_a_rank_stops_the_others_naming_it(tmp_path, runner):
-    res = run(ranks(3, runner, [*FSDP_TP, "--batch-size", "12", "--max-iters", "20", "--outdir", str(tmp_path)]),
-              env=clean_env(MMM_FAULT="kill@3:1", MMM_TIMEOUT="300"), timeout=120)
+    res = run(
+        ranks(3, runner, [*FSDP_TP, "--batch-size", "12", "--max-iters", "20", "--outdir", str(tmp_path)]),
+        env=clean_env(MMM_FAULT="kill@3:1", MMM_TIMEOUT="300"),
+        timeout=120,
+    )
     assert res.returncode != 0
     assert res.seconds < 60, res.seconds
     # the surviving ranks name it, or mpiexec does when it stops them first
@@ -134,8 +245,15 @@ def test_sigkill_of_a_rank_stops_the_others_naming_it(tmp_path, runner):
 @pytest.mark.parametrize("runner", ["mpiexec"])
 def test_a_stalled_rank_fails_the_others_after_the_timeout(tmp_path, runner):
     timeout = 8
-    res = run(ranks(3, runner, [*FSDP_TP, "--batch-size", "12", "--max-iters", "20", "--timeout", str(timeout),
-                                "--outdir", str(tmp_path)]), env=clean_env(MMM_FAULT="stop@3:2"), timeout=150)
+    res = run(
+        ranks(
+            3,
+            runner,
+            [*FSDP_TP, "--batch-size", "12", "--max-iters", "20", "--timeout", str(timeout), "--outdir", str(tmp_path)],
+        ),
+        env=clean_env(MMM_FAULT="stop@3:2"),
+        timeout=150,
+    )
     assert res.returncode != 0
     assert res.seconds < timeout + 60, res.seconds
     assert "collective timeout (8 s" in res.stderr and "rank 2 stopped answering" in res.stderr, res.stderr
@@ -149,8 +267,11 @@ def test_a_stalled_rank_fails_the_others_after_the_timeout(tmp_path, runner):
 @pytest.mark.parametrize("runner", ["torchrun", "mpiexec"])
 def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path, runner):
     ck, out = tmp_path / "ck", tmp_path / "out"
-    res = run(ranks(2, runner, [*FSDP_TP, "--max-iters", "20", "--checkpoint-dir", str(ck), "--outdir", str(out)]),
-              env=clean_env(MMM_FAULT="term@3:1"), timeout=120)  # only rank 1 is signalled
+    res = run(
+        ranks(2, runner, [*FSDP_TP, "--max-iters", "20", "--checkpoint-dir", str(ck), "--outdir", str(out)]),
+        env=clean_env(MMM_FAULT="term@3:1"),
+        timeout=120,
+    )  # only rank 1 is signalled
     assert res.returncode == 0, res.output
     # step 3 is not a logging step (--log-every 100), so its values (the SIGTERM flag among them) are
     # read at the end of step 4: every rank stops after step 4, together, and saves it
@@ -162,14 +283,34 @@ def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path, runner):
 
 def test_sigterm_to_launch_preempts_the_job_gracefully(tmp_path):
     ck, out = tmp_path / "ck", tmp_path / "out"
-    p = subprocess.Popen(launch("--launcher", "local", "-n", "2", "python3", *FSDP_TP, "--max-iters", "100000",
-                                "--checkpoint-dir", str(ck), "--outdir", str(out)),
-                         env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         stdin=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        launch(
+            "--launcher",
+            "local",
+            "-n",
+            "2",
+            "python3",
+            *FSDP_TP,
+            "--max-iters",
+            "100000",
+            "--checkpoint-dir",
+            str(ck),
+            "--outdir",
+            str(out),
+        ),
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
     hist = out / "history.jsonl"
     deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and p.poll() is None and (not hist.exists() or
-                                                                len(hist.read_text().splitlines()) < 3):
+    while (
+        time.monotonic() < deadline
+        and p.poll() is None
+        and (not hist.exists() or len(hist.read_text().splitlines()) < 3)
+    ):
         time.sleep(0.2)
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=60)
@@ -181,16 +322,32 @@ def test_sigterm_to_launch_preempts_the_job_gracefully(tmp_path):
 
 def test_nonfinite_loss_stops_naming_the_step_and_the_last_good_checkpoint(tmp_path):
     ck = tmp_path / "ck"
-    res = run(torchrun(2, *FSDP_TP, "--max-iters", "8", "--checkpoint-dir", str(ck), "--checkpoint-every", "2",
-                       "--outdir", str(tmp_path / "a")), env=clean_env(MMM_FAULT="nan@5"), timeout=120)
+    res = run(
+        torchrun(
+            2,
+            *FSDP_TP,
+            "--max-iters",
+            "8",
+            "--checkpoint-dir",
+            str(ck),
+            "--checkpoint-every",
+            "2",
+            "--outdir",
+            str(tmp_path / "a"),
+        ),
+        env=clean_env(MMM_FAULT="nan@5"),
+        timeout=120,
+    )
     assert res.returncode == 1
     errors = [ln for ln in res.stderr.splitlines() if "error:" in ln]
     assert len(errors) == 1 and "loss is nan at iter 5" in errors[0] and "step-00000004" in errors[0], res.stderr
     assert res.stderr.count("Traceback") == res.stderr.count("ChildFailedError: ")  # torchrun's own only
     assert sorted(p.name for p in ck.iterdir()) == ["step-00000002", "step-00000004"]
     assert jsonl(tmp_path / "a" / "history.jsonl", "iter") == [1, 2, 3, 4, 5]
-    res = ok(torchrun(2, *FSDP_TP, "--max-iters", "8", "--on-nonfinite", "skip", "--outdir", str(tmp_path / "b")),
-             MMM_FAULT="nan@5")
+    res = ok(
+        torchrun(2, *FSDP_TP, "--max-iters", "8", "--on-nonfinite", "skip", "--outdir", str(tmp_path / "b")),
+        MMM_FAULT="nan@5",
+    )
     rows = jsonl(tmp_path / "b" / "history.jsonl", None)
     assert [r["skipped"] for r in rows] == [0, 0, 0, 0, 1, 0, 0, 0]
     assert all(r["loss"] == r["loss"] for r in rows if not r["skipped"])  # finite again after the skipped step

@@ -9,13 +9,38 @@ import math
 import sys
 
 import pytest
+
 from conftest import SCRIPTS, clean_env, launch, run
 from test_data import train_tokenizer
 from test_tracking import tensorboard_scalars, wandb_history, wandb_records
 
-FLAGS = ["-m", "mmm.examples.fsdp_tp", "--dim", "64", "--n-layers", "2", "--seq-len", "32", "--batch-size", "4",
-         "--seed", "3", "--no-plots", "--dataset", "bin", "--lr-schedule", "cosine", "--warmup-steps", "2",
-         "--eval-every", "3", "--eval-iters", "2", "--max-iters", "6"]
+FLAGS = [
+    "-m",
+    "mmm.examples.fsdp_tp",
+    "--dim",
+    "64",
+    "--n-layers",
+    "2",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--seed",
+    "3",
+    "--no-plots",
+    "--dataset",
+    "bin",
+    "--lr-schedule",
+    "cosine",
+    "--warmup-steps",
+    "2",
+    "--eval-every",
+    "3",
+    "--eval-iters",
+    "2",
+    "--max-iters",
+    "6",
+]
 
 
 def rows(path) -> list[dict]:
@@ -35,8 +60,20 @@ def test_bin_data_schedule_eval_trackers_resume_and_export(tmp_path):
         (tmp_path / f"doc{i}.txt").write_text(doc)
     train_tokenizer(docs, tmp_path / "tokenizer.json")
     data = tmp_path / "data"
-    res = run([sys.executable, "-m", "mmm.data", "prepare", "--tokenizer", str(tmp_path / "tokenizer.json"),
-               "--out", str(data), *(str(tmp_path / f"doc{i}.txt") for i in range(4))], timeout=120)
+    res = run(
+        [
+            sys.executable,
+            "-m",
+            "mmm.data",
+            "prepare",
+            "--tokenizer",
+            str(tmp_path / "tokenizer.json"),
+            "--out",
+            str(data),
+            *(str(tmp_path / f"doc{i}.txt") for i in range(4)),
+        ],
+        timeout=120,
+    )
     assert res.returncode == 0, res.output
     common = [*FLAGS, "--data-dir", str(data)]
     env = clean_env(WANDB_MODE="offline")
@@ -46,10 +83,20 @@ def test_bin_data_schedule_eval_trackers_resume_and_export(tmp_path):
     assert res.returncode == 0, res.output
 
     out, ck, hf = tmp_path / "out", tmp_path / "ck", tmp_path / "hf"
-    tracked = [*common, "--checkpoint-dir", str(ck), "--wandb", "--tensorboard", "--export-hf", str(hf),
-               "--outdir", str(out)]
-    res = run(launch("-n", "2", "python3", *tracked), env=clean_env(WANDB_MODE="offline", MMM_FAULT="term@3"),
-              timeout=180)  # preempted at step 3 (a logging step: the flag is read at once): saves step 3
+    tracked = [
+        *common,
+        "--checkpoint-dir",
+        str(ck),
+        "--wandb",
+        "--tensorboard",
+        "--export-hf",
+        str(hf),
+        "--outdir",
+        str(out),
+    ]
+    res = run(
+        launch("-n", "2", "python3", *tracked), env=clean_env(WANDB_MODE="offline", MMM_FAULT="term@3"), timeout=180
+    )  # preempted at step 3 (a logging step: the flag is read at once): saves step 3
     assert res.returncode == 0, res.output
     assert json.loads((out / "summary.json").read_text())["stopped_by"] == "SIGTERM"
     assert [r["iter"] for r in rows(out / "history.jsonl")] == [1, 2, 3]
@@ -71,8 +118,7 @@ def test_bin_data_schedule_eval_trackers_resume_and_export(tmp_path):
 
     # the trackers hold what History holds: TensorBoard both runs' steps, each W&B run its own
     scalars = tensorboard_scalars(out / "tensorboard")
-    assert {s: scalars["loss"][s] for s in range(1, 7)} == pytest.approx({r["iter"]: r["loss"] for r in got},
-                                                                          rel=1e-6)
+    assert {s: scalars["loss"][s] for s in range(1, 7)} == pytest.approx({r["iter"]: r["loss"] for r in got}, rel=1e-6)
     assert scalars["val_loss"] == pytest.approx({3: got[2]["val_loss"], 6: got[5]["val_loss"]}, rel=1e-6)
     runs = sorted((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 2, runs
@@ -80,8 +126,22 @@ def test_bin_data_schedule_eval_trackers_resume_and_export(tmp_path):
     assert steps == [[1, 2, 3], [4, 5, 6]], steps
 
     # the export: transformers reads it and gives mmm's logits
-    res = run([sys.executable, str(SCRIPTS / "hf_export_check.py"), str(hf), "--seq-len", "32", "--batch-size", "4",
-               "--seed", "3", "--steps", "0"], timeout=180)
+    res = run(
+        [
+            sys.executable,
+            str(SCRIPTS / "hf_export_check.py"),
+            str(hf),
+            "--seq-len",
+            "32",
+            "--batch-size",
+            "4",
+            "--seed",
+            "3",
+            "--steps",
+            "0",
+        ],
+        timeout=180,
+    )
     assert res.returncode == 0, res.output
     check = json.loads(res.stdout.strip().splitlines()[-1])[str(hf)]
     assert check["max_abs_diff"] <= 1e-5 * max(1.0, check["logits_std"]), check

@@ -6,10 +6,26 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from conftest import clean_env, jsonl, launch, run
 
-TINY = ["-m", "mmm.examples.fsdp_tp", "--dim", "64", "--n-layers", "2", "--seq-len", "32", "--batch-size", "4",
-        "--no-plots", "--log-every", "100", "--max-iters", "8"]
+TINY = [
+    "-m",
+    "mmm.examples.fsdp_tp",
+    "--dim",
+    "64",
+    "--n-layers",
+    "2",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--no-plots",
+    "--log-every",
+    "100",
+    "--max-iters",
+    "8",
+]
 
 
 @pytest.mark.parametrize("launcher", ["local", "mpiexec"])
@@ -18,12 +34,31 @@ def test_a_killed_rank_is_recovered_by_a_relaunch(tmp_path, launcher):
     res = run(launch("--launcher", launcher, "-n", "2", "python3", *TINY, "--outdir", str(ref)), timeout=180)
     assert res.returncode == 0, res.output
     ck, out = tmp_path / "ck", tmp_path / "out"
-    res = run(launch("--launcher", launcher, "--retries", "2", "-n", "2", "python3", *TINY, "--checkpoint-dir",
-                     str(ck), "--checkpoint-every", "2", "--outdir", str(out)),
-              env=clean_env(MMM_FAULT="kill@5:1", MMM_TIMEOUT="60"), timeout=300)
+    res = run(
+        launch(
+            "--launcher",
+            launcher,
+            "--retries",
+            "2",
+            "-n",
+            "2",
+            "python3",
+            *TINY,
+            "--checkpoint-dir",
+            str(ck),
+            "--checkpoint-every",
+            "2",
+            "--outdir",
+            str(out),
+        ),
+        env=clean_env(MMM_FAULT="kill@5:1", MMM_TIMEOUT="60"),
+        timeout=300,
+    )
     assert res.returncode == 0, res.output
-    assert "launch: error: attempt 1 of 3 failed with exit code" in res.stderr and "relaunching (MMM_RESTART=1, " \
-        "fresh rendezvous port)" in res.stderr, res.stderr
+    assert (
+        "launch: error: attempt 1 of 3 failed with exit code" in res.stderr
+        and "relaunching (MMM_RESTART=1, fresh rendezvous port)" in res.stderr
+    ), res.stderr
     assert "restart 1 (launch --retries): resuming from the latest checkpoint" in res.output
     assert "step-00000004" in res.output  # the last checkpoint of the first attempt
     rows = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
@@ -40,7 +75,9 @@ def test_what_is_not_retried(tmp_path):
     res = run(launch("--launcher", "local", "--retries", "3", "-n", "2", "python3", *TINY, "--tp", "3"), timeout=60)
     assert res.returncode == 2 and "relaunching" not in res.stderr, res.output
     # a job that keeps failing: every attempt is made, then its exit code
-    res = run(launch("--launcher", "local", "--retries", "1", "-n", "1", "python3", "-c", "import sys; sys.exit(5)"),
-              timeout=60)
+    res = run(
+        launch("--launcher", "local", "--retries", "1", "-n", "1", "python3", "-c", "import sys; sys.exit(5)"),
+        timeout=60,
+    )
     assert res.returncode == 5 and "attempt 1 of 2 failed with exit code 5; relaunching" in res.stderr, res.output
     assert "attempt 2 of 2 failed with exit code 5; giving up" in res.stderr, res.output

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import assert_clean_user_error, jsonl, launch, run
 from torch import nn
 
+from conftest import assert_clean_user_error, jsonl, launch, run
 from mmm.errors import UsageError
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -62,7 +62,7 @@ def test_the_initialisation_of_a_torch_module_is_reset_parameters():
     with meta_init():
         model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
     materialize(model, device="cpu", seed=0)
-    bound = 1 / 4 ** 0.5  # nn.Linear's default: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+    bound = 1 / 4**0.5  # nn.Linear's default: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
     assert model[0].weight.abs().max() <= bound and model[0].weight.std() > 0
     assert torch.equal(model[1].weight, torch.ones(3))
 
@@ -120,8 +120,9 @@ def test_what_cannot_be_materialised_is_refused_by_name():
 def test_every_mesh_materialises_one_process_weights(tmp_path):
     """dp2 x tp2 (FSDP's strided 2-D shards), activation checkpointing: the full tensors of every
     parameter equal one process's, bit for bit."""
-    res = run(launch("-n", "4", "python3", str(SCRIPTS / "meta_init_check.py"), "--tp", "2", "--ac", "full"),
-              timeout=180)
+    res = run(
+        launch("-n", "4", "python3", str(SCRIPTS / "meta_init_check.py"), "--tp", "2", "--ac", "full"), timeout=180
+    )
     assert res.returncode == 0, res.output
     assert res.stdout.count("30 parameters, 0 differ") == 4, res.output
 
@@ -137,9 +138,16 @@ def hf_checkpoints(tmp_path_factory):
     torch.manual_seed(0)
     out = {}
     for name, tied in (("untied", False), ("tied", True)):
-        config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                          tie_word_embeddings=tied)
+        config = transformers.LlamaConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            tie_word_embeddings=tied,
+        )
         transformers.LlamaForCausalLM(config).save_pretrained(root / name, max_shard_size="60KB" if tied else "1GB")
         out[name] = root / name
     assert (out["tied"] / "model.safetensors.index.json").exists()
@@ -150,18 +158,28 @@ def test_config_maps_to_mmm_llama(hf_checkpoints):
     from mmm.parallel.hf_checkpoint import llama_config_from_hf
 
     cfg = llama_config_from_hf(hf_checkpoints["untied"], seq_len=16)
-    assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.vocab_size, cfg.ffn_hidden, cfg.seq_len) == \
-        (64, 2, 4, 2, 128, 96, 16)
+    assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.vocab_size, cfg.ffn_hidden, cfg.seq_len) == (
+        64,
+        2,
+        4,
+        2,
+        128,
+        96,
+        16,
+    )
 
 
-@pytest.mark.parametrize("ckpt,flags", [("untied", ["--tp", "2"]), ("tied", []), ("tied", ["--tp", "2", "--hf-model"])],
-                         ids=["mmm-dp2-tp2", "mmm-fsdp4-sharded-files", "hf-model-dp2-tp2"])
+@pytest.mark.parametrize(
+    "ckpt,flags",
+    [("untied", ["--tp", "2"]), ("tied", []), ("tied", ["--tp", "2", "--hf-model"])],
+    ids=["mmm-dp2-tp2", "mmm-fsdp4-sharded-files", "hf-model-dp2-tp2"],
+)
 def test_loaded_sharded_model_gives_transformers_logits(hf_checkpoints, ckpt, flags):
-    res = run(launch("-n", "4", "python3", str(SCRIPTS / "hf_load.py"), str(hf_checkpoints[ckpt]), *flags),
-              timeout=240)
+    res = run(launch("-n", "4", "python3", str(SCRIPTS / "hf_load.py"), str(hf_checkpoints[ckpt]), *flags), timeout=240)
     assert res.returncode == 0, res.output
-    diffs = [float(line.split("max abs diff ")[1].split()[0]) for line in res.stdout.splitlines()
-             if "max abs diff" in line]
+    diffs = [
+        float(line.split("max abs diff ")[1].split()[0]) for line in res.stdout.splitlines() if "max abs diff" in line
+    ]
     assert len(diffs) == 4 and max(diffs) <= 1e-5, res.output
 
 
@@ -170,12 +188,50 @@ def test_trainer_starts_from_a_checkpoint(hf_checkpoints, tmp_path):
     common = ["--init-from", str(hf_checkpoints["untied"]), "--seq-len", "16", "--max-iters", "2", "--no-plots"]
     one = run([sys.executable, "-m", "mmm.examples.fsdp_tp", *common, "--outdir", str(tmp_path / "one")], timeout=120)
     assert one.returncode == 0, one.output
-    four = run(launch("-n", "4", "python3", "-m", "mmm.examples.fsdp_tp", *common, "--pp", "2", "--tp", "2",
-                      "--outdir", str(tmp_path / "four")), timeout=240)
+    four = run(
+        launch(
+            "-n",
+            "4",
+            "python3",
+            "-m",
+            "mmm.examples.fsdp_tp",
+            *common,
+            "--pp",
+            "2",
+            "--tp",
+            "2",
+            "--outdir",
+            str(tmp_path / "four"),
+        ),
+        timeout=240,
+    )
     assert four.returncode == 0, four.output
-    fresh = run([sys.executable, "-m", "mmm.examples.fsdp_tp", "--vocab-size", "128", "--dim", "64",
-                 "--n-layers", "2", "--n-heads", "4", "--n-kv-heads", "2", "--seq-len", "16", "--max-iters", "1",
-                 "--no-plots", "--outdir", str(tmp_path / "fresh")], timeout=120)
+    fresh = run(
+        [
+            sys.executable,
+            "-m",
+            "mmm.examples.fsdp_tp",
+            "--vocab-size",
+            "128",
+            "--dim",
+            "64",
+            "--n-layers",
+            "2",
+            "--n-heads",
+            "4",
+            "--n-kv-heads",
+            "2",
+            "--seq-len",
+            "16",
+            "--max-iters",
+            "1",
+            "--no-plots",
+            "--outdir",
+            str(tmp_path / "fresh"),
+        ],
+        timeout=120,
+    )
+    assert fresh.returncode == 0, fresh.output
     a, b, c = (jsonl(tmp_path / d / "history.jsonl", key=None) for d in ("one", "four", "fresh"))
     for key in ("loss", "grad_norm"):
         assert abs(a[0][key] - b[0][key]) <= 1e-5 * abs(a[0][key]), key
@@ -187,14 +243,23 @@ def test_trainer_starts_from_a_checkpoint(hf_checkpoints, tmp_path):
 def test_bad_checkpoint_flags_are_one_line(tmp_path):
     res = run([sys.executable, "-m", "mmm.examples.fsdp_tp", "--init-from", str(tmp_path / "nope")], timeout=60)
     assert_clean_user_error(res, "nope does not exist; give a Hugging Face checkpoint directory")
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64,
-                                                      "num_attention_heads": 4, "num_hidden_layers": 2,
-                                                      "vocab_size": 32, "intermediate_size": 96}))
-    res = run([sys.executable, "-m", "mmm.examples.fsdp_tp", "--init-from", str(tmp_path), "--dim", "128"],
-              timeout=60)
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "num_hidden_layers": 2,
+                "vocab_size": 32,
+                "intermediate_size": 96,
+            }
+        )
+    )
+    res = run([sys.executable, "-m", "mmm.examples.fsdp_tp", "--init-from", str(tmp_path), "--dim", "128"], timeout=60)
     assert_clean_user_error(res, "--dim: with --init-from the model's shape comes from")
-    res = run([sys.executable, "-m", "mmm.examples.fsdp_tp", "--init-from", str(tmp_path), "--seq-len", "16"],
-              timeout=60)
+    res = run(
+        [sys.executable, "-m", "mmm.examples.fsdp_tp", "--init-from", str(tmp_path), "--seq-len", "16"], timeout=60
+    )
     assert_clean_user_error(res, "no safetensors checkpoint in")
 
 
@@ -204,8 +269,19 @@ def test_no_rank_holds_the_whole_model(tmp_path):
     """8 ranks, FSDP, one step of a 304M-parameter Llama (1.13 GiB of fp32 weights), built on meta:
     every rank's peak resident memory stays below the whole model's fp32 bytes, and grows by less
     than 0.75x of them over a tiny model's run (params + grads + AdamW sharded 8 ways: 0.5x)."""
-    res = run([sys.executable, str(Path(__file__).parents[1] / "benchmarks" / "memory.py"), "--ranks", "8",
-               "--n-layers", "24", "--outdir", str(tmp_path)], timeout=900)
+    res = run(
+        [
+            sys.executable,
+            str(Path(__file__).parents[1] / "benchmarks" / "memory.py"),
+            "--ranks",
+            "8",
+            "--n-layers",
+            "24",
+            "--outdir",
+            str(tmp_path),
+        ],
+        timeout=900,
+    )
     assert res.returncode == 0, res.output
     data = json.loads((tmp_path / "memory.json").read_text())
     assert data["num_params"] > 300e6
@@ -217,14 +293,36 @@ def test_no_rank_holds_the_whole_model(tmp_path):
 
 
 # --------------------------------------------------------------------------- the lean step
-@pytest.mark.parametrize("flags", [["--tp", "2"], ["--pp", "2", "--tp", "2"], ["--cp", "2", "--tp", "2"],
-                                   ["--tp", "2", "--grad-clip", "0.5", "--on-nonfinite", "skip"]],
-                         ids=["dp2-tp2", "pp2-tp2", "cp2-tp2", "dp2-tp2-clip-skip"])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--tp", "2"],
+        ["--pp", "2", "--tp", "2"],
+        ["--cp", "2", "--tp", "2"],
+        ["--tp", "2", "--grad-clip", "0.5", "--on-nonfinite", "skip"],
+    ],
+    ids=["dp2-tp2", "pp2-tp2", "cp2-tp2", "dp2-tp2-clip-skip"],
+)
 def test_one_small_all_reduce_per_step(tmp_path, flags):
     """Besides the model's own collectives (FSDP, TP, CP, PP), a step does exactly one, on the world
     group: loss, non-finite and stop flags and the gradient norm, packed (--measure counts step 2)."""
-    res = run(launch("-n", "4", "python3", "-m", "mmm.examples.fsdp_tp", *flags, "--max-iters", "3", "--measure",
-                     "--no-plots", "--outdir", str(tmp_path)), timeout=240)
+    res = run(
+        launch(
+            "-n",
+            "4",
+            "python3",
+            "-m",
+            "mmm.examples.fsdp_tp",
+            *flags,
+            "--max-iters",
+            "3",
+            "--measure",
+            "--no-plots",
+            "--outdir",
+            str(tmp_path),
+        ),
+        timeout=240,
+    )
     assert res.returncode == 0, res.output
     summary = json.loads((tmp_path / "summary.json").read_text())
     for rank in summary["measured_per_rank"]:
@@ -237,8 +335,9 @@ def test_steps_read_late_are_all_recorded_in_order(tmp_path):
     """With --log-every 4 most steps are read one step late: every step is still in history.jsonl, in
     order, and the same values as a run that reads every step at once."""
     common = ["-m", "mmm.examples.fsdp_tp", "--pp", "2", "--max-iters", "7", "--no-plots"]
-    late = run(launch("-n", "2", "python3", *common, "--log-every", "4", "--outdir", str(tmp_path / "late")),
-               timeout=180)
+    late = run(
+        launch("-n", "2", "python3", *common, "--log-every", "4", "--outdir", str(tmp_path / "late")), timeout=180
+    )
     now = run(launch("-n", "2", "python3", *common, "--outdir", str(tmp_path / "now")), timeout=180)
     assert late.returncode == 0 and now.returncode == 0, late.output + now.output
     a, b = (jsonl(tmp_path / d / "history.jsonl", key=None) for d in ("late", "now"))
@@ -252,9 +351,26 @@ def test_steps_read_late_are_all_recorded_in_order(tmp_path):
 def test_a_nan_on_a_stage_that_does_not_hold_the_loss_still_stops_the_run(tmp_path):
     """Under PP only the last stage's loss counts; a NaN on stage 0 travels as the packed non-finite
     flag and stops every rank with one line at that step."""
-    res = run(launch("-n", "2", "python3", "-m", "mmm.examples.fsdp_tp", "--pp", "2", "--max-iters", "6",
-                     "--log-every", "3", "--no-plots", "--outdir", str(tmp_path)),
-              env={**__import__("os").environ, "MMM_FAULT": "nan@2:0"}, timeout=180)
+    res = run(
+        launch(
+            "-n",
+            "2",
+            "python3",
+            "-m",
+            "mmm.examples.fsdp_tp",
+            "--pp",
+            "2",
+            "--max-iters",
+            "6",
+            "--log-every",
+            "3",
+            "--no-plots",
+            "--outdir",
+            str(tmp_path),
+        ),
+        env={**__import__("os").environ, "MMM_FAULT": "nan@2:0"},
+        timeout=180,
+    )
     assert res.returncode != 0, res.output
     assert "loss is nan at iter 2" in res.stderr, res.output
     assert [r["iter"] for r in jsonl(tmp_path / "history.jsonl", key=None)] == [1, 2]

@@ -13,10 +13,24 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from conftest import error_lines, jsonl, launch, max_rel_diff, run
 
-TINY = ["-m", "mmm.examples.fsdp_tp", "--dim", "64", "--n-layers", "2", "--seq-len", "32", "--batch-size", "8",
-        "--no-plots", "--log-every", "100"]
+TINY = [
+    "-m",
+    "mmm.examples.fsdp_tp",
+    "--dim",
+    "64",
+    "--n-layers",
+    "2",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "8",
+    "--no-plots",
+    "--log-every",
+    "100",
+]
 LR, MIN_LR, WARMUP, STEPS = 0.01, 0.001, 3, 10
 SCHEDULE = ["--lr", str(LR), "--warmup-steps", str(WARMUP), "--min-lr", str(MIN_LR)]
 COSINE = [*SCHEDULE, "--lr-schedule", "cosine"]
@@ -112,8 +126,12 @@ def cosine_pp2_tp2(tmp_path_factory):
     return out
 
 
-EVAL_MESHES = {"1": (1, []), "dp2_tp2": (4, ["--tpsize", "2"]), "pp2_tp2": (4, ["--pp", "2", "--tpsize", "2"]),
-               "cp2": (2, ["--cp", "2"])}
+EVAL_MESHES = {
+    "1": (1, []),
+    "dp2_tp2": (4, ["--tpsize", "2"]),
+    "pp2_tp2": (4, ["--pp", "2", "--tpsize", "2"]),
+    "cp2": (2, ["--cp", "2"]),
+}
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +161,7 @@ def test_cosine_lr_is_warmup_then_cosine_to_min_lr(cosine1):
         assert abs(r["lr"] - cosine_lr(r["iter"])) <= 1e-12, (r["iter"], r["lr"], cosine_lr(r["iter"]))
     lrs = column(rows, "lr")
     assert lrs[WARMUP - 1] == pytest.approx(LR, abs=1e-12) and lrs[-1] == pytest.approx(MIN_LR, abs=1e-12)
-    assert lrs[:WARMUP] == sorted(lrs[:WARMUP]) and lrs[WARMUP - 1:] == sorted(lrs[WARMUP - 1:], reverse=True)
+    assert lrs[:WARMUP] == sorted(lrs[:WARMUP]) and lrs[WARMUP - 1 :] == sorted(lrs[WARMUP - 1 :], reverse=True)
 
 
 def test_linear_lr_is_warmup_then_a_straight_line_to_min_lr(linear1):
@@ -163,7 +181,7 @@ def test_constant_is_the_default_and_gives_lr_on_every_step(constant1, cosine1, 
     assert const[0]["loss"] == cos[0]["loss"] == lin[0]["loss"]
     for other in (cos, lin):
         assert max_rel_diff(column(other, "loss")[1:], column(const, "loss")[1:]) > 1e-3
-    assert max_rel_diff(column(cos, "loss")[WARMUP + 1:], column(lin, "loss")[WARMUP + 1:]) > 1e-5
+    assert max_rel_diff(column(cos, "loss")[WARMUP + 1 :], column(lin, "loss")[WARMUP + 1 :]) > 1e-5
 
 
 # --------------------------------------------------------------------------- 2. the same on every mesh
@@ -178,11 +196,13 @@ def test_resume_continues_the_schedule_bit_for_bit(cosine1, tmp_path):
     ref = history(cosine1[0])
     ck = tmp_path / "ck"
     # a 5-step run of the 10-step schedule (its decay ends at 10, not at its own last step)
-    train(1, tmp_path / "part", *COSINE, "--max-iters", "5", "--lr-decay-steps", str(STEPS),
-          "--checkpoint-dir", str(ck))
+    train(
+        1, tmp_path / "part", *COSINE, "--max-iters", "5", "--lr-decay-steps", str(STEPS), "--checkpoint-dir", str(ck)
+    )
     part = history(tmp_path / "part")
-    assert [(r["loss"], r["grad_norm"], r["lr"]) for r in part] == [(r["loss"], r["grad_norm"], r["lr"])
-                                                                     for r in ref[:5]]
+    assert [(r["loss"], r["grad_norm"], r["lr"]) for r in part] == [
+        (r["loss"], r["grad_norm"], r["lr"]) for r in ref[:5]
+    ]
     out = tmp_path / "resumed"
     res = train(1, out, *COSINE, "--max-iters", str(STEPS), "--checkpoint-dir", str(ck), "--resume", "latest")
     assert "resumed from" in res.output and "step-00000005" in res.output, res.output
@@ -195,24 +215,42 @@ def test_resume_continues_the_schedule_bit_for_bit(cosine1, tmp_path):
 def test_resume_on_another_mesh_continues_the_schedule(cosine1, tmp_path):
     ck = copy_checkpoint(cosine1[1], 5, tmp_path / "ck")
     out = tmp_path / "resumed"
-    res = train(4, out, *COSINE, "--max-iters", str(STEPS), "--tpsize", "2", "--checkpoint-dir", str(ck),
-                "--resume", "latest")
+    res = train(
+        4, out, *COSINE, "--max-iters", str(STEPS), "--tpsize", "2", "--checkpoint-dir", str(ck), "--resume", "latest"
+    )
     assert "resumed from" in res.output and "step-00000005" in res.output, res.output
     assert_same_curve(history(out), history(cosine1[0])[5:])
 
 
 # --------------------------------------------------------------------------- 4. another schedule: refused
-@pytest.mark.parametrize("flags, needle", [
-    ([*COSINE, "--warmup-steps", "4"], "warmup_steps=3 (now 4)"),
-    (LINEAR, "kind='cosine' (now 'linear')"),
-    ([*COSINE, "--min-lr", "0.002"], "min_lr=0.001 (now 0.002)"),
-    ([*COSINE, "--lr-decay-steps", "12"], "decay_steps=10 (now 12)"),
-], ids=["warmup", "kind", "min_lr", "decay_steps"])
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        ([*COSINE, "--warmup-steps", "4"], "warmup_steps=3 (now 4)"),
+        (LINEAR, "kind='cosine' (now 'linear')"),
+        ([*COSINE, "--min-lr", "0.002"], "min_lr=0.001 (now 0.002)"),
+        ([*COSINE, "--lr-decay-steps", "12"], "decay_steps=10 (now 12)"),
+    ],
+    ids=["warmup", "kind", "min_lr", "decay_steps"],
+)
 def test_resume_with_another_schedule_is_refused(cosine1, tmp_path, flags, needle):
     ck = copy_checkpoint(cosine1[1], 5, tmp_path / "ck")
     out = tmp_path / "out"
-    res = run(command(1, *flags, "--max-iters", str(STEPS), "--checkpoint-dir", str(ck), "--resume", "latest",
-                      "--outdir", str(out)), timeout=120)
+    res = run(
+        command(
+            1,
+            *flags,
+            "--max-iters",
+            str(STEPS),
+            "--checkpoint-dir",
+            str(ck),
+            "--resume",
+            "latest",
+            "--outdir",
+            str(out),
+        ),
+        timeout=120,
+    )
     assert res.returncode == 2, res.output
     assert "Traceback" not in res.output, res.output
     lines = error_lines(res.stderr)
@@ -223,19 +261,33 @@ def test_resume_with_another_schedule_is_refused(cosine1, tmp_path, flags, needl
 
 
 # --------------------------------------------------------------------------- 5. bad flags
-@pytest.mark.parametrize("flags, needle", [
-    (["--lr-schedule", "constant", "--min-lr", "0.001"], "--min-lr 0.001"),
-    (["--min-lr", "0.001"], "--min-lr 0.001"),  # constant is the default
-    (["--lr-schedule", "cosine", "--warmup-steps", "-1"], "--warmup-steps -1"),
-    (["--lr-schedule", "cosine", "--warmup-steps", "3", "--lr-decay-steps", "3"], "--lr-decay-steps 3"),
-    (["--lr-schedule", "linear", "--warmup-steps", "3", "--lr-decay-steps", "2"], "--lr-decay-steps 2"),
-    (["--lr-decay-steps", "5"], "--lr-decay-steps 5"),  # constant: no decay to end
-    (["--lr-schedule", "cosine", "--min-lr", "0.1"], "--min-lr 0.1"),  # above --lr
-    (["--warmup-steps", "20"], "--warmup-steps 20"),  # longer than the run
-    (["--eval-every", "-1"], "--eval-every -1"),
-    (["--eval-iters", "0"], "--eval-iters 0"),
-], ids=["min_lr-constant", "min_lr-default", "warmup-negative", "decay-eq-warmup", "decay-lt-warmup",
-        "decay-constant", "min_lr-above-lr", "warmup-too-long", "eval-every-negative", "eval-iters-zero"])
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--lr-schedule", "constant", "--min-lr", "0.001"], "--min-lr 0.001"),
+        (["--min-lr", "0.001"], "--min-lr 0.001"),  # constant is the default
+        (["--lr-schedule", "cosine", "--warmup-steps", "-1"], "--warmup-steps -1"),
+        (["--lr-schedule", "cosine", "--warmup-steps", "3", "--lr-decay-steps", "3"], "--lr-decay-steps 3"),
+        (["--lr-schedule", "linear", "--warmup-steps", "3", "--lr-decay-steps", "2"], "--lr-decay-steps 2"),
+        (["--lr-decay-steps", "5"], "--lr-decay-steps 5"),  # constant: no decay to end
+        (["--lr-schedule", "cosine", "--min-lr", "0.1"], "--min-lr 0.1"),  # above --lr
+        (["--warmup-steps", "20"], "--warmup-steps 20"),  # longer than the run
+        (["--eval-every", "-1"], "--eval-every -1"),
+        (["--eval-iters", "0"], "--eval-iters 0"),
+    ],
+    ids=[
+        "min_lr-constant",
+        "min_lr-default",
+        "warmup-negative",
+        "decay-eq-warmup",
+        "decay-lt-warmup",
+        "decay-constant",
+        "min_lr-above-lr",
+        "warmup-too-long",
+        "eval-every-negative",
+        "eval-iters-zero",
+    ],
+)
 def test_bad_schedule_and_eval_flags_exit_2_naming_the_value(tmp_path, flags, needle):
     res = run(command(1, "--max-iters", str(STEPS), *flags, "--outdir", str(tmp_path / "out")), timeout=60)
     assert res.returncode == 2, res.output
@@ -280,7 +332,7 @@ def test_evaluation_does_not_change_training(evaluated, not_evaluated, cosine1):
         assert column(rows, key) == column(not_evaluated, key), key
     # the first steps of the 10-step cosine run (whose decay differs only after the warmup) as well
     ten = history(cosine1[0])
-    assert [r["loss"] for r in rows[:WARMUP + 1]] == [r["loss"] for r in ten[:WARMUP + 1]]
+    assert [r["loss"] for r in rows[: WARMUP + 1]] == [r["loss"] for r in ten[: WARMUP + 1]]
 
 
 def test_evaluation_on_pydoc_text_holds_out_the_last_tenth(tmp_path):

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from conftest import BIN, jsonl, run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,8 +22,11 @@ def banner(output: str) -> str:
 
 
 def test_salloc_launch_runs_the_smoke_test(slurm_cluster):
-    res = run(["salloc", "-n", "4", str(BIN / "launch"), "python3", "-m", "mmm", "--tp", "2"],
-              env=slurm_cluster.environ(), timeout=120)
+    res = run(
+        ["salloc", "-n", "4", str(BIN / "launch"), "python3", "-m", "mmm", "--tp", "2"],
+        env=slurm_cluster.environ(),
+        timeout=120,
+    )
     assert res.returncode == 0, res.output
     assert "launch: 4 ranks (4 per host) on 1 host via srun; scheduler: slurm" in res.stderr, res.output
     assert "launcher=launch/srun world=4 nodes=1 local_world=4" in banner(res.output)
@@ -53,9 +57,24 @@ def test_sbatch_of_the_shipped_job_script_trains(slurm_cluster, tmp_path):
     trainer flags after the script, `launch` found on PATH (an activated venv)."""
     out = tmp_path / "out"
     env = slurm_cluster.environ(PATH=f"{BIN}:{slurm_cluster.environ()['PATH']}")
-    sub = run(["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=4", f"--output={tmp_path}/job-%j.out",
-               f"--chdir={tmp_path}", str(JOB_SCRIPT), "--max-iters", "4", *TINY, "--outdir", str(out)],
-              env=env, timeout=60)
+    sub = run(
+        [
+            "sbatch",
+            "--parsable",
+            "--nodes=1",
+            "--ntasks-per-node=4",
+            f"--output={tmp_path}/job-%j.out",
+            f"--chdir={tmp_path}",
+            str(JOB_SCRIPT),
+            "--max-iters",
+            "4",
+            *TINY,
+            "--outdir",
+            str(out),
+        ],
+        env=env,
+        timeout=60,
+    )
     assert sub.returncode == 0, sub.output
     job = sub.stdout.strip().split(";")[0]
     state, code = slurm_cluster.wait_job(job, timeout=240)
@@ -75,9 +94,28 @@ def test_sbatch_of_the_shipped_job_script_trains(slurm_cluster, tmp_path):
 def test_a_killed_rank_under_srun_ends_the_job_fast_naming_only_it(slurm_cluster, tmp_path):
     """Rank 1 SIGKILLs itself at step 3: srun (--kill-on-bad-exit from `launch`) ends the step, the
     survivors' one-line errors name rank 1 and no live rank, long before the 60 s collective timeout."""
-    res = run(["salloc", "-n", "4", str(BIN / "launch"), "python3", "-m", "mmm.examples.fsdp_tp", "--tpsize", "2",
-               "--max-iters", "20", *TINY, "--timeout", "60", "--outdir", str(tmp_path)],
-              env=slurm_cluster.environ(MMM_FAULT="kill@3:1"), timeout=150)
+    res = run(
+        [
+            "salloc",
+            "-n",
+            "4",
+            str(BIN / "launch"),
+            "python3",
+            "-m",
+            "mmm.examples.fsdp_tp",
+            "--tpsize",
+            "2",
+            "--max-iters",
+            "20",
+            *TINY,
+            "--timeout",
+            "60",
+            "--outdir",
+            str(tmp_path),
+        ],
+        env=slurm_cluster.environ(MMM_FAULT="kill@3:1"),
+        timeout=150,
+    )
     assert res.returncode != 0, res.output
     assert res.seconds < 45, res.seconds
     assert re.search(r"srun: error: \S+: task 1: Killed", res.stderr), res.stderr

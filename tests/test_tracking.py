@@ -13,6 +13,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+
 from conftest import SCRIPTS, clean_env, jsonl, launch, run
 
 TINY = ["--dim", "64", "--n-layers", "2", "--seq-len", "32", "--batch-size", "4"]
@@ -35,11 +36,11 @@ def wandb_records(run_dir: Path) -> list:
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
             continue
-        crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if kind == 0 and length == 0:
             pos += block - pos % block
             continue
-        chunk = data[pos + 7:pos + 7 + length]
+        chunk = data[pos + 7 : pos + 7 + length]
         assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF == crc, f"bad checksum at {pos}"
         pos += 7 + length
         pieces += chunk
@@ -85,8 +86,11 @@ def the_run_dir(outdir: Path) -> Path:
 
 def trainer(n: int, outdir: Path, *flags: str, env=None, script=None, timeout: float = 120):
     cmd = [script] if script else ["-m", "mmm.examples.fsdp_tp"]
-    return run(launch("-n", str(n), "python3", *cmd, *TINY, *flags, "--outdir", str(outdir)),
-               env=env or clean_env(WANDB_MODE="offline"), timeout=timeout)
+    return run(
+        launch("-n", str(n), "python3", *cmd, *TINY, *flags, "--outdir", str(outdir)),
+        env=env or clean_env(WANDB_MODE="offline"),
+        timeout=timeout,
+    )
 
 
 # --------------------------------------------------------------------------- end to end
@@ -95,8 +99,20 @@ def test_wandb_and_tensorboard_hold_every_history_row(tmp_path):
     the closing table is printed (plain), report.md written beside summary.json."""
     pytest.importorskip("wandb", reason="the wandb extra is not installed")
     pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
-    res = trainer(2, tmp_path, "--max-iters", "4", "--wandb", "--wandb-project", "mmm-tests", "--wandb-name", "tiny",
-                  "--tensorboard", "--rank-timings", "--no-plots")
+    res = trainer(
+        2,
+        tmp_path,
+        "--max-iters",
+        "4",
+        "--wandb",
+        "--wandb-project",
+        "mmm-tests",
+        "--wandb-name",
+        "tiny",
+        "--tensorboard",
+        "--rank-timings",
+        "--no-plots",
+    )
     assert res.returncode == 0, res.output
     hist = jsonl(tmp_path / "history.jsonl", key=None)
     assert [r["iter"] for r in hist] == [1, 2, 3, 4]
@@ -138,8 +154,16 @@ def test_a_crash_still_closes_the_trackers_with_every_finished_step(tmp_path):
     and the W&B run is closed as failed."""
     pytest.importorskip("wandb", reason="the wandb extra is not installed")
     pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
-    res = trainer(2, tmp_path, "--max-iters", "6", "--wandb", "--tensorboard", "--no-plots",
-                  env=clean_env(WANDB_MODE="offline", MMM_FAULT="nan@3"))
+    res = trainer(
+        2,
+        tmp_path,
+        "--max-iters",
+        "6",
+        "--wandb",
+        "--tensorboard",
+        "--no-plots",
+        env=clean_env(WANDB_MODE="offline", MMM_FAULT="nan@3"),
+    )
     assert res.returncode == 1 and "loss is nan at iter 3" in res.stderr, res.output
     hist = jsonl(tmp_path / "history.jsonl", key=None)
     assert [r["iter"] for r in hist] == [1, 2, 3] and math.isnan(hist[-1]["loss"])
@@ -161,13 +185,37 @@ def test_missing_extra_stops_every_rank_before_training(tmp_path):
     shim.mkdir()
     for name in ("wandb", "tensorboard"):
         (shim / f"{name}.py").write_text(f'raise ImportError("No module named {name!r} (test shim)")\n')
-    env = clean_env(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-                    PYTHONPATH=str(shim))
+    env = clean_env(
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        PYTHONPATH=str(shim),
+    )
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "mmm.examples.fsdp_tp", *TINY, "--max-iters", "2", "--wandb", "--tensorboard",
-           "--outdir", str(out)]
-    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL) for r in range(2)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mmm.examples.fsdp_tp",
+        *TINY,
+        "--max-iters",
+        "2",
+        "--wandb",
+        "--tensorboard",
+        "--outdir",
+        str(out),
+    ]
+    procs = [
+        subprocess.Popen(
+            cmd,
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            stdin=subprocess.DEVNULL,
+        )
+        for r in range(2)
+    ]
     outs = [p.communicate(timeout=60) for p in procs]
     assert [p.returncode for p in procs] == [2, 2], outs
     errors = [line for line in outs[0][1].splitlines() if "error:" in line]
@@ -182,8 +230,18 @@ def test_missing_extra_stops_every_rank_before_training(tmp_path):
 def test_rank_timings_name_the_slow_rank(tmp_path):
     """Rank 1 sleeps 0.3 s at the end of every step: every gathered step (each --log-every 2 and the
     last) names rank 1 as the slowest, about 0.3 s behind rank 0."""
-    res = trainer(2, tmp_path, "--max-iters", "6", "--log-every", "2", "--rank-timings", "--no-plots",
-                  script=str(SCRIPTS / "slow_rank.py"), env=clean_env(SLOW_RANK="1", SLOW_SECONDS="0.3"))
+    res = trainer(
+        2,
+        tmp_path,
+        "--max-iters",
+        "6",
+        "--log-every",
+        "2",
+        "--rank-timings",
+        "--no-plots",
+        script=str(SCRIPTS / "slow_rank.py"),
+        env=clean_env(SLOW_RANK="1", SLOW_SECONDS="0.3"),
+    )
     assert res.returncode == 0, res.output
     hist = jsonl(tmp_path / "history.jsonl", key=None)
     gathered = [r for r in hist if "slowest_rank" in r]
@@ -200,8 +258,21 @@ def test_cnn_reports_test_accuracy_in_percent_and_a_rich_table(tmp_path):
     number of test images), and the closing summary as a rich table."""
     from mmm.data.images import load_digits_data
 
-    res = run([sys.executable, "-m", "mmm.examples.fsdp", "--epochs", "1", "--steps-per-epoch", "4", "--outdir",
-               str(tmp_path)], env=clean_env(MMM_RICH="1", COLUMNS="160"), timeout=120)
+    res = run(
+        [
+            sys.executable,
+            "-m",
+            "mmm.examples.fsdp",
+            "--epochs",
+            "1",
+            "--steps-per-epoch",
+            "4",
+            "--outdir",
+            str(tmp_path),
+        ],
+        env=clean_env(MMM_RICH="1", COLUMNS="160"),
+        timeout=120,
+    )
     assert res.returncode == 0, res.output
     (epoch,) = jsonl(tmp_path / "epochs.jsonl", key=None)
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -210,7 +281,7 @@ def test_cnn_reports_test_accuracy_in_percent_and_a_rich_table(tmp_path):
     n_test = len(load_digits_data(None).test.labels)
     assert acc * n_test / 100 == pytest.approx(round(acc * n_test / 100), abs=1e-6)  # correct images / n, in %
     assert f"test_acc={acc:.2f}" in res.stdout
-    table = res.stdout[res.stdout.index("fsdp summary"):]
+    table = res.stdout[res.stdout.index("fsdp summary") :]
     assert "┃ metric" in table and "│ test accuracy" in table and f"{acc:.2f}%" in table, table
     assert "samples/s" in table and "│ startup" in table
     report = (tmp_path / "report.md").read_text()
@@ -222,8 +293,10 @@ def test_cnn_reports_test_accuracy_in_percent_and_a_rich_table(tmp_path):
 
 # --------------------------------------------------------------------------- in process
 def test_import_mmm_and_training_do_not_import_trackers():
-    code = ("import sys, mmm, mmm.training, mmm.history, mmm.tracking, mmm.cli, mmm.examples.fsdp_tp\n"
-            "print([m for m in ('wandb', 'tensorboard') if m in sys.modules])")
+    code = (
+        "import sys, mmm, mmm.training, mmm.history, mmm.tracking, mmm.cli, mmm.examples.fsdp_tp\n"
+        "print([m for m in ('wandb', 'tensorboard') if m in sys.modules])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -287,18 +360,31 @@ def test_a_failing_tracker_is_dropped_and_the_others_go_on(caplog):
 def test_gather_rank_timings_without_a_process_group():
     from mmm.tracking import gather_rank_timings
 
-    assert gather_rank_timings(0.25) == {"dt_min": 0.25, "dt_max": 0.25, "dt_mean": 0.25, "slowest_rank": 0,
-                                         "dt_lag": 0.0}
+    assert gather_rank_timings(0.25) == {
+        "dt_min": 0.25,
+        "dt_max": 0.25,
+        "dt_mean": 0.25,
+        "slowest_rank": 0,
+        "dt_lag": 0.0,
+    }
 
 
 def test_summary_table_plain_and_rich():
     from mmm.tracking import summary_rows, summary_table
 
-    summary = {"steps": 10, "warmup_excluded": 2, "final_loss": 1.25, "mfu": 0.125,
-               "flops": {"peak_flops_per_rank": [1e12], "peak_source": "calibrated"},
-               "stats": {"dt": {"mean": 0.5, "std": 0.1}, "tps": {"mean": 12345.6, "std": 1.0}},
-               "memory_per_rank": [{"total_bytes": 2**20, "peak_rss_bytes": 3 * 2**20},
-                                   {"total_bytes": 2 * 2**20, "peak_rss_bytes": 2**20}], "startup_s": 3.5}
+    summary = {
+        "steps": 10,
+        "warmup_excluded": 2,
+        "final_loss": 1.25,
+        "mfu": 0.125,
+        "flops": {"peak_flops_per_rank": [1e12], "peak_source": "calibrated"},
+        "stats": {"dt": {"mean": 0.5, "std": 0.1}, "tps": {"mean": 12345.6, "std": 1.0}},
+        "memory_per_rank": [
+            {"total_bytes": 2**20, "peak_rss_bytes": 3 * 2**20},
+            {"total_bytes": 2 * 2**20, "peak_rss_bytes": 2**20},
+        ],
+        "startup_s": 3.5,
+    }
     rows = dict(summary_rows(summary, rate_key="tps"))
     assert rows["final loss"] == "1.2500" and rows["dt (step)"] == "0.5000 s ± 0.1000"
     assert rows["tokens/s"] == "12,346" and rows["MFU"] == "12.50% of calibrated peak 1 TFLOP/s per rank"

@@ -3,8 +3,8 @@
 import os
 
 import pytest
-from conftest import SCRIPTS, assert_clean_user_error, clean_env, launch, run
 
+from conftest import SCRIPTS, assert_clean_user_error, clean_env, launch, run
 from mmm.verify import Verdict
 
 VERIFY = ["python3", "-m", "mmm.verify"]
@@ -19,8 +19,11 @@ def test_verdict_fails_on_a_constant_factor_on_the_gradients():
 @pytest.mark.parametrize("flags", [["--tp", "2"], ["--pp", "2"]], ids=["dp2-tp2", "pp2-dp2"])
 def test_own_model_passes(flags):
     env = clean_env(PYTHONPATH=os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]))
-    res = run(launch("-n", "4", *VERIFY, "--model", "own_lm:build", "--tp-plan", "own_lm:TP_PLAN", *flags),
-              env=env, timeout=180)
+    res = run(
+        launch("-n", "4", *VERIFY, "--model", "own_lm:build", "--tp-plan", "own_lm:TP_PLAN", *flags),
+        env=env,
+        timeout=180,
+    )
     assert res.returncode == 0, res.output
     assert "PASS: " in res.stdout and "grad norm (mesh)" in res.stdout
 
@@ -32,12 +35,15 @@ def test_a_tolerance_of_zero_fails_with_a_one_line_error():
     assert "does not match one process" in res.stderr and "Traceback" not in res.output
 
 
-@pytest.mark.parametrize("flags, needle", [
-    (["--model", "nosuch"], "--model 'nosuch': use one of llama, vit, hf-llama, or module:function"),
-    (["--model", "nosuch_module:build"], "--model 'nosuch_module:build': No module named 'nosuch_module'"),
-    (["--cp", "2"], "--cp 2: verify does not run context parallel"),
-    (["--strategy", "ddp", "--tp", "2"], "--strategy ddp does not compose with tp"),
-])
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--model", "nosuch"], "--model 'nosuch': use one of llama, vit, hf-llama, or module:function"),
+        (["--model", "nosuch_module:build"], "--model 'nosuch_module:build': No module named 'nosuch_module'"),
+        (["--cp", "2"], "--cp 2: verify does not run context parallel"),
+        (["--strategy", "ddp", "--tp", "2"], "--strategy ddp does not compose with tp"),
+    ],
+)
 def test_bad_input(flags, needle):
     res = run(launch("--launcher", "local", "-n", "2", *VERIFY, *flags), timeout=60)
     assert_clean_user_error(res, needle)

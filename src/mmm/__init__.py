@@ -14,12 +14,42 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("cli", "data", "dist", "errors", "faults", "flops", "history", "launch", "log", "measure", "models",
-               "parallel", "plan", "training", "verify")
+_SUBMODULES = (
+    "cli",
+    "data",
+    "dist",
+    "errors",
+    "faults",
+    "flops",
+    "history",
+    "launch",
+    "log",
+    "measure",
+    "models",
+    "parallel",
+    "plan",
+    "training",
+    "verify",
+)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from mmm import (cli, data, dist, errors, faults, flops, history, launch, log, measure, models,  # noqa: F401
-                     parallel, plan, training, verify)
+    from mmm import (
+        cli,
+        data,
+        dist,
+        errors,
+        faults,
+        flops,
+        history,
+        launch,
+        log,
+        measure,
+        models,  # noqa: F401
+        parallel,
+        plan,
+        training,
+        verify,
+    )
 
 
 def __getattr__(name: str):

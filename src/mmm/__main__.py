@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,10 +25,19 @@ def build_parser() -> ArgumentParser:
         "LOG_FROM_ALL_RANKS=1 (print every rank's coordinate line).",
     )
     add_mesh_args(p)
-    p.add_argument("--device", choices=["auto", "cpu", "cuda", "xpu", "mps"], default=None,
-                   help="device to test (default: MMM_DEVICE or auto)")
-    p.add_argument("--report-dir", type=Path, default=None, metavar="DIR",
-                   help="write each rank's report (coordinates, group members, checks) to DIR/rank<N>.json")
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda", "xpu", "mps"],
+        default=None,
+        help="device to test (default: MMM_DEVICE or auto)",
+    )
+    p.add_argument(
+        "--report-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write each rank's report (coordinates, group members, checks) to DIR/rank<N>.json",
+    )
     return p
 
 
@@ -60,8 +68,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         t = torch.tensor([float(rank + 1)], device=info.device)
         tdist.all_reduce(t, group=group)
         got, want = t.item(), float(sum(r + 1 for r in members))
-        checks.append({"name": name, "members": members, "got": got, "want": want, "ok": got == want and rank in members,
-                       "ms": 1e3 * (time.perf_counter() - t0)})
+        checks.append(
+            {
+                "name": name,
+                "members": members,
+                "got": got,
+                "want": want,
+                "ok": got == want and rank in members,
+                "ms": 1e3 * (time.perf_counter() - t0),
+            }
+        )
 
     check("world", None, list(range(info.world_size)))
     for name in mesh.names:
@@ -72,17 +88,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     tdist.all_reduce(failed)
     n_failed = int(failed.item())
     for c in checks:
-        log.info("all-reduce over %-12s size %d: %s (%.1f ms)", c["name"], len(c["members"]),
-                 "ok" if c["ok"] else f"FAILED got {c['got']} want {c['want']}", c["ms"])
+        log.info(
+            "all-reduce over %-12s size %d: %s (%.1f ms)",
+            c["name"],
+            len(c["members"]),
+            "ok" if c["ok"] else f"FAILED got {c['got']} want {c['want']}",
+            c["ms"],
+        )
     if args.report_dir is not None:
         args.report_dir.mkdir(parents=True, exist_ok=True)
         report = {
-            "rank": rank, "world_size": info.world_size, "local_rank": info.local_rank,
-            "local_world_size": info.local_world_size, "num_nodes": info.num_nodes, "launcher": info.launcher,
-            "device": str(info.device), "backend": info.backend, "degrees": mesh.dims.degrees,
+            "rank": rank,
+            "world_size": info.world_size,
+            "local_rank": info.local_rank,
+            "local_world_size": info.local_world_size,
+            "num_nodes": info.num_nodes,
+            "launcher": info.launcher,
+            "device": str(info.device),
+            "backend": info.backend,
+            "degrees": mesh.dims.degrees,
             "coordinates": {k: list(v) for k, v in mesh.coordinates().items()},
-            "coordinate_line": mesh.describe(rank), "groups": {c["name"]: c["members"] for c in checks},
-            "checks": checks, "env_master": [os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")],
+            "coordinate_line": mesh.describe(rank),
+            "groups": {c["name"]: c["members"] for c in checks},
+            "checks": checks,
+            "env_master": [os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")],
         }
         (args.report_dir / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
     if n_failed:

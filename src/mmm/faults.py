@@ -8,9 +8,10 @@
     MMM_FAULT=exit@5:2      rank 2 exits with code 3 at once, skipping teardown
 
 Several faults are separated by commas. Faults fire in a job's first attempt only (not after a
-relaunch by ``launch --retries``, ``MMM_RESTART`` >= 1), so a recovered job can finish. The trainers call :func:`inject` at the start of every
-step; a real signal is sent, so launchers and the other ranks see exactly what a real failure
-looks like. Unset (the default), it costs one dict lookup per step.
+relaunch by ``launch --retries``, ``MMM_RESTART`` >= 1), so a recovered job can finish. The trainers
+call :func:`inject` at the start of every step; a real signal is sent, so launchers and the other
+ranks see exactly what a real failure looks like. Unset (the default), it costs one dict lookup per
+step.
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ def parse(text: str) -> dict[int, list[tuple[str, int | None]]]:
     for part in filter(None, (p.strip() for p in text.split(","))):
         m = _SPEC.match(part)
         if not m or m["kind"] not in KINDS:
-            raise UsageError(f"MMM_FAULT={text!r}: {part!r} is not KIND@STEP[:RANK] with KIND one of "
-                             f"{', '.join(KINDS)} (e.g. kill@5:1)")
+            raise UsageError(
+                f"MMM_FAULT={text!r}: {part!r} is not KIND@STEP[:RANK] with KIND one of "
+                f"{', '.join(KINDS)} (e.g. kill@5:1)"
+            )
         out.setdefault(int(m["step"]), []).append((m["kind"], int(m["rank"]) if m["rank"] else None))
     return out
 

@@ -71,8 +71,9 @@ def _matmul_precision_key(dtype: str) -> str:
         return dtype
     import torch
 
-    return "tf32" if torch.get_float32_matmul_precision() != "highest" or torch.backends.cuda.matmul.allow_tf32 \
-        else "fp32"
+    return (
+        "tf32" if torch.get_float32_matmul_precision() != "highest" or torch.backends.cuda.matmul.allow_tf32 else "fp32"
+    )
 
 
 def table_peak(device_name: str, dtype: str) -> float | None:
@@ -100,7 +101,7 @@ def calibrate_cpu(dtype: str = "fp32", seconds: float = 0.3, n: int = 256) -> fl
         elapsed = time.perf_counter() - t0
         if elapsed >= seconds:
             break
-    return 2.0 * n ** 3 * iters / elapsed
+    return 2.0 * n**3 * iters / elapsed
 
 
 def device_name(device) -> str:
@@ -140,14 +141,18 @@ def mfu(*, tokens_per_s: float | None, flops_per_token: float | None, peaks: lis
 
 def mfu_report(device, dtype: str, *, rate: float | None, flops_per_unit: float | None) -> dict[str, Any]:
     """Every rank's peak (gathered), and the job's MFU: the ``mfu`` block of summary.json."""
-    from mmm.dist import gather_objects
-
     import torch.distributed as dist
+
+    from mmm.dist import gather_objects
 
     if dist.is_initialized():
         dist.barrier()  # calibrate together: ranks that share cores measure their share
     peak, source = peak_flops(device, dtype)
     peaks = gather_objects(peak)
-    return {"mfu": mfu(tokens_per_s=rate, flops_per_token=flops_per_unit, peaks=peaks),
-            "flops_per_unit": flops_per_unit, "peak_flops_per_rank": peaks, "peak_source": source,
-            "device_name": device_name(device)}
+    return {
+        "mfu": mfu(tokens_per_s=rate, flops_per_token=flops_per_unit, peaks=peaks),
+        "flops_per_unit": flops_per_unit,
+        "peak_flops_per_rank": peaks,
+        "peak_source": source,
+        "device_name": device_name(device),
+    }

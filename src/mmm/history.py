@@ -65,9 +65,17 @@ def atomic_write_text(path: Path, text: str) -> None:
 class History:
     """Collects per-step scalars; see the module docstring."""
 
-    def __init__(self, outdir: str | os.PathLike | None = None, *, write: bool = True, warmup: int = DEFAULT_WARMUP,
-                 name: str = "history", step_key: str = "iter", resume: int | None = None,
-                 hooks: Iterable[Callable[[dict], Any]] = ()) -> None:
+    def __init__(
+        self,
+        outdir: str | os.PathLike | None = None,
+        *,
+        write: bool = True,
+        warmup: int = DEFAULT_WARMUP,
+        name: str = "history",
+        step_key: str = "iter",
+        resume: int | None = None,
+        hooks: Iterable[Callable[[dict], Any]] = (),
+    ) -> None:
         """``name`` names the files (``<name>.jsonl``, ``<name>.nc``; plots ``<name>_<metric>`` unless
         it is "history"), so one run can keep per-step and per-epoch histories side by side.
 
@@ -98,8 +106,9 @@ class History:
             # line-buffered: every step reaches the OS as it finishes (survives a crash or SIGKILL)
             self._file = open(path, "a" if resume is not None else "w", buffering=1)
 
-    def update(self, step: int | Mapping[str, Any] | None = None, values: Mapping[str, Any] | None = None, /,
-               **metrics: Any) -> dict:
+    def update(
+        self, step: int | Mapping[str, Any] | None = None, values: Mapping[str, Any] | None = None, /, **metrics: Any
+    ) -> dict:
         """Record one step's metrics (floats, ints or 0-d tensors); returns the record.
 
         ``update(3, loss=1.0)``, ``update(3, {"loss": 1.0})`` and ``update({"loss": 1.0}, step=3)``
@@ -157,8 +166,14 @@ class History:
                 continue
             mean = sum(kept) / len(kept)
             var = sum((v - mean) ** 2 for v in kept) / len(kept)
-            out[name] = {"mean": mean, "std": math.sqrt(var), "min": min(kept), "max": max(kept),
-                         "last": values[-1], "n": len(kept)}
+            out[name] = {
+                "mean": mean,
+                "std": math.sqrt(var),
+                "min": min(kept),
+                "max": max(kept),
+                "last": values[-1],
+                "n": len(kept),
+            }
         return out
 
     def to_dataset(self, attrs: Mapping[str, Any] | None = None):
@@ -176,13 +191,23 @@ class History:
         return ds
 
     # ------------------------------------------------------------------ finalize
-    def finalize(self, extra: Mapping[str, Any] | None = None, *, plots: bool = True, print_plots: bool = True,
-                 metrics_to_plot: Iterable[str] | None = None, summary_file: str | None = "summary.json"
-                 ) -> dict[str, Any]:
+    def finalize(
+        self,
+        extra: Mapping[str, Any] | None = None,
+        *,
+        plots: bool = True,
+        print_plots: bool = True,
+        metrics_to_plot: Iterable[str] | None = None,
+        summary_file: str | None = "summary.json",
+    ) -> dict[str, Any]:
         """Write ``<name>.nc``, ``summary.json`` (unless ``summary_file=None``) and plots; returns the
         summary (also on non-writing ranks)."""
-        summary: dict[str, Any] = {"steps": len(self.rows), "warmup_excluded": self.warmup,
-                                   "stats": self.stats(), **(extra or {})}
+        summary: dict[str, Any] = {
+            "steps": len(self.rows),
+            "warmup_excluded": self.warmup,
+            "stats": self.stats(),
+            **(extra or {}),
+        }
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -225,8 +250,9 @@ def _netcdf_engine() -> str | None:
     raise ImportError("writing history.nc needs h5netcdf (pip install 'mmm[history]'), netCDF4 or scipy")
 
 
-def text_plot(x: list[int], y: list[float], *, title: str, xlabel: str = "iter", width: int = 100,
-              height: int = 18) -> str:
+def text_plot(
+    x: list[int], y: list[float], *, title: str, xlabel: str = "iter", width: int = 100, height: int = 18
+) -> str:
     """A plotext line plot as plain text (no colour codes), at most TEXT_PLOT_POINTS points."""
     import plotext as plt
 

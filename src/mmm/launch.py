@@ -15,7 +15,8 @@ Launchers: ``mpiexec`` under PBS (Open MPI, MPICH/Intel MPI Hydra and Cray PALS 
 if it has one, else a built-in torchrun-style spawner (no torch import, so it starts
 fast). ``launch`` sets ``MASTER_ADDR``/``MASTER_PORT`` (unless already set),
 ``OMP_NUM_THREADS`` (unless set: cores per host / ranks per host) and ``MMM_LAUNCH_TIME``
-(for startup timing; unless set, so that a benchmark can start the clock before ``launch``), and returns the command's exit code.
+(for startup timing; unless set, so that a benchmark can start the clock before ``launch``), and
+returns the command's exit code.
 """
 
 from __future__ import annotations
@@ -44,15 +45,18 @@ PROG = "launch"
 MPI_FLAVORS = ("openmpi", "hydra", "pals")
 LAUNCHERS = ("auto", "mpiexec", "srun", "local")
 LOCAL_CPU_RANKS = 4
-FORWARDED_ENV = ("MASTER_ADDR", "MASTER_PORT", "MMM_LAUNCH_TIME", "OMP_NUM_THREADS", "MMM_LAUNCHER", "MMM_RUN_STAMP",
-                 "MMM_RESTART")
+FORWARDED_ENV = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "MMM_LAUNCH_TIME",
+    "OMP_NUM_THREADS",
+    "MMM_LAUNCHER",
+    "MMM_RUN_STAMP",
+    "MMM_RESTART",
+)
 
 
 # --------------------------------------------------------------------------- host lists
-
-
-
-
 
 
 def read_hostfile(path: str | os.PathLike) -> tuple[list[str], list[int]]:
@@ -184,10 +188,15 @@ class LaunchPlan:
 
     def describe(self) -> str:
         a = self.allocation
-        where = f"{a.num_hosts} host{'s' if a.num_hosts != 1 else ''}" if a.scheduler != "none" or a.hostfile \
+        where = (
+            f"{a.num_hosts} host{'s' if a.num_hosts != 1 else ''}"
+            if a.scheduler != "none" or a.hostfile
             else "this machine"
-        return (f"{self.nproc} ranks ({self.ppn} per host) on {where} via {self.launcher}"
-                f"{f' ({self.mpi_flavor})' if self.mpi_flavor else ''}; scheduler: {a.scheduler}")
+        )
+        return (
+            f"{self.nproc} ranks ({self.ppn} per host) on {where} via {self.launcher}"
+            f"{f' ({self.mpi_flavor})' if self.mpi_flavor else ''}; scheduler: {a.scheduler}"
+        )
 
     def command_line(self) -> str:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
@@ -229,7 +238,8 @@ def plan_launch(
     alloc = detect_allocation(env, hostfile)
     if launcher == "auto":
         launcher = {"pbs": "mpiexec", "slurm": "srun"}.get(alloc.scheduler) or (
-            "mpiexec" if (venv_mpiexec() or alloc.hostfile) else "local")
+            "mpiexec" if (venv_mpiexec() or alloc.hostfile) else "local"
+        )
     if launcher == "local" and alloc.num_hosts > 1:
         raise UsageError(
             f"--launcher local runs on this machine only, but the allocation has {alloc.num_hosts} hosts; "
@@ -258,13 +268,15 @@ def plan_launch(
     hosts = alloc.hosts[:nodes]
     add_env: dict[str, str] = {}
     if not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
-        add_env["MASTER_ADDR"] = "127.0.0.1" if on_this_machine or nodes == 1 and _is_this_host(hosts[0]) \
-            else hosts[0]
+        add_env["MASTER_ADDR"] = "127.0.0.1" if on_this_machine or nodes == 1 and _is_this_host(hosts[0]) else hosts[0]
         add_env["MASTER_PORT"] = str(free_port())
     per_task = env.get("SLURM_CPUS_PER_TASK", "") if launcher == "srun" else ""
     if not env.get("OMP_NUM_THREADS"):
-        add_env["OMP_NUM_THREADS"] = per_task if per_task.isdigit() else \
-            str(max(1, cpus // ppn if not on_this_machine else cpus // max(total, 1)))
+        add_env["OMP_NUM_THREADS"] = (
+            per_task
+            if per_task.isdigit()
+            else str(max(1, cpus // ppn if not on_this_machine else cpus // max(total, 1)))
+        )
     if not env.get("MMM_LAUNCH_TIME"):  # an outer harness may have started the clock already
         add_env["MMM_LAUNCH_TIME"] = repr(time.time())
     add_env["MMM_LAUNCHER"] = f"launch/{launcher}"
@@ -277,15 +289,26 @@ def plan_launch(
     if launcher == "srun":
         exe = shutil.which("srun") or ("srun" if dry_run else None)
         if exe is None:
-            where = (f"inside Slurm job {env['SLURM_JOB_ID']}, " if env.get("SLURM_JOB_ID") else "")
-            raise UsageError(f"--launcher srun: no srun on PATH ({where}PATH={env.get('PATH', '')!r}); load Slurm "
-                             "(e.g. `module load slurm`) or choose --launcher mpiexec")
+            where = f"inside Slurm job {env['SLURM_JOB_ID']}, " if env.get("SLURM_JOB_ID") else ""
+            raise UsageError(
+                f"--launcher srun: no srun on PATH ({where}PATH={env.get('PATH', '')!r}); load Slurm "
+                "(e.g. `module load slurm`) or choose --launcher mpiexec"
+            )
         # a rank that dies takes the step down at once, instead of leaving the others blocked in a
         # collective until its timeout
         # since Slurm 22.05 srun does not inherit the job's --cpus-per-task: pass it on
         cpt = [f"--cpus-per-task={per_task}"] if per_task.isdigit() else []
-        argv = [exe, f"--nodes={nodes}", f"--ntasks={total}", f"--ntasks-per-node={ppn}", *cpt, "--export=ALL",
-                "--kill-on-bad-exit=1", *mpi_args, *cmd]
+        argv = [
+            exe,
+            f"--nodes={nodes}",
+            f"--ntasks={total}",
+            f"--ntasks-per-node={ppn}",
+            *cpt,
+            "--export=ALL",
+            "--kill-on-bad-exit=1",
+            *mpi_args,
+            *cmd,
+        ]
         return LaunchPlan("srun", argv, total, ppn, alloc, add_env)
     exe = find_mpiexec()
     if exe is None:
@@ -294,13 +317,26 @@ def plan_launch(
             "(pip install 'mmm[mpi]' puts Open MPI's mpiexec in the virtual environment) or use --launcher local"
         )
     flavor = flavor or mpi_flavor(exe)
-    argv = [exe, *_mpiexec_flags(flavor, total, ppn, alloc, nodes, on_this_machine, add_env, cpus, env), *mpi_args,
-            *cmd]
+    argv = [
+        exe,
+        *_mpiexec_flags(flavor, total, ppn, alloc, nodes, on_this_machine, add_env, cpus, env),
+        *mpi_args,
+        *cmd,
+    ]
     return LaunchPlan("mpiexec", argv, total, ppn, alloc, add_env, flavor)
 
 
-def _mpiexec_flags(flavor: str, total: int, ppn: int, alloc: Allocation, nodes: int, local: bool,
-                   add_env: Mapping[str, str], cpus: int, env: Mapping[str, str]) -> list[str]:
+def _mpiexec_flags(
+    flavor: str,
+    total: int,
+    ppn: int,
+    alloc: Allocation,
+    nodes: int,
+    local: bool,
+    add_env: Mapping[str, str],
+    cpus: int,
+    env: Mapping[str, str],
+) -> list[str]:
     names = [*add_env, *(k for k in FORWARDED_ENV if k not in add_env and k in env)]
     if flavor == "openmpi":
         flags = ["-n", str(total)]
@@ -340,8 +376,15 @@ def _is_this_host(host: str) -> bool:
 
 
 # --------------------------------------------------------------------------- run
-def spawn_local(cmd: Sequence[str], nproc: int, env: Mapping[str, str], *, settle_s: float = 5.0,
-                grace_s: float = 10.0, signalled: list[int] | None = None) -> int:
+def spawn_local(
+    cmd: Sequence[str],
+    nproc: int,
+    env: Mapping[str, str],
+    *,
+    settle_s: float = 5.0,
+    grace_s: float = 10.0,
+    signalled: list[int] | None = None,
+) -> int:
     """Run ``nproc`` copies of ``cmd`` with torchrun-style variables; stop all when one fails.
 
     When a rank fails the others get ``settle_s`` seconds to exit on their own (bad input
@@ -352,8 +395,15 @@ def spawn_local(cmd: Sequence[str], nproc: int, env: Mapping[str, str], *, settl
     procs: list[subprocess.Popen] = []
     base = dict(env)
     for rank in range(nproc):
-        rank_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-                    "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "NODE_RANK": "0"}
+        rank_env = {
+            **base,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_RANK": "0",
+            "NODE_RANK": "0",
+        }
         try:
             procs.append(subprocess.Popen(list(cmd), env=rank_env))
         except OSError as e:
@@ -390,8 +440,10 @@ def spawn_local(cmd: Sequence[str], nproc: int, env: Mapping[str, str], *, settl
             now = time.monotonic()
             if term_at is not None and now >= term_at:
                 if not signalled:  # after a forwarded signal, exits are expected, not news
-                    print_error(f"rank {failed_rank} exited with code {code}; stopping the other "
-                                f"{len(running)} rank(s)", prog=PROG)
+                    print_error(
+                        f"rank {failed_rank} exited with code {code}; stopping the other {len(running)} rank(s)",
+                        prog=PROG,
+                    )
                 for q in running:
                     q.send_signal(signal.SIGTERM)
                 term_at, kill_at = None, now + grace_s
@@ -405,8 +457,12 @@ def spawn_local(cmd: Sequence[str], nproc: int, env: Mapping[str, str], *, settl
             signal.signal(s, h)
 
 
-NOT_RETRIED = {0: "it succeeded", 2: "bad input fails again", 130: "interrupted (Ctrl-C)",
-               143: "terminated (SIGTERM: preemption or the scheduler's limit)"}
+NOT_RETRIED = {
+    0: "it succeeded",
+    2: "bad input fails again",
+    130: "interrupted (Ctrl-C)",
+    143: "terminated (SIGTERM: preemption or the scheduler's limit)",
+}
 
 
 class RankWatch(threading.Thread):
@@ -490,8 +546,10 @@ class RankWatch(threading.Thread):
                 return None
             ranks.sort(key=lambda rp: int(rp[0]))
             names = ", ".join(f"{r} (pid {p})" for r, p in ranks)
-            return (f"rank{'s' if len(ranks) > 1 else ''} {names} died first, without a word: killed by a "
-                    "signal (e.g. the out-of-memory killer), a crash or os._exit")
+            return (
+                f"rank{'s' if len(ranks) > 1 else ''} {names} died first, without a word: killed by a "
+                "signal (e.g. the out-of-memory killer), a crash or os._exit"
+            )
         return None
 
     def _exit_of(self, pid: int) -> str | None:
@@ -554,6 +612,7 @@ _PASSED_ON = ("SIGUSR1", "SIGUSR2")  # e.g. SIGUSR1: every mmm rank writes its s
 
 def _wait_forwarding(p: subprocess.Popen, signalled: list[int]) -> int:
     """Wait for the child, passing on the signals launch gets (as when the child had taken launch's place)."""
+
     def forward(signum, frame):
         if signal.Signals(signum).name in _STOPPING:
             signalled.append(signum)
@@ -577,8 +636,9 @@ def _wait_forwarding(p: subprocess.Popen, signalled: list[int]) -> int:
     return 128 - rc if rc < 0 else rc
 
 
-def run_with_retries(replan: Callable[[Mapping[str, str]], LaunchPlan], first: LaunchPlan, retries: int, *,
-                     quiet: bool = False) -> int:
+def run_with_retries(
+    replan: Callable[[Mapping[str, str]], LaunchPlan], first: LaunchPlan, retries: int, *, quiet: bool = False
+) -> int:
     """Run the job; when it fails, run it again (at most ``retries`` more times) in the same allocation.
     Every attempt gets ``MMM_RESTART=<attempt>`` and the first attempt's output stamp; when launch chose
     the rendezvous port, each relaunch gets a fresh one. ``replan`` rebuilds the command for an
@@ -600,13 +660,19 @@ def run_with_retries(replan: Callable[[Mapping[str, str]], LaunchPlan], first: L
         why = "launch itself was signalled" if signalled else NOT_RETRIED.get(code)
         if why is not None or attempt >= retries:
             if code and attempt and not quiet:
-                print_error(f"attempt {attempt + 1} of {retries + 1} failed with exit code {code}; "
-                            f"{'giving up' if why is None else f'not retried: {why}'}", prog=PROG)
+                print_error(
+                    f"attempt {attempt + 1} of {retries + 1} failed with exit code {code}; "
+                    f"{'giving up' if why is None else f'not retried: {why}'}",
+                    prog=PROG,
+                )
             return code
         attempt += 1
         if not quiet:
-            print_error(f"attempt {attempt} of {retries + 1} failed with exit code {code}; relaunching "
-                        f"(MMM_RESTART={attempt}{', fresh rendezvous port' if fresh_port else ''})", prog=PROG)
+            print_error(
+                f"attempt {attempt} of {retries + 1} failed with exit code {code}; relaunching "
+                f"(MMM_RESTART={attempt}{', fresh rendezvous port' if fresh_port else ''})",
+                prog=PROG,
+            )
 
 
 def build_parser() -> ArgumentParser:
@@ -620,20 +686,50 @@ def build_parser() -> ArgumentParser:
         "Environment: MMM_GPUS_PER_NODE (ranks per host default), MMM_MPI_FLAVOR (openmpi|hydra|pals).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("-n", "--nproc", "--np", dest="nproc", type=int, default=None, metavar="N",
-                   help="total ranks (default: hosts x ranks per host)")
-    p.add_argument("--ppn", type=int, default=None, metavar="N",
-                   help="ranks per host (default: accelerators per host, else scheduler slots, else up to 4 CPU ranks)")
-    p.add_argument("--hostfile", default=None, metavar="FILE",
-                   help="hosts to use instead of the scheduler's (one per line; 'host slots=N' or 'host:N')")
-    p.add_argument("--launcher", choices=LAUNCHERS, default="auto",
-                   help="auto: mpiexec under PBS, srun under Slurm, else this venv's mpiexec if any, else local")
-    p.add_argument("--mpi-args", default="", metavar="ARGS",
-                   help="extra launcher flags, one quoted string (e.g. \"--cpu-bind depth -d 8\")")
-    p.add_argument("--retries", type=int, default=0, metavar="N",
-                   help="relaunch a failed job up to N times in the same allocation (fresh rendezvous port, "
-                        "MMM_RESTART=<attempt>); trainers with --checkpoint-dir resume from their latest "
-                        "checkpoint. Bad input (exit 2), Ctrl-C and SIGTERM are not retried [0]")
+    p.add_argument(
+        "-n",
+        "--nproc",
+        "--np",
+        dest="nproc",
+        type=int,
+        default=None,
+        metavar="N",
+        help="total ranks (default: hosts x ranks per host)",
+    )
+    p.add_argument(
+        "--ppn",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ranks per host (default: accelerators per host, else scheduler slots, else up to 4 CPU ranks)",
+    )
+    p.add_argument(
+        "--hostfile",
+        default=None,
+        metavar="FILE",
+        help="hosts to use instead of the scheduler's (one per line; 'host slots=N' or 'host:N')",
+    )
+    p.add_argument(
+        "--launcher",
+        choices=LAUNCHERS,
+        default="auto",
+        help="auto: mpiexec under PBS, srun under Slurm, else this venv's mpiexec if any, else local",
+    )
+    p.add_argument(
+        "--mpi-args",
+        default="",
+        metavar="ARGS",
+        help='extra launcher flags, one quoted string (e.g. "--cpu-bind depth -d 8")',
+    )
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=0,
+        metavar="N",
+        help="relaunch a failed job up to N times in the same allocation (fresh rendezvous port, "
+        "MMM_RESTART=<attempt>); trainers with --checkpoint-dir resume from their latest "
+        "checkpoint. Bad input (exit 2), Ctrl-C and SIGTERM are not retried [0]",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the command and exit")
     p.add_argument("-q", "--quiet", action="store_true", help="do not print the launch line")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
@@ -644,8 +740,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         command = args.command[1:] if args.command[:1] == ["--"] else args.command
-        plan = plan_launch(command, nproc=args.nproc, ppn=args.ppn, hostfile=args.hostfile,
-                           launcher=args.launcher, mpi_args=shlex.split(args.mpi_args), dry_run=args.dry_run)
+        plan = plan_launch(
+            command,
+            nproc=args.nproc,
+            ppn=args.ppn,
+            hostfile=args.hostfile,
+            launcher=args.launcher,
+            mpi_args=shlex.split(args.mpi_args),
+            dry_run=args.dry_run,
+        )
         if args.retries < 0:
             raise UsageError(f"--retries {args.retries} must be >= 0 (the number of relaunches after a failure)")
     except UsageError as e:
@@ -658,9 +761,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.quiet:
         print(f"launch: {plan.describe()}", file=sys.stderr, flush=True)
     if args.retries:
+
         def replan(env: Mapping[str, str]) -> LaunchPlan:
-            return plan_launch(command, nproc=args.nproc, ppn=args.ppn, hostfile=args.hostfile, launcher=args.launcher,
-                               mpi_args=shlex.split(args.mpi_args), env=env, flavor=plan.mpi_flavor)
+            return plan_launch(
+                command,
+                nproc=args.nproc,
+                ppn=args.ppn,
+                hostfile=args.hostfile,
+                launcher=args.launcher,
+                mpi_args=shlex.split(args.mpi_args),
+                env=env,
+                flavor=plan.mpi_flavor,
+            )
 
         try:
             return run_with_retries(replan, plan, args.retries, quiet=args.quiet)

@@ -83,8 +83,13 @@ def _make_handler() -> logging.Handler:
             from rich.console import Console
             from rich.logging import RichHandler
 
-            h = RichHandler(console=Console(file=sys.stdout), show_path=False, markup=False,
-                            rich_tracebacks=False, log_time_format="%H:%M:%S")
+            h = RichHandler(
+                console=Console(file=sys.stdout),
+                show_path=False,
+                markup=False,
+                rich_tracebacks=False,
+                log_time_format="%H:%M:%S",
+            )
             h.setFormatter(logging.Formatter("%(message)s"))
             return h
         except ImportError:  # rich is a dependency, but never let logging be the thing that fails

@@ -24,17 +24,37 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 # c10d ops: (payload argument index, "out" when the payload is the output buffer)
 _C10D_PAYLOAD = {
-    "_allgather_base_": 0, "allgather_into_tensor_coalesced_": 0, "allgather_": 0,
-    "_reduce_scatter_base_": 1, "reduce_scatter_tensor_coalesced_": 1, "reduce_scatter_": 1,
-    "allreduce_": 0, "allreduce_coalesced_": 0, "broadcast_": 0, "reduce_": 0,
-    "alltoall_base_": 1, "alltoall_": 1, "send": 0, "recv_": 0, "recv_any_source_": 0,
-    "gather_": 1, "scatter_": 0,
+    "_allgather_base_": 0,
+    "allgather_into_tensor_coalesced_": 0,
+    "allgather_": 0,
+    "_reduce_scatter_base_": 1,
+    "reduce_scatter_tensor_coalesced_": 1,
+    "reduce_scatter_": 1,
+    "allreduce_": 0,
+    "allreduce_coalesced_": 0,
+    "broadcast_": 0,
+    "reduce_": 0,
+    "alltoall_base_": 1,
+    "alltoall_": 1,
+    "send": 0,
+    "recv_": 0,
+    "recv_any_source_": 0,
+    "gather_": 1,
+    "scatter_": 0,
 }
 # functional collectives: the payload is the input, times the group size for all-gather
 _FUNCOL_GATHER = {"all_gather_into_tensor", "all_gather_into_tensor_coalesced", "all_gather_into_tensor_out"}
-_FUNCOL = _FUNCOL_GATHER | {"all_reduce", "all_reduce_", "all_reduce_coalesced", "all_reduce_coalesced_",
-                            "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "all_to_all_single",
-                            "broadcast", "broadcast_"}
+_FUNCOL = _FUNCOL_GATHER | {
+    "all_reduce",
+    "all_reduce_",
+    "all_reduce_coalesced",
+    "all_reduce_coalesced_",
+    "reduce_scatter_tensor",
+    "reduce_scatter_tensor_coalesced",
+    "all_to_all_single",
+    "broadcast",
+    "broadcast_",
+}
 
 
 def _nbytes(obj: Any) -> int:

@@ -90,8 +90,12 @@ class WandbTracker:
     def __init__(self, *, outdir: Path, project: str | None, run_name: str | None, config: Mapping[str, Any]) -> None:
         import wandb
 
-        self.run = wandb.init(project=project or os.environ.get("WANDB_PROJECT") or "mmm", name=run_name,
-                              dir=str(outdir), config=dict(config))
+        self.run = wandb.init(
+            project=project or os.environ.get("WANDB_PROJECT") or "mmm",
+            name=run_name,
+            dir=str(outdir),
+            config=dict(config),
+        )
         self.dir = Path(self.run.dir).parent  # <outdir>/wandb/<offline-run-...|run-...>
 
     def log(self, values: Mapping[str, float | int], step: int) -> None:
@@ -132,8 +136,9 @@ class TensorBoardTracker:
 
     def close(self, summary: Mapping[str, Any] | None = None, *, failed: bool = False) -> None:
         if summary:
-            self._text("summary", markdown_table([(k, _fmt(v)) for k, v in summary.items()], ("metric", "value")),
-                       step=0)
+            self._text(
+                "summary", markdown_table([(k, _fmt(v)) for k, v in summary.items()], ("metric", "value")), step=0
+            )
         self._writer.close()
 
 
@@ -174,8 +179,12 @@ class Trackers:
         except Exception:
             pass
         if self._log is not None:
-            self._log.warning("--%s failed, going on without it (history.jsonl has every step): %s: %s",
-                              tracker.name, type(e).__name__, _first_line(e))
+            self._log.warning(
+                "--%s failed, going on without it (history.jsonl has every step): %s: %s",
+                tracker.name,
+                type(e).__name__,
+                _first_line(e),
+            )
 
     def close(self, summary: Mapping[str, Any] | None = None, *, failed: bool = False) -> None:
         if self._closed:
@@ -204,15 +213,26 @@ def open_trackers(args, *, example: str, info, outdir: Path, step_key: str = "it
         for name in names:
             try:
                 if name == "wandb":
-                    opened.append(WandbTracker(outdir=outdir, project=getattr(args, "wandb_project", None),
-                                               run_name=getattr(args, "wandb_name", None), config=config))
+                    opened.append(
+                        WandbTracker(
+                            outdir=outdir,
+                            project=getattr(args, "wandb_project", None),
+                            run_name=getattr(args, "wandb_name", None),
+                            config=config,
+                        )
+                    )
                 else:
                     opened.append(TensorBoardTracker(outdir / "tensorboard", config=config))
             except Exception as e:
                 if log is not None:
                     hint = " (WANDB_MODE=offline needs no login)" if name == "wandb" else ""
-                    log.warning("--%s could not start, going on without it: %s: %s%s", name, type(e).__name__,
-                                _first_line(e), hint)
+                    log.warning(
+                        "--%s could not start, going on without it: %s: %s%s",
+                        name,
+                        type(e).__name__,
+                        _first_line(e),
+                        hint,
+                    )
         if log is not None and opened:
             log.info("tracking: %s", ", ".join(f"{t.name} -> {t.dir}" for t in opened))
     return Trackers(opened, step_key=step_key, log=log)
@@ -253,8 +273,13 @@ def gather_rank_timings(dt: float, *, device=None) -> dict[str, float | int]:
     values = out.tolist()
     dts, arrived = values[0::2], values[1::2]
     last = max(range(len(arrived)), key=arrived.__getitem__)
-    return {"dt_min": min(dts), "dt_max": max(dts), "dt_mean": sum(dts) / len(dts), "slowest_rank": last,
-            "dt_lag": arrived[last] - min(arrived)}
+    return {
+        "dt_min": min(dts),
+        "dt_max": max(dts),
+        "dt_mean": sum(dts) / len(dts),
+        "slowest_rank": last,
+        "dt_lag": arrived[last] - min(arrived),
+    }
 
 
 # --------------------------------------------------------------------------- the closing report
@@ -286,8 +311,9 @@ def _first_line(e: BaseException) -> str:
 RATE_NAMES = {"tps": "tokens/s", "tokens_per_s": "tokens/s", "samples_per_s": "samples/s"}
 
 
-def summary_rows(summary: Mapping[str, Any], *, rate_key: str = "tps",
-                 slowest_ranks: Iterable[int] = ()) -> list[tuple[str, str]]:
+def summary_rows(
+    summary: Mapping[str, Any], *, rate_key: str = "tps", slowest_ranks: Iterable[int] = ()
+) -> list[tuple[str, str]]:
     """The summary as (metric, value) rows: the table printed at the end and the one in report.md.
     ``slowest_ranks``: the ``slowest_rank`` of each logged step (``--rank-timings``)."""
     st = summary.get("stats", {})
@@ -314,16 +340,21 @@ def summary_rows(summary: Mapping[str, Any], *, rate_key: str = "tps",
         state = [m.get("total_bytes") for m in per_rank if m.get("total_bytes") is not None]
         if state:
             rows.append(("model state (max rank)", f"{_mib(max(state))} (params + grads + optimizer)"))
-        for key, label in (("peak_allocated_bytes", "peak device memory (max rank)"),
-                           ("peak_rss_bytes", "peak host memory (max rank)")):
+        for key, label in (
+            ("peak_allocated_bytes", "peak device memory (max rank)"),
+            ("peak_rss_bytes", "peak host memory (max rank)"),
+        ):
             vals = [m[key] for m in per_rank if m.get(key) is not None]
             if vals:
                 rows.append((label, _mib(max(vals))))
     if summary.get("startup_s") is not None:
         rows.append(("startup", f"{summary['startup_s']:.2f} s (launch to first finished step)"))
     if "dt_max" in st:
-        text = (f"dt {st['dt_min']['mean']:.4f}-{st['dt_max']['mean']:.4f} s over ranks, lag "
-                f"{st['dt_lag']['mean']:.4f} s" if "dt_lag" in st else "")
+        text = (
+            f"dt {st['dt_min']['mean']:.4f}-{st['dt_max']['mean']:.4f} s over ranks, lag {st['dt_lag']['mean']:.4f} s"
+            if "dt_lag" in st
+            else ""
+        )
         counts = Counter(int(r) for r in slowest_ranks if r is not None and not math.isnan(r))
         if counts:
             rank, n = counts.most_common(1)[0]
@@ -388,8 +419,9 @@ def command_line(argv: list[str] | None = None) -> str:
     return shlex.join(head + argv[1:])
 
 
-def write_report(outdir: Path, summary: Mapping[str, Any], rows: list[tuple[str, str]], *, example: str,
-                 metrics: Iterable[str] = ()) -> Path:
+def write_report(
+    outdir: Path, summary: Mapping[str, Any], rows: list[tuple[str, str]], *, example: str, metrics: Iterable[str] = ()
+) -> Path:
     """``report.md`` beside summary.json: command line, launch, mesh, the summary table, versions,
     links to the PNG plots."""
     from mmm.history import atomic_write_text
@@ -398,12 +430,15 @@ def write_report(outdir: Path, summary: Mapping[str, Any], rows: list[tuple[str,
     world = summary.get("world_size")
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     lines = [f"# {example}: run report", "", f"Written {when}.", "", "```bash", command_line(), "```", ""]
-    launch = [f"{world} rank{'s' if world != 1 else ''}" if world is not None else None,
-              f"{summary['num_nodes']} node{'s' if summary['num_nodes'] != 1 else ''}"
-              if summary.get("num_nodes") is not None else None,
-              f"launcher {summary['launcher']}" if summary.get("launcher") else None,
-              f"device {summary['device']}" if summary.get("device") else None,
-              f"backend {summary['backend']}" if summary.get("backend") else None]
+    launch = [
+        f"{world} rank{'s' if world != 1 else ''}" if world is not None else None,
+        f"{summary['num_nodes']} node{'s' if summary['num_nodes'] != 1 else ''}"
+        if summary.get("num_nodes") is not None
+        else None,
+        f"launcher {summary['launcher']}" if summary.get("launcher") else None,
+        f"device {summary['device']}" if summary.get("device") else None,
+        f"backend {summary['backend']}" if summary.get("backend") else None,
+    ]
     lines.append("- **run**: " + ", ".join(x for x in launch if x))
     if mesh:
         lines.append("- **mesh**: " + " x ".join(f"{a}={d}" for a, d in mesh.items()))
@@ -412,9 +447,11 @@ def write_report(outdir: Path, summary: Mapping[str, Any], rows: list[tuple[str,
         setup.append(f"{summary['model']['num_params']:,} parameters")
     if setup:
         lines.append("- **setup**: " + ", ".join(setup))
-    lines.append("- **files**: `history.jsonl`, `history.nc`, `summary.json`" +
-                 (", `tensorboard/`" if (outdir / "tensorboard").is_dir() else "") +
-                 (", `wandb/`" if (outdir / "wandb").is_dir() else ""))
+    lines.append(
+        "- **files**: `history.jsonl`, `history.nc`, `summary.json`"
+        + (", `tensorboard/`" if (outdir / "tensorboard").is_dir() else "")
+        + (", `wandb/`" if (outdir / "wandb").is_dir() else "")
+    )
     lines += ["", "## Summary", "", markdown_table(rows, ("metric", "value")), ""]
     if summary.get("versions"):
         lines += ["## Versions", "", markdown_table(summary["versions"].items(), ("package", "version")), ""]
@@ -444,8 +481,11 @@ def finish_run(run, summary: Mapping[str, Any], *, rate_key: str = "tps") -> Non
     the trackers closed with the summary (other ranks: nothing)."""
     if not run.info.is_main:
         return
-    rows = summary_rows(summary, rate_key=rate_key, slowest_ranks=[r.get("slowest_rank") for r in run.hist.rows
-                                                                   if r.get("slowest_rank") is not None])
+    rows = summary_rows(
+        summary,
+        rate_key=rate_key,
+        slowest_ranks=[r.get("slowest_rank") for r in run.hist.rows if r.get("slowest_rank") is not None],
+    )
     print_summary(rows, title=f"{run.example} summary", log=run.log)
     if run.hist.write:
         write_report(run.outdir, summary, rows, example=run.example, metrics=run.hist.metrics)

@@ -1,8 +1,8 @@
 """Rank 1 dies abruptly while the others wait in a collective; they must not wait forever.
 
-    dead_rank.py [exit|raise]   rank 1 exits (or raises) at 0.5 s; the others wait in an all-reduce
-    dead_rank.py busy           as ``exit``, but ranks 2 and 3 are busy elsewhere when it happens:
-                                rank 3 sleeps 6 s, rank 2 waits for it in an all-reduce of their own
+dead_rank.py [exit|raise]   rank 1 exits (or raises) at 0.5 s; the others wait in an all-reduce
+dead_rank.py busy           as ``exit``, but ranks 2 and 3 are busy elsewhere when it happens:
+                            rank 3 sleeps 6 s, rank 2 waits for it in an all-reduce of their own
 """
 
 import os

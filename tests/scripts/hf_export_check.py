@@ -49,8 +49,12 @@ def main() -> None:
                 rows = data.global_batch(args.seed, step, args.batch_size)
                 logits = theirs(rows[:, :-1]).logits
                 losses[step] = F.cross_entropy(logits.flatten(0, 1).float(), rows[:, 1:].flatten(0, 1)).item()
-        out[d] = {"max_abs_diff": (a - b).abs().max().item(), "logits_std": b.std().item(), "losses": losses,
-                  "warnings": [str(w.message) for w in caught]}
+        out[d] = {
+            "max_abs_diff": (a - b).abs().max().item(),
+            "logits_std": b.std().item(),
+            "losses": losses,
+            "warnings": [str(w.message) for w in caught],
+        }
     print(json.dumps(out))
 
 

@@ -1,7 +1,7 @@
 """Load a Hugging Face Llama checkpoint into mmm's sharded Llama; compare logits with transformers'.
 
-    launch -n 4 python tests/scripts/hf_load.py CKPT_DIR --tp 2     # prints "max abs diff <x>" on every rank
-    launch -n 4 python tests/scripts/hf_load.py CKPT_DIR --tp 2 --hf-model   # into transformers' own model
+launch -n 4 python tests/scripts/hf_load.py CKPT_DIR --tp 2     # prints "max abs diff <x>" on every rank
+launch -n 4 python tests/scripts/hf_load.py CKPT_DIR --tp 2 --hf-model   # into transformers' own model
 """
 
 import argparse
@@ -35,8 +35,9 @@ def main(argv=None) -> int:
     else:
         with meta_init():
             model = Llama(cfg)
-        model = parallelize(model, mesh, ParallelSpec(tp_plan=llama_tp_plan(), loss_parallel=True),
-                            device=info.device, seed=0)
+        model = parallelize(
+            model, mesh, ParallelSpec(tp_plan=llama_tp_plan(), loss_parallel=True), device=info.device, seed=0
+        )
         load_hf_llama(model, args.ckpt)
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

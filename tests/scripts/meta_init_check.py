@@ -29,8 +29,13 @@ def main(argv=None) -> int:
     expected = dict(one.named_parameters())
     with meta_init():
         model = Llama(cfg)
-    model = parallelize(model, init_mesh(tp=args.tp), ParallelSpec(tp_plan=llama_tp_plan(), dp=args.dp, ac=args.ac),
-                        device=info.device, seed=3)
+    model = parallelize(
+        model,
+        init_mesh(tp=args.tp),
+        ParallelSpec(tp_plan=llama_tp_plan(), dp=args.dp, ac=args.ac),
+        device=info.device,
+        seed=3,
+    )
     differ = []
     for name, p in model.named_parameters():
         full = p.full_tensor() if hasattr(p, "full_tensor") else p

@@ -86,8 +86,16 @@ def pydoc_text() -> bytes:
     return "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
 
 
-def make_dataset(name: str, *, vocab_size: int, seq_len: int, data_dir=None, split: str = "train",
-                 text_column: str | None = None, tokenizer: str | None = None):
+def make_dataset(
+    name: str,
+    *,
+    vocab_size: int,
+    seq_len: int,
+    data_dir=None,
+    split: str = "train",
+    text_column: str | None = None,
+    tokenizer: str | None = None,
+):
     """The dataset ``name``; ``bin`` and ``hf`` read ``data_dir`` (its ``split``: ``train``, or ``val``
     for evaluation). Token ids are checked against ``vocab_size`` once, here (a UsageError names the
     file, the id and the fix)."""
@@ -96,8 +104,9 @@ def make_dataset(name: str, *, vocab_size: int, seq_len: int, data_dir=None, spl
     if name == "pydoc":  # the last tenth is held out for evaluation
         text = pydoc_text()
         cut = len(text) * 9 // 10
-        return ByteCorpus(text[:cut] if split == "train" else text[cut:], seq_len, "pydoc" if split == "train"
-                          else "pydoc-val")
+        return ByteCorpus(
+            text[:cut] if split == "train" else text[cut:], seq_len, "pydoc" if split == "train" else "pydoc-val"
+        )
     if name == "bin":
         from mmm.data.tokens import bin_tokens
 
@@ -105,8 +114,9 @@ def make_dataset(name: str, *, vocab_size: int, seq_len: int, data_dir=None, spl
     if name == "hf":
         from mmm.data.tokens import hf_tokens
 
-        return hf_tokens(data_dir, seq_len=seq_len, vocab_size=vocab_size, split=split, text_column=text_column,
-                         tokenizer=tokenizer)
+        return hf_tokens(
+            data_dir, seq_len=seq_len, vocab_size=vocab_size, split=split, text_column=text_column, tokenizer=tokenizer
+        )
     raise ValueError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
 
 
@@ -119,34 +129,53 @@ def data_vocab_size(name: str, *, data_dir=None, tokenizer: str | None = None) -
     return on_disk(name, data_dir=data_dir, tokenizer=tokenizer)
 
 
-def dataset_problems(name: str, *, vocab_size: int, data_dir=None, text_column: str | None = None,
-                     tokenizer: str | None = None) -> list[str]:
+def dataset_problems(
+    name: str, *, vocab_size: int, data_dir=None, text_column: str | None = None, tokenizer: str | None = None
+) -> list[str]:
     """Problems with the data flags that need no data read (beyond meta.json or the tokenizer)."""
     from mmm.errors import UsageError
 
     out = []
     if name not in ON_DISK:
-        given = [f for f, v in (("--data-dir", data_dir), ("--text-column", text_column), ("--tokenizer", tokenizer))
-                 if v is not None]
+        given = [
+            f
+            for f, v in (("--data-dir", data_dir), ("--text-column", text_column), ("--tokenizer", tokenizer))
+            if v is not None
+        ]
         if given:
-            out.append(f"{', '.join(given)} only apply with --dataset bin or hf (got --dataset {name}); "
-                       "drop them or pick one of those")
+            out.append(
+                f"{', '.join(given)} only apply with --dataset bin or hf (got --dataset {name}); "
+                "drop them or pick one of those"
+            )
     elif name == "bin" and (text_column is not None or tokenizer is not None):
-        out.append("--text-column and --tokenizer apply to --dataset hf; token files (--dataset bin) are already "
-                   "tokenised (python -m mmm.data prepare --tokenizer ... makes them)")
+        out.append(
+            "--text-column and --tokenizer apply to --dataset hf; token files (--dataset bin) are already "
+            "tokenised (python -m mmm.data prepare --tokenizer ... makes them)"
+        )
     try:
         declared, where = data_vocab_size(name, data_dir=data_dir, tokenizer=tokenizer)
     except UsageError as err:
         return out + [str(err)]
     if declared is not None and vocab_size < declared:
-        out.append(f"{where} and needs --vocab-size >= {declared} (got {vocab_size})" if name == "pydoc" else
-                   f"--vocab-size {vocab_size} is smaller than the data's vocabulary {declared} ({where}); use "
-                   f"--vocab-size {declared} or more, or leave it out to take the data's")
+        out.append(
+            f"{where} and needs --vocab-size >= {declared} (got {vocab_size})"
+            if name == "pydoc"
+            else f"--vocab-size {vocab_size} is smaller than the data's vocabulary {declared} ({where}); use "
+            f"--vocab-size {declared} or more, or leave it out to take the data's"
+        )
     return out
 
 
-def local_batches(dataset, *, seed: int, global_batch: int, dp_rank: int, dp_size: int, start_step: int = 0,
-                  device: torch.device | str = "cpu") -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def local_batches(
+    dataset,
+    *,
+    seed: int,
+    global_batch: int,
+    dp_rank: int,
+    dp_size: int,
+    start_step: int = 0,
+    device: torch.device | str = "cpu",
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(inputs, labels) for this dp rank, step after step: rows [dp_rank*b, (dp_rank+1)*b) of each global
     batch, built for those rows only."""
     local = global_batch // dp_size

@@ -15,8 +15,10 @@ import torch
 from mmm.errors import UsageError
 
 MNIST_FILES = {
-    "train_images": "train-images-idx3-ubyte", "train_labels": "train-labels-idx1-ubyte",
-    "test_images": "t10k-images-idx3-ubyte", "test_labels": "t10k-labels-idx1-ubyte",
+    "train_images": "train-images-idx3-ubyte",
+    "train_labels": "train-labels-idx1-ubyte",
+    "test_images": "t10k-images-idx3-ubyte",
+    "test_labels": "t10k-labels-idx1-ubyte",
 }
 
 
@@ -44,16 +46,20 @@ def _read_idx(path: Path) -> torch.Tensor:
     zero, dtype_code, ndim = struct.unpack(">HBB", data[:4])
     if zero != 0 or dtype_code != 0x08:
         raise UsageError(f"{path} is not an unsigned-byte IDX file (header {data[:4].hex()})")
-    shape = struct.unpack(f">{ndim}I", data[4:4 + 4 * ndim])
-    body = data[4 + 4 * ndim:]
+    shape = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
+    body = data[4 + 4 * ndim :]
     if len(body) != torch.Size(shape).numel():
         raise UsageError(f"{path} is truncated: header says {shape}, found {len(body)} bytes")
     return torch.frombuffer(bytearray(body), dtype=torch.uint8).reshape(shape)
 
 
 def _find(data_dir: Path, stem: str) -> Path | None:
-    for cand in (data_dir / stem, data_dir / f"{stem}.gz", data_dir / "MNIST" / "raw" / stem,
-                 data_dir / "MNIST" / "raw" / f"{stem}.gz"):
+    for cand in (
+        data_dir / stem,
+        data_dir / f"{stem}.gz",
+        data_dir / "MNIST" / "raw" / stem,
+        data_dir / "MNIST" / "raw" / f"{stem}.gz",
+    ):
         if cand.is_file():
             return cand
     return None
@@ -71,11 +77,16 @@ def load_mnist(data_dir: str | Path) -> Digits:
     paths = {k: _find(data_dir, v) for k, v in MNIST_FILES.items()}
     missing = [MNIST_FILES[k] for k, p in paths.items() if p is None]
     if missing:
-        raise UsageError(f"--data-dir {str(data_dir)!r} holds no MNIST: missing {', '.join(missing)} (or .gz); "
-                         "leave --data-dir out to use the bundled 8x8 digits")
+        raise UsageError(
+            f"--data-dir {str(data_dir)!r} holds no MNIST: missing {', '.join(missing)} (or .gz); "
+            "leave --data-dir out to use the bundled 8x8 digits"
+        )
     t = {k: _read_idx(p) for k, p in paths.items()}
-    return Digits("mnist", Split(_normalise(t["train_images"], 255.0), t["train_labels"].long()),
-                  Split(_normalise(t["test_images"], 255.0), t["test_labels"].long()))
+    return Digits(
+        "mnist",
+        Split(_normalise(t["train_images"], 255.0), t["train_labels"].long()),
+        Split(_normalise(t["test_images"], 255.0), t["test_labels"].long()),
+    )
 
 
 def load_sklearn_digits(test_fraction: float = 0.2, split_seed: int = 0) -> Digits:
@@ -83,8 +94,9 @@ def load_sklearn_digits(test_fraction: float = 0.2, split_seed: int = 0) -> Digi
     try:
         from sklearn.datasets import load_digits
     except ImportError:
-        raise UsageError("the bundled digits need scikit-learn (pip install scikit-learn), or pass --data-dir "
-                         "with MNIST files") from None
+        raise UsageError(
+            "the bundled digits need scikit-learn (pip install scikit-learn), or pass --data-dir with MNIST files"
+        ) from None
     d = load_digits()
     images = torch.tensor(d.images, dtype=torch.float32)
     labels = torch.tensor(d.target, dtype=torch.int64)
@@ -102,7 +114,7 @@ def load_digits_data(data_dir: str | Path | None) -> Digits:
 def epoch_batches(n: int, *, global_batch: int, seed: int, epoch: int) -> list[torch.Tensor]:
     """Index batches of one epoch: a permutation fixed by (seed, epoch), full global batches only."""
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-    return [perm[i:i + global_batch] for i in range(0, n - global_batch + 1, global_batch)]
+    return [perm[i : i + global_batch] for i in range(0, n - global_batch + 1, global_batch)]
 
 
 def padded_shard(n: int, *, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,17 +27,32 @@ PROG = "python -m mmm.data prepare"
 
 
 def build_parser() -> ArgumentParser:
-    p = ArgumentParser(prog=PROG, description="Tokenise text files into train.bin / val.bin / meta.json for the "
-                       "trainers' --dataset bin.", epilog=__doc__.split("\n\n", 1)[1],
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(
+        prog=PROG,
+        description="Tokenise text files into train.bin / val.bin / meta.json for the trainers' --dataset bin.",
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("inputs", nargs="+", metavar="FILE", help="text files (UTF-8), or directories of *.txt files")
     p.add_argument("--out", required=True, metavar="DIR", help="directory to write train.bin, val.bin, meta.json to")
-    p.add_argument("--tokenizer", default="bytes", metavar="PATH|bytes",
-                   help="a Hugging Face tokenizers tokenizer.json, or 'bytes' for UTF-8 bytes (vocab 256) [bytes]")
-    p.add_argument("--val-fraction", type=float, default=0.1,
-                   help="share of the tokens (the last ones) written to val.bin; 0: no val.bin [0.1]")
-    p.add_argument("--dtype", choices=["auto", "uint16", "uint32"], default="auto",
-                   help="token dtype; auto: uint16 when the vocabulary fits (<= 65536), else uint32 [auto]")
+    p.add_argument(
+        "--tokenizer",
+        default="bytes",
+        metavar="PATH|bytes",
+        help="a Hugging Face tokenizers tokenizer.json, or 'bytes' for UTF-8 bytes (vocab 256) [bytes]",
+    )
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.1,
+        help="share of the tokens (the last ones) written to val.bin; 0: no val.bin [0.1]",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "uint16", "uint32"],
+        default="auto",
+        help="token dtype; auto: uint16 when the vocabulary fits (<= 65536), else uint32 [auto]",
+    )
     return p
 
 
@@ -57,8 +72,14 @@ def _input_files(inputs: Sequence[str]) -> list[Path]:
     return files
 
 
-def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str = "bytes", val_fraction: float = 0.1,
-            dtype: str = "auto") -> dict:
+def prepare(
+    inputs: Sequence[str | Path],
+    out: str | Path,
+    *,
+    tokenizer: str = "bytes",
+    val_fraction: float = 0.1,
+    dtype: str = "auto",
+) -> dict:
     """Tokenise ``inputs`` into ``out``/train.bin (+ val.bin) and meta.json; returns the meta."""
     import numpy as np
 
@@ -70,8 +91,9 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str = "
     tok = get_tokenizer(tokenizer)
     dtype = token_dtype(tok.vocab_size) if dtype == "auto" else dtype
     if np.iinfo(dtype).max < tok.vocab_size - 1:
-        raise UsageError(f"--dtype {dtype} cannot hold the tokenizer's ids (vocabulary {tok.vocab_size}); "
-                         "use --dtype uint32 or auto")
+        raise UsageError(
+            f"--dtype {dtype} cannot hold the tokenizer's ids (vocabulary {tok.vocab_size}); use --dtype uint32 or auto"
+        )
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {str(out)!r} is a file; give a directory")
@@ -107,9 +129,16 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str = "
     for stale in (f"{s}.{d}.bin" for s in ("train", "val") for d in ("uint16", "uint32")):
         if (out / stale).exists():  # would make the split ambiguous
             (out / stale).unlink()
-    meta = {"dtype": dtype, "vocab_size": tok.vocab_size, "tokenizer": tok.name, "eos_id": tok.eos_id,
-            "eos_token": tok.eos_token, "tokens": {"train": n_train, "val": n_val}, "max_token": max_token,
-            "documents": len(files)}
+    meta = {
+        "dtype": dtype,
+        "vocab_size": tok.vocab_size,
+        "tokenizer": tok.name,
+        "eos_id": tok.eos_id,
+        "eos_token": tok.eos_token,
+        "tokens": {"train": n_train, "val": n_val},
+        "max_token": max_token,
+        "documents": len(files),
+    }
     if hasattr(tok, "path"):
         shutil.copyfile(tok.path, out / "tokenizer.json.tmp")
         os.replace(out / "tokenizer.json.tmp", out / "tokenizer.json")
@@ -130,6 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer, val_fraction=args.val_fraction, dtype=args.dtype)
     t = meta["tokens"]
-    print(f"{args.out}: train.bin {t['train']} tokens, val.bin {t['val']} tokens ({meta['dtype']}, vocabulary "
-          f"{meta['vocab_size']}, end-of-text id {meta['eos_id']}, {meta['documents']} documents)")
+    print(
+        f"{args.out}: train.bin {t['train']} tokens, val.bin {t['val']} tokens ({meta['dtype']}, vocabulary "
+        f"{meta['vocab_size']}, end-of-text id {meta['eos_id']}, {meta['documents']} documents)"
+    )
     return 0

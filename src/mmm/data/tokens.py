@@ -37,17 +37,22 @@ _SCAN_CHUNK = 1 << 26  # tokens per chunk when scanning a file for its largest i
 class TokenWindows:
     """Random windows of ``seq_len + 1`` tokens of a 1-D token array (a numpy memmap or array)."""
 
-    def __init__(self, tokens, *, seq_len: int, name: str, source: str, vocab_size: int,
-                 max_token: int | None = None) -> None:
+    def __init__(
+        self, tokens, *, seq_len: int, name: str, source: str, vocab_size: int, max_token: int | None = None
+    ) -> None:
         n = len(tokens)
         if n < seq_len + 1:
-            raise UsageError(f"{source} holds {n} tokens, fewer than one window of --seq-len {seq_len} + 1; "
-                             f"use --seq-len {max(n - 1, 1)} or less, or more data")
+            raise UsageError(
+                f"{source} holds {n} tokens, fewer than one window of --seq-len {seq_len} + 1; "
+                f"use --seq-len {max(n - 1, 1)} or less, or more data"
+            )
         top = int(max_token) if max_token is not None else largest_token(tokens)
         if top >= vocab_size:
-            raise UsageError(f"{source}: token id {top} >= --vocab-size {vocab_size}; the model's vocabulary must "
-                             f"hold every token id: pass --vocab-size {top + 1} or more (or record the tokenizer's "
-                             "vocab_size in meta.json)")
+            raise UsageError(
+                f"{source}: token id {top} >= --vocab-size {vocab_size}; the model's vocabulary must "
+                f"hold every token id: pass --vocab-size {top + 1} or more (or record the tokenizer's "
+                "vocab_size in meta.json)"
+            )
         self.tokens, self.seq_len, self.name, self.source = tokens, seq_len, name, source
         self.vocab_size, self.max_token = vocab_size, top
 
@@ -70,7 +75,7 @@ def largest_token(tokens) -> int:
     """The largest id in a token array, read in chunks (a memmap is never loaded whole)."""
     top = 0
     for i in range(0, len(tokens), _SCAN_CHUNK):
-        top = max(top, int(tokens[i:i + _SCAN_CHUNK].max()))
+        top = max(top, int(tokens[i : i + _SCAN_CHUNK].max()))
     return top
 
 
@@ -102,8 +107,10 @@ def read_meta(data_dir: Path) -> dict:
         except (ValueError, UnicodeDecodeError) as err:
             raise UsageError(f"{file} is not valid JSON ({err})") from None
         if not isinstance(meta, dict):
-            raise UsageError(f"{file} holds a {type(meta).__name__}; expected an object such as "
-                             '{"dtype": "uint16", "vocab_size": 50257}')
+            raise UsageError(
+                f"{file} holds a {type(meta).__name__}; expected an object such as "
+                '{"dtype": "uint16", "vocab_size": 50257}'
+            )
     elif (data_dir / "meta.pkl").is_file():
         file = data_dir / "meta.pkl"
         try:
@@ -131,11 +138,15 @@ def bin_file(data_dir: Path, split: str) -> tuple[Path, str]:
     plain = data_dir / f"{split}.bin"
     found = ([(plain, meta.get("dtype") or "uint16")] if plain.is_file() else []) + named
     if not found:
-        raise UsageError(f"--data-dir {str(data_dir)!r} has no {split}.bin (nor {split}.uint16.bin / "
-                         f"{split}.uint32.bin); write one with: python -m mmm.data prepare --out {data_dir} FILES")
+        raise UsageError(
+            f"--data-dir {str(data_dir)!r} has no {split}.bin (nor {split}.uint16.bin / "
+            f"{split}.uint32.bin); write one with: python -m mmm.data prepare --out {data_dir} FILES"
+        )
     if len(found) > 1:
-        raise UsageError(f"--data-dir {str(data_dir)!r} has {len(found)} token files for {split!r}: "
-                         f"{', '.join(p.name for p, _ in found)}; keep one")
+        raise UsageError(
+            f"--data-dir {str(data_dir)!r} has {len(found)} token files for {split!r}: "
+            f"{', '.join(p.name for p, _ in found)}; keep one"
+        )
     path, dtype = found[0]
     if meta.get("dtype") and meta["dtype"] != dtype:
         raise UsageError(f"{path} is named {dtype} but {meta['_file']} says dtype {meta['dtype']!r}; make them agree")
@@ -148,8 +159,10 @@ def open_bin(path: Path, dtype: str):
 
     size, itemsize = path.stat().st_size, np.dtype(dtype).itemsize
     if size % itemsize:
-        raise UsageError(f"{path} is {size} bytes, not a whole number of {dtype} tokens ({itemsize} bytes each); "
-                         "is its dtype right? (meta.json's dtype, or a name such as train.uint32.bin)")
+        raise UsageError(
+            f"{path} is {size} bytes, not a whole number of {dtype} tokens ({itemsize} bytes each); "
+            "is its dtype right? (meta.json's dtype, or a name such as train.uint32.bin)"
+        )
     if size == 0:
         return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r")
@@ -166,8 +179,14 @@ def bin_tokens(data_dir, *, seq_len: int, vocab_size: int, split: str = "train")
     recorded = (meta.get("max_token") or {}).get(split)
     if recorded is not None and (meta.get("tokens") or {}).get(split) != len(tokens):
         recorded = None
-    return TokenWindows(tokens, seq_len=seq_len, name=f"bin:{data_dir.name}/{path.name}", source=str(path),
-                        vocab_size=vocab_size, max_token=recorded)
+    return TokenWindows(
+        tokens,
+        seq_len=seq_len,
+        name=f"bin:{data_dir.name}/{path.name}",
+        source=str(path),
+        vocab_size=vocab_size,
+        max_token=recorded,
+    )
 
 
 # --------------------------------------------------------------------------- tokenizers
@@ -197,8 +216,7 @@ class FileTokenizer:
         try:
             self.tok = Tokenizer.from_file(str(path))
         except Exception as err:  # noqa: BLE001 - the user's file
-            raise UsageError(f"--tokenizer {path} is not a tokenizers JSON file ({str(err).splitlines()[0]})") \
-                from None
+            raise UsageError(f"--tokenizer {path} is not a tokenizers JSON file ({str(err).splitlines()[0]})") from None
         self.name, self.path = str(path), path
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         vocab = self.tok.get_vocab(with_added_tokens=True)
@@ -223,7 +241,7 @@ def _file_tokenizer(path: Path, mtime_ns: int | None) -> FileTokenizer:  # read 
 
 
 def token_dtype(vocab_size: int) -> str:
-    return "uint16" if vocab_size <= 2 ** 16 else "uint32"
+    return "uint16" if vocab_size <= 2**16 else "uint32"
 
 
 def encode_documents(tokenizer, texts: list[str]):
@@ -251,21 +269,30 @@ def _load_hf_split(data_dir: Path, split: str):
     try:
         loaded = datasets.load_from_disk(str(data_dir))
     except FileNotFoundError as err:
-        raise UsageError(f"--data-dir {str(data_dir)!r} is not a dataset saved with save_to_disk() "
-                         f"({str(err).splitlines()[0]})") from None
+        raise UsageError(
+            f"--data-dir {str(data_dir)!r} is not a dataset saved with save_to_disk() ({str(err).splitlines()[0]})"
+        ) from None
     if isinstance(loaded, datasets.DatasetDict):
         for key in HF_SPLITS.get(split, (split,)):
             if key in loaded:
                 return loaded[key], key
         raise UsageError(f"--data-dir {str(data_dir)!r} has no {split!r} split (it has: {', '.join(loaded)})")
     if split != "train":
-        raise UsageError(f"--data-dir {str(data_dir)!r} holds one dataset, no {split!r} split; save a DatasetDict "
-                         "with train and validation splits")
+        raise UsageError(
+            f"--data-dir {str(data_dir)!r} holds one dataset, no {split!r} split; save a DatasetDict "
+            "with train and validation splits"
+        )
     return loaded, None
 
 
-def hf_token_array(data_dir, *, split: str = "train", text_column: str | None = None,
-                   tokenizer: str | None = None, batch_rows: int = 1000):
+def hf_token_array(
+    data_dir,
+    *,
+    split: str = "train",
+    text_column: str | None = None,
+    tokenizer: str | None = None,
+    batch_rows: int = 1000,
+):
     """The token stream of a saved dataset's split: a text column tokenised (documents joined with
     the end-of-text id), or a pre-tokenised column (lists of ids, e.g. ``input_ids``) as it is.
     Returns (tokens, description)."""
@@ -276,8 +303,10 @@ def hf_token_array(data_dir, *, split: str = "train", text_column: str | None = 
     columns = list(ds.column_names)
     column = text_column or ("input_ids" if "input_ids" in columns else "text")
     if column not in columns:
-        raise UsageError(f"--data-dir {str(data_dir)!r} has no column {column!r} (it has: {', '.join(columns)}); "
-                         "name the text with --text-column")
+        raise UsageError(
+            f"--data-dir {str(data_dir)!r} has no column {column!r} (it has: {', '.join(columns)}); "
+            "name the text with --text-column"
+        )
     source = f"{data_dir}{'[' + key + ']' if key else ''}:{column}"
     if len(ds) == 0:
         return np.zeros(0, dtype=np.uint16), source
@@ -291,22 +320,29 @@ def hf_token_array(data_dir, *, split: str = "train", text_column: str | None = 
         for batch in ds.select_columns([column]).iter(batch_size=batch_rows):
             parts += [np.asarray(ids, dtype=np.int64).reshape(-1) for ids in batch[column]]
     else:
-        raise UsageError(f"{source}: column {column!r} holds {type(first).__name__} values; expected text or lists "
-                         "of token ids")
+        raise UsageError(
+            f"{source}: column {column!r} holds {type(first).__name__} values; expected text or lists of token ids"
+        )
     tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     if tokens.size and tokens.min() < 0:
         raise UsageError(f"{source}: token id {int(tokens.min())} is negative")
-    if tokens.dtype == np.int64 and tokens.size and tokens.max() < 2 ** 32:  # pre-tokenised: keep it compact
+    if tokens.dtype == np.int64 and tokens.size and tokens.max() < 2**32:  # pre-tokenised: keep it compact
         tokens = tokens.astype(token_dtype(int(tokens.max()) + 1))
     return tokens, source
 
 
-def hf_tokens(data_dir, *, seq_len: int, vocab_size: int, split: str = "train", text_column: str | None = None,
-              tokenizer: str | None = None) -> TokenWindows:
+def hf_tokens(
+    data_dir,
+    *,
+    seq_len: int,
+    vocab_size: int,
+    split: str = "train",
+    text_column: str | None = None,
+    tokenizer: str | None = None,
+) -> TokenWindows:
     """``--dataset hf``: windows of a saved dataset's token stream (tokenised at load, on every rank)."""
     tokens, source = hf_token_array(data_dir, split=split, text_column=text_column, tokenizer=tokenizer)
-    return TokenWindows(tokens, seq_len=seq_len, name=f"hf:{Path(data_dir).name}", source=source,
-                        vocab_size=vocab_size)
+    return TokenWindows(tokens, seq_len=seq_len, name=f"hf:{Path(data_dir).name}", source=source, vocab_size=vocab_size)
 
 
 # --------------------------------------------------------------------------- vocabulary

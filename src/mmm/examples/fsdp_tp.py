@@ -15,8 +15,7 @@ from collections.abc import Sequence
 from mmm.flops import llama_flops_per_token
 from mmm.training import llama as flags
 from mmm.training import torchinfo_summary
-from mmm.training.llama import (MEASURE_STEP, check_args, loop_setup, model_config, pp_schedule,
-                                reshard_after_forward)
+from mmm.training.llama import MEASURE_STEP, check_args, loop_setup, model_config, pp_schedule, reshard_after_forward
 
 EXAMPLE = "fsdp_tp"
 
@@ -75,19 +74,39 @@ def train(args, info, outdir, startup) -> int:
     #    for the whole model or for each pipeline stage; then materialise + initialise the shards
     if mesh.cp_enabled:
         apply_cp_llama(model, mesh["cp"], seq_len=cfg.seq_len)
-    spec = ParallelSpec(tp_plan=llama_tp_plan(), loss_parallel=True, blocks="layers", ac=args.ac,
-                        compile=args.compile, dtype=args.dtype, reshard_after_forward=reshard_after_forward(args))
+    spec = ParallelSpec(
+        tp_plan=llama_tp_plan(),
+        loss_parallel=True,
+        blocks="layers",
+        ac=args.ac,
+        compile=args.compile,
+        dtype=args.dtype,
+        reshard_after_forward=reshard_after_forward(args),
+    )
 
     def loss_fn(logits, labels):
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
 
     engine = build_engine(
-        model, mesh, spec, strategy=args.strategy, device=info.device, max_grad_norm=args.grad_clip,
+        model,
+        mesh,
+        spec,
+        strategy=args.strategy,
+        device=info.device,
+        max_grad_norm=args.grad_clip,
         make_optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay),
-        global_batch=args.batch_size, optimizer_args={"lr": args.lr, "weight_decay": args.weight_decay},
-        offload_optimizer=args.offload_optimizer, seed=args.seed,
-        pipeline_args=dict(loss_fn=loss_fn, microbatches=args.microbatches, schedule=pp_schedule(args),
-                           stages_per_rank=args.stages_per_rank, split_points=args.split_points))
+        global_batch=args.batch_size,
+        optimizer_args={"lr": args.lr, "weight_decay": args.weight_decay},
+        offload_optimizer=args.offload_optimizer,
+        seed=args.seed,
+        pipeline_args=dict(
+            loss_fn=loss_fn,
+            microbatches=args.microbatches,
+            schedule=pp_schedule(args),
+            stages_per_rank=args.stages_per_rank,
+            split_points=args.split_points,
+        ),
+    )
     del model
     if args.init_from:  # each rank reads only its shards from the safetensors files
         from mmm.parallel.hf_checkpoint import load_hf_llama
@@ -109,11 +128,23 @@ def train(args, info, outdir, startup) -> int:
     heldout = flags.heldout_batches(args, cfg, mesh, info.device) if args.eval_every else None
     if info.is_main:
         if mesh.cp_enabled:
-            log.info("context parallel: ring attention over %d ranks, %d tokens each (chunks r and 2cp-1-r of %d)",
-                     mesh.cp, cfg.seq_len // mesh.cp, 2 * mesh.cp)
-        log.info("training steps %d-%d: global batch %d x %d tokens (%d per dp rank), dataset=%s, dtype=%s, out=%s",
-                 start, args.max_iters, args.batch_size, cfg.seq_len, args.batch_size // mesh.dp, dataset.name,
-                 args.dtype, outdir)
+            log.info(
+                "context parallel: ring attention over %d ranks, %d tokens each (chunks r and 2cp-1-r of %d)",
+                mesh.cp,
+                cfg.seq_len // mesh.cp,
+                2 * mesh.cp,
+            )
+        log.info(
+            "training steps %d-%d: global batch %d x %d tokens (%d per dp rank), dataset=%s, dtype=%s, out=%s",
+            start,
+            args.max_iters,
+            args.batch_size,
+            cfg.seq_len,
+            args.batch_size // mesh.dp,
+            dataset.name,
+            args.dtype,
+            outdir,
+        )
     dist.graceful_sigterm()
     engine.train()
     with run:  # leaving on an error, the step read late is still written
@@ -127,36 +158,71 @@ def train(args, info, outdir, startup) -> int:
                 inputs, labels = shard_sequence(inputs, cp_rank, mesh.cp), shard_sequence(labels, cp_rank, mesh.cp)
             last = step == args.max_iters
             with run.measuring(mesh, enabled=args.measure and step == MEASURE_STEP):
-                _, reduced, times = train_step(engine, inputs, labels, loss_fn, sync=run.sync,
-                                               context=loss_parallel_context(mesh.tp_enabled), poison=poison,
-                                               skip_nonfinite=args.on_nonfinite == "skip",
-                                               after_backward=(lambda: run.capture_memory(engine)) if last else None)
+                _, reduced, times = train_step(
+                    engine,
+                    inputs,
+                    labels,
+                    loss_fn,
+                    sync=run.sync,
+                    context=loss_parallel_context(mesh.tp_enabled),
+                    poison=poison,
+                    skip_nonfinite=args.on_nonfinite == "skip",
+                    after_backward=(lambda: run.capture_memory(engine)) if last else None,
+                )
             val = {}
             if eval_due(args, step, last=last):  # the held-out loss, left out of the step's dt
                 t_eval = time.perf_counter()
-                val_loss = evaluate(engine, heldout, loss_fn, sync=run.sync,
-                                    context=lambda: loss_parallel_context(mesh.tp_enabled))
+                val_loss = evaluate(
+                    engine, heldout, loss_fn, sync=run.sync, context=lambda: loss_parallel_context(mesh.tp_enabled)
+                )
                 val = {"val_loss": val_loss, "val_ppl": perplexity(val_loss), "dt_eval": time.perf_counter() - t_eval}
                 run.exclude(val["dt_eval"])
-            if run.end_step(step, reduced, times, args=args, checkpointer=ckpt, last=last,
-                            rates={"tps": tokens_per_step}, grad_norm=engine.grad_norm, lr=lr, **val):
+            if run.end_step(
+                step,
+                reduced,
+                times,
+                args=args,
+                checkpointer=ckpt,
+                last=last,
+                rates={"tps": tokens_per_step},
+                grad_norm=engine.grad_norm,
+                lr=lr,
+                **val,
+            ):
                 break
 
     flags.export_hf(args, engine, cfg, info, run, log)  # --export-hf DIR: a Hugging Face checkpoint
     extra = {
-        "mesh": mesh.dims.degrees, "strategy": args.strategy, "dtype": args.dtype, "ac": args.ac,
-        "compile": args.compile, "compiled_graphs": compiled_graphs(),
-        "reshard_after_forward": args.reshard_after_forward, "dataset": dataset.name,
-        "model": {**vars(cfg), "num_params": n_params}, "global_batch": args.batch_size,
+        "mesh": mesh.dims.degrees,
+        "strategy": args.strategy,
+        "dtype": args.dtype,
+        "ac": args.ac,
+        "compile": args.compile,
+        "compiled_graphs": compiled_graphs(),
+        "reshard_after_forward": args.reshard_after_forward,
+        "dataset": dataset.name,
+        "model": {**vars(cfg), "num_params": n_params},
+        "global_batch": args.batch_size,
         "tokens_per_step": tokens_per_step,
     }
     if engine.pipeline is not None:
         pipe = engine.pipeline
-        extra["pipeline"] = {"schedule": pipe.schedule_name, "microbatches": pipe.microbatches,
-                             "stages": pipe.num_stages, "stages_per_rank": len(pipe.stage_ids),
-                             "layer_ranges": pipe.layer_ranges}
-    run.finish(engine, extra, mesh=mesh, num_params=n_params, plots=not args.no_plots,
-               flops_per_unit=llama_flops_per_token(cfg), dtype=args.dtype)
+        extra["pipeline"] = {
+            "schedule": pipe.schedule_name,
+            "microbatches": pipe.microbatches,
+            "stages": pipe.num_stages,
+            "stages_per_rank": len(pipe.stage_ids),
+            "layer_ranges": pipe.layer_ranges,
+        }
+    run.finish(
+        engine,
+        extra,
+        mesh=mesh,
+        num_params=n_params,
+        plots=not args.no_plots,
+        flops_per_unit=llama_flops_per_token(cfg),
+        dtype=args.dtype,
+    )
     return 0
 
 

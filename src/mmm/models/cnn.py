@@ -11,16 +11,23 @@ from torch import nn
 
 
 class DigitsCNN(nn.Module):
-    def __init__(self, img_size: int = 8, num_classes: int = 10, width: int = 32, hidden: int = 128,
-                 dropout: float = 0.0) -> None:
+    def __init__(
+        self, img_size: int = 8, num_classes: int = 10, width: int = 32, hidden: int = 128, dropout: float = 0.0
+    ) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(1, width, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(),
-            nn.MaxPool2d(2), nn.Dropout(dropout), nn.Flatten(),
+            nn.Conv2d(1, width, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Dropout(dropout),
+            nn.Flatten(),
         )
         self.classifier = nn.Sequential(
-            nn.Linear(2 * width * (img_size // 2) ** 2, hidden), nn.ReLU(), nn.Dropout(dropout),
+            nn.Linear(2 * width * (img_size // 2) ** 2, hidden),
+            nn.ReLU(),
+            nn.Dropout(dropout),
             nn.Linear(hidden, num_classes),
         )
 

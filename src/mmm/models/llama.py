@@ -191,7 +191,7 @@ class Llama(nn.Module):
                 for lin in (mod.w2, mod.w3):
                     nn.init.trunc_normal_(lin.weight, std=depth_std)
         if isinstance(self.output, nn.Linear):
-            nn.init.trunc_normal_(self.output.weight, std=self.cfg.dim ** -0.5)
+            nn.init.trunc_normal_(self.output.weight, std=self.cfg.dim**-0.5)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens

@@ -17,15 +17,23 @@ import importlib
 from mmm.parallel.mesh import AXES, FLAT_VIEWS, Mesh, MeshError, ParallelDims, check_degrees, init_mesh
 
 _LAZY = {
-    "ParallelSpec": "mmm.parallel.compose", "parallelize": "mmm.parallel.compose",
-    "compose_problems": "mmm.parallel.compose", "find_blocks": "mmm.parallel.compose",
-    "build_pipeline": "mmm.parallel.pipeline", "Pipeline": "mmm.parallel.pipeline",
-    "apply_tp_plan": "mmm.parallel.tensor", "llama_tp_plan": "mmm.parallel.tensor",
-    "VIT_TP_PLAN": "mmm.parallel.tensor", "HF_LLAMA_TP_PLAN": "mmm.parallel.tensor",
+    "ParallelSpec": "mmm.parallel.compose",
+    "parallelize": "mmm.parallel.compose",
+    "compose_problems": "mmm.parallel.compose",
+    "find_blocks": "mmm.parallel.compose",
+    "build_pipeline": "mmm.parallel.pipeline",
+    "Pipeline": "mmm.parallel.pipeline",
+    "apply_tp_plan": "mmm.parallel.tensor",
+    "llama_tp_plan": "mmm.parallel.tensor",
+    "VIT_TP_PLAN": "mmm.parallel.tensor",
+    "HF_LLAMA_TP_PLAN": "mmm.parallel.tensor",
     "hf_tp_plan": "mmm.parallel.tensor",
-    "context_parallel": "mmm.parallel.context", "shard_sequence": "mmm.parallel.context",
-    "meta_init": "mmm.parallel.meta", "materialize": "mmm.parallel.meta",
-    "describe_sharding": "mmm.parallel.report", "clip_grad_norm_": "mmm.parallel.grad_clip",
+    "context_parallel": "mmm.parallel.context",
+    "shard_sequence": "mmm.parallel.context",
+    "meta_init": "mmm.parallel.meta",
+    "materialize": "mmm.parallel.meta",
+    "describe_sharding": "mmm.parallel.report",
+    "clip_grad_norm_": "mmm.parallel.grad_clip",
 }
 
 __all__ = ["AXES", "FLAT_VIEWS", "Mesh", "MeshError", "ParallelDims", "check_degrees", "init_mesh", *_LAZY]

@@ -14,10 +14,14 @@ def _save_matmuls_policy():
     from torch.utils.checkpoint import CheckpointPolicy
 
     aten = torch.ops.aten
-    save = {aten.mm.default, aten.addmm.default, aten.bmm.default,
-            aten._scaled_dot_product_flash_attention.default,
-            aten._scaled_dot_product_efficient_attention.default,
-            aten._scaled_dot_product_flash_attention_for_cpu.default}
+    save = {
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+    }
 
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
@@ -37,6 +41,9 @@ def wrap_block(block: nn.Module, mode: str) -> nn.Module:
     if mode == "selective":
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-        return checkpoint_wrapper(block, preserve_rng_state=False,
-                                  context_fn=partial(create_selective_checkpoint_contexts, _save_matmuls_policy()))
+        return checkpoint_wrapper(
+            block,
+            preserve_rng_state=False,
+            context_fn=partial(create_selective_checkpoint_contexts, _save_matmuls_policy()),
+        )
     raise ValueError(f"unknown activation checkpointing mode {mode!r}; choose one of {AC_MODES}")

@@ -90,7 +90,7 @@ def recover(root: Path) -> None:
         return
     for p in root.iterdir():
         if p.name.startswith(".step-") and p.name.endswith(".old"):
-            final = root / p.name[1:-len(".old")]
+            final = root / p.name[1 : -len(".old")]
             if final.exists():
                 shutil.rmtree(p, ignore_errors=True)
             else:
@@ -101,8 +101,10 @@ def recover(root: Path) -> None:
 
 def missing_step(root: Path, step: int, steps: list[int]) -> str:
     """The message for a ``--resume`` step that has no complete checkpoint."""
-    return (f"--resume {step}: no complete checkpoint of step {step} in {str(root)!r} "
-            f"(steps there: {', '.join(map(str, steps)) or 'none'}); use one of those or 'latest'")
+    return (
+        f"--resume {step}: no complete checkpoint of step {step} in {str(root)!r} "
+        f"(steps there: {', '.join(map(str, steps)) or 'none'}); use one of those or 'latest'"
+    )
 
 
 def checkpoint_problems(checkpoint_dir: str | None, resume: str | None, every: int, keep_last: int) -> list[str]:
@@ -168,9 +170,18 @@ class Checkpointer:
     ``compat_keys`` of it must match, or the load is refused naming the differences.
     """
 
-    def __init__(self, root: str | os.PathLike, *, model=None, optimizer=None, deepspeed_engine=None,
-                 meta: dict[str, Any] | None = None, compat_keys: tuple[str, ...] = COMPAT_KEYS, keep_last: int = 0,
-                 log=None) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        model=None,
+        optimizer=None,
+        deepspeed_engine=None,
+        meta: dict[str, Any] | None = None,
+        compat_keys: tuple[str, ...] = COMPAT_KEYS,
+        keep_last: int = 0,
+        log=None,
+    ) -> None:
         self.root = Path(root)
         self.model, self.optimizer, self.ds = model, optimizer, deepspeed_engine
         self.meta = meta or {}
@@ -209,8 +220,7 @@ class Checkpointer:
             (tmp / "rng").mkdir()
         _barrier()
         if self.ds is not None:
-            self.ds.save_checkpoint(str(tmp), tag="deepspeed", client_state={"step": step},
-                                    save_latest=False)
+            self.ds.save_checkpoint(str(tmp), tag="deepspeed", client_state={"step": step}, save_latest=False)
         else:
             import torch.distributed.checkpoint as dcp
 
@@ -218,8 +228,14 @@ class Checkpointer:
         torch.save(_rng_state(), tmp / "rng" / f"rank{rank:05d}.pt")
         _barrier()
         if rank == 0:
-            meta = {**self.meta, **(extra or {}), "step": step, "world_size": world,
-                    "format": "deepspeed" if self.ds is not None else "dcp", "saved_at": time.time()}
+            meta = {
+                **self.meta,
+                **(extra or {}),
+                "step": step,
+                "world_size": world,
+                "format": "deepspeed" if self.ds is not None else "dcp",
+                "saved_at": time.time(),
+            }
             with open(tmp / META, "w") as f:
                 json.dump(meta, f, indent=1, default=str)
                 f.flush()
@@ -239,7 +255,7 @@ class Checkpointer:
         just written). Each goes by a rename first: a half-deleted folder never looks complete."""
         if self.keep_last <= 0:
             return
-        for old in steps_by_recency(self.root)[:-self.keep_last]:
+        for old in steps_by_recency(self.root)[: -self.keep_last]:
             if old == keep:
                 continue
             doomed = self.root / f".{step_dir(self.root, old).name}.del"
@@ -278,22 +294,31 @@ class Checkpointer:
                 continue  # not recorded by this trainer (or by an older checkpoint)
             mine, theirs = self.meta.get(key), saved.get(key)
             if isinstance(mine, dict) and isinstance(theirs, dict):
-                diff = [f"{k}={theirs.get(k)!r} (now {mine.get(k)!r})" for k in sorted(set(mine) | set(theirs))
-                        if mine.get(k) != theirs.get(k)]
+                diff = [
+                    f"{k}={theirs.get(k)!r} (now {mine.get(k)!r})"
+                    for k in sorted(set(mine) | set(theirs))
+                    if mine.get(k) != theirs.get(k)
+                ]
                 if diff:
                     problems.append(f"{key}: {', '.join(diff)}")
             elif mine != theirs:
                 problems.append(f"{key}={theirs!r} (now {mine!r})")
         fmt = saved.get("format")
         if fmt == "deepspeed" and self.ds is None or fmt == "dcp" and self.ds is not None:
-            problems.append(f"it was saved by {'a DeepSpeed strategy' if fmt == 'deepspeed' else 'a torch strategy'}"
-                            f" ({saved.get('strategy')}); resume with a strategy of the same kind")
+            problems.append(
+                f"it was saved by {'a DeepSpeed strategy' if fmt == 'deepspeed' else 'a torch strategy'}"
+                f" ({saved.get('strategy')}); resume with a strategy of the same kind"
+            )
         if fmt == "deepspeed" and saved.get("mesh", {}) != self.meta.get("mesh", {}):
-            problems.append(f"DeepSpeed checkpoints resume on the same mesh (saved {saved.get('mesh')}, "
-                            f"now {self.meta.get('mesh')})")
+            problems.append(
+                f"DeepSpeed checkpoints resume on the same mesh (saved {saved.get('mesh')}, "
+                f"now {self.meta.get('mesh')})"
+            )
         if problems:
-            raise UsageError(f"checkpoint {str(path)!r} does not fit this run: {'; '.join(problems)}; use the "
-                             "flags it was saved with, or another --checkpoint-dir")
+            raise UsageError(
+                f"checkpoint {str(path)!r} does not fit this run: {'; '.join(problems)}; use the "
+                "flags it was saved with, or another --checkpoint-dir"
+            )
 
     def load(self, which: str) -> dict[str, Any] | None:
         """Restore the checkpoint ``which`` names (a collective); its metadata, or None when
@@ -316,14 +341,19 @@ class Checkpointer:
 
             state = self._state()
             dcp.load(state, checkpoint_id=str(path))
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         rng = path / "rng" / f"rank{rank:05d}.pt"
         if saved.get("world_size") == world and rng.is_file():
             _set_rng_state(torch.load(rng, weights_only=False))
         _barrier()
         self.last_load_s = time.perf_counter() - t0
         if self.log is not None:
-            self.log.info("checkpoint: resumed from %s (step %d, saved on %d ranks, mesh %s) in %.2fs", path, step,
-                          saved.get("world_size"), saved.get("mesh"), self.last_load_s)
+            self.log.info(
+                "checkpoint: resumed from %s (step %d, saved on %d ranks, mesh %s) in %.2fs",
+                path,
+                step,
+                saved.get("world_size"),
+                saved.get("mesh"),
+                self.last_load_s,
+            )
         return saved

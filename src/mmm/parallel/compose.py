@@ -79,8 +79,10 @@ def compose_problems(spec: ParallelSpec, dims: ParallelDims) -> list[str]:
     """Every option of ``spec`` this mesh cannot honour, each naming the value and a fix."""
     out = dp_problems(spec.dp, dims) + spec_problems(spec, dims)
     if spec.reshard_after_forward is not None and not shards_parameters(dims, spec.dp):
-        out.append(f"reshard_after_forward={spec.reshard_after_forward} is an FSDP option, but FSDP does not shard "
-                   f"here (dp={spec.dp}, dp={dims.dp}, cp={dims.cp}); drop it")
+        out.append(
+            f"reshard_after_forward={spec.reshard_after_forward} is an FSDP option, but FSDP does not shard "
+            f"here (dp={spec.dp}, dp={dims.dp}, cp={dims.cp}); drop it"
+        )
     return out
 
 
@@ -98,9 +100,11 @@ def spec_problems(spec: ParallelSpec, dims: ParallelDims) -> list[str]:
 
 def compile_problems(compile: bool, dims: ParallelDims) -> list[str]:
     if compile and dims.tp > 1:
-        return [f"--compile with --tp {dims.tp} is not supported with torch {torch.__version__}: the compiled "
-                "blocks' DTensor backward fails (AttributeError in DTensor redistribute); drop --compile, or "
-                "compile with tp=1 (FSDP/DDP/ZeRO)"]
+        return [
+            f"--compile with --tp {dims.tp} is not supported with torch {torch.__version__}: the compiled "
+            "blocks' DTensor backward fails (AttributeError in DTensor redistribute); drop --compile, or "
+            "compile with tp=1 (FSDP/DDP/ZeRO)"
+        ]
     return []
 
 
@@ -113,15 +117,21 @@ def dp_problems(dp: str, dims: ParallelDims) -> list[str]:
     if dp == "hsdp" and dims.cp > 1:
         out.append(f"--strategy hsdp with cp={dims.cp} is not supported yet; use --strategy fsdp with --cp")
     if dp == "hsdp" and not (dims.dp_replicate > 1 and dims.dp_shard > 1):
-        out.append(f"--strategy hsdp needs dp_replicate > 1 and dp_shard > 1 (got dp_replicate={dims.dp_replicate}, "
-                   f"dp_shard={dims.dp_shard}); set --dp-replicate, or use --strategy fsdp")
+        out.append(
+            f"--strategy hsdp needs dp_replicate > 1 and dp_shard > 1 (got dp_replicate={dims.dp_replicate}, "
+            f"dp_shard={dims.dp_shard}); set --dp-replicate, or use --strategy fsdp"
+        )
     if dp == "fsdp" and dims.dp_replicate > 1:
-        out.append(f"--strategy fsdp shards over all data-parallel ranks; --dp-replicate {dims.dp_replicate} "
-                   "needs --strategy hsdp")
+        out.append(
+            f"--strategy fsdp shards over all data-parallel ranks; --dp-replicate {dims.dp_replicate} "
+            "needs --strategy hsdp"
+        )
     bad = {k: v for k, v in {"tp": dims.tp, "cp": dims.cp, "pp": dims.pp}.items() if v > 1}
     if dp == "ddp" and bad:
-        out.append(f"--strategy ddp does not compose with tp/cp/pp (got {', '.join(f'{k}={v}' for k, v in bad.items())})"
-                   ": DDP cannot hold sharded (DTensor) parameters; use --strategy fsdp")
+        out.append(
+            f"--strategy ddp does not compose with tp/cp/pp (got {', '.join(f'{k}={v}' for k, v in bad.items())})"
+            ": DDP cannot hold sharded (DTensor) parameters; use --strategy fsdp"
+        )
     return out
 
 
@@ -160,8 +170,10 @@ def find_blocks(model: nn.Module, blocks: str | None = "auto") -> str | None:
         found = get_submodule(model, blocks)
         if not isinstance(found, (nn.ModuleList, nn.ModuleDict)):
             what = "nothing" if found is None else type(found).__name__
-            raise UsageError(f"blocks={blocks!r} names {what} in {type(model).__name__}; it must name the "
-                             "ModuleList or ModuleDict of repeated blocks (or use blocks='auto')")
+            raise UsageError(
+                f"blocks={blocks!r} names {what} in {type(model).__name__}; it must name the "
+                "ModuleList or ModuleDict of repeated blocks (or use blocks='auto')"
+            )
         return blocks
     best, best_params = None, 0
     for name, mod in model.named_modules():
@@ -181,8 +193,16 @@ def block_items(container: nn.Module) -> list[tuple[Any, nn.Module]]:
 
 
 # --------------------------------------------------------------------------- the composition
-def parallelize(model: nn.Module, mesh: Mesh, spec: ParallelSpec | None = None, *, device: torch.device | None = None,
-                seed: int | None = None, init: Callable[[nn.Module], None] | None = None, **options) -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    mesh: Mesh,
+    spec: ParallelSpec | None = None,
+    *,
+    device: torch.device | None = None,
+    seed: int | None = None,
+    init: Callable[[nn.Module], None] | None = None,
+    **options,
+) -> nn.Module:
     """Apply ``spec`` (or ``ParallelSpec(**options)``) to ``model`` in place, in the fixed order
     TP -> AC -> compile -> FSDP/HSDP/DDP; returns the model to train (DDP wraps it; otherwise the
     same module, its parameters now DTensors where sharded).
@@ -197,8 +217,10 @@ def parallelize(model: nn.Module, mesh: Mesh, spec: ParallelSpec | None = None, 
     problems = compose_problems(spec, mesh.dims)
     on_meta = has_meta_params(model)
     if on_meta and seed is None:
-        problems.append(f"{type(model).__name__} is on the meta device: pass seed= so parallelize() can "
-                        "initialise its shards (the weights depend on the seed and each parameter's name)")
+        problems.append(
+            f"{type(model).__name__} is on the meta device: pass seed= so parallelize() can "
+            "initialise its shards (the weights depend on the seed and each parameter's name)"
+        )
     if on_meta and device is None:
         problems.append(f"{type(model).__name__} is on the meta device: pass device= to materialise it on")
     if problems:
@@ -218,12 +240,19 @@ def parallelize(model: nn.Module, mesh: Mesh, spec: ParallelSpec | None = None, 
             blocks[key] = block
             units.append(block)
     elif spec.ac != "none" or spec.compile:
-        raise UsageError(f"{type(model).__name__} has no repeated blocks to checkpoint or compile (ac={spec.ac}, "
-                         f"compile={spec.compile}); name them with blocks='...'")
+        raise UsageError(
+            f"{type(model).__name__} has no repeated blocks to checkpoint or compile (ac={spec.ac}, "
+            f"compile={spec.compile}); name them with blocks='...'"
+        )
     param_dtype = DTYPES[spec.dtype]
     if shards_parameters(mesh.dims, spec.dp):
-        apply_fsdp(model, data_parallel_mesh(mesh, spec.dp), blocks=units, param_dtype=param_dtype,
-                   reshard_after_forward=spec.reshard_after_forward)
+        apply_fsdp(
+            model,
+            data_parallel_mesh(mesh, spec.dp),
+            blocks=units,
+            param_dtype=param_dtype,
+            reshard_after_forward=spec.reshard_after_forward,
+        )
         return materialize(model, device=device, seed=seed, init=init) if on_meta else model
     if on_meta:  # before DDP, which broadcasts real parameters when it wraps
         materialize(model, device=device, seed=seed, init=init)

@@ -15,6 +15,7 @@ give rotary/positional embeddings the positions from :func:`local_positions`.
 from __future__ import annotations
 
 import math
+
 import torch
 import torch.distributed as dist
 
@@ -37,8 +38,10 @@ def cp_problems(*, cp: int, seq_len: int, tp: int = 1) -> list[str]:
         return []
     need = 2 * cp * tp
     if seq_len % need:
-        return [f"--seq-len {seq_len} is not divisible by 2 x cp{' x tp' if tp > 1 else ''} = {need}; context "
-                f"parallel cuts the sequence into 2*cp load-balanced chunks{' split again by TP' if tp > 1 else ''}"]
+        return [
+            f"--seq-len {seq_len} is not divisible by 2 x cp{' x tp' if tp > 1 else ''} = {need}; context "
+            f"parallel cuts the sequence into 2*cp load-balanced chunks{' split again by TP' if tp > 1 else ''}"
+        ]
     return []
 
 
@@ -104,7 +107,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group) 
             for ki in range(2):
                 if k_ids[ki] > q_ids[qi]:
                     continue  # entirely in the future of these queries
-                kk, vv = kv[0][:, :, ki * c:(ki + 1) * c], kv[1][:, :, ki * c:(ki + 1) * c]
+                kk, vv = kv[0][:, :, ki * c : (ki + 1) * c], kv[1][:, :, ki * c : (ki + 1) * c]
                 acc[qi] = _merge(acc[qi], _block(q_chunks[qi], kk, vv, scale, causal=k_ids[ki] == q_ids[qi]))
         if step < cp - 1:
             kv = _RingShift.apply(kv, group, nxt, prv)
@@ -143,8 +146,10 @@ def context_parallel(model: torch.nn.Module, cp_mesh, *, attn_attr: str = "attn_
 
     names = [name for name, mod in model.named_modules() if hasattr(mod, attn_attr)]
     if not names:
-        raise UsageError(f"no module of {type(model).__name__} has an {attn_attr!r} attribute; give its attention "
-                         f"an {attn_attr}(q, k, v) hook (causal SDPA by default) for context parallel")
+        raise UsageError(
+            f"no module of {type(model).__name__} has an {attn_attr!r} attribute; give its attention "
+            f"an {attn_attr}(q, k, v) hook (causal SDPA by default) for context parallel"
+        )
     attn = ring_attention_fn(cp_mesh.get_group())
     for name in names:
         setattr(model.get_submodule(name), attn_attr, attn)

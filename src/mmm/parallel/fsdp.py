@@ -13,9 +13,16 @@ if TYPE_CHECKING:  # pragma: no cover
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, blocks: list[nn.Module], param_dtype: torch.dtype,
-               reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool | None = None,
-               cpu_offload: bool = False) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    blocks: list[nn.Module],
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: bool | None = None,
+    cpu_offload: bool = False,
+) -> nn.Module:
     """FSDP2 each block, then the root. ``dp_mesh`` 1-D shards (FSDP); 2-D (replicate, shard) is HSDP.
 
     Parameters are kept in fp32 and cast to ``param_dtype`` for compute; gradients are
@@ -31,10 +38,12 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, blocks: list[nn.Module]
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     for block in blocks:
-        fully_shard(block, reshard_after_forward=True if reshard_after_forward is None else reshard_after_forward,
-                    **kwargs)
-    fully_shard(model, reshard_after_forward=False if reshard_after_forward is None else reshard_after_forward,
-                **kwargs)
+        fully_shard(
+            block, reshard_after_forward=True if reshard_after_forward is None else reshard_after_forward, **kwargs
+        )
+    fully_shard(
+        model, reshard_after_forward=False if reshard_after_forward is None else reshard_after_forward, **kwargs
+    )
     return model
 
 

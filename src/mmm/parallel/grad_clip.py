@@ -66,15 +66,25 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return squares.sum().sqrt()
 
 
-def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, *, pp_group=None,
-                    device: torch.device | str | None = None) -> float:
+def clip_grad_norm_(
+    parameters: Iterable[torch.nn.Parameter],
+    max_norm: float,
+    *,
+    pp_group=None,
+    device: torch.device | str | None = None,
+) -> float:
     """The global L2 norm of the gradients; when ``max_norm`` > 0, also scale them in place so that
     it is at most ``max_norm``. ``device``: where a rank without gradients joins the pp reduction."""
     return float(grad_norm_(parameters, max_norm, pp_group=pp_group, device=device))
 
 
-def grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, *, pp_group=None,
-               device: torch.device | str | None = None) -> torch.Tensor:
+def grad_norm_(
+    parameters: Iterable[torch.nn.Parameter],
+    max_norm: float,
+    *,
+    pp_group=None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
     """:func:`clip_grad_norm_` without reading the norm on the host: a 0-d tensor on the device."""
     params = [p for p in parameters if p.grad is not None]
     norm = total_norm([p.grad for p in params])
@@ -112,8 +122,10 @@ def square_share(grads: list[torch.Tensor], *, stage_ranks: int) -> torch.Tensor
                     replicated *= mesh.size(i)
             replicas = max(1, replicated * stage_ranks // mesh.size())
         by_replicas.setdefault(replicas, []).append(g.to_local() if hasattr(g, "to_local") else g)
-    parts = [torch.nn.utils.get_total_norm(local, norm_type=2.0).float() ** 2 / replicas  # foreach kernels
-             for replicas, local in by_replicas.items()]
+    parts = [
+        torch.nn.utils.get_total_norm(local, norm_type=2.0).float() ** 2 / replicas  # foreach kernels
+        for replicas, local in by_replicas.items()
+    ]
     if not parts:
         return torch.zeros(())
     return torch.stack([p.reshape(()).to(parts[0].device) for p in parts]).sum()

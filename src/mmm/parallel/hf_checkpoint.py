@@ -34,14 +34,21 @@ from mmm.errors import UsageError
 
 # mmm Llama name (after "layers.N.") -> HF name (after "model.layers.N.")
 _BLOCK_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight", "attention_norm.weight": "input_layernorm.weight",
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-              "output.weight": "lm_head.weight"}
+_TOP_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 
 
 class Source:
@@ -63,8 +70,10 @@ def _files(path: Path) -> dict[str, Path]:
             return {k: path / v for k, v in weight_map.items()}
         files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise UsageError(f"no safetensors checkpoint in {path} (expected model.safetensors or "
-                         "model.safetensors.index.json); save one with transformers' save_pretrained()")
+        raise UsageError(
+            f"no safetensors checkpoint in {path} (expected model.safetensors or "
+            "model.safetensors.index.json); save one with transformers' save_pretrained()"
+        )
     from safetensors import safe_open
 
     out = {}
@@ -107,12 +116,17 @@ def _read(handle, source: Source, region: tuple[slice, ...]) -> torch.Tensor:
     rows, rest = region[0], region[1:]
     first, last = rows.start // hd * hd, -(-rows.stop // hd) * hd
     block = _unrotate(part[(slice(first, last), *rest)], hd)
-    return block[rows.start - first:rows.stop - first]
+    return block[rows.start - first : rows.stop - first]
 
 
 @torch.no_grad()
-def load_safetensors(model: nn.Module, path: str | Path, *, sources: Mapping[str, Source] | None = None,
-                     rename: Callable[[str], str] | None = None) -> list[str]:
+def load_safetensors(
+    model: nn.Module,
+    path: str | Path,
+    *,
+    sources: Mapping[str, Source] | None = None,
+    rename: Callable[[str], str] | None = None,
+) -> list[str]:
     """Fill every parameter of ``model`` (materialised: plain, or DTensor shards) from the safetensors
     checkpoint at ``path``: ``sources[name]`` (or the parameter's own name) says which tensor.
     Shapes are checked; a parameter the checkpoint lacks is an error. Returns the checkpoint's
@@ -134,15 +148,19 @@ def load_safetensors(model: nn.Module, path: str | Path, *, sources: Mapping[str
             continue
         plan.setdefault(where[src.key], []).append((param, src, name))
     if missing:
-        raise UsageError(f"{path} lacks {len(missing)} tensor(s) the model needs: {', '.join(missing[:4])}"
-                         f"{' ...' if len(missing) > 4 else ''}")
+        raise UsageError(
+            f"{path} lacks {len(missing)} tensor(s) the model needs: {', '.join(missing[:4])}"
+            f"{' ...' if len(missing) > 4 else ''}"
+        )
     for file, items in plan.items():
         with safe_open(str(file), framework="pt") as handle:
             for param, src, name in items:
                 shape = tuple(handle.get_slice(src.key).get_shape())
                 if shape != tuple(param.shape):
-                    raise UsageError(f"{file.name}: {src.key} has shape {list(shape)} but {name} is "
-                                     f"{list(param.shape)}; the checkpoint is for another configuration")
+                    raise UsageError(
+                        f"{file.name}: {src.key} has shape {list(shape)} but {name} is "
+                        f"{list(param.shape)}; the checkpoint is for another configuration"
+                    )
                 local = param.to_local() if isinstance(param, DTensor) else param
                 local.copy_(_read(handle, src, local_region(param)).to(local.dtype))
     taken = {src.key for items in plan.values() for _, src, _ in items}
@@ -152,8 +170,10 @@ def load_safetensors(model: nn.Module, path: str | Path, *, sources: Mapping[str
 # --------------------------------------------------------------------------- Llama
 def _hf_config(path: Path) -> dict:
     if not path.exists():
-        raise UsageError(f"{path} does not exist; give a Hugging Face checkpoint directory (config.json + "
-                         "*.safetensors, as save_pretrained() writes it)")
+        raise UsageError(
+            f"{path} does not exist; give a Hugging Face checkpoint directory (config.json + "
+            "*.safetensors, as save_pretrained() writes it)"
+        )
     file = (path if path.is_dir() else path.parent) / "config.json"
     if not file.exists():
         raise UsageError(f"no config.json in {file.parent}: a Hugging Face checkpoint directory has one")
@@ -167,8 +187,9 @@ def llama_config_from_hf(path: str | Path, *, seq_len: int | None = None):
 
     hf = _hf_config(Path(path))
     if hf.get("model_type") != "llama":
-        raise UsageError(f"{path} holds a {hf.get('model_type')!r} model; this loader reads Llama checkpoints "
-                         "(model_type 'llama')")
+        raise UsageError(
+            f"{path} holds a {hf.get('model_type')!r} model; this loader reads Llama checkpoints (model_type 'llama')"
+        )
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     problems = []
@@ -184,11 +205,17 @@ def llama_config_from_hf(path: str | Path, *, seq_len: int | None = None):
         problems.append(f"hidden_act {hf['hidden_act']!r} (mmm's Llama uses silu)")
     if problems:
         raise UsageError(f"{path}: cannot load into mmm's Llama: {'; '.join(problems)}")
-    return LlamaConfig(dim=dim, n_layers=hf["num_hidden_layers"], n_heads=heads,
-                       n_kv_heads=hf.get("num_key_value_heads") or heads, vocab_size=hf["vocab_size"],
-                       seq_len=seq_len or hf.get("max_position_embeddings", 2048),
-                       ffn_hidden_dim=hf["intermediate_size"], norm_eps=hf.get("rms_norm_eps", 1e-6),
-                       rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))))
+    return LlamaConfig(
+        dim=dim,
+        n_layers=hf["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or heads,
+        vocab_size=hf["vocab_size"],
+        seq_len=seq_len or hf.get("max_position_embeddings", 2048),
+        ffn_hidden_dim=hf["intermediate_size"],
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+    )
 
 
 def hf_llama_sources(cfg, *, tied: bool = False) -> dict[str, Source]:
@@ -219,22 +246,35 @@ def hf_llama_config(cfg, *, tied: bool = False, dtype: torch.dtype = torch.float
     """transformers' ``LlamaConfig`` (as config.json) of mmm's :class:`~mmm.models.llama.LlamaConfig`:
     the inverse of :func:`llama_config_from_hf` (``max_position_embeddings`` is ``seq_len``)."""
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_hidden, "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
-        "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_hidden,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.seq_len,
+        "rms_norm_eps": cfg.norm_eps,
         # rope_parameters for transformers >= 5, rope_theta for the releases before
         "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
         "rope_theta": float(cfg.rope_theta),
-        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
-        "tie_word_embeddings": tied, "torch_dtype": str(dtype).removeprefix("torch."),
-        "initializer_range": 0.02, "use_cache": True,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": tied,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "initializer_range": 0.02,
+        "use_cache": True,
     }
 
 
 @torch.no_grad()
-def export_hf_llama(model: nn.Module, out_dir: str | Path, cfg, *, pp_group=None,
-                    dtype: torch.dtype | None = None) -> Path | None:
+def export_hf_llama(
+    model: nn.Module, out_dir: str | Path, cfg, *, pp_group=None, dtype: torch.dtype | None = None
+) -> Path | None:
     """Write mmm's Llama ``model`` as a Hugging Face Llama checkpoint in ``out_dir``: ``config.json``
     (:func:`hf_llama_config`) and ``model.safetensors`` (HF names; query/key rows permuted back from
     adjacent pairs to rotate-half). Works on any mesh: every rank must call it, since DTensor shards
@@ -264,11 +304,11 @@ def export_hf_llama(model: nn.Module, out_dir: str | Path, cfg, *, pp_group=None
     params = [(canonical_name(n), p) for n, p in model.named_parameters()]
     unknown = [n for n, _ in params if n not in sources]
     if unknown:
-        raise UsageError(f"export_hf_llama writes mmm's Llama; {type(model).__name__} has other parameters: "
-                         f"{', '.join(unknown[:4])}")
+        raise UsageError(
+            f"export_hf_llama writes mmm's Llama; {type(model).__name__} has other parameters: {', '.join(unknown[:4])}"
+        )
     if collects and rank != 0:  # a later stage of rank 0's pipeline: say what will come, then send it
-        dist.send_object_list([[(sources[n].key, tuple(p.shape), p.dtype) for n, p in params]], dst=0,
-                              group=pp_group)
+        dist.send_object_list([[(sources[n].key, tuple(p.shape), p.dtype) for n, p in params]], dst=0, group=pp_group)
     for name, param in params:
         full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
         if not collects:
@@ -307,8 +347,10 @@ def _write_hf_llama(out: Path, tensors: dict[str, torch.Tensor], cfg, *, dtype: 
     expected = {s.key for k, s in hf_llama_sources(cfg).items() if not (tied and k == "output.weight")}
     missing = sorted(expected - set(tensors))
     if missing:
-        raise UsageError(f"cannot export: no rank sent {', '.join(missing[:4])}; under pipeline parallel pass "
-                         "pp_group= so that the other stages reach rank 0")
+        raise UsageError(
+            f"cannot export: no rank sent {', '.join(missing[:4])}; under pipeline parallel pass "
+            "pp_group= so that the other stages reach rank 0"
+        )
     out.mkdir(parents=True, exist_ok=True)
     index = out / "model.safetensors.index.json"
     if index.exists():  # a sharded checkpoint there would be read instead of the file written now

@@ -305,8 +305,7 @@ def init_mesh(
     from mmm import dist as mdist
 
     info = mdist.info()
-    dims = ParallelDims(world_size=info.world_size, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard,
-                        cp=cp, tp=tp)
+    dims = ParallelDims(world_size=info.world_size, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp)
     from torch.distributed.device_mesh import init_device_mesh
 
     device_type = device_type or info.device.type

@@ -129,8 +129,9 @@ def local_shard(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, *, device: torch.device | str, seed: int,
-                init: Callable[[nn.Module], None] | None = None) -> nn.Module:
+def materialize(
+    model: nn.Module, *, device: torch.device | str, seed: int, init: Callable[[nn.Module], None] | None = None
+) -> nn.Module:
     """Give a model built under :func:`meta_init` (and sharded, or not) real parameters on
     ``device``: this rank's shards only, each initialised from ``seed`` and its name. Returns it."""
     from torch.distributed.tensor import DTensor
@@ -141,12 +142,16 @@ def materialize(model: nn.Module, *, device: torch.device | str, seed: int,
         return model
     real = [n for n, p in model.named_parameters() if not p.is_meta]
     if real:
-        raise UsageError(f"materialize() needs every parameter on meta, but {', '.join(real[:3])} "
-                         f"{'is' if len(real) == 1 else 'are'} already real; build the whole model under meta_init()")
+        raise UsageError(
+            f"materialize() needs every parameter on meta, but {', '.join(real[:3])} "
+            f"{'is' if len(real) == 1 else 'are'} already real; build the whole model under meta_init()"
+        )
     meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
     if meta_buffers:
-        raise UsageError(f"buffer {meta_buffers[0]} is on meta, so its value is lost; build the model under "
-                         "mmm.parallel.meta_init() (parameters on meta, buffers computed as usual)")
+        raise UsageError(
+            f"buffer {meta_buffers[0]} is on meta, so its value is lost; build the model under "
+            "mmm.parallel.meta_init() (parameters on meta, buffers computed as usual)"
+        )
     init_fn = initializer(model, init)
     if device.type == "cpu":  # a large model on host memory: have freed tensors returned at once
         from mmm.dist.device import return_freed_host_memory
@@ -178,23 +183,29 @@ def materialize(model: nn.Module, *, device: torch.device | str, seed: int,
         with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
             for i, (name, owner, _) in owned.items():
                 target = actual[i]
-                full = nn.Parameter(torch.full(target.shape, math.nan, dtype=target.dtype, device=device)
-                                    if target.is_floating_point() else
-                                    torch.zeros(target.shape, dtype=target.dtype, device=device),
-                                    requires_grad=target.requires_grad)
+                full = nn.Parameter(
+                    torch.full(target.shape, math.nan, dtype=target.dtype, device=device)
+                    if target.is_floating_point()
+                    else torch.zeros(target.shape, dtype=target.dtype, device=device),
+                    requires_grad=target.requires_grad,
+                )
                 put(i, full)
                 torch.manual_seed(param_seed(seed, name))
                 try:
                     init_fn(owner)
                 except AttributeError as err:
                     if "reset_parameters" in str(err):
-                        raise UsageError(f"{name} has no initialiser: {type(owner).__name__} has no "
-                                         "reset_parameters(); give the model an init_weights() method") from None
+                        raise UsageError(
+                            f"{name} has no initialiser: {type(owner).__name__} has no "
+                            "reset_parameters(); give the model an init_weights() method"
+                        ) from None
                     raise
                 put(i, holders[i])
                 if full.is_floating_point() and bool(full.isnan().any()):
-                    raise UsageError(f"{name} was not initialised by {describe_init(model, init)}; make it "
-                                     "initialise every parameter (or pass init=)")
+                    raise UsageError(
+                        f"{name} was not initialised by {describe_init(model, init)}; make it "
+                        "initialise every parameter (or pass init=)"
+                    )
                 local = target.to_local() if isinstance(target, DTensor) else target
                 local.copy_(local_shard(full.data, target))
                 del full

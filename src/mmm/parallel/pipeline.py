@@ -34,8 +34,7 @@ import torch
 from torch import nn
 
 from mmm.errors import UsageError
-from mmm.parallel.compose import (ParallelSpec, block_items, find_blocks, get_submodule, parallelize,
-                                  shards_parameters)
+from mmm.parallel.compose import ParallelSpec, block_items, find_blocks, get_submodule, parallelize, shards_parameters
 from mmm.parallel.mesh import Mesh
 from mmm.parallel.tensor import loss_parallel_context
 
@@ -49,8 +48,9 @@ SCHEDULES = {
 }
 
 
-def stage_layer_ranges(n_layers: int, num_stages: int, split_points: Sequence[int] | None = None
-                       ) -> list[tuple[int, int]]:
+def stage_layer_ranges(
+    n_layers: int, num_stages: int, split_points: Sequence[int] | None = None
+) -> list[tuple[int, int]]:
     """Block index ranges ``[start, end)`` of each stage: even, or cut at ``split_points``."""
     if split_points:
         cuts = [0, *split_points, n_layers]
@@ -60,8 +60,16 @@ def stage_layer_ranges(n_layers: int, num_stages: int, split_points: Sequence[in
     return list(zip(cuts[:-1], cuts[1:]))
 
 
-def pipeline_problems(*, pp: int, n_layers: int, schedule: str, stages_per_rank: int, microbatches: int,
-                      local_batch: int | None = None, split_points: Sequence[int] | None = None) -> list[str]:
+def pipeline_problems(
+    *,
+    pp: int,
+    n_layers: int,
+    schedule: str,
+    stages_per_rank: int,
+    microbatches: int,
+    local_batch: int | None = None,
+    split_points: Sequence[int] | None = None,
+) -> list[str]:
     """What a pipeline configuration requires, each problem naming the values and a fix
     (``local_batch``: the per-dp-rank batch the microbatches must divide, when known)."""
     if pp <= 1:
@@ -73,24 +81,32 @@ def pipeline_problems(*, pp: int, n_layers: int, schedule: str, stages_per_rank:
     if multi and stages_per_rank < 2:
         out.append(f"--pp-schedule {schedule} interleaves several stages per rank; set --stages-per-rank 2 or more")
     if not multi and stages_per_rank != 1:
-        out.append(f"--pp-schedule {schedule} runs one stage per rank; use --stages-per-rank 1 or an "
-                   "interleaved schedule")
+        out.append(
+            f"--pp-schedule {schedule} runs one stage per rank; use --stages-per-rank 1 or an interleaved schedule"
+        )
     num_stages = pp * stages_per_rank
     if split_points:
         if len(split_points) != num_stages - 1:
-            out.append(f"--split-points {','.join(map(str, split_points))} gives {len(split_points) + 1} stages; "
-                       f"pp={pp} x stages-per-rank={stages_per_rank} needs {num_stages - 1} split points")
+            out.append(
+                f"--split-points {','.join(map(str, split_points))} gives {len(split_points) + 1} stages; "
+                f"pp={pp} x stages-per-rank={stages_per_rank} needs {num_stages - 1} split points"
+            )
         elif list(split_points) != sorted(set(split_points)) or split_points[0] <= 0 or split_points[-1] >= n_layers:
-            out.append(f"--split-points {','.join(map(str, split_points))} must increase strictly within "
-                       f"(0, {n_layers})")
+            out.append(
+                f"--split-points {','.join(map(str, split_points))} must increase strictly within (0, {n_layers})"
+            )
     elif n_layers % num_stages:
-        out.append(f"--n-layers {n_layers} does not split evenly into {num_stages} stages (pp={pp} x "
-                   f"stages-per-rank={stages_per_rank}); use a multiple of {num_stages} or --split-points")
+        out.append(
+            f"--n-layers {n_layers} does not split evenly into {num_stages} stages (pp={pp} x "
+            f"stages-per-rank={stages_per_rank}); use a multiple of {num_stages} or --split-points"
+        )
     if microbatches < 1:
         out.append(f"--microbatches {microbatches} must be >= 1")
     elif local_batch is not None and local_batch % microbatches:
-        out.append(f"--microbatches {microbatches} does not divide the per-dp-rank batch {local_batch}; "
-                   f"use a divisor of {local_batch}")
+        out.append(
+            f"--microbatches {microbatches} does not divide the per-dp-rank batch {local_batch}; "
+            f"use a divisor of {local_batch}"
+        )
     elif not multi and microbatches < pp and schedule == "1f1b":
         out.append(f"--pp-schedule 1f1b needs --microbatches >= pp ({pp}); got {microbatches}")
     return out
@@ -132,26 +148,43 @@ def _tensor_output(module, args, output):
     """Forward hook: a stage hands the next one a tensor (logits / hidden state / first element)."""
     if isinstance(output, torch.Tensor):
         return None
-    value = next((getattr(output, k) for k in ("logits", "last_hidden_state")
-                  if isinstance(getattr(output, k, None), torch.Tensor)), None)
+    value = next(
+        (
+            getattr(output, k)
+            for k in ("logits", "last_hidden_state")
+            if isinstance(getattr(output, k, None), torch.Tensor)
+        ),
+        None,
+    )
     if value is None and isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         value = output[0]
     if value is not None:  # a view (HF slices its logits) would lose FSDP's pre-backward hook to in-place ops
         return value.clone() if value._is_view() else value
-    raise TypeError(f"a pipeline stage of {type(module).__name__} returned {type(output).__name__}; "
-                    "pipeline stages must return a tensor")
+    raise TypeError(
+        f"a pipeline stage of {type(module).__name__} returned {type(output).__name__}; "
+        "pipeline stages must return a tensor"
+    )
 
 
-def split_model(model: nn.Module, layer_range: tuple[int, int], *, first: bool, last: bool,
-                blocks: str | None = "auto", pre: Sequence[str] | None = None,
-                post: Sequence[str] | None = None) -> nn.Module:
+def split_model(
+    model: nn.Module,
+    layer_range: tuple[int, int],
+    *,
+    first: bool,
+    last: bool,
+    blocks: str | None = "auto",
+    pre: Sequence[str] | None = None,
+    post: Sequence[str] | None = None,
+) -> nn.Module:
     """A copy of ``model`` holding only the blocks in ``layer_range`` (by position), plus the
     ``pre`` modules on the first stage and the ``post`` modules on the last (default: found by
     :func:`outer_modules`); the others become ``nn.Identity``. Dropped blocks are not copied."""
     path = find_blocks(model, blocks)
     if path is None:
-        raise UsageError(f"{type(model).__name__} has no ModuleList/ModuleDict of repeated blocks to split into "
-                         "pipeline stages; name it with blocks='...'")
+        raise UsageError(
+            f"{type(model).__name__} has no ModuleList/ModuleDict of repeated blocks to split into "
+            "pipeline stages; name it with blocks='...'"
+        )
     auto_pre, auto_post = outer_modules(model, path)
     pre = auto_pre if pre is None else list(pre)
     post = auto_post if post is None else list(post)
@@ -183,8 +216,12 @@ def tied_across_stages(model: nn.Module, blocks: str | None = "auto") -> list[st
         return []
     pre, post = outer_modules(model, path)
     first = {id(p): f"{n}.{pn}" for n in pre for pn, p in get_submodule(model, n).named_parameters()}
-    return [f"{first[id(p)]} = {n}.{pn}" for n in post for pn, p in get_submodule(model, n).named_parameters()
-            if id(p) in first]
+    return [
+        f"{first[id(p)]} = {n}.{pn}"
+        for n in post
+        for pn, p in get_submodule(model, n).named_parameters()
+        if id(p) in first
+    ]
 
 
 def stage_ids(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
@@ -243,9 +280,20 @@ class Pipeline:
     backward over every microbatch (gradients averaged over them) and returns the mean loss over
     microbatches on every pipeline rank (the last stage computes it and shares it over pp)."""
 
-    def __init__(self, *, module: StageSet, schedule, stage_ids: list[int], num_stages: int,
-                 layer_ranges: list[tuple[int, int]], microbatches: int, schedule_name: str, pp_group,
-                 loss_parallel: bool, device: torch.device) -> None:
+    def __init__(
+        self,
+        *,
+        module: StageSet,
+        schedule,
+        stage_ids: list[int],
+        num_stages: int,
+        layer_ranges: list[tuple[int, int]],
+        microbatches: int,
+        schedule_name: str,
+        pp_group,
+        loss_parallel: bool,
+        device: torch.device,
+    ) -> None:
         self.module, self.schedule, self.stage_ids, self.num_stages = module, schedule, stage_ids, num_stages
         self.layer_ranges, self.microbatches, self.schedule_name = layer_ranges, microbatches, schedule_name
         self.pp_group, self.loss_parallel, self.device = pp_group, loss_parallel, device
@@ -259,11 +307,15 @@ class Pipeline:
 
         losses: list = []
         with loss_parallel_context(self.loss_parallel):
-            self.schedule.step(*((inputs,) if self.has_first else ()), target=targets if self.has_last else None,
-                               losses=losses if self.has_last else None)
+            self.schedule.step(
+                *((inputs,) if self.has_first else ()),
+                target=targets if self.has_last else None,
+                losses=losses if self.has_last else None,
+            )
         if self.has_last:
-            loss = torch.stack([(x.full_tensor() if hasattr(x, "full_tensor") else x).detach().float()
-                                for x in losses]).mean()
+            loss = torch.stack(
+                [(x.full_tensor() if hasattr(x, "full_tensor") else x).detach().float() for x in losses]
+            ).mean()
         else:
             loss = torch.zeros((), device=self.device)
         if not share_loss:
@@ -277,29 +329,48 @@ class Pipeline:
         """Forward only over every microbatch: the mean loss over microbatches on the last stage's
         ranks, zero elsewhere (no collective; the caller reduces it, as with ``share_loss=False``)."""
         if not hasattr(self.schedule, "eval"):
-            raise UsageError(f"evaluation needs a forward-only pipeline pass, which schedule {self.schedule_name} "
-                             "does not have here; choose --pp-schedule 1f1b or gpipe, or leave --eval-every off")
+            raise UsageError(
+                f"evaluation needs a forward-only pipeline pass, which schedule {self.schedule_name} "
+                "does not have here; choose --pp-schedule 1f1b or gpipe, or leave --eval-every off"
+            )
         losses: list = []
         with loss_parallel_context(self.loss_parallel):
-            self.schedule.eval(*((inputs,) if self.has_first else ()), target=targets if self.has_last else None,
-                               losses=losses if self.has_last else None)
+            self.schedule.eval(
+                *((inputs,) if self.has_first else ()),
+                target=targets if self.has_last else None,
+                losses=losses if self.has_last else None,
+            )
         if not self.has_last:
             return torch.zeros((), device=self.device)
-        return torch.stack([(x.full_tensor() if hasattr(x, "full_tensor") else x).detach().float()
-                            for x in losses]).mean()
+        return torch.stack(
+            [(x.full_tensor() if hasattr(x, "full_tensor") else x).detach().float() for x in losses]
+        ).mean()
 
     def describe(self) -> str:
         blocks = ", ".join(f"{a}-{b - 1}" for a, b in self.layer_ranges)
-        return (f"pipeline: {self.num_stages} stages (blocks {blocks}), "
-                f"schedule {self.schedule_name}, {self.microbatches} microbatches; this rank holds stages "
-                f"{self.stage_ids}")
+        return (
+            f"pipeline: {self.num_stages} stages (blocks {blocks}), "
+            f"schedule {self.schedule_name}, {self.microbatches} microbatches; this rank holds stages "
+            f"{self.stage_ids}"
+        )
 
 
-def build_pipeline(model: nn.Module, mesh: Mesh, spec: ParallelSpec | None = None, *, loss_fn: Callable,
-             microbatches: int | None = None, schedule: str = "1f1b", stages_per_rank: int = 1,
-             split_points: Sequence[int] | None = None, device: torch.device | None = None,
-             pre: Sequence[str] | None = None, post: Sequence[str] | None = None, seed: int | None = None,
-             init: Callable[[nn.Module], None] | None = None) -> Pipeline:
+def build_pipeline(
+    model: nn.Module,
+    mesh: Mesh,
+    spec: ParallelSpec | None = None,
+    *,
+    loss_fn: Callable,
+    microbatches: int | None = None,
+    schedule: str = "1f1b",
+    stages_per_rank: int = 1,
+    split_points: Sequence[int] | None = None,
+    device: torch.device | None = None,
+    pre: Sequence[str] | None = None,
+    post: Sequence[str] | None = None,
+    seed: int | None = None,
+    init: Callable[[nn.Module], None] | None = None,
+) -> Pipeline:
     """Split ``model`` into ``mesh.pp x stages_per_rank`` stages, put each of this rank's stages
     through :func:`parallelize` with ``spec``, and build the schedule. ``model`` is consumed.
     A model built under :func:`mmm.parallel.meta_init` stays on ``meta`` until each stage is
@@ -312,27 +383,42 @@ def build_pipeline(model: nn.Module, mesh: Mesh, spec: ParallelSpec | None = Non
         raise UsageError("build_pipeline() needs a mesh with pp > 1 (init_mesh(pp=...)); use parallelize() without PP")
     path = find_blocks(model, spec.blocks)
     if path is None:
-        raise UsageError(f"{type(model).__name__} has no ModuleList/ModuleDict of repeated blocks to split into "
-                         "pipeline stages; name it with ParallelSpec(blocks='...')")
-    own = [name or type(model).__name__ for name in _path_owners(path)
-           if next(get_submodule(model, name).parameters(recurse=False), None) is not None]
+        raise UsageError(
+            f"{type(model).__name__} has no ModuleList/ModuleDict of repeated blocks to split into "
+            "pipeline stages; name it with ParallelSpec(blocks='...')"
+        )
+    own = [
+        name or type(model).__name__
+        for name in _path_owners(path)
+        if next(get_submodule(model, name).parameters(recurse=False), None) is not None
+    ]
     if own:
-        raise UsageError(f"{', '.join(own)} hold parameters of their own beside the blocks (e.g. a class token or "
-                         "position table): a pipeline would copy them into every stage; move them into a submodule "
-                         "(an embedding module before the blocks)")
+        raise UsageError(
+            f"{', '.join(own)} hold parameters of their own beside the blocks (e.g. a class token or "
+            "position table): a pipeline would copy them into every stage; move them into a submodule "
+            "(an embedding module before the blocks)"
+        )
     if spec.tp_plan:
         from mmm.parallel.tensor import resolve_plan
 
         resolve_plan(model, spec.tp_plan)  # every pattern must name a module of the whole model
     tied = tied_across_stages(model, path)
     if tied:
-        raise UsageError(f"tied weights ({'; '.join(tied)}) cannot be split over pipeline stages; untie them "
-                         "(e.g. tie_word_embeddings=False)")
+        raise UsageError(
+            f"tied weights ({'; '.join(tied)}) cannot be split over pipeline stages; untie them "
+            "(e.g. tie_word_embeddings=False)"
+        )
     n_blocks = len(get_submodule(model, path))
     pp, num_stages = mesh.pp, mesh.pp * stages_per_rank
     microbatches = microbatches or pp
-    problems = pipeline_problems(pp=pp, n_layers=n_blocks, schedule=schedule, stages_per_rank=stages_per_rank,
-                                 microbatches=microbatches, split_points=split_points)
+    problems = pipeline_problems(
+        pp=pp,
+        n_layers=n_blocks,
+        schedule=schedule,
+        stages_per_rank=stages_per_rank,
+        microbatches=microbatches,
+        split_points=split_points,
+    )
     if problems:
         raise UsageError("; ".join(problems))
     if device is None:
@@ -348,12 +434,22 @@ def build_pipeline(model: nn.Module, mesh: Mesh, spec: ParallelSpec | None = Non
         stage_spec = stage_spec.replace(reshard_after_forward=False)
     parts, stages = [], []
     for sid in mine:
-        part = split_model(model, ranges[sid], first=sid == 0, last=sid == num_stages - 1, blocks=path,
-                           pre=pre, post=post)
+        part = split_model(
+            model, ranges[sid], first=sid == 0, last=sid == num_stages - 1, blocks=path, pre=pre, post=post
+        )
         part = parallelize(part, mesh, stage_spec, device=device, seed=seed, init=init)
         parts.append(part)
         stages.append(PipelineStage(part, sid, num_stages, device, group=mesh.group("pp")))
     sched = build_schedule(stages, schedule=schedule, microbatches=microbatches, loss_fn=loss_fn)
-    return Pipeline(module=StageSet(parts), schedule=sched, stage_ids=mine, num_stages=num_stages,
-                    layer_ranges=ranges, microbatches=microbatches, schedule_name=schedule,
-                    pp_group=mesh.group("pp"), loss_parallel=spec.loss_parallel and mesh.tp_enabled, device=device)
+    return Pipeline(
+        module=StageSet(parts),
+        schedule=sched,
+        stage_ids=mine,
+        num_stages=num_stages,
+        layer_ranges=ranges,
+        microbatches=microbatches,
+        schedule_name=schedule,
+        pp_group=mesh.group("pp"),
+        loss_parallel=spec.loss_parallel and mesh.tp_enabled,
+        device=device,
+    )

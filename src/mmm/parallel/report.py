@@ -6,7 +6,6 @@ import re
 
 from torch import nn
 
-
 _BLOCK = re.compile(r"layers\.(\d+)\.")
 
 
@@ -19,7 +18,7 @@ def describe_sharding(model: nn.Module) -> str:
     params, skipped, first_block = [], 0, None
     for name, p in model.named_parameters():
         name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-        name = name[len("module."):] if name.startswith("module.") else name
+        name = name[len("module.") :] if name.startswith("module.") else name
         m = _BLOCK.search(name)
         if m:
             first_block = m.group(1) if first_block is None else first_block

@@ -31,18 +31,24 @@ def strategy_problems(strategy: str, dims: ParallelDims, *, offload_optimizer: b
     if strategy in TORCH_STRATEGIES:
         out += dp_problems(strategy, dims)
     if strategy in ZERO_STAGES and dims.dp_replicate > 1:
-        out.append(f"--strategy {strategy} shards over all data-parallel ranks; --dp-replicate {dims.dp_replicate} "
-                   "needs --strategy hsdp")
+        out.append(
+            f"--strategy {strategy} shards over all data-parallel ranks; --dp-replicate {dims.dp_replicate} "
+            "needs --strategy hsdp"
+        )
     bad = {k: v for k, v in {"tp": dims.tp, "cp": dims.cp, "pp": dims.pp}.items() if v > 1}
     if strategy in ZERO_STAGES and bad:
-        out.append(f"--strategy {strategy} (DeepSpeed) runs pure data parallel here; got "
-                   f"{', '.join(f'--{k} {v}' for k, v in bad.items())}: use --strategy fsdp to combine with "
-                   "tp/cp/pp")
+        out.append(
+            f"--strategy {strategy} (DeepSpeed) runs pure data parallel here; got "
+            f"{', '.join(f'--{k} {v}' for k, v in bad.items())}: use --strategy fsdp to combine with "
+            "tp/cp/pp"
+        )
     if offload_optimizer and strategy not in ZERO_STAGES:
         out.append(f"--offload-optimizer needs --strategy zero1, zero2 or zero3 (got {strategy})")
     if strategy in ZERO_STAGES and not deepspeed_available():
-        out.append(f"--strategy {strategy} needs DeepSpeed, which is not installed: pip install 'mmm[deepspeed]' "
-                   "(or pip install deepspeed); or use --strategy fsdp")
+        out.append(
+            f"--strategy {strategy} needs DeepSpeed, which is not installed: pip install 'mmm[deepspeed]' "
+            "(or pip install deepspeed); or use --strategy fsdp"
+        )
     return out
 
 
@@ -51,10 +57,13 @@ def state_bytes_per_param(strategy: str, dims) -> tuple[float, float, float]:
     AdamW state under a strategy, fp32 (see :func:`theoretical_state_bytes`)."""
     n = dims.dp
     if strategy in ("fsdp", "hsdp"):
-        shards = (dims.dp * dims.cp if strategy == "fsdp" else dims.dp_shard) if shards_parameters(dims, strategy) else 1
+        shards = (
+            (dims.dp * dims.cp if strategy == "fsdp" else dims.dp_shard) if shards_parameters(dims, strategy) else 1
+        )
         return 4 / shards, 4 / shards, 8 / shards
-    return {"ddp": (4, 4, 8), "zero1": (4, 4, 12 / n), "zero2": (4, 4 / n, 12 / n),
-            "zero3": (4 / n, 4 / n, 12 / n)}[strategy]
+    return {"ddp": (4, 4, 8), "zero1": (4, 4, 12 / n), "zero2": (4, 4 / n, 12 / n), "zero3": (4 / n, 4 / n, 12 / n)}[
+        strategy
+    ]
 
 
 def theoretical_state_bytes(strategy: str, *, num_params: int, mesh: Mesh) -> dict[str, float]:
@@ -79,9 +88,11 @@ def _local_bytes(t: torch.Tensor) -> int:
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """This rank's bytes of parameters, gradients and optimizer state (local shards only)."""
     params = list(model.parameters())
-    out = {"param_bytes": sum(_local_bytes(p) for p in params),
-           "grad_bytes": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
-           "optim_bytes": 0}
+    out = {
+        "param_bytes": sum(_local_bytes(p) for p in params),
+        "grad_bytes": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+        "optim_bytes": 0,
+    }
     if optimizer is not None:
         for state in optimizer.state.values():
             for v in state.values():
@@ -143,8 +154,15 @@ class TorchEngine(Engine):
     torch optimizer. ``step`` measures the global gradient norm, clips to ``max_grad_norm`` when
     it is > 0, and steps."""
 
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, strategy: str,
-                 max_grad_norm: float = 0.0, pipeline=None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        strategy: str,
+        max_grad_norm: float = 0.0,
+        pipeline=None,
+    ) -> None:
         self.module, self.optimizer, self.strategy = module, optimizer, strategy
         self.max_grad_norm, self.pipeline = max_grad_norm, pipeline
 
@@ -177,8 +195,12 @@ class TorchEngine(Engine):
 
         pipe = self.pipeline
         if grad_square is None:
-            self.grad_norm = grad_norm_(self.module.parameters(), self.max_grad_norm,
-                                        pp_group=pipe.pp_group if pipe else None, device=pipe.device if pipe else None)
+            self.grad_norm = grad_norm_(
+                self.module.parameters(),
+                self.max_grad_norm,
+                pp_group=pipe.pp_group if pipe else None,
+                device=pipe.device if pipe else None,
+            )
         else:
             self.grad_norm = grad_square.sqrt()
             if self.max_grad_norm > 0:
@@ -252,11 +274,21 @@ class DeepSpeedEngine(Engine):
         return held
 
 
-def build_engine(model: nn.Module, mesh: Mesh, spec: ParallelSpec, *, strategy: str,
-                 make_optimizer: Callable[[Any], torch.optim.Optimizer], device: torch.device,
-                 max_grad_norm: float = 0.0, global_batch: int | None = None, offload_optimizer: bool = False,
-                 optimizer_args: dict[str, Any] | None = None, pipeline_args: dict[str, Any] | None = None,
-                 seed: int | None = None) -> Engine:
+def build_engine(
+    model: nn.Module,
+    mesh: Mesh,
+    spec: ParallelSpec,
+    *,
+    strategy: str,
+    make_optimizer: Callable[[Any], torch.optim.Optimizer],
+    device: torch.device,
+    max_grad_norm: float = 0.0,
+    global_batch: int | None = None,
+    offload_optimizer: bool = False,
+    optimizer_args: dict[str, Any] | None = None,
+    pipeline_args: dict[str, Any] | None = None,
+    seed: int | None = None,
+) -> Engine:
     """Parallelise ``model`` with ``spec`` (:func:`mmm.parallel.compose.parallelize`; under PP each
     stage, via :func:`mmm.parallel.pipeline.build_pipeline` with ``pipeline_args``) and pair it with its
     optimizer. ``strategy`` ddp/fsdp/hsdp is the spec's data-parallel mode; zero1/2/3 hand the
@@ -267,17 +299,30 @@ def build_engine(model: nn.Module, mesh: Mesh, spec: ParallelSpec, *, strategy: 
         bare = spec.replace(dp="none", dtype="fp32", reshard_after_forward=None)  # DeepSpeed owns dp and dtype
         model = parallelize(model, mesh, bare, device=device, seed=seed)
         args = optimizer_args or {}
-        cfg = zero_config(stage=ZERO_STAGES[strategy], global_batch=global_batch, dp=mesh.dp, dtype=spec.dtype,
-                          offload_optimizer=offload_optimizer, gradient_clipping=max_grad_norm, **args)
+        cfg = zero_config(
+            stage=ZERO_STAGES[strategy],
+            global_batch=global_batch,
+            dp=mesh.dp,
+            dtype=spec.dtype,
+            offload_optimizer=offload_optimizer,
+            gradient_clipping=max_grad_norm,
+            **args,
+        )
         optimizer = None if offload_optimizer else make_optimizer(model.parameters())
-        return DeepSpeedEngine(zero_initialize(model, optimizer, config=cfg, device_type=device.type),
-                               strategy=strategy)
+        return DeepSpeedEngine(
+            zero_initialize(model, optimizer, config=cfg, device_type=device.type), strategy=strategy
+        )
     spec = spec.replace(dp=strategy)
     if mesh.pp_enabled:
         from mmm.parallel.pipeline import build_pipeline
 
         pipe = build_pipeline(model, mesh, spec, device=device, seed=seed, **(pipeline_args or {}))
-        return TorchEngine(pipe.module, make_optimizer(pipe.module.parameters()), strategy=strategy,
-                           max_grad_norm=max_grad_norm, pipeline=pipe)
+        return TorchEngine(
+            pipe.module,
+            make_optimizer(pipe.module.parameters()),
+            strategy=strategy,
+            max_grad_norm=max_grad_norm,
+            pipeline=pipe,
+        )
     model = parallelize(model, mesh, spec, device=device, seed=seed)
     return TorchEngine(model, make_optimizer(model.parameters()), strategy=strategy, max_grad_norm=max_grad_norm)

@@ -39,11 +39,17 @@ def style(name_or_style: Any):
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence_parallel": SequenceParallel,
-              "rowwise_seq": lambda: RowwiseParallel(output_layouts=Shard(1))}
+    styles = {
+        "colwise": ColwiseParallel,
+        "rowwise": RowwiseParallel,
+        "sequence_parallel": SequenceParallel,
+        "rowwise_seq": lambda: RowwiseParallel(output_layouts=Shard(1)),
+    }
     if name_or_style not in styles:
-        raise UsageError(f"unknown TP style {name_or_style!r}; use one of {', '.join(STYLE_NAMES)} or a "
-                         "torch.distributed.tensor.parallel.ParallelStyle")
+        raise UsageError(
+            f"unknown TP style {name_or_style!r}; use one of {', '.join(STYLE_NAMES)} or a "
+            "torch.distributed.tensor.parallel.ParallelStyle"
+        )
     return styles[name_or_style]()
 
 
@@ -69,13 +75,16 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, Any], *, allow_missing: bo
         for n in hits:
             out[n] = st
     if missing and not allow_missing:
-        raise UsageError(f"TP plan pattern(s) {', '.join(repr(p) for p in missing)} match no module of "
-                         f"{type(model).__name__}; its modules look like {', '.join(names[:6])}, ...")
+        raise UsageError(
+            f"TP plan pattern(s) {', '.join(repr(p) for p in missing)} match no module of "
+            f"{type(model).__name__}; its modules look like {', '.join(names[:6])}, ..."
+        )
     return out
 
 
-def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, Any], *,
-                  allow_missing: bool = False) -> nn.Module:
+def apply_tp_plan(
+    model: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, Any], *, allow_missing: bool = False
+) -> nn.Module:
     """Shard ``model`` in place over ``tp_mesh`` by a plan of module-name patterns (see the module doc)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -93,11 +102,15 @@ def llama_tp_plan(*, loss_parallel: bool = True) -> dict[str, Any]:
     return {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": "sequence_parallel",
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                  use_local_output=not loss_parallel),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
         "layers.*.attention_norm": "sequence_parallel",
-        "layers.*.attention": PrepareModuleInput(input_layouts=(Shard(1), None),
-                                                 desired_input_layouts=(Replicate(), None)),
+        "layers.*.attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+        ),
         "layers.*.attention.wq": "colwise",
         "layers.*.attention.wk": "colwise",
         "layers.*.attention.wv": "colwise",
@@ -112,8 +125,14 @@ def llama_tp_plan(*, loss_parallel: bool = True) -> dict[str, Any]:
 
 # q/k/v and fc1 column-wise, proj and fc2 row-wise: heads and MLP width split, activations between
 # blocks replicated
-VIT_TP_PLAN = {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise", "blocks.*.attn.v": "colwise",
-               "blocks.*.attn.proj": "rowwise", "blocks.*.mlp.fc1": "colwise", "blocks.*.mlp.fc2": "rowwise"}
+VIT_TP_PLAN = {
+    "blocks.*.attn.q": "colwise",
+    "blocks.*.attn.k": "colwise",
+    "blocks.*.attn.v": "colwise",
+    "blocks.*.attn.proj": "rowwise",
+    "blocks.*.mlp.fc1": "colwise",
+    "blocks.*.mlp.fc2": "rowwise",
+}
 
 # Hugging Face Llama-family causal LMs (LlamaForCausalLM, and Mistral/Qwen2-style models with the
 # same module names): the config's ``base_model_tp_plan``, rooted at the causal LM. Embedding, norms
@@ -143,21 +162,26 @@ def hf_tp_plan(model: nn.Module) -> dict[str, str]:
         base = {f"{prefix}.{k}": v for k, v in base.items()}
     unknown = sorted({v for v in base.values() if v not in ("colwise", "rowwise")})
     if unknown:
-        raise UsageError(f"{type(model).__name__}'s TP plan uses style(s) {', '.join(unknown)}, which mmm does not "
-                         "map; pass your own tp_plan")
+        raise UsageError(
+            f"{type(model).__name__}'s TP plan uses style(s) {', '.join(unknown)}, which mmm does not "
+            "map; pass your own tp_plan"
+        )
     return base
 
 
 # --------------------------------------------------------------------------- checks and loss
-def tp_problems(*, tp: int, n_heads: int, n_kv_heads: int, vocab_size: int, seq_len: int,
-                sequence_parallel: bool = True) -> list[str]:
+def tp_problems(
+    *, tp: int, n_heads: int, n_kv_heads: int, vocab_size: int, seq_len: int, sequence_parallel: bool = True
+) -> list[str]:
     """What a TP degree requires of a transformer's shapes, each problem naming the values."""
     if tp <= 1:
         return []
     out = []
     if n_heads % tp:
-        out.append(f"--n-heads {n_heads} is not divisible by tp={tp}; heads are split over TP ranks "
-                   f"(use tp in {{{', '.join(str(d) for d in range(1, n_heads + 1) if n_heads % d == 0)}}})")
+        out.append(
+            f"--n-heads {n_heads} is not divisible by tp={tp}; heads are split over TP ranks "
+            f"(use tp in {{{', '.join(str(d) for d in range(1, n_heads + 1) if n_heads % d == 0)}}})"
+        )
     if n_kv_heads % tp:
         out.append(f"--n-kv-heads {n_kv_heads} is not divisible by tp={tp}; key/value heads are split over TP ranks")
     if vocab_size % tp:

@@ -28,13 +28,18 @@ def import_deepspeed():
             warnings.simplefilter("ignore")
             import deepspeed
     except ImportError:
-        raise UsageError(f"the zero1/zero2/zero3 strategies need DeepSpeed, which is not installed: {INSTALL_HINT}; "
-                         "or use --strategy fsdp") from None
+        raise UsageError(
+            f"the zero1/zero2/zero3 strategies need DeepSpeed, which is not installed: {INSTALL_HINT}; "
+            "or use --strategy fsdp"
+        ) from None
     level = logging.DEBUG if os.environ.get("MMM_LOG_LEVEL", "").upper() == "DEBUG" else logging.WARNING
     deepspeed.utils.logger.setLevel(level)
     # DeepSpeed calls the tensor collectives torch has renamed; their FutureWarnings say nothing to users.
-    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)",
-                            category=FutureWarning)
+    warnings.filterwarnings(
+        "ignore",
+        message=r".*torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)",
+        category=FutureWarning,
+    )
     return deepspeed
 
 
@@ -44,9 +49,19 @@ def deepspeed_available() -> bool:
     return importlib.util.find_spec("deepspeed") is not None
 
 
-def zero_config(*, stage: int, global_batch: int, dp: int, dtype: str, offload_optimizer: bool = False,
-                gradient_clipping: float = 0.0, lr: float = 1e-3, weight_decay: float = 0.0,
-                betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> dict[str, Any]:
+def zero_config(
+    *,
+    stage: int,
+    global_batch: int,
+    dp: int,
+    dtype: str,
+    offload_optimizer: bool = False,
+    gradient_clipping: float = 0.0,
+    lr: float = 1e-3,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": stage}
     cfg: dict[str, Any] = {
         "train_batch_size": global_batch,
@@ -62,8 +77,10 @@ def zero_config(*, stage: int, global_batch: int, dp: int, dtype: str, offload_o
         cfg["bf16"] = {"enabled": True}
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
-        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "betas": list(betas), "eps": eps,
-                                                        "weight_decay": weight_decay}}
+        cfg["optimizer"] = {
+            "type": "AdamW",
+            "params": {"lr": lr, "betas": list(betas), "eps": eps, "weight_decay": weight_decay},
+        }
     return cfg
 
 

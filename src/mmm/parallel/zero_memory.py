@@ -56,13 +56,20 @@ def zero_state_bytes(engine) -> dict[str, int]:
     masters += list(_flatten(getattr(opt, "single_partition_of_fp32_groups", None)))
     grads = [p.grad for p in params if p.grad is not None]
     grads += [m.grad for m in masters if m.grad is not None]
-    for name in ("averaged_gradients", "grad_partitions_flat_buffer",
-                 "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"):
+    for name in (
+        "averaged_gradients",
+        "grad_partitions_flat_buffer",
+        "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition",
+    ):
         grads += list(_flatten(getattr(opt, name, None)))
     grad_bytes = count.bytes(grads)
     inner = getattr(opt, "optimizer", None)
     optim_bytes = count.bytes(masters)
     if inner is not None:
         optim_bytes += count.bytes(t for t in _flatten(list(inner.state.values())) if t.dim() > 0)
-    return {"param_bytes": param_bytes, "grad_bytes": grad_bytes, "optim_bytes": optim_bytes,
-            "total_bytes": param_bytes + grad_bytes + optim_bytes}
+    return {
+        "param_bytes": param_bytes,
+        "grad_bytes": grad_bytes,
+        "optim_bytes": optim_bytes,
+        "total_bytes": param_bytes + grad_bytes + optim_bytes,
+    }

@@ -80,8 +80,15 @@ class Combo:
         return out + ["--strategy", self.strategy]
 
     def as_dict(self) -> dict[str, Any]:
-        return {"label": self.label, **self.degrees, "strategy": self.strategy, "valid": self.valid,
-                "problems": self.problems, "memory": self.memory, "comm": self.comm}
+        return {
+            "label": self.label,
+            **self.degrees,
+            "strategy": self.strategy,
+            "valid": self.valid,
+            "problems": self.problems,
+            "memory": self.memory,
+            "comm": self.comm,
+        }
 
 
 def _factorizations(n: int, parts: int):
@@ -107,16 +114,22 @@ def trainer_args(**overrides) -> argparse.Namespace:
     return args
 
 
-def plan(world: int, args: argparse.Namespace | None = None, *, strategies=None, fixed: dict[str, int] | None = None,
-         **overrides) -> list[Combo]:
+def plan(
+    world: int,
+    args: argparse.Namespace | None = None,
+    *,
+    strategies=None,
+    fixed: dict[str, int] | None = None,
+    **overrides,
+) -> list[Combo]:
     """Every layout of ``world`` ranks (valid first, in mesh order), with estimates for the valid ones.
 
     ``args``: the trainer's flags (default: its defaults, with ``overrides``); ``strategies``: the
     data-parallel strategies to consider (default all); ``fixed``: degrees to hold, e.g. ``{"tp": 2}``.
     """
     from mmm.errors import UsageError
-    from mmm.training.llama import arg_problems
     from mmm.parallel.strategy import STRATEGIES
+    from mmm.training.llama import arg_problems
 
     if not isinstance(world, int) or world < 1:
         raise UsageError(f"--world {world} must be a positive number of ranks (e.g. --world 4)")
@@ -135,8 +148,10 @@ def plan(world: int, args: argparse.Namespace | None = None, *, strategies=None,
             trial = argparse.Namespace(**{**vars(args), **degrees, "strategy": strategy})
             problems = arg_problems(trial, world)
             if not problems and strategy == "ddp" and degrees["dp_replicate"] > 1:
-                problems = [f"same as dp_shard={degrees['dp_replicate'] * degrees['dp_shard']} with ddp: DDP "
-                            "replicates over the flattened dp group, so dp_replicate changes nothing"]
+                problems = [
+                    f"same as dp_shard={degrees['dp_replicate'] * degrees['dp_shard']} with ddp: DDP "
+                    "replicates over the flattened dp group, so dp_replicate changes nothing"
+                ]
             combo = Combo(degrees, strategy, problems)
             if combo.valid:
                 combo.memory = estimate_memory(trial, world)
@@ -144,8 +159,10 @@ def plan(world: int, args: argparse.Namespace | None = None, *, strategies=None,
             out.append(combo)
     out.sort(key=lambda c: not c.valid)
     if fixed and not out:
-        raise UsageError(f"no layout of {world} ranks has {', '.join(f'{k}={v}' for k, v in fixed.items())}: "
-                         f"the degrees must multiply to {world}")
+        raise UsageError(
+            f"no layout of {world} ranks has {', '.join(f'{k}={v}' for k, v in fixed.items())}: "
+            f"the degrees must multiply to {world}"
+        )
     return out
 
 
@@ -185,8 +202,8 @@ def _rank_params(cfg, tp: int, blocks: int, first: bool, last: bool) -> tuple[fl
 
 def estimate_memory(args, world: int) -> dict[str, float]:
     """Per-rank bytes (busiest rank) of parameters, gradients, optimizer state and activations."""
-    from mmm.training.llama import model_config
     from mmm.parallel.strategy import state_bytes_per_param
+    from mmm.training.llama import model_config
 
     cfg, dims = model_config(args), _dims(args, world)
     p, g, o = state_bytes_per_param(args.strategy, dims)
@@ -200,7 +217,9 @@ def estimate_memory(args, world: int) -> dict[str, float]:
     else:  # ring attention: q, every rotated k/v pair, merged outputs, and fp32 scores + probabilities per pair
         cp, heads, chunk = dims.cp, cfg.n_heads / tp, cfg.seq_len // dims.cp // 2
         pairs = 2 * cp + 1  # (query chunk, key chunk) pairs a rank computes under causal load balancing
-        attention = (2 * d + 4 * cp * kvw) * t * c / tp + pairs * 2 * (args.batch_size // dims.dp) * heads * chunk ** 2 * 4
+        attention = (2 * d + 4 * cp * kvw) * t * c / tp + pairs * 2 * (
+            args.batch_size // dims.dp
+        ) * heads * chunk**2 * 4
     per_block = norms_ffn + attention
     if args.ac == "full":
         per_block = t * d * c  # a checkpointed block keeps only its input
@@ -215,8 +234,7 @@ def estimate_memory(args, world: int) -> dict[str, float]:
             m = args.microbatches or dims.pp
             in_flight = m if args.pp_schedule == "gpipe" else min(m, dims.pp)
             act = act / m * in_flight
-        row = {"param_bytes": p * params, "grad_bytes": g * params, "optim_bytes": o * params,
-               "activation_bytes": act}
+        row = {"param_bytes": p * params, "grad_bytes": g * params, "optim_bytes": o * params, "activation_bytes": act}
         row["state_bytes"] = row["param_bytes"] + row["grad_bytes"] + row["optim_bytes"]
         row["total_bytes"] = row["state_bytes"] + act
         if not best or row["total_bytes"] > best["total_bytes"]:
@@ -241,8 +259,8 @@ def group_name(view: str, dims) -> str:
 
 def estimate_comm(args, world: int) -> dict[str, float]:
     """Payload bytes per step by process group, for the busiest rank."""
-    from mmm.training.llama import model_config
     from mmm.parallel.compose import shards_parameters
+    from mmm.training.llama import model_config
 
     cfg, dims = model_config(args), _dims(args, world)
     c = DTYPE_BYTES[args.dtype]
@@ -288,7 +306,9 @@ def estimate_comm(args, world: int) -> dict[str, float]:
         from mmm.parallel.pipeline import stage_ids
 
         num_stages = dims.pp * args.stages_per_rank
-        links = max(sum((i > 0) + (i < num_stages - 1) for i in stage_ids(r, dims.pp, args.stages_per_rank))
-                    for r in range(dims.pp))
+        links = max(
+            sum((i > 0) + (i < num_stages - 1) for i in stage_ids(r, dims.pp, args.stages_per_rank))
+            for r in range(dims.pp)
+        )
         add("pp", 2 * links * t * d / tp * c)
     return out

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from mmm.errors import UsageError
 
-MIB = 2 ** 20
+MIB = 2**20
 
 
 def build_parser():
@@ -37,11 +37,20 @@ def build_parser():
     p.set_defaults(tp=None, pp=None, cp=None, dp_replicate=None, dp_shard=None, strategy=None)
     g = p.add_argument_group("planner")
     g.add_argument("--world", type=positive_int, required=True, help="number of ranks (processes) to plan for")
-    g.add_argument("--strategies", default=None, metavar="S,S,...",
-                   help="data-parallel strategies to consider, comma-separated [all]")
+    g.add_argument(
+        "--strategies",
+        default=None,
+        metavar="S,S,...",
+        help="data-parallel strategies to consider, comma-separated [all]",
+    )
     g.add_argument("--valid-only", action="store_true", help="leave the invalid layouts out of the listing")
-    g.add_argument("--json", dest="json_path", default=None, metavar="PATH",
-                   help="also write every layout with its estimates or problems as JSON ('-' for stdout)")
+    g.add_argument(
+        "--json",
+        dest="json_path",
+        default=None,
+        metavar="PATH",
+        help="also write every layout with its estimates or problems as JSON ('-' for stdout)",
+    )
     return p
 
 
@@ -57,8 +66,10 @@ def _strategies(args) -> list[str] | None:
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
     bad = [s for s in names if s not in STRATEGIES]
     if bad or not names:
-        raise UsageError(f"--strategies {args.strategies!r}: unknown {', '.join(map(repr, bad)) or 'empty list'}; "
-                         f"choose from {', '.join(STRATEGIES)}")
+        raise UsageError(
+            f"--strategies {args.strategies!r}: unknown {', '.join(map(repr, bad)) or 'empty list'}; "
+            f"choose from {', '.join(STRATEGIES)}"
+        )
     return names
 
 
@@ -69,8 +80,10 @@ def plan_from_args(args):
     fixed = {a: getattr(args, a) for a in AXES}
     bad = {a: v for a, v in fixed.items() if v == -1}
     if bad:
-        raise UsageError(f"{', '.join(f'--{a.replace(chr(95), chr(45))} -1' for a in bad)}: the planner varies "
-                         "unset degrees itself; give a positive degree or leave the flag out")
+        raise UsageError(
+            f"{', '.join(f'--{a.replace(chr(95), chr(45))} -1' for a in bad)}: the planner varies "
+            "unset degrees itself; give a positive degree or leave the flag out"
+        )
     base = {**vars(args), **{a: 1 for a in AXES}, "strategy": "fsdp"}
     import argparse
 
@@ -78,8 +91,10 @@ def plan_from_args(args):
     if not any(c.valid for c in combos):
         reasons = "; ".join(dict.fromkeys(p for c in combos for p in c.problems))
         held = ", ".join(f"{a}={v}" for a, v in fixed.items() if v is not None)
-        raise UsageError(f"no valid layout of {args.world} ranks{' with ' + held if held else ''}"
-                         f"{' and --strategy ' + args.strategy if args.strategy else ''}: {reasons}")
+        raise UsageError(
+            f"no valid layout of {args.world} ranks{' with ' + held if held else ''}"
+            f"{' and --strategy ' + args.strategy if args.strategy else ''}: {reasons}"
+        )
     return combos
 
 
@@ -92,14 +107,24 @@ def format_table(combos, *, valid_only: bool = False) -> str:
     rows = []
     for i, c in enumerate(valid, 1):
         m = c.memory
-        rows.append([str(i), *(str(c.degrees[a]) for a in ("pp", "dp_replicate", "dp_shard", "cp", "tp")),
-                     c.strategy, *(f"{m[k] / MIB:.1f}" for k in ("param_bytes", "grad_bytes", "optim_bytes",
-                                                                  "activation_bytes", "total_bytes")),
-                     *(f"{c.comm.get(g, 0) / MIB:.1f}" if c.comm.get(g) else "-" for g in groups)])
+        rows.append(
+            [
+                str(i),
+                *(str(c.degrees[a]) for a in ("pp", "dp_replicate", "dp_shard", "cp", "tp")),
+                c.strategy,
+                *(
+                    f"{m[k] / MIB:.1f}"
+                    for k in ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "total_bytes")
+                ),
+                *(f"{c.comm.get(g, 0) / MIB:.1f}" if c.comm.get(g) else "-" for g in groups),
+            ]
+        )
     widths = [max(len(h), *(len(r[j]) for r in rows)) for j, h in enumerate(head)]
-    lines = [f"{len(valid)} valid layouts (memory per rank in MiB; comm: payload MiB per step by process group)",
-             "  ".join(h.rjust(w) for h, w in zip(head, widths)),
-             "  ".join("-" * w for w in widths)]
+    lines = [
+        f"{len(valid)} valid layouts (memory per rank in MiB; comm: payload MiB per step by process group)",
+        "  ".join(h.rjust(w) for h, w in zip(head, widths)),
+        "  ".join("-" * w for w in widths),
+    ]
     lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
     invalid = [c for c in combos if not c.valid]
     if invalid and not valid_only:
@@ -134,4 +159,3 @@ def cli() -> None:
     except BrokenPipeError:
         code = 0
     sys.exit(code)
-

@@ -73,9 +73,10 @@ def batch_problems(batch_size: int, dp: int) -> list[str]:
     """The global batch must split evenly over the data-parallel ranks."""
     if batch_size % dp == 0:
         return []
-    return [f"--batch-size {batch_size} is not divisible by {dp} data-parallel ranks; use a multiple of {dp} "
-            f"(e.g. {dp * max(1, round(batch_size / dp))})"]
-
+    return [
+        f"--batch-size {batch_size} is not divisible by {dp} data-parallel ranks; use a multiple of {dp} "
+        f"(e.g. {dp * max(1, round(batch_size / dp))})"
+    ]
 
 
 def start(example: str, parser, argv, check_args) -> tuple[Any, Any, Path, Startup]:
@@ -102,7 +103,8 @@ def resolve_outdir(outdir: str | os.PathLike | None, example: str) -> Path:
     """``--outdir`` or ``outputs/<example>/<UTC timestamp>``; a path that is a file is an error."""
     if outdir is None:
         stamp = os.environ.get("MMM_RUN_STAMP") or datetime.datetime.now(datetime.timezone.utc).strftime(
-            "%Y%m%d-%H%M%S")
+            "%Y%m%d-%H%M%S"
+        )
         return Path("outputs") / example / stamp
     path = Path(outdir)
     if path.exists() and not path.is_dir():
@@ -211,10 +213,17 @@ def make_checkpointer(args, engine, *, meta: dict[str, Any], log=None):
     from mmm.parallel.checkpoint import Checkpointer
 
     if hasattr(engine, "ds"):
-        return Checkpointer(args.checkpoint_dir, deepspeed_engine=engine.ds, meta=meta, keep_last=args.keep_last,
-                            log=log)
-    return Checkpointer(args.checkpoint_dir, model=engine.module, optimizer=engine.optimizer, meta=meta,
-                        keep_last=args.keep_last, log=log)
+        return Checkpointer(
+            args.checkpoint_dir, deepspeed_engine=engine.ds, meta=meta, keep_last=args.keep_last, log=log
+        )
+    return Checkpointer(
+        args.checkpoint_dir,
+        model=engine.module,
+        optimizer=engine.optimizer,
+        meta=meta,
+        keep_last=args.keep_last,
+        log=log,
+    )
 
 
 def resume(args, checkpointer, startup: Startup | None = None) -> int:
@@ -228,8 +237,11 @@ def resume(args, checkpointer, startup: Startup | None = None) -> int:
 
         which = "latest"
         if dist.info().is_main:
-            get_logger().info("restart %d (launch --retries): resuming from the latest checkpoint in %s",
-                              restart_attempt(), checkpointer.root)
+            get_logger().info(
+                "restart %d (launch --retries): resuming from the latest checkpoint in %s",
+                restart_attempt(),
+                checkpointer.root,
+            )
     if checkpointer is None or not which:
         return 1
     saved = checkpointer.load(which)
@@ -258,16 +270,27 @@ def _measuring(run, mesh):
     comm, saved = CommCounter(mesh.named_groups()), SavedActivations()
     with comm, saved:
         yield
-    run.measured = {"comm_bytes": comm.result(), "comm_calls": dict(sorted(comm.calls.items())),
-                    "activation_bytes": saved.bytes}
+    run.measured = {
+        "comm_bytes": comm.result(),
+        "comm_calls": dict(sorted(comm.calls.items())),
+        "activation_bytes": saved.bytes,
+    }
 
 
 class _Pending:
     """A finished step whose values are still on their way from the device."""
 
-    def __init__(self, step: int, reduced, times, dt: float, rates: dict[str, float], metrics: dict,
-                 last: bool = False) -> None:
-        self.step, self.reduced, self.times, self.dt, self.rates, self.metrics = step, reduced, times, dt, rates, metrics
+    def __init__(
+        self, step: int, reduced, times, dt: float, rates: dict[str, float], metrics: dict, last: bool = False
+    ) -> None:
+        self.step, self.reduced, self.times, self.dt, self.rates, self.metrics = (
+            step,
+            reduced,
+            times,
+            dt,
+            rates,
+            metrics,
+        )
         self.last = last
 
 
@@ -284,8 +307,19 @@ class Run:
     ``history.nc``/``summary.json``/plots and prints the closing line.
     """
 
-    def __init__(self, example: str, *, info, outdir: Path, startup: Startup, warmup: int = 2, log_every: int = 1,
-                 step_key: str = "iter", resume_step: int = 0, sync=None) -> None:
+    def __init__(
+        self,
+        example: str,
+        *,
+        info,
+        outdir: Path,
+        startup: Startup,
+        warmup: int = 2,
+        log_every: int = 1,
+        step_key: str = "iter",
+        resume_step: int = 0,
+        sync=None,
+    ) -> None:
         from mmm.history import History
         from mmm.log import get_logger
 
@@ -293,8 +327,9 @@ class Run:
         self.log = get_logger()
         self.log_every = log_every
         self.resume_step = resume_step
-        self.hist = History(outdir, write=info.is_main, warmup=warmup, step_key=step_key,
-                            resume=resume_step if resume_step else None)
+        self.hist = History(
+            outdir, write=info.is_main, warmup=warmup, step_key=step_key, resume=resume_step if resume_step else None
+        )
         self._recorded = 0  # records made by this process (the first one closes the startup clock)
         self.stopped_by: str | None = None
         self.memory: dict[str, int] | None = None
@@ -342,8 +377,10 @@ class Run:
             last = latest_step(checkpointer.root)
             if last is not None:
                 good = f"the last good checkpoint is {step_dir(checkpointer.root, last)} (--resume {last})"
-        raise RunError(f"loss is {loss_value} at {self.hist.step_key} {step}; {good}. Lower --lr, use --dtype fp32, "
-                       "--grad-clip, or --on-nonfinite skip")
+        raise RunError(
+            f"loss is {loss_value} at {self.hist.step_key} {step}; {good}. Lower --lr, use --dtype fp32, "
+            "--grad-clip, or --on-nonfinite skip"
+        )
 
     def __enter__(self) -> Run:
         return self
@@ -369,8 +406,9 @@ class Run:
         if self._t_last is not None:
             self._t_last += seconds
 
-    def end_step(self, step: int, reduced, times, *, args, checkpointer, last: bool, rates: dict[str, float],
-                 **metrics) -> bool:
+    def end_step(
+        self, step: int, reduced, times, *, args, checkpointer, last: bool, rates: dict[str, float], **metrics
+    ) -> bool:
         """Close a step: its ``dt``; its values read now or one step later (see the class doc), then
         recorded, checked (a non-finite loss stops the run) and SIGTERM agreed on (every rank stops
         after the same step); a checkpoint saved when one is due. ``rates``: name -> work per step
@@ -383,8 +421,14 @@ class Run:
             pending, self._pending = self._pending, None  # taken first: a failed check must not write it twice
             self._flush(pending, checkpointer)
         every = getattr(args, "checkpoint_every", 0)
-        due = (last or self._recorded == 0 or step % self.log_every == 0 or reduced.read
-               or self.stopped_by is not None or (every and step % every == 0 and checkpointer is not None))
+        due = (
+            last
+            or self._recorded == 0
+            or step % self.log_every == 0
+            or reduced.read
+            or self.stopped_by is not None
+            or (every and step % every == 0 and checkpointer is not None)
+        )
         if due:
             self._flush(entry, checkpointer)
         else:
@@ -405,18 +449,28 @@ class Run:
             from mmm.tracking import gather_rank_timings
 
             metrics.update(gather_rank_timings(entry.dt, device=self.info.device))
-        self.record(entry.step, force_log=entry.last, loss=loss, dt=entry.dt,
-                    dtf=times["dtf"], dtb=times["dtb"], **{k: w / entry.dt for k, w in entry.rates.items()},
-                    **metrics, **({"skipped": times["skipped"]} if "skipped" in times else {}))
+        self.record(
+            entry.step,
+            force_log=entry.last,
+            loss=loss,
+            dt=entry.dt,
+            dtf=times["dtf"],
+            dtb=times["dtb"],
+            **{k: w / entry.dt for k, w in entry.rates.items()},
+            **metrics,
+            **({"skipped": times["skipped"]} if "skipped" in times else {}),
+        )
         # a rank whose loss does not count (an earlier pipeline stage) can still be non-finite
-        self.check_loss(entry.step, math.nan if nonfinite else loss, skipped=bool(times.get("skipped")),
-                        checkpointer=checkpointer)
+        self.check_loss(
+            entry.step, math.nan if nonfinite else loss, skipped=bool(times.get("skipped")), checkpointer=checkpointer
+        )
         if stop and self.stopped_by is None:
             self.stopped_by = "SIGTERM"
             self.log.info("%s received: stopping after this step", self.stopped_by)
 
-    def reduce_now(self, step: int, reduced, times, *, rates: dict[str, float], checkpointer=None,
-                   **metrics) -> tuple[float, bool]:
+    def reduce_now(
+        self, step: int, reduced, times, *, rates: dict[str, float], checkpointer=None, **metrics
+    ) -> tuple[float, bool]:
         """For loops that need every step's loss at once (the CNN trainer's epoch means): record and
         check the step now; returns (loss, stopping). Saving stays with the caller."""
         now = time.perf_counter()
@@ -446,15 +500,24 @@ class Run:
         """Per-rank parameter + gradient + optimizer bytes, taken while gradients exist."""
         self.memory = engine.state_bytes()
 
-    def finish(self, engine, extra: dict[str, Any], *, mesh, num_params: int, plots: bool = True,
-               rate_key: str = "tps", flops_per_unit: float | None = None, dtype: str = "fp32") -> dict[str, Any]:
+    def finish(
+        self,
+        engine,
+        extra: dict[str, Any],
+        *,
+        mesh,
+        num_params: int,
+        plots: bool = True,
+        rate_key: str = "tps",
+        flops_per_unit: float | None = None,
+        dtype: str = "fp32",
+    ) -> dict[str, Any]:
         """Gather per-rank memory, compare it with the strategy's theoretical figure, work out MFU
         (``flops_per_unit``: training FLOPs per token, or per sample when ``rate_key`` counts
         samples), write the outputs."""
+        from mmm.dist import gather_objects
         from mmm.flops import mfu_report
         from mmm.parallel.strategy import theoretical_state_bytes
-
-        from mmm.dist import gather_objects
 
         memory = {**(self.memory or engine.state_bytes()), **peak_memory(self.info.device)}
         per_rank = gather_objects(memory)
@@ -464,16 +527,23 @@ class Run:
         rate = stats.get(rate_key, {}).get("mean")
         mfu = mfu_report(self.info.device, dtype, rate=rate, flops_per_unit=flops_per_unit)
         summary_extra: dict[str, Any] = {
-            "example": self.example, "world_size": self.info.world_size, "num_nodes": self.info.num_nodes,
-            "launcher": self.info.launcher, "device": str(self.info.device), "backend": self.info.backend,
+            "example": self.example,
+            "world_size": self.info.world_size,
+            "num_nodes": self.info.num_nodes,
+            "launcher": self.info.launcher,
+            "device": str(self.info.device),
+            "backend": self.info.backend,
             **extra,
             "final_loss": self.hist.rows[-1].get("loss") if self.hist.rows else None,
             "memory_per_rank": per_rank,
             "memory": {phase: [m.get(phase) for m in marks] for phase in ("after_setup", "after_first_step")},
-            "mfu": mfu["mfu"], "flops": mfu,
+            "mfu": mfu["mfu"],
+            "flops": mfu,
             **({"measured_per_rank": measured} if measured is not None else {}),
-            "startup_s": self.startup.total_s, "startup_phases": self.startup.phases(),
-            "stopped_by": self.stopped_by, "resumed_from": self.resume_step or None,
+            "startup_s": self.startup.total_s,
+            "startup_phases": self.startup.phases(),
+            "stopped_by": self.stopped_by,
+            "resumed_from": self.resume_step or None,
             "versions": versions(),
         }
         worst = max(m["total_bytes"] for m in per_rank)
@@ -492,10 +562,14 @@ class Run:
             if rate_key in st:
                 parts.append(f"{st[rate_key]['mean']:.0f} {rate_key}")
             if mfu["mfu"] is not None:
-                parts.append(f"MFU {100 * mfu['mfu']:.1f}% ({mfu['peak_source']} peak "
-                             f"{mfu['peak_flops_per_rank'][0] / 1e12:.3g} TFLOP/s per rank)")
-            parts.append(f"state {worst / 2**20:.2f} MiB/rank ({worst / theory['total_bytes']:.3f}x of "
-                         f"{engine.strategy}'s theoretical {theory['total_bytes'] / 2**20:.2f})")
+                parts.append(
+                    f"MFU {100 * mfu['mfu']:.1f}% ({mfu['peak_source']} peak "
+                    f"{mfu['peak_flops_per_rank'][0] / 1e12:.3g} TFLOP/s per rank)"
+                )
+            parts.append(
+                f"state {worst / 2**20:.2f} MiB/rank ({worst / theory['total_bytes']:.3f}x of "
+                f"{engine.strategy}'s theoretical {theory['total_bytes'] / 2**20:.2f})"
+            )
             self.log.info("done: %s | %s", " | ".join(parts), self.outdir)
         return summary
 
@@ -505,8 +579,11 @@ def save_full_model(engine, path, *, is_main: bool) -> None:
     import torch
 
     if engine.strategy.startswith("zero"):
-        state = engine.ds._zero3_consolidated_16bit_state_dict() if engine.strategy == "zero3" \
+        state = (
+            engine.ds._zero3_consolidated_16bit_state_dict()
+            if engine.strategy == "zero3"
             else engine.ds.module.state_dict()
+        )
     else:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

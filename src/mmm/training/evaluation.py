@@ -15,10 +15,20 @@ import math
 
 def add_eval_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("evaluation")
-    g.add_argument("--eval-every", type=int, default=0, metavar="N",
-                   help="evaluate on the held-out split every N steps and after the last; 0: never [0]")
-    g.add_argument("--eval-iters", type=int, default=4, metavar="K",
-                   help="global batches per evaluation (the same K each time) [4]")
+    g.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="evaluate on the held-out split every N steps and after the last; 0: never [0]",
+    )
+    g.add_argument(
+        "--eval-iters",
+        type=int,
+        default=4,
+        metavar="K",
+        help="global batches per evaluation (the same K each time) [4]",
+    )
 
 
 def eval_problems(args: argparse.Namespace) -> list[str]:

@@ -50,16 +50,31 @@ class LRSchedule:
 def add_schedule_args(parser: argparse.ArgumentParser, *, extra_kinds: tuple[str, ...] = ()) -> None:
     """``--lr-schedule``, ``--warmup-steps``, ``--min-lr``, ``--lr-decay-steps`` (``--lr`` is the trainer's)."""
     g = parser.add_argument_group("learning-rate schedule")
-    g.add_argument("--lr-schedule", choices=(*SCHEDULES, *extra_kinds), default=None,
-                   help=f"decay after the warmup: {', '.join((*SCHEDULES, *extra_kinds))} "
-                        f"[{extra_kinds[0] if extra_kinds else 'constant'}]")
-    g.add_argument("--warmup-steps", type=int, default=0, metavar="N",
-                   help="linear learning-rate warmup over the first N steps (not --warmup, the steps left out of "
-                        "the timing means) [0]")
-    g.add_argument("--min-lr", type=float, default=None, metavar="LR",
-                   help="floor the decay ends at [lr/10 for cosine and linear]")
-    g.add_argument("--lr-decay-steps", type=int, default=None, metavar="N",
-                   help="step at which the decay reaches --min-lr [--max-iters]")
+    g.add_argument(
+        "--lr-schedule",
+        choices=(*SCHEDULES, *extra_kinds),
+        default=None,
+        help=f"decay after the warmup: {', '.join((*SCHEDULES, *extra_kinds))} "
+        f"[{extra_kinds[0] if extra_kinds else 'constant'}]",
+    )
+    g.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="linear learning-rate warmup over the first N steps (not --warmup, the steps left out of "
+        "the timing means) [0]",
+    )
+    g.add_argument(
+        "--min-lr", type=float, default=None, metavar="LR", help="floor the decay ends at [lr/10 for cosine and linear]"
+    )
+    g.add_argument(
+        "--lr-decay-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="step at which the decay reaches --min-lr [--max-iters]",
+    )
 
 
 def schedule_problems(args: argparse.Namespace, *, total_steps: int | None) -> list[str]:
@@ -77,8 +92,10 @@ def schedule_problems(args: argparse.Namespace, *, total_steps: int | None) -> l
             out.append(f"--min-lr {args.min_lr} is above --lr {args.lr}; the decay goes down to it")
     if args.lr_decay_steps is not None:
         if kind == "constant":
-            out.append(f"--lr-decay-steps {args.lr_decay_steps} has no effect with --lr-schedule constant; choose "
-                       "cosine or linear")
+            out.append(
+                f"--lr-decay-steps {args.lr_decay_steps} has no effect with --lr-schedule constant; choose "
+                "cosine or linear"
+            )
         elif args.lr_decay_steps <= args.warmup_steps:
             out.append(f"--lr-decay-steps {args.lr_decay_steps} must be > --warmup-steps {args.warmup_steps}")
     if total_steps is not None and args.warmup_steps > total_steps:
@@ -92,8 +109,13 @@ def schedule_from_args(args: argparse.Namespace, *, total_steps: int) -> LRSched
         raise ValueError(f"{kind!r} is not a per-step schedule")
     min_lr = args.min_lr if args.min_lr is not None else (args.lr / 10 if kind != "constant" else args.lr)
     decay = args.lr_decay_steps if args.lr_decay_steps is not None else total_steps
-    return LRSchedule(lr=args.lr, kind=kind, warmup_steps=args.warmup_steps, min_lr=min_lr,
-                      decay_steps=decay if kind != "constant" else 0)
+    return LRSchedule(
+        lr=args.lr,
+        kind=kind,
+        warmup_steps=args.warmup_steps,
+        min_lr=min_lr,
+        decay_steps=decay if kind != "constant" else 0,
+    )
 
 
 def set_lr(optimizer_or_engine: Any, lr: float) -> None:

@@ -1,12 +1,13 @@
 """One training step, lean: forward, backward, one small packed all-reduce, optimizer step.
 
-Per step mmm adds exactly one collective of its own, :class:`StepSync`'s all-reduce of four
-numbers over every rank: this rank's share of the mean loss, whether its loss is non-finite,
-whether it got SIGTERM, and its share of the squared global gradient norm (which clipping needs
-before the optimizer step, so the reduction comes between backward and the step). Nothing is read back to the host on a step that does not log: the packed
-result is copied to the host without blocking and read one step later (or at once on steps that
-log, save, stop or skip non-finite losses), and on cuda/xpu the forward and backward are timed with
-device events, read with it. The gradient norm stays on the device until then too.
+Per step mmm adds exactly one collective of its own, :class:`StepSync`'s all-reduce of four numbers
+over every rank: this rank's share of the mean loss, whether its loss is non-finite, whether it got
+SIGTERM, and its share of the squared global gradient norm (which clipping needs before the
+optimizer step, so the reduction comes between backward and the step). Nothing is read back to the
+host on a step that does not log: the packed result is copied to the host without blocking and read
+one step later (or at once on steps that log, save, stop or skip non-finite losses), and on cuda/xpu
+the forward and backward are timed with device events, read with it. The gradient norm stays on the
+device until then too.
 """
 
 from __future__ import annotations
@@ -104,8 +105,11 @@ class StepSync:
         value = _local_scalar(loss).to(self.device)
         share = value * self.weight if self.weight else torch.zeros((), device=self.device)
         stop = torch.full((), float(stop_flag()), device=self.device)  # a fill: no copy from the host
-        grad = grad_square.float().reshape(()).to(self.device) if grad_square is not None else torch.zeros(
-            (), device=self.device)
+        grad = (
+            grad_square.float().reshape(()).to(self.device)
+            if grad_square is not None
+            else torch.zeros((), device=self.device)
+        )
         packed = torch.stack([share, (~torch.isfinite(value)).float(), stop, grad])
         if self.world > 1:
             dist.all_reduce(packed)
@@ -150,8 +154,18 @@ class StepTimes:
         return out
 
 
-def train_step(engine, inputs, targets, loss_fn, *, sync: StepSync, context=None, after_backward=None,
-               poison: bool = False, skip_nonfinite: bool = False) -> tuple[torch.Tensor, Reduced, StepTimes]:
+def train_step(
+    engine,
+    inputs,
+    targets,
+    loss_fn,
+    *,
+    sync: StepSync,
+    context=None,
+    after_backward=None,
+    poison: bool = False,
+    skip_nonfinite: bool = False,
+) -> tuple[torch.Tensor, Reduced, StepTimes]:
     """Forward, loss, backward, the packed all-reduce (:class:`StepSync`), optimizer step; no host sync.
 
     Returns the loss (this rank's), the step's :class:`Reduced` values and its :class:`StepTimes`.
