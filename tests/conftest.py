@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,20 +59,62 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def run(cmd: list[str], *, env: dict[str, str] | None = None, timeout: float = 120, cwd=None) -> Result:
+    """Run ``cmd`` to the end in a session of its own; on a timeout (a hang) every process it started
+    is killed, not only the first."""
     t0 = time.monotonic()
+    with spawn(cmd, env=env or clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_group(p)
+            out, err = p.communicate()
+            pytest.fail(f"timed out after {timeout}s (a hang): {cmd}\n{out}\n{err}")
+    return Result(p.returncode, out, err, time.monotonic() - t0)
+
+
+@contextlib.contextmanager
+def spawn(cmd: list[str], *, env: dict[str, str] | None = None, preexec_fn=None, **kw) -> Iterator[subprocess.Popen]:
+    """Start ``cmd`` in a new session (its own process group) and, when the block ends, pass or fail,
+    kill whatever of that group is still alive: a test never leaves ranks behind."""
+    p = subprocess.Popen(
+        cmd,
+        env=env or clean_env(),
+        text=True,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        preexec_fn=preexec_fn,
+        **kw,
+    )
     try:
-        p = subprocess.run(
-            cmd,
-            env=env or clean_env(),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-        )
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"timed out after {timeout}s (a hang): {cmd}\n{e.stdout}\n{e.stderr}")
-    return Result(p.returncode, p.stdout, p.stderr, time.monotonic() - t0)
+        yield p
+    finally:
+        kill_group(p)
+        p.wait()
+        for f in (p.stdout, p.stderr):
+            if f is not None:
+                f.close()
+
+
+def kill_group(p: subprocess.Popen) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def group_alive(pgid: int) -> list[int]:
+    """Processes still in process group ``pgid`` (zombies excluded)."""
+    alive = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            alive.append(int(d.name))
+    return alive
 
 
 def torchrun(n: int, *args: str) -> list[str]:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import SCRIPTS, assert_clean_user_error, clean_env, launch, mpiexec, run, torchrun
+from conftest import SCRIPTS, assert_clean_user_error, clean_env, group_alive, launch, mpiexec, run, spawn, torchrun
 
 
 @pytest.mark.parametrize("runner", ["launch-local", "mpiexec"])
@@ -93,33 +93,70 @@ def test_a_dead_rank_does_not_leave_the_others_waiting(runner, mode):
         assert "[rank 1] Traceback" in res.stderr
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_launch_forwards_signals_and_ranks_exit_cleanly(sig, code):
-    p = subprocess.Popen(
-        launch("--launcher", "local", "-n", "2", "python3", str(SCRIPTS / "wait_forever.py")),
-        env=clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        stdin=subprocess.DEVNULL,
-    )
-    seen: list[str] = []
-    reader = threading.Thread(target=lambda: seen.extend(iter(p.stdout.readline, "")), daemon=True)
+def _wait_ready(p: subprocess.Popen, ranks: int, timeout: float = 60) -> None:
+    seen = ""  # two ranks share the pipe: their lines may interleave, so count the words
+    deadline = time.monotonic() + timeout
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(p.stdout.readline, "")), daemon=True)
     reader.start()
-    deadline = time.monotonic() + 60
-    while "".join(seen).count("READY") < 2 and time.monotonic() < deadline and p.poll() is None:
+    while (seen := "".join(lines)).count("READY") < ranks and time.monotonic() < deadline and p.poll() is None:
         time.sleep(0.1)
-    assert "".join(seen).count("READY") == 2, seen
-    p.send_signal(sig)
-    try:
-        _, err = p.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        pytest.fail("launch did not stop after a forwarded signal")
-    assert p.returncode == code, err
+    assert seen.count("READY") == ranks, seen
+
+
+def _as_background_job() -> None:
+    """What a non-interactive shell does to `cmd &` (and what `nohup make test &` hands to pytest)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize(
+    "sig, code, inherited",
+    [
+        (signal.SIGTERM, 143, "default"),
+        (signal.SIGINT, 130, "default"),
+        (signal.SIGINT, 130, "background job"),  # launch started with SIGINT ignored
+        (signal.SIGTERM, 143, "background job"),
+    ],
+)
+def test_launch_forwards_signals_and_ranks_exit_cleanly(sig, code, inherited):
+    cmd = launch("--launcher", "local", "-n", "2", "python3", str(SCRIPTS / "wait_forever.py"))
+    pre = _as_background_job if inherited == "background job" else None
+    with spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=pre) as p:
+        _wait_ready(p, 2)
+        p.send_signal(sig)
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"launch did not stop within 30 s of a forwarded {sig.name}")
+        err = p.stderr.read()
+        assert p.returncode == code, err
+        assert group_alive(p.pid) == [], "ranks left behind"
     if sig == signal.SIGTERM:
         assert err.count("terminated by SIGTERM") == 2, err
     assert "exited with code" not in err  # a forwarded signal is not reported as a rank failure
+    assert "sending SIGTERM" not in err  # the signal itself stopped the ranks: no escalation
+
+
+def test_a_sigint_that_stops_nothing_escalates_to_sigterm():
+    """Ranks that ignore SIGINT (a user's program may): launch follows the forwarded SIGINT with SIGTERM
+    after its grace period instead of waiting forever."""
+    cmd = launch("--launcher", "local", "-n", "2", "python3", str(SCRIPTS / "wait_forever.py"), "--ignore-sigint")
+    with spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as p:
+        _wait_ready(p, 2)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("launch did not stop a job whose ranks ignore SIGINT")
+        took = time.monotonic() - t0
+        err = p.stderr.read()
+        assert group_alive(p.pid) == [], "ranks left behind"
+    assert "SIGINT did not stop the job within 10 s; sending SIGTERM" in err, err
+    assert err.count("terminated by SIGTERM") == 2, err
+    assert p.returncode == 143, err
+    assert 9 < took < 40, took
 
 
 @pytest.mark.slow
@@ -245,22 +282,11 @@ def test_only_the_dead_rank_is_named_while_live_ones_are_busy(tmp_path):
 def test_sigusr1_writes_every_ranks_stacks(tmp_path):
     """A user watching a job that looks hung: kill -USR1 writes where each rank is, and the job goes on."""
     stacks = tmp_path / "stacks"
-    p = subprocess.Popen(
-        launch("--launcher", "local", "-n", "2", "python3", str(SCRIPTS / "wait_forever.py")),
-        env=clean_env(MMM_STACK_DIR=str(stacks)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        seen = ""  # two ranks share the pipe: their lines may interleave, so count the words
-        while seen.count("READY") < 2 and p.poll() is None:
-            seen += p.stdout.readline()
-        assert seen.count("READY") == 2, seen
-        out = subprocess.run(["pgrep", "-f", f"{SCRIPTS / 'wait_forever.py'}"], capture_output=True, text=True)
-        pids = [int(x) for x in out.stdout.split() if int(x) != p.pid]
+    cmd = launch("--launcher", "local", "-n", "2", "python3", str(SCRIPTS / "wait_forever.py"))
+    with spawn(cmd, env=clean_env(MMM_STACK_DIR=str(stacks)), stdout=subprocess.PIPE, stderr=subprocess.PIPE) as p:
+        _wait_ready(p, 2)
+        out = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True)  # launch's ranks
+        pids = [int(x) for x in out.stdout.split()]
         assert len(pids) == 2, out.stdout
         for pid in pids:
             os.kill(pid, signal.SIGUSR1)
@@ -272,6 +298,3 @@ def test_sigusr1_writes_every_ranks_stacks(tmp_path):
             text = (stacks / f"rank-{r}.txt").read_text()
             assert 'wait_forever.py", line' in text and "in main" in text, text
         assert p.poll() is None  # still running
-    finally:
-        os.killpg(p.pid, signal.SIGTERM)
-        p.communicate(timeout=30)

@@ -45,6 +45,7 @@ PROG = "launch"
 MPI_FLAVORS = ("openmpi", "hydra", "pals")
 LAUNCHERS = ("auto", "mpiexec", "srun", "local")
 LOCAL_CPU_RANKS = 4
+ESCALATE_AFTER_S = 10.0  # a forwarded SIGINT that stopped nothing is followed by SIGTERM after this
 FORWARDED_ENV = (
     "MASTER_ADDR",
     "MASTER_PORT",
@@ -382,7 +383,7 @@ def spawn_local(
     env: Mapping[str, str],
     *,
     settle_s: float = 5.0,
-    grace_s: float = 10.0,
+    grace_s: float = ESCALATE_AFTER_S,
     signalled: list[int] | None = None,
 ) -> int:
     """Run ``nproc`` copies of ``cmd`` with torchrun-style variables; stop all when one fails.
@@ -390,10 +391,25 @@ def spawn_local(
     When a rank fails the others get ``settle_s`` seconds to exit on their own (bad input
     fails every rank alike, and each says so), then SIGTERM, then SIGKILL after ``grace_s``
     more. Returns 0 if every rank exited 0, else the first failing rank's code (128+N for a
-    signal). SIGINT/SIGTERM are forwarded to the ranks at once.
+    signal). SIGINT/SIGTERM are forwarded to the ranks at once; a SIGINT that has not stopped every
+    rank after ``grace_s`` is followed by SIGTERM (a rank may ignore SIGINT).
     """
     procs: list[subprocess.Popen] = []
     base = dict(env)
+    signalled = [] if signalled is None else signalled  # the signals forwarded (the caller may watch)
+
+    def forward(signum, frame):
+        signalled.append(signum)
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    p.send_signal(signum)
+                except ProcessLookupError:
+                    pass
+
+    # before the ranks start: exec gives a caught signal its default handling in the child, while an
+    # inherited "ignore" (a background job's SIGINT) would stay and make the forwarded signal a no-op
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     for rank in range(nproc):
         rank_env = {
             **base,
@@ -409,27 +425,21 @@ def spawn_local(
         except OSError as e:
             for p in procs:
                 p.kill()
+            for s, h in old.items():
+                signal.signal(s, h)
             raise UsageError(f"cannot start {cmd[0]!r}: {e.strerror}") from None
 
-    signalled = [] if signalled is None else signalled  # the signals forwarded (the caller may watch)
-
-    def forward(signum, frame):
-        signalled.append(signum)
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    p.send_signal(signum)
-                except ProcessLookupError:
-                    pass
-
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     code = 0
     failed_rank: int | None = None
     term_at: float | None = None
     kill_at: float | None = None
+    escalate = _Escalation(grace_s)
     try:
         while True:
             running = [p for p in procs if p.poll() is None]
+            if running and escalate.due(signalled):
+                for q in running:
+                    q.send_signal(signal.SIGTERM)
             for rank, p in enumerate(procs):
                 rc = p.returncode
                 if rc not in (None, 0) and code == 0:
@@ -570,22 +580,15 @@ def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) 
     if plan.launcher == "mpiexec" and plan.mpi_flavor == "hydra" and hasattr(os, "pidfd_open"):
         watcher = RankWatch(tempfile.mkdtemp(prefix="mmm-pids-"), plan.nproc)
         env = {**env, "MMM_PID_DIR": str(watcher.folder)}
+    child: list[subprocess.Popen] = []
     try:
-        p = subprocess.Popen(plan.argv, env=dict(env))
-    except OSError as e:
-        if watcher is not None:
-            shutil.rmtree(watcher.folder, ignore_errors=True)
-        raise UsageError(f"cannot run {plan.argv[0]!r}: {e.strerror}") from None
-    if watcher is not None:
-        watcher.start()
-    try:
-        rc = _wait_forwarding(p, signalled)
+        rc = _wait_forwarding(lambda: _start_child(plan.argv, env, watcher, child), signalled)
     finally:
         if watcher is not None:
             watcher.done.set()
             watcher.join(timeout=2.0)
             if not watcher.is_alive():
-                named = watcher.first_silent() if p.returncode and not signalled else None
+                named = watcher.first_silent() if child and child[0].returncode and not signalled else None
                 shutil.rmtree(watcher.folder, ignore_errors=True)
                 if named:
                     print_error(named, prog=PROG)
@@ -610,30 +613,89 @@ _STOPPING = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")  # recorded: a job stoppe
 _PASSED_ON = ("SIGUSR1", "SIGUSR2")  # e.g. SIGUSR1: every mmm rank writes its stacks
 
 
-def _wait_forwarding(p: subprocess.Popen, signalled: list[int]) -> int:
-    """Wait for the child, passing on the signals launch gets (as when the child had taken launch's place)."""
+def _start_child(
+    argv: Sequence[str], env: Mapping[str, str], watcher: RankWatch | None, started: list[subprocess.Popen]
+) -> subprocess.Popen:
+    try:
+        p = subprocess.Popen(list(argv), env=dict(env))
+    except OSError as e:
+        if watcher is not None:
+            shutil.rmtree(watcher.folder, ignore_errors=True)
+        raise UsageError(f"cannot run {argv[0]!r}: {e.strerror}") from None
+    started.append(p)
+    if watcher is not None:
+        watcher.start()
+    return p
+
+
+class _Escalation:
+    """A forwarded SIGINT that has not stopped the job after ``grace_s`` is followed by one SIGTERM:
+    a program may ignore SIGINT (or have inherited "ignore" from a shell's background job), and launch
+    must not wait forever. SIGTERM itself is never escalated to SIGKILL here: mmm's trainers answer it by
+    saving a checkpoint, which takes the time it takes (the scheduler bounds it, e.g. Slurm's KillWait)."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s, self.since, self.done = grace_s, None, False
+
+    def due(self, signalled: Sequence[int]) -> bool:
+        if self.done or signal.SIGINT not in signalled or signal.SIGTERM in signalled:
+            return False
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+        if now - self.since < self.grace_s:
+            return False
+        self.done = True
+        print_error(f"SIGINT did not stop the job within {self.grace_s:.0f} s; sending SIGTERM", prog=PROG)
+        return True
+
+
+def _wait_forwarding(
+    start: Callable[[], subprocess.Popen], signalled: list[int], *, grace_s: float = ESCALATE_AFTER_S
+) -> int:
+    """Start the child and wait for it, passing on the signals launch gets (as when the child had taken
+    launch's place). The handlers go in before the child starts, so it begins with the default handling
+    of each (never an "ignore" launch inherited); a signal launch inherited as ignored (nohup's SIGHUP)
+    is left alone."""
+    holder: list[subprocess.Popen] = []
 
     def forward(signum, frame):
         if signal.Signals(signum).name in _STOPPING:
             signalled.append(signum)
         if signum == signal.SIGINT and _ctrl_c_reached_the_child():
             return  # a second SIGINT would make mpiexec abort instead of stopping the ranks
-        if p.poll() is None:
-            p.send_signal(signum)
+        if holder and holder[0].poll() is None:
+            holder[0].send_signal(signum)
 
     sigs = [getattr(signal, name) for name in (*_STOPPING, *_PASSED_ON) if hasattr(signal, name)]
-    old = {sig: signal.signal(sig, forward) for sig in sigs}
+    mine = (signal.SIGINT, signal.SIGTERM)  # always launch's to forward, even if inherited as ignored
+    old = {sig: signal.signal(sig, forward) for sig in sigs if sig in mine or signal.getsignal(sig) != signal.SIG_IGN}
+    escalate = _Escalation(grace_s)
     try:
+        holder.append(start())
+        p = holder[0]
         while True:
             try:
-                rc = p.wait()
+                rc = p.wait(timeout=0.2)
                 break
-            except InterruptedError:  # pragma: no cover
-                continue
+            except subprocess.TimeoutExpired:
+                if escalate.due(signalled):
+                    p.send_signal(signal.SIGTERM)
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
     return 128 - rc if rc < 0 else rc
+
+
+def _unignore_stop_signals() -> None:
+    """A shell starts a background job (``launch ... &`` in a batch script, ``nohup make test &``) with
+    SIGINT ignored, and an ignored signal stays ignored across exec: ranks started from such a launch
+    would ignore the SIGINT launch forwards. SIGINT and SIGTERM are launch's to handle and forward, so
+    they start from their defaults here, whatever launch inherited."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def run_with_retries(
@@ -737,6 +799,7 @@ def build_parser() -> ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    _unignore_stop_signals()
     try:
         args = build_parser().parse_args(argv)
         command = args.command[1:] if args.command[:1] == ["--"] else args.command

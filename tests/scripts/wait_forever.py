@@ -1,5 +1,6 @@
 """Sets up, prints READY, then sleeps until a signal ends it (SIGTERM/SIGINT forwarding test)."""
 
+import signal
 import sys
 import time
 
@@ -7,6 +8,8 @@ from mmm import dist
 
 
 def main(argv=None):
+    if "--ignore-sigint" in sys.argv:  # a program that ignores SIGINT: launch must escalate
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     info = dist.setup()
     sys.stdout.write(f"READY {info.rank}\n")  # one write: print() writes the newline apart when unbuffered
     sys.stdout.flush()
