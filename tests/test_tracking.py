@@ -79,8 +79,8 @@ def tensorboard_scalars(logdir: Path) -> dict[str, dict[int, float]]:
     return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
 
 
-def the_run_dir(outdir: Path) -> Path:
-    (d,) = (outdir / "wandb").glob("offline-run-*")
+def the_run_dir(base: Path) -> Path:
+    (d,) = (base / "wandb").glob("offline-run-*")
     return d
 
 
@@ -151,7 +151,7 @@ def test_wandb_and_tensorboard_hold_every_history_row(tmp_path):
 
 def test_a_crash_still_closes_the_trackers_with_every_finished_step(tmp_path):
     """A NaN at step 3 stops the run (exit 1): the trackers have steps 1-3, as history.jsonl does,
-    and the W&B run is closed as failed."""
+    and the W&B run is closed as failed. ``WANDB_DIR`` (scratch on a cluster) is honoured."""
     pytest.importorskip("wandb", reason="the wandb extra is not installed")
     pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
     res = trainer(
@@ -162,12 +162,13 @@ def test_a_crash_still_closes_the_trackers_with_every_finished_step(tmp_path):
         "--wandb",
         "--tensorboard",
         "--no-plots",
-        env=clean_env(WANDB_MODE="offline", MMM_FAULT="nan@3"),
+        env=clean_env(WANDB_MODE="offline", MMM_FAULT="nan@3", WANDB_DIR=str(tmp_path / "scratch")),
     )
     assert res.returncode == 1 and "loss is nan at iter 3" in res.stderr, res.output
     hist = jsonl(tmp_path / "history.jsonl", key=None)
     assert [r["iter"] for r in hist] == [1, 2, 3] and math.isnan(hist[-1]["loss"])
-    records = wandb_records(the_run_dir(tmp_path))
+    assert not (tmp_path / "wandb").exists()  # the run went to WANDB_DIR
+    records = wandb_records(the_run_dir(tmp_path / "scratch"))
     logged = wandb_history(records)
     assert sorted(logged) == [1, 2, 3] and logged[2]["loss"] == hist[1]["loss"] and math.isnan(logged[3]["loss"])
     assert wandb_exit_code(records) == 1

@@ -83,7 +83,8 @@ def mesh_degrees(args, world_size: int) -> dict[str, int]:
 
 # --------------------------------------------------------------------------- trackers
 class WandbTracker:
-    """Weights & Biases: one run, its files under ``<outdir>/wandb``; ``WANDB_MODE`` etc. apply."""
+    """Weights & Biases: one run, its files under ``<outdir>/wandb``, or under ``$WANDB_DIR/wandb`` when
+    the user set ``WANDB_DIR`` (clusters point it at scratch: home is small); ``WANDB_MODE`` etc. apply."""
 
     name = "wandb"
 
@@ -93,7 +94,7 @@ class WandbTracker:
         self.run = wandb.init(
             project=project or os.environ.get("WANDB_PROJECT") or "mmm",
             name=run_name,
-            dir=str(outdir),
+            dir=None if os.environ.get("WANDB_DIR") else str(outdir),  # None: W&B reads WANDB_DIR itself
             config=dict(config),
         )
         self.dir = Path(self.run.dir).parent  # <outdir>/wandb/<offline-run-...|run-...>
