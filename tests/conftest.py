@@ -187,3 +187,21 @@ def slurm_cluster(tmp_path_factory):
         yield cluster
     finally:
         cluster.stop()
+
+
+# --------------------------------------------------------------------------- several hosts
+@pytest.fixture(scope="session")
+def two_hosts():
+    """Two hosts node1, node2 on this machine (tests/hosts.py) for the session; skips, saying why, where
+    the machine cannot make them (not root, no iproute2); removed at the end (and, after a crash, by
+    the next session's start)."""
+    from hosts import Hosts, HostsUnavailable
+
+    try:
+        hosts = Hosts.up(2)
+    except HostsUnavailable as e:
+        pytest.skip(f"no multi-host cluster on this machine: {e}")
+    try:
+        yield hosts
+    finally:
+        hosts.down()

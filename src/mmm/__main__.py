@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -99,6 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.report_dir.mkdir(parents=True, exist_ok=True)
         report = {
             "rank": rank,
+            "host": socket.gethostname(),
             "world_size": info.world_size,
             "local_rank": info.local_rank,
             "local_world_size": info.local_world_size,
