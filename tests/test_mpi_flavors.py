@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import clean_env, run
+from conftest import assert_clean_user_error, clean_env, run
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--dim", "64", "--n-layers", "2", "--seq-len", "32", "--batch-size", "8", "--no-plots", "--log-every", "100"]
@@ -164,3 +165,15 @@ def test_a_killed_rank_ends_the_job_fast_naming_only_it(mpi, tmp_path):
     # the finished steps are on disk; under MPICH step 2 may be lost with its late read (Hydra SIGKILLs
     # every rank within milliseconds, before rank 0 writes a step whose values it reads one step late)
     assert rows == [1, 2] or name == "mpich" and rows == [1], rows
+
+
+def test_mpi4py_of_another_mpi_is_named_not_a_hang(mpi):
+    """The main venv's mpi4py loads Open MPI; under MPICH's or Intel MPI's mpiexec every process sees a
+    1-rank world and each would wait as rank 0 of its own job until the timeout. mmm compares the two
+    world sizes and says what to do, in one line, on every rank."""
+    _, envdir = mpi
+    cmd = [str(envdir / "bin" / "mpiexec"), "-n", "2", sys.executable, "-m", "mmm", "--tp", "2"]
+    res = run(cmd, env=env_of(envdir, MMM_TIMEOUT="300"), timeout=120)
+    assert res.returncode != 0 and res.seconds < 60, res.output
+    assert_clean_user_error(res, "sees a world of 1 rank(s) but the launcher (mpich) started 2")
+    assert "suspicious MPI execution environment" not in res.output

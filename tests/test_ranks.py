@@ -158,3 +158,44 @@ def test_binding_an_mps_device_does_not_crash():
 
     bind_device(torch.device("mps"))
     bind_device(torch.device("cpu"))
+
+
+# --------------------------------------------------------------------------- many hosts
+def test_pals_local_size_from_pals_local_size():
+    """Cray PALS exports PALS_LOCAL_SIZE (PMI_LOCAL_SIZE is not always there): without reading it a
+    multi-node job looked like one node and met at 127.0.0.1."""
+    env = {"PALS_RANKID": "5", "PMI_SIZE": "8", "PALS_LOCAL_RANKID": "1", "PALS_LOCAL_SIZE": "4", "PMI_RANK": "5"}
+    info = discover_ranks(env, use_mpi4py=False)
+    assert (info.local_rank, info.local_world_size, info.num_nodes, info.local_known) == (1, 4, 2, True)
+
+
+def test_a_missing_local_size_is_unknown_not_one_node(monkeypatch):
+    """An MPI that names rank and size but not the local layout (and no mpi4py to ask): the layout is
+    unknown, so rendezvous never assumes every rank is on this host."""
+    monkeypatch.setenv("MMM_NO_MPI4PY", "1")
+    info = discover_ranks({"PMI_RANK": "2", "PMI_SIZE": "8"})
+    assert (info.rank, info.world_size, info.source, info.local_known) == (2, 8, "mpich", False)
+    with pytest.raises(UsageError, match="MASTER_ADDR"):
+        rendezvous(info, {"PMIX_NAMESPACE": "prterun-host-1@1"})  # before: ("127.0.0.1", port) on every node
+
+
+def test_a_scripts_own_rank_variables_do_not_hide_the_slurm_step():
+    """A job script that exports RANK/WORLD_SIZE (= the step's) must not make every rank local rank =
+    global rank: SLURM_LOCALID says where it is (cyclic distribution here)."""
+    step = {"SLURM_JOB_ID": "9", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NTASKS": "4",
+            "SLURM_LOCALID": "0", "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}  # fmt: skip
+    info = discover_ranks({**step, "RANK": "1", "WORLD_SIZE": "4"}, use_mpi4py=False)
+    assert (info.source, info.local_rank, info.local_world_size) == ("slurm", 0, 2)
+    # torchrun inside a Slurm step (its own ranks differ from the step's): torchrun's variables win
+    tr = {**step, "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
+    assert discover_ranks(tr, use_mpi4py=False) == RankInfo(5, 8, 1, 4, "torchrun")
+
+
+def test_two_mpiexec_runs_in_one_pbs_job_never_share_a_derived_port(monkeypatch):
+    """PBS_JOBID names the job, not the run: two mpiexec runs inside one job would meet at one port.
+    Without a per-run key (PMIx namespace, PALS apid, Slurm step) or mpi4py, say how to fix instead."""
+    monkeypatch.setenv("MMM_NO_MPI4PY", "1")
+    with pytest.raises(UsageError, match="MASTER_ADDR"):
+        rendezvous(RankInfo(1, 2, 1, 2, "mpich"), {"PBS_JOBID": "4242.pbs"})
+    pals = rendezvous(RankInfo(1, 2, 1, 2, "pals"), {"PBS_JOBID": "4242.pbs", "PALS_APID": "a1"})
+    assert pals == ("127.0.0.1", derived_port("a1"))

@@ -28,14 +28,38 @@ teardown), :mod:`~mmm.dist.exits` (signals, run_main, exit codes), :mod:`~mmm.di
 
 from __future__ import annotations
 
+from mmm.dist.device import (  # noqa: F401
+    DEFAULT_TIMEOUT_S,
+    DEVICE_CHOICES,
+    pick_backend,
+    pick_device,
+    return_freed_host_memory,
+    timeout_seconds,
+)
+from mmm.dist.exits import (  # noqa: F401
+    USAGE_ERROR_GRACE_S,
+    Terminated,
+    finish,
+    gather_objects,
+    graceful_sigterm,
+    peer_failure_message,
+    run_main,
+    stop_flag,
+    uninterrupted,
+)
+from mmm.dist.liveness import dump_stacks, set_stack_dir, silent_ranks, stack_dir  # noqa: F401
 from mmm.dist.ranks import RankInfo, discover_ranks, expand_nodelist, parse_tasks_per_node  # noqa: F401
 from mmm.dist.rendezvous import derived_port, free_port, rendezvous  # noqa: F401
-from mmm.dist.device import (  # noqa: F401
-    DEFAULT_TIMEOUT_S, DEVICE_CHOICES, pick_backend, pick_device, return_freed_host_memory, timeout_seconds)
 from mmm.dist.state import (  # noqa: F401
-    DATA_SEED_STRIDE, DistInfo, banner, current, data_generator, data_seed, info, launch_time, seed_all, setup,
-    teardown)
-from mmm.dist.exits import (  # noqa: F401
-    Terminated, USAGE_ERROR_GRACE_S, finish, gather_objects, graceful_sigterm, peer_failure_message, run_main,
-    stop_flag, uninterrupted)
-from mmm.dist.liveness import dump_stacks, set_stack_dir, silent_ranks, stack_dir  # noqa: F401
+    DATA_SEED_STRIDE,
+    DistInfo,
+    banner,
+    current,
+    data_generator,
+    data_seed,
+    info,
+    launch_time,
+    seed_all,
+    setup,
+    teardown,
+)

@@ -85,8 +85,6 @@ def timeout_seconds(value: float | None = None) -> float:
     return seconds
 
 
-
-
 HOST_MMAP_THRESHOLD = 1 << 20  # bytes
 LARGE_MODEL_BYTES = 256 << 20  # a CPU model this large has mmm give freed host memory back
 

@@ -89,8 +89,9 @@ def _is_user_error(e: BaseException) -> bool:
     return isinstance(e, UsageError)
 
 
-def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None,
-             *, prog: str | None = None) -> NoReturn:
+def run_main(
+    main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None, *, prog: str | None = None
+) -> NoReturn:
     """Run a distributed program's ``main`` and exit the way a cluster job should.
 
     - bad input (:class:`~mmm.errors.UsageError`, argparse errors): one line on stderr
@@ -153,8 +154,17 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
     finish(code, together=together)
 
 
-_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "econnreset",
-              "connection refused", "read error", "recv error", "socket closed", "no route to host")
+_PEER_LOST = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "econnreset",
+    "connection refused",
+    "read error",
+    "recv error",
+    "socket closed",
+    "no route to host",
+)
 _PEER_TIMEOUT = ("timed out", "timeout", "deadline exceeded")
 _BACKENDS = ("gloo", "nccl", "processgroup", "c10d", "xccl", "oneccl", "mpi_")
 
@@ -180,11 +190,15 @@ def peer_failure_message(e: BaseException) -> str | None:
             t = f"{current().timeout_s if current() is not None else timeout_seconds(None):g} s"
         except UsageError:
             t = "see MMM_TIMEOUT"
-        return (f"no answer from another rank within the collective timeout ({t}; set it with --timeout or "
-                f"MMM_TIMEOUT): a rank stalled or died; the launcher's message names it ({first})")
+        return (
+            f"no answer from another rank within the collective timeout ({t}; set it with --timeout or "
+            f"MMM_TIMEOUT): a rank stalled or died; the launcher's message names it ({first})"
+        )
     if any(k in low for k in _PEER_LOST) or lost_link:
-        return (f"lost contact with another rank during a collective: a rank died or was killed; the launcher's "
-                f"message names it ({first})")
+        return (
+            f"lost contact with another rank during a collective: a rank died or was killed; the launcher's "
+            f"message names it ({first})"
+        )
     return None  # a backend error of its own (invalid usage, out of memory): keep its traceback
 
 

@@ -4,11 +4,12 @@ MPICH/Intel MPI, Cray PALS, Slurm), or from MPI itself; Slurm node lists."""
 from __future__ import annotations
 
 import os
+import re
+import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-import re
 from mmm.errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -25,6 +26,9 @@ class RankInfo:
     local_rank: int
     local_world_size: int
     source: str  # which launcher's variables: torchrun, openmpi, mpich, pals, slurm, mpi4py, single
+    # False when the launcher did not say which ranks share this host (local rank and size are then a
+    # guess); rendezvous then never assumes that every rank is on this host
+    local_known: bool = field(default=True, compare=False)
 
     @property
     def num_nodes(self) -> int:
@@ -32,13 +36,18 @@ class RankInfo:
         return -(-self.world_size // max(1, self.local_world_size))
 
 
-# (source, rank var, size var, local rank var, local size var); first match wins.
-_ENV_SOURCES: tuple[tuple[str, str, str, str, str], ...] = (
-    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-     "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    ("pals", "PALS_RANKID", "PMI_SIZE", "PALS_LOCAL_RANKID", "PMI_LOCAL_SIZE"),
-    ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+# (source, rank var, size var, local rank var, local size vars (the first set wins)); first match wins.
+_ENV_SOURCES: tuple[tuple[str, str, str, str, tuple[str, ...]], ...] = (
+    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", ("LOCAL_WORLD_SIZE",)),
+    (
+        "openmpi",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        ("OMPI_COMM_WORLD_LOCAL_SIZE",),
+    ),
+    ("pals", "PALS_RANKID", "PMI_SIZE", "PALS_LOCAL_RANKID", ("PALS_LOCAL_SIZE", "PMI_LOCAL_SIZE")),
+    ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", ("MPI_LOCALNRANKS",)),
 )
 # Variables that say "an MPI launcher started me" without giving the world size.
 _MPI_HINTS = ("PMIX_RANK", "PMI_FD", "PMI_RANK", "PALS_RANKID", "HYDI_CONTROL_FD", "MPI_LOCALRANKID")
@@ -92,20 +101,30 @@ def discover_ranks(env: Mapping[str, str] | None = None, *, use_mpi4py: bool = T
     Order: torchrun-style variables, Open MPI, Cray PALS, MPICH/Intel MPI (Hydra; but inside a
     Slurm step that set only PMI_RANK/PMI_SIZE, as ``srun --mpi=pmi2`` does, the step's own
     variables, which also give the local rank and node), a Slurm step; then, if an MPI launcher is
-    evident but gave no sizes (PMIx), mpi4py; else a
-    single process. Missing local-rank variables fall back to a single-node assumption.
+    evident but gave no sizes (PMIx), mpi4py; else a single process. Inside a Slurm step, ``RANK`` and
+    ``WORLD_SIZE`` equal to the step's own (a job script that exported them) without ``LOCAL_RANK``
+    do not hide the step's local ids. When the launcher gives no local rank or size, mpi4py's
+    node-local communicator says which ranks share this host; without it the local layout is marked
+    unknown (``local_known=False``) rather than assumed to be a single node.
     """
     env = os.environ if env is None else env
     slurm = _slurm_ranks(env)
-    for source, rank_v, size_v, lrank_v, lsize_v in _ENV_SOURCES:
-        if (source == "mpich" and lrank_v not in env and slurm is not None and rank_v in env and size_v in env
-                and (_int_var(env, rank_v), _int_var(env, size_v)) == (slurm.rank, slurm.world_size)):
-            break  # srun --mpi=pmi2 sets PMI_RANK/PMI_SIZE only: the Slurm step says the rest
+    for source, rank_v, size_v, lrank_v, lsize_vs in _ENV_SOURCES:
+        if (
+            slurm is not None
+            and source in ("mpich", "torchrun")
+            and lrank_v not in env
+            and _same_as(slurm, env, rank_v, size_v)
+        ):
+            break  # srun --mpi=pmi2 (PMI_RANK/PMI_SIZE only) or a script's own RANK: the Slurm step says more
         if rank_v in env and size_v in env:
             rank, world = _int_var(env, rank_v), _int_var(env, size_v)
-            local_rank = _int_var(env, lrank_v) if lrank_v in env else rank
-            local_size = _int_var(env, lsize_v) if lsize_v in env else world
-            return _checked(RankInfo(rank, world, local_rank, local_size, source), rank_v, size_v)
+            lsize_v = next((v for v in lsize_vs if v in env), None)
+            if lrank_v in env and lsize_v is not None:
+                info = RankInfo(rank, world, _int_var(env, lrank_v), _int_var(env, lsize_v), source)
+            else:
+                info = _local_from_mpi(RankInfo(rank, world, rank, world, source, local_known=False), use_mpi4py)
+            return _checked(info, rank_v, size_v)
     if slurm is not None:
         return _checked(slurm, "SLURM_PROCID", "SLURM_NTASKS")
     if use_mpi4py and any(v in env for v in _MPI_HINTS):
@@ -126,11 +145,33 @@ def discover_ranks(env: Mapping[str, str] | None = None, *, use_mpi4py: bool = T
     return RankInfo(0, 1, 0, 1, "single")
 
 
+def _same_as(slurm: RankInfo, env: Mapping[str, str], rank_v: str, size_v: str) -> bool:
+    return (
+        rank_v in env
+        and size_v in env
+        and (_int_var(env, rank_v), _int_var(env, size_v)) == (slurm.rank, slurm.world_size)
+    )
+
+
+def _local_from_mpi(info: RankInfo, use_mpi4py: bool) -> RankInfo:
+    """The launcher named rank and world but not who shares this host: ask MPI's node-local communicator
+    (when mpi4py is there and sees the same world); else keep ``local_known=False``."""
+    comm = _mpi_comm() if use_mpi4py and info.world_size > 1 else None
+    if comm is None or comm.Get_size() != info.world_size:
+        return info
+    from mpi4py import MPI
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return replace(info, local_rank=local.Get_rank(), local_world_size=local.Get_size(), local_known=True)
+    finally:
+        local.Free()
+
+
 def _checked(info: RankInfo, rank_v: str, size_v: str) -> RankInfo:
     if info.world_size < 1 or not 0 <= info.rank < info.world_size:
         raise UsageError(
-            f"{rank_v}={info.rank} with {size_v}={info.world_size} is not a valid rank; "
-            "a rank lies in [0, world size)",
+            f"{rank_v}={info.rank} with {size_v}={info.world_size} is not a valid rank; a rank lies in [0, world size)",
             same_on_all_ranks=False,
         )
     return info
@@ -141,7 +182,9 @@ def _mpi_comm():
     if os.environ.get("MMM_NO_MPI4PY", "") in {"1", "true"}:
         return None
     try:
-        from mpi4py import MPI
+        with warnings.catch_warnings():  # another MPI's mpiexec: rendezvous names the mismatch in one line
+            warnings.filterwarnings("ignore", message="suspicious MPI execution environment")
+            from mpi4py import MPI
     except ImportError:
         return None
     return MPI.COMM_WORLD
@@ -167,7 +210,7 @@ def _expand_one(item: str) -> list[str]:
     m = re.search(r"\[([^\]]*)\]", item)
     if not m:
         return [item]
-    head, tail = item[: m.start()], item[m.end():]
+    head, tail = item[: m.start()], item[m.end() :]
     out: list[str] = []
     for rng in m.group(1).split(","):
         rng = rng.strip()
@@ -181,6 +224,7 @@ def _expand_one(item: str) -> list[str]:
         else:
             raise UsageError(f"bad entry {rng!r} in Slurm node list {item!r}")
     return [host + rest for host in out for rest in _expand_one(tail)]
+
 
 def expand_nodelist(text: str) -> list[str]:
     """Slurm's compressed host list: ``"nid[001-003,010],login1"`` -> 4 + 1 hosts, zero padding kept."""

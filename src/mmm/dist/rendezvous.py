@@ -29,8 +29,9 @@ def derived_port(key: str) -> int:
 
 
 def _job_key(env: Mapping[str, str]) -> str | None:
-    for names in (("PMIX_NAMESPACE",), ("SLURM_JOB_ID", "SLURM_STEP_ID"), ("PALS_APID",), ("PBS_JOBID",),
-                  ("OMPI_MCA_orte_hnp_uri",)):
+    # each names one run of a launcher (one mpiexec, one srun step), never a whole job: two mpiexec runs
+    # inside one PBS job must not meet at the same port (so PBS_JOBID is not a key)
+    for names in (("PMIX_NAMESPACE",), ("SLURM_JOB_ID", "SLURM_STEP_ID"), ("PALS_APID",), ("OMPI_MCA_orte_hnp_uri",)):
         if all(n in env for n in names):
             return ".".join(env[n] for n in names)
     return None
@@ -50,16 +51,17 @@ def rendezvous(info: RankInfo, env: Mapping[str, str] | None = None) -> tuple[st
     if info.source in {"openmpi", "mpich", "pals", "mpi4py"}:
         comm = _mpi_comm()
         if comm is not None:
+            check_mpi_world(comm, info)
             found = (socket.gethostname(), free_port()) if comm.Get_rank() == 0 else None
             found = comm.bcast(found, root=0)
             host, port_ = found
-            return ("127.0.0.1" if info.num_nodes == 1 else host), port_
+            return ("127.0.0.1" if info.local_known and info.num_nodes == 1 else host), port_
     key = _job_key(env)
     if info.source == "slurm" and key:
         nodes = expand_nodelist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))
         if nodes:
             return nodes[0], derived_port(key)
-    if info.num_nodes == 1 and key:
+    if info.local_known and info.num_nodes == 1 and key:
         return "127.0.0.1", derived_port(key)
     raise UsageError(
         f"cannot find a rendezvous for {info.world_size} ranks started by {info.source}: set MASTER_ADDR and "
@@ -67,3 +69,19 @@ def rendezvous(info: RankInfo, env: Mapping[str, str] | None = None) -> tuple[st
     )
 
 
+def check_mpi_world(comm, info: RankInfo) -> None:
+    """mpi4py's MPI must be the launcher's: an Open MPI mpi4py under MPICH's (or Cray's) mpiexec sees a
+    1-rank world in every process, and each would act as rank 0 of its own job."""
+    size = comm.Get_size()
+    if size == info.world_size:
+        return
+    from mpi4py import MPI
+
+    library = MPI.Get_library_version().strip().splitlines()[0].split(",")[0]
+    raise UsageError(
+        f"mpi4py's MPI ({library}) sees a world of {size} rank(s) but the launcher ({info.source}) started "
+        f"{info.world_size}: mpi4py was built for another MPI than the mpiexec that started this job; run "
+        "the mpiexec of mpi4py's MPI, rebuild mpi4py against the site's MPI "
+        "(`pip install --no-binary mpi4py mpi4py`), or start with `launch`/torchrun",
+        same_on_all_ranks=True,
+    )

@@ -34,6 +34,7 @@ def bind_device(dev) -> None:
     if dev.type != "cpu" and hasattr(module, "set_device"):
         module.set_device(dev)
 
+
 @dataclass
 class DistInfo:
     """What :func:`setup` established; also available later as :func:`info`."""
@@ -83,9 +84,11 @@ def banner(di: DistInfo | None = None) -> str:
 
     di = di or info()
     mpi = f" mpi4py={sys.modules['mpi4py'].__version__}" if "mpi4py" in sys.modules else ""
-    return (f"mmm {__version__} | launcher={di.launcher} world={di.world_size} nodes={di.num_nodes} "
-            f"local_world={di.local_world_size} | device={di.device} backend={di.backend} | "
-            f"python={platform.python_version()} torch={torch.__version__}{mpi}")
+    return (
+        f"mmm {__version__} | launcher={di.launcher} world={di.world_size} nodes={di.num_nodes} "
+        f"local_world={di.local_world_size} | device={di.device} backend={di.backend} | "
+        f"python={platform.python_version()} torch={torch.__version__}{mpi}"
+    )
 
 
 def launch_time() -> float | None:
@@ -122,7 +125,7 @@ def setup(
     mlog.configure(rank=ranks.rank, world_size=ranks.world_size, all_ranks=all_ranks_log)
     timeout_s = timeout_seconds(timeout)
     t_import = time.perf_counter()
-    import torch
+    import torch  # noqa: F401  (timed: the first import of torch is part of startup)
     import torch.distributed as dist
 
     timings = {"import_torch_s": time.perf_counter() - t_import}
@@ -145,9 +148,17 @@ def setup(
         seed_all(seed)
     launcher = os.environ.get("MMM_LAUNCHER") or ranks.source
     _INFO = DistInfo(
-        rank=ranks.rank, world_size=ranks.world_size, local_rank=ranks.local_rank,
-        local_world_size=ranks.local_world_size, num_nodes=ranks.num_nodes, launcher=launcher,
-        device=dev, backend=backend, timeout_s=timeout_s, seed=seed, timings=timings,
+        rank=ranks.rank,
+        world_size=ranks.world_size,
+        local_rank=ranks.local_rank,
+        local_world_size=ranks.local_world_size,
+        num_nodes=ranks.num_nodes,
+        launcher=launcher,
+        device=dev,
+        backend=backend,
+        timeout_s=timeout_s,
+        seed=seed,
+        timings=timings,
     )
     timings["setup_s"] = time.perf_counter() - t0
     if backend is not None and ranks.world_size > 1:
