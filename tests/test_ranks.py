@@ -199,3 +199,30 @@ def test_two_mpiexec_runs_in_one_pbs_job_never_share_a_derived_port(monkeypatch)
         rendezvous(RankInfo(1, 2, 1, 2, "mpich"), {"PBS_JOBID": "4242.pbs"})
     pals = rendezvous(RankInfo(1, 2, 1, 2, "pals"), {"PBS_JOBID": "4242.pbs", "PALS_APID": "a1"})
     assert pals == ("127.0.0.1", derived_port("a1"))
+
+
+def _limit_files(soft: int, hard: int):
+    import resource
+
+    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_low_open_file_limit_is_raised_for_the_store():
+    """Rank 0's store holds two connections per rank: a soft limit below that made ranks wait until the
+    timeout (measured: a store host with 64 files accepted 25 clients). Setup raises the soft limit."""
+    import subprocess
+
+    from conftest import SCRIPTS, clean_env, launch, spawn
+
+    cmd = launch("--launcher", "local", "-n", "2", "python3", str(SCRIPTS / "open_files.py"))
+    with spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_limit_files(64, 4096)) as p:
+        out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    softs = sorted(int(line.split()[3]) for line in out.splitlines() if line.startswith("rank "))
+    assert softs == [2 * 2 + 512] * 2, out
+    # a hard limit too low for the job: rank 0 says so in one line, at once
+    with spawn(cmd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+               preexec_fn=_limit_files(64, 300)) as p:  # fmt: skip
+        out, err = p.communicate(timeout=60)
+    assert p.returncode == 2, err
+    assert "needs ~516 open files, but its hard limit is 300" in err and "Traceback" not in err, err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import socket
 import zlib
 from collections.abc import Mapping
@@ -85,3 +86,31 @@ def check_mpi_world(comm, info: RankInfo) -> None:
         "(`pip install --no-binary mpi4py mpi4py`), or start with `launch`/torchrun",
         same_on_all_ranks=True,
     )
+
+
+FILES_PER_RANK = 2  # connections to rank 0's store per rank: the process group's and the liveness watcher's
+FILES_SPARE = 512  # gloo's pairs, libraries, logs, checkpoint files
+
+
+def raise_open_file_limit(info: RankInfo) -> int:
+    """Make room for this job's connections; the soft open-file limit it leaves.
+
+    Rank 0 hosts the job's TCPStore, which holds two connections per rank. Measured with a store whose
+    host had a soft limit of 64 open files: the 26th client was never accepted and timed out; so with
+    the common soft limit of 1,024 a job of ~500 ranks waits until its timeout. The soft limit is
+    raised as far as the job needs (never above the hard limit, the administrator's); if the hard
+    limit is too low on rank 0, that is said in one line, at once, instead of a late timeout."""
+    need = FILES_PER_RANK * info.world_size + FILES_SPARE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return soft
+    target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < need and info.rank == 0:
+        raise UsageError(
+            f"rank 0 hosts the rendezvous store for {info.world_size} ranks and needs ~{need} open files, but "
+            f"its hard limit is {hard}: raise it (`ulimit -Hn {need}` by the administrator, or a node with a "
+            "higher limit)",
+            same_on_all_ranks=False,
+        )
+    return target

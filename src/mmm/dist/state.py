@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from mmm.dist import liveness
 from mmm.dist.device import DEFAULT_TIMEOUT_S, pick_backend, pick_device, timeout_seconds
 from mmm.dist.ranks import RankInfo, discover_ranks
-from mmm.dist.rendezvous import rendezvous
+from mmm.dist.rendezvous import raise_open_file_limit, rendezvous
 from mmm.log import get_logger
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -180,6 +180,7 @@ def _init_process_group(ranks: RankInfo, backend: str, dev, timeout_s: float) ->
         store = dist.HashStore()  # no port, no network for a one-rank group
         dist.init_process_group(backend, store=store, rank=0, world_size=1, **kwargs)
         return
+    raise_open_file_limit(ranks)
     addr, port = rendezvous(ranks)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
     dist.init_process_group(
