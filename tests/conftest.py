@@ -17,6 +17,7 @@ import pytest
 
 BIN = Path(sys.executable).parent
 SCRIPTS = Path(__file__).parent / "scripts"
+ROOT = Path(__file__).resolve().parent.parent
 _STRIP = (
     "RANK",
     "WORLD_SIZE",
@@ -205,3 +206,53 @@ def two_hosts():
         yield hosts
     finally:
         hosts.down()
+
+
+@pytest.fixture
+def shared_dir(two_hosts, request) -> Path:
+    """A folder every host sees at the same path (each host's /tmp is its own)."""
+    d = two_hosts.state / "shared" / request.node.name
+    d.mkdir(parents=True)
+    return d
+
+
+def pbs_job(hosts, folder: Path, *, ranks_per_host: int = 2, **extra: str) -> dict[str, str]:
+    """The environment of a PBS job on ``hosts``: a nodefile with a line per slot, and the remote-shell
+    agent (ssh on a real cluster) for Open MPI's daemons and Hydra's proxies."""
+    nodefile = folder / "nodefile"
+    nodefile.write_text("".join(f"{h}\n" for h in hosts.names for _ in range(ranks_per_host)))
+    agent = str(hosts.agent())
+    return clean_env(
+        PBS_NODEFILE=str(nodefile),
+        PBS_JOBID="4242.pbs",
+        PRTE_MCA_plm_ssh_agent=agent,
+        HYDRA_LAUNCHER="ssh",
+        HYDRA_LAUNCHER_EXEC=agent,
+        **extra,
+    )
+
+
+# --------------------------------------------------------------------------- other MPIs
+def mpi_env(name: str) -> Path:
+    """The environment of another MPI (``mpich`` or ``impi``: its mpiexec and an mpi4py that loads it;
+    torch and mmm from the main venv), built once by scripts/mpi_env.sh; skips with the reason when it
+    cannot be built."""
+    dest = os.environ.get("MMM_TEST_ENVS", str(ROOT / ".venvs"))
+    try:
+        out = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "mpi_env.sh"), name, f"{dest}/{name}"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.skip(f"building the {name} environment took over 600 s")
+    if out.returncode != 0:
+        pytest.skip(f"no {name} environment: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else '?'}")
+    return Path(out.stdout.strip().splitlines()[-1]).resolve()
+
+
+def env_of(envdir: Path, **extra: str) -> dict[str, str]:
+    """A clean environment with ``envdir``'s bin (its mpiexec) first on PATH."""
+    return clean_env(PATH=f"{envdir / 'bin'}:{os.environ.get('PATH', '')}", **extra)

@@ -15,8 +15,9 @@ In Python (the tests):
 
 A *host* is a network namespace (its own interfaces and loopback, one veth whose other end is on the
 bridge) plus, for every command run on it, a UTS namespace (its hostname) and a mount namespace in
-which ``/etc/hosts`` names every host of the cluster and ``/tmp`` is the host's own folder (node-local
-``/tmp``). Everything else (this project's tree, the virtual environment, home) is shared, as a
+which ``/etc/hosts`` names every host of the cluster, and a node-local temporary folder (``TMPDIR``,
+what Python's tempfile and most tools use; ``/tmp`` itself stays shared because a checkout or a virtual
+environment may live there). Everything else (this project's tree, the virtual environment, home) is shared, as a
 cluster's shared filesystem is. Traffic goes only to the cluster's private /24 (which exists only
 inside these namespaces and on the bridge) and to loopback.
 
@@ -112,7 +113,7 @@ class Hosts:
         return f"mmm{self.id}-{host}"
 
     def tmp(self, host: str) -> Path:
-        """The host's node-local ``/tmp`` (a folder of the state, seen as /tmp on that host)."""
+        """The host's node-local temporary folder (its ``TMPDIR``)."""
         return self.state / "tmp" / host
 
     def _index(self, host: str) -> int:
@@ -182,10 +183,11 @@ class Hosts:
     # ------------------------------------------------------------------ running things on a host
     def command(self, host: str, cmd: Sequence[str]) -> list[str]:
         """``cmd`` as run on ``host``: in its network namespace, with its hostname, ``/etc/hosts`` and
-        node-local ``/tmp``."""
+        node-local temporary folder (``TMPDIR``; ``/tmp`` itself stays shared, since the project or its
+        virtual environment may live there)."""
         setup = (
             f"hostname {host} && mount --bind {shlex.quote(str(self.state / 'etc-hosts'))} /etc/hosts && "
-            f'mount --bind {shlex.quote(str(self.tmp(host)))} /tmp && exec "$@"'
+            f'TMPDIR={shlex.quote(str(self.tmp(host)))} exec "$@"'
         )
         return [
             "ip", "netns", "exec", self.netns(host),
@@ -214,7 +216,7 @@ class Hosts:
             path.write_text(
                 f"#!/bin/sh\n# ssh for the hosts of cluster {self.id}: {Path(__file__).resolve()} run HOST CMD\n"
                 f"exec {shlex.quote(sys.executable)} {shlex.quote(str(Path(__file__).resolve()))} "
-                f'--id {self.id} agent-run "$@"\n'
+                f'agent-run {self.id} "$@"\n'
             )
             path.chmod(0o755)
         return path
@@ -288,7 +290,16 @@ def _find(id: int | None) -> Hosts:
     return found[0]
 
 
+def agent_run(id: int, argv: Sequence[str]) -> int:
+    """What mpiexec asked "ssh" to do (``[ssh options] HOST CMD...``), done on that host of cluster ``id``."""
+    host, line = _ssh_split(argv)
+    return subprocess.call(_find(id).command(host, ["sh", "-c", line]))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["agent-run"]:  # ssh's own options (-x, -o ...) follow: no argparse here
+        return agent_run(int(argv[1]), argv[2:])
     p = argparse.ArgumentParser(
         prog="scripts/hosts",
         description="Several hosts on this machine (network namespaces with their own address and hostname), "
@@ -304,8 +315,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     r = sub.add_parser("run", help="run a command on a host: run HOST CMD...")
     r.add_argument("host")
     r.add_argument("cmd", nargs=argparse.REMAINDER)
-    a = sub.add_parser("agent-run", help=argparse.SUPPRESS)
-    a.add_argument("rest", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     try:
         if args.what == "up":
@@ -327,11 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.what == "agent":
             print(hosts.agent())
             return 0
-        if args.what == "run":
-            cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-            return subprocess.call(hosts.command(args.host, cmd))
-        host, line = _ssh_split(args.rest)  # agent-run: what mpiexec asked ssh to do
-        return subprocess.call(hosts.command(host, ["sh", "-c", line]))
+        cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd  # run
+        return subprocess.call(hosts.command(args.host, cmd))
     except (HostsUnavailable, ValueError) as e:
         print(f"hosts: error: {e}", file=sys.stderr)
         return 2

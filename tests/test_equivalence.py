@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from conftest import jsonl, launch, max_rel_diff, run, torchrun
+from conftest import BIN, Result, env_of, jsonl, launch, max_rel_diff, mpi_env, pbs_job, run, torchrun
 
 RTOL = 1e-5
 
@@ -95,15 +95,25 @@ class Case:
     base: str
     ranks: int
     flags: tuple[str, ...] = ()
-    launcher: str = "launch"  # or torchrun
+    launcher: str = "launch"  # or torchrun; or "pbs/openmpi", "pbs/mpich": launch in a PBS job on two hosts
 
-    def cmd(self, outdir) -> list[str]:
+    @property
+    def two_hosts(self) -> bool:
+        return self.launcher.startswith("pbs/")
+
+    def run(self, outdir, request) -> Result:
         args = [*BASES[self.base], *self.flags, "--outdir", str(outdir)]
-        return (
-            torchrun(self.ranks, *args)
-            if self.launcher == "torchrun"
-            else launch("-n", str(self.ranks), "python3", *args)
-        )
+        if self.launcher == "torchrun":
+            return run(torchrun(self.ranks, *args), timeout=300)
+        if not self.two_hosts:
+            return run(launch("-n", str(self.ranks), "python3", *args), timeout=300)
+        # launch on the first host of a 2-host PBS job; mpiexec reaches the second through the agent
+        hosts = request.getfixturevalue("two_hosts")
+        flavor = self.launcher.split("/")[1]
+        envdir = BIN.parent if flavor == "openmpi" else mpi_env(flavor)
+        job = pbs_job(hosts, outdir, ranks_per_host=self.ranks // 2, PATH=env_of(envdir)["PATH"])
+        cmd = [str(envdir / "bin" / "python"), "-m", "mmm.launch", "python3", *args]
+        return run(hosts.command("node1", cmd), env=job, timeout=300)
 
 
 def C(name, base, ranks, flags="", launcher="launch") -> Case:
@@ -122,6 +132,9 @@ MATRIX = [
     C("fsdp-dp4-no-reshard", "llama", 4, "--reshard-after-forward false"),
     C("hsdp-2x2-tp2-ac-full", "llama", 8, "--strategy hsdp --dp-replicate 2 --tp 2 --ac full"),
     C("zero2-dp4", "llama", 4, "--strategy zero2"),
+    # two hosts: HSDP's replicate axis (gradient all-reduce) across them, each shard group inside one;
+    # a pipeline with one stage per host
+    C("hosts2-hsdp-2x2", "llama", 4, "--strategy hsdp --dp-replicate 2", "pbs/openmpi"),
     # context parallel
     C("cp2", "llama", 2, "--cp 2 --dp-shard 1", "torchrun"),
     C("cp4", "llama", 4, "--cpsize 4 --dp-shard 1"),
@@ -143,6 +156,7 @@ MATRIX = [
     C("pp4-1f1b", "llama8", 4, "--pp 4 --pp-schedule 1f1b --microbatches 8", "torchrun"),
     C("pp4-interleaved", "llama8", 4, "--pp 4 --pp-schedule interleaved-1f1b --stages-per-rank 2 --microbatches 4"),
     C("pp2-dp2", "llama8", 4, "--pp 2 --microbatches 2", "torchrun"),
+    C("hosts2-pp2-dp2", "llama8", 4, "--pp 2 --pp-schedule 1f1b --microbatches 2", "pbs/mpich"),
     C("pp2-dp2-tp2", "llama8", 8, "--pp 2 --tp 2 --microbatches 2"),
     C("pp2-split-at-3", "llama8", 2, "--pp 2 --pp-schedule gpipe --split-points 3 --microbatches 2", "torchrun"),
     # the ViT: every strategy on 4 ranks, and TP x FSDP
@@ -180,8 +194,10 @@ def compare(got: list[dict], want: list[dict], keys=("loss", "grad_norm")) -> di
 
 
 @pytest.mark.parametrize("case", MATRIX, ids=[c.name for c in MATRIX])
-def test_layout_matches_one_process(references, tmp_path, case):
-    res = run(case.cmd(tmp_path), timeout=300)
+def test_layout_matches_one_process(references, tmp_path, case, request):
+    if case.two_hosts:  # the hosts' /tmp is their own: write where both see it
+        tmp_path = request.getfixturevalue("shared_dir")
+    res = case.run(tmp_path, request)
     assert res.returncode == 0, res.output
     ref = references(case.base)
     diffs = compare(jsonl(tmp_path / "history.jsonl", key=None), jsonl(ref / "history.jsonl", key=None))

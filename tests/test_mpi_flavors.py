@@ -8,16 +8,13 @@ kept under ``.venvs/``. Open MPI, the main venv's, runs throughout the rest of t
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import assert_clean_user_error, clean_env, run
+from conftest import assert_clean_user_error, env_of, mpi_env, run
 
-ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--dim", "64", "--n-layers", "2", "--seq-len", "32", "--batch-size", "8", "--no-plots", "--log-every", "100"]
 FLAVORS = {"mpich": "HYDRA build details", "impi": "Intel(R) MPI"}  # what `mpiexec --version` says
 
@@ -25,25 +22,7 @@ FLAVORS = {"mpich": "HYDRA build details", "impi": "Intel(R) MPI"}  # what `mpie
 @pytest.fixture(scope="session", params=sorted(FLAVORS))
 def mpi(request):
     """(name, env dir) of an MPI's environment, built once; skipped with the reason when it cannot be."""
-    name = request.param
-    dest = os.environ.get("MMM_TEST_ENVS", str(ROOT / ".venvs"))
-    try:
-        out = subprocess.run(
-            ["bash", str(ROOT / "scripts" / "mpi_env.sh"), name, f"{dest}/{name}"],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            stdin=subprocess.DEVNULL,
-        )
-    except subprocess.TimeoutExpired:
-        pytest.skip(f"building the {name} environment took over 600 s")
-    if out.returncode != 0:
-        pytest.skip(f"no {name} environment: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else '?'}")
-    return name, Path(out.stdout.strip().splitlines()[-1]).resolve()
-
-
-def env_of(envdir: Path, **extra: str) -> dict[str, str]:
-    return clean_env(PATH=f"{envdir / 'bin'}:{os.environ.get('PATH', '')}", **extra)
+    return request.param, mpi_env(request.param)
 
 
 def launch_in(envdir: Path, *args: str) -> list[str]:
