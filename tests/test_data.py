@@ -371,3 +371,23 @@ def test_nanogpt_meta_pkl_gives_the_vocabulary_and_nothing_else_runs(tmp_path):
     (tmp_path / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 7, "x": SimpleNamespace()}))
     with pytest.raises(UsageError, match=r"meta.pkl could not be read \(refusing to load types.SimpleNamespace"):
         data_vocab_size("bin", data_dir=tmp_path)
+
+
+def test_a_plain_bin_file_is_never_silently_read_as_the_wrong_dtype(tmp_path):
+    """train.bin with no meta.json is read as nanoGPT's uint16: uint32 tokens read that way trained as
+    garbage without a word (the size check passes, and the id check whenever vocab > 65535)."""
+    from mmm.data import make_dataset
+    from mmm.errors import UsageError
+
+    d = tmp_path / "llama3"
+    _write_tokens(d / "train.bin", np.arange(4000) % 300, np.uint32)  # small ids stored as uint32
+    with pytest.raises(UsageError, match=r"every second value is 0: it looks like uint32 tokens"):
+        make_dataset("bin", vocab_size=512, seq_len=8, data_dir=d)
+    with pytest.raises(UsageError, match=r"--vocab-size 128256 has ids above 65535 that uint16 cannot hold"):
+        make_dataset("bin", vocab_size=128256, seq_len=8, data_dir=d)
+    (d / "meta.json").write_text(json.dumps({"dtype": "uint32"}))  # the fix the message names
+    data = make_dataset("bin", vocab_size=128256, seq_len=8, data_dir=d)
+    assert data.max_token == 299
+    u16 = tmp_path / "gpt2"  # real uint16 data with no meta.json still reads as before
+    _write_tokens(u16 / "train.bin", np.arange(4000) % 300)
+    assert make_dataset("bin", vocab_size=512, seq_len=8, data_dir=u16).max_token == 299

@@ -168,12 +168,39 @@ def open_bin(path: Path, dtype: str):
     return np.memmap(path, dtype=dtype, mode="r")
 
 
+def check_guessed_dtype(tokens, path: Path, vocab_size: int) -> None:
+    """A plain ``train.bin`` with no recorded dtype is read as nanoGPT's uint16; refuse where that guess
+    would train on garbage: a vocabulary uint16 cannot hold, or data that looks like uint32 (read as
+    uint16, every second value is the zero high half of a small uint32 id)."""
+    import numpy as np
+
+    fix = (
+        f'record its dtype in {path.parent / "meta.json"} ({{"dtype": "uint32"}} or {{"dtype": "uint16"}}) '
+        f"or put it in the name ({path.stem}.uint32.bin)"
+    )
+    if vocab_size > 2**16:
+        raise UsageError(
+            f"{path} has no recorded dtype, so it would be read as uint16, but --vocab-size {vocab_size} has ids "
+            f"above 65535 that uint16 cannot hold: {fix}"
+        )
+    sample = np.asarray(tokens[: min(len(tokens) - len(tokens) % 2, 1 << 20)])
+    if len(sample) >= 64:
+        high, low = sample[1::2], sample[0::2]
+        if (high == 0).mean() > 0.9 and (low == 0).mean() < 0.5:
+            raise UsageError(
+                f"{path} has no recorded dtype and, read as uint16, every second value is 0: it looks like "
+                f"uint32 tokens (their high halves); {fix}"
+            )
+
+
 def bin_tokens(data_dir, *, seq_len: int, vocab_size: int, split: str = "train") -> TokenWindows:
     """``--dataset bin``: windows of ``DIR/<split>.bin``."""
     data_dir = check_data_dir(data_dir, "bin")
     path, dtype = bin_file(data_dir, split)
     tokens = open_bin(path, dtype)
     meta = read_meta(data_dir)
+    if path.name == f"{split}.bin" and not meta.get("dtype"):
+        check_guessed_dtype(tokens, path, vocab_size)
     # prepare records each split's largest id with its token count: trusted when the count still
     # matches the file, so a large file is not scanned on every rank at every start
     recorded = (meta.get("max_token") or {}).get(split)
