@@ -137,6 +137,14 @@ def test_a_prune_cut_short_never_leaves_a_folder_that_looks_complete(tmp_path, m
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003"]
 
 
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory) -> Path:
+    """The checkpoints of a 2-step run with seed 0 (global batch 4, synthetic data)."""
+    root = tmp_path_factory.mktemp("saved")
+    ok("--max-iters", "2", "--checkpoint-dir", str(root / "ck"), "--seed", "0", "--outdir", str(root / "a"))
+    return root / "ck"
+
+
 @pytest.mark.parametrize(
     "flag, value, saved",
     [
@@ -145,10 +153,9 @@ def test_a_prune_cut_short_never_leaves_a_folder_that_looks_complete(tmp_path, m
         ("--dataset", "pydoc", "dataset='synthetic' (now 'pydoc')"),
     ],
 )
-def test_resume_refuses_other_data(tmp_path, flag, value, saved):
+def test_resume_refuses_other_data(saved_run, tmp_path, flag, value, saved):
     ck = tmp_path / "ck"
-    if not ck.exists():
-        ok("--max-iters", "2", "--checkpoint-dir", str(ck), "--seed", "0", "--outdir", str(tmp_path / "a"))
+    shutil.copytree(saved_run, ck)  # one saved run, made once, copied for each refusal
     res = trainer(
         "--max-iters",
         "4",
