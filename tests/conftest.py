@@ -256,3 +256,21 @@ def mpi_env(name: str) -> Path:
 def env_of(envdir: Path, **extra: str) -> dict[str, str]:
     """A clean environment with ``envdir``'s bin (its mpiexec) first on PATH."""
     return clean_env(PATH=f"{envdir / 'bin'}:{os.environ.get('PATH', '')}", **extra)
+
+
+@pytest.fixture(scope="session")
+def slurm_on_two_hosts(two_hosts, tmp_path_factory):
+    """A 2-node Slurm cluster: slurmctld here, a slurmd in each host (node1, node2); client commands
+    go through ``cluster.command`` (on node1, the submit host). Skips, saying why, like ``slurm_cluster``."""
+    from slurm_cluster import ClusterFailed, ClusterUnavailable, SlurmCluster
+
+    try:
+        cluster = SlurmCluster.start(tmp_path_factory.mktemp("slurm2"), hosts=two_hosts)
+    except ClusterUnavailable as e:
+        pytest.skip(str(e))
+    except ClusterFailed as e:
+        pytest.fail(f"the 2-node test Slurm cluster did not come up: {e}", pytrace=False)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

@@ -190,7 +190,7 @@ class Hosts:
             f'TMPDIR={shlex.quote(str(self.tmp(host)))} exec "$@"'
         )
         return [
-            "ip", "netns", "exec", self.netns(host),
+            "nsenter", f"--net=/run/netns/{self.netns(host)}",  # not `ip netns exec`: it remounts /sys
             "unshare", "--uts", "--mount", "--propagation", "private",
             "sh", "-c", setup, "sh", *cmd,
         ]  # fmt: skip

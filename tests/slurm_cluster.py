@@ -9,6 +9,11 @@ and are stopped by their PIDs. Needs root (slurmd starts jobs as any user) and D
     cluster = SlurmCluster.start(folder)      # raises ClusterUnavailable / ClusterFailed
     subprocess.run(["srun", "-n", "2", "hostname"], env=cluster.environ())
     cluster.stop()
+
+With ``hosts`` (a :class:`hosts.Hosts`), the cluster has one node per host: slurmctld stays in this
+namespace (reached at the bridge's address), one slurmd runs in each host's namespace under its
+hostname (``NodeName=node1`` ...), and client commands go through :meth:`SlurmCluster.command` on the
+first host, as on a login node.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd")
 CLIENTS = ("srun", "salloc", "sbatch", "sinfo", "squeue", "scancel", "scontrol")
@@ -110,6 +116,15 @@ class SlurmCluster:
     slurmd_port: int
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     startup_s: float = 0.0
+    hosts: Any = None  # a hosts.Hosts: one slurmd per host
+
+    @property
+    def nodes(self) -> list[str]:
+        return self.hosts.names if self.hosts is not None else [self.node]
+
+    def command(self, argv: list[str]) -> list[str]:
+        """``argv`` as run from the cluster's submit host (the first host of a multi-host cluster)."""
+        return self.hosts.command(self.hosts.names[0], argv) if self.hosts is not None else argv
 
     # ------------------------------------------------------------------ environment
     @property
@@ -127,12 +142,16 @@ class SlurmCluster:
 
     def logs(self, lines: int = 25) -> str:
         """The tails of the daemons' logs (munged runs in the foreground: its log is its output)."""
-        files = [self.root / "slurmctld.log", self.root / "slurmd.log", self.root / "munged.out"]
+        files = [
+            self.root / "slurmctld.log",
+            *(self.root / f"slurmd-{n}.log" for n in self.nodes),
+            self.root / "munged.out",
+        ]
         return "\n".join(f"--- {f} (last {lines} lines):\n{tail(f, lines)}" for f in files)
 
     # ------------------------------------------------------------------ start
     @classmethod
-    def start(cls, root: Path, *, timeout: float = 60.0) -> SlurmCluster:
+    def start(cls, root: Path, *, timeout: float = 60.0, hosts=None) -> SlurmCluster:
         why = missing_requirements()
         if why:
             raise ClusterUnavailable(why)
@@ -145,7 +164,7 @@ class SlurmCluster:
             (root / d).mkdir(exist_ok=True)
         ctld_port, slurmd_port = _free_ports(2)
         node = socket.gethostname().split(".")[0]
-        cluster = cls(root, node, root / "slurm.conf", ctld_port, slurmd_port)
+        cluster = cls(root, node, root / "slurm.conf", ctld_port, slurmd_port, hosts=hosts)
         t0 = time.monotonic()
         try:
             cluster._start(timeout)
@@ -179,15 +198,20 @@ class SlurmCluster:
         self._wait("munge's socket", lambda: sock.exists(), deadline)
         self.conf.write_text(self.config())
         self._spawn("slurmctld", [_which("slurmctld"), "-D", "-c", "-f", str(self.conf)])
-        self._spawn("slurmd", [_which("slurmd"), "-D", "-f", str(self.conf), "-N", self.node])
-        self._wait(f"node {self.node} idle in sinfo", self._node_idle, deadline)
+        for node in self.nodes:
+            (r / "spool" / node).mkdir(parents=True, exist_ok=True)
+            argv = [_which("slurmd"), "-D", "-f", str(self.conf), "-N", node]
+            self._spawn(
+                f"slurmd-{node}" if self.hosts else "slurmd", self.hosts.command(node, argv) if self.hosts else argv
+            )
+        self._wait(f"node(s) {', '.join(self.nodes)} idle in sinfo", self._node_idle, deadline)
 
     def config(self) -> str:
         r = self.root
         return f"""\
 # a one-node test cluster; every path in {r}
 ClusterName=mmmtest
-SlurmctldHost={self.node}(127.0.0.1)
+SlurmctldHost={self.node}({self.hosts.bridge_address if self.hosts else "127.0.0.1"})
 SlurmctldPort={self.ctld_port}
 SlurmdPort={self.slurmd_port}
 SlurmUser=root
@@ -196,11 +220,11 @@ AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={r / "munge.socket"}
 StateSaveLocation={r / "state"}
-SlurmdSpoolDir={r / "spool"}
+SlurmdSpoolDir={r / "spool" / "%n"}
 SlurmctldPidFile={r / "slurmctld.pid"}
-SlurmdPidFile={r / "slurmd.pid"}
+SlurmdPidFile={r / "slurmd-%n.pid"}
 SlurmctldLogFile={r / "slurmctld.log"}
-SlurmdLogFile={r / "slurmd.log"}
+SlurmdLogFile={r / "slurmd-%n.log"}
 SlurmctldDebug=info
 SlurmdDebug=info
 ProctrackType=proctrack/linuxproc
@@ -222,9 +246,17 @@ MinJobAge=30
 MessageTimeout=20
 SlurmctldTimeout=30
 SlurmdTimeout=60
-NodeName={self.node} NodeAddr=127.0.0.1 CPUs={NODE_CPUS} State=UNKNOWN
-PartitionName={PARTITION} Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
+{self._node_lines()}
+PartitionName={PARTITION} Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
 """
+
+    def _node_lines(self) -> str:
+        if self.hosts is None:
+            return f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={NODE_CPUS} State=UNKNOWN"
+        cpus = NODE_CPUS // 2  # per host; 2 cores shared by all
+        return "\n".join(
+            f"NodeName={h} NodeAddr={self.hosts.address(h)} CPUs={cpus} State=UNKNOWN" for h in self.hosts.names
+        )
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.root / f"{name}.out", "ab")
@@ -258,7 +290,7 @@ PartitionName={PARTITION} Nodes={self.node} Default=YES MaxTime=INFINITE State=U
     def sinfo_state(self) -> str:
         try:
             p = subprocess.run(
-                [_which("sinfo"), "-h", "-N", "-n", self.node, "-o", "%t"],
+                [_which("sinfo"), "-h", "-N", "-n", ",".join(self.nodes), "-o", "%t"],
                 env=self.environ(),
                 capture_output=True,
                 text=True,
@@ -269,7 +301,8 @@ PartitionName={PARTITION} Nodes={self.node} Default=YES MaxTime=INFINITE State=U
         return p.stdout.strip() if p.returncode == 0 else ""
 
     def _node_idle(self) -> bool:
-        return self.sinfo_state() in {"idle", "mix", "alloc"}
+        states = self.sinfo_state().split()
+        return len(states) == len(self.nodes) and all(s in {"idle", "mix", "alloc"} for s in states)
 
     # ------------------------------------------------------------------ jobs
     def wait_job(self, job_id: str, timeout: float) -> tuple[str, str]:
@@ -319,7 +352,7 @@ PartitionName={PARTITION} Nodes={self.node} Default=YES MaxTime=INFINITE State=U
                     time.sleep(0.2)
             except (OSError, subprocess.TimeoutExpired, ClusterUnavailable):
                 pass
-        for name in ("slurmd", "slurmctld", "munged"):
+        for name in (*(n for n in self.procs if n.startswith("slurmd")), "slurmctld", "munged"):
             p = self.procs.get(name)
             if p is None or p.poll() is not None:
                 continue

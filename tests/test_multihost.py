@@ -5,6 +5,8 @@ the hosts' network, as on a cluster; the project tree is their shared filesystem
 - torchrun on each host (``--nnodes 2``), rank 0's host named by its hostname;
 - ``launch`` under PBS (a ``PBS_NODEFILE`` naming both hosts) starting Open MPI's or MPICH's mpiexec on
   the first host, which reaches the second through a remote-shell agent exactly as it would through ssh;
+- a 2-node Slurm (a slurmd per host): ``salloc -N 2`` + ``launch``, plain ``srun -N 2`` (``--mpi=none``
+  and ``pmi2``), ``sbatch -N 2`` of the shipped job script;
 - (tests/test_equivalence.py runs layouts across the two hosts: HSDP, a pipeline stage per host.)
 """
 
@@ -16,7 +18,7 @@ import sys
 
 import pytest
 
-from conftest import BIN, clean_env, env_of, kill_group, mpi_env, pbs_job, run
+from conftest import BIN, ROOT, clean_env, env_of, kill_group, mpi_env, pbs_job, run
 from mmm.dist import free_port
 
 RANKS_PER_HOST = 2
@@ -91,3 +93,47 @@ def test_launch_under_pbs_runs_mpiexec_across_two_hosts(two_hosts, shared_dir, f
     how = "openmpi" if flavor == "openmpi" else "hydra"
     assert f"launch: 4 ranks (2 per host) on 2 hosts via mpiexec ({how}); scheduler: pbs" in res.stderr, res.stderr
     assert_two_hosts(reports(out), "launch/mpiexec")
+
+
+# --------------------------------------------------------------------------- Slurm on two nodes
+def test_salloc_on_two_nodes_and_launch(slurm_on_two_hosts, shared_dir):
+    c, out = slurm_on_two_hosts, shared_dir / "report"
+    cmd = ["salloc", "-N", "2", "--ntasks-per-node=2", str(BIN / "launch"), "python3", "-m", "mmm", "--tp", "2",
+           "--report-dir", str(out)]  # fmt: skip
+    res = run(c.command(cmd), env=c.environ(), timeout=120)
+    assert res.returncode == 0, res.output
+    assert "launch: 4 ranks (2 per host) on 2 hosts via srun; scheduler: slurm" in res.stderr, res.output
+    assert_two_hosts(reports(out), "launch/srun")
+
+
+@pytest.mark.parametrize("mpi", ["none", "pmi2"])
+def test_plain_srun_on_two_nodes(slurm_on_two_hosts, shared_dir, mpi):
+    """No launch and no MASTER_ADDR: ranks, local ranks and rank 0's host come from the step itself."""
+    c, out = slurm_on_two_hosts, shared_dir / "report"
+    cmd = ["srun", "-N", "2", "--ntasks-per-node=2", f"--mpi={mpi}", sys.executable, "-m", "mmm", "--tp", "2",
+           "--report-dir", str(out)]  # fmt: skip
+    res = run(c.command(cmd), env=c.environ(), timeout=120)
+    assert res.returncode == 0, res.output
+    assert_two_hosts(reports(out), "slurm")
+
+
+def test_sbatch_of_the_shipped_job_script_on_two_nodes(slurm_on_two_hosts, shared_dir):
+    """examples/jobs/slurm.sbatch as written (--nodes=2), 2 ranks per node: trains across the hosts."""
+    c, out = slurm_on_two_hosts, shared_dir / "out"
+    env = c.environ(PATH=f"{BIN}:{c.environ()['PATH']}")
+    tiny = "--dim 64 --n-layers 2 --seq-len 32 --batch-size 8 --no-plots --max-iters 3".split()
+    script = ROOT / "examples" / "jobs" / "slurm.sbatch"
+    cmd = ["sbatch", "--parsable", "--ntasks-per-node=2", f"--output={shared_dir}/job-%j.out",
+           f"--chdir={shared_dir}", str(script), *tiny, "--outdir", str(out)]  # fmt: skip
+    sub = run(c.command(cmd), env=env, timeout=60)
+    assert sub.returncode == 0, sub.output
+    job = sub.stdout.strip().split(";")[0]
+    state, code = c.wait_job(job, timeout=240)
+    log = (shared_dir / f"job-{job}.out").read_text()
+    assert (state, code) == ("COMPLETED", "0:0"), log
+    assert f"job {job}: 2 host(s) node[1-2], 4 tasks" in log, log
+    assert "launch: 4 ranks (2 per host) on 2 hosts via srun; scheduler: slurm" in log, log
+    assert "launcher=launch/srun world=4 nodes=2 local_world=2" in log, log
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 4 and summary["mesh"]["tp"] == 2, summary
+    assert [r["iter"] for r in map(json.loads, (out / "history.jsonl").read_text().splitlines())] == [1, 2, 3]
