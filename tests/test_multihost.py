@@ -13,8 +13,10 @@ the hosts' network, as on a cluster; the project tree is their shared filesystem
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -137,3 +139,72 @@ def test_sbatch_of_the_shipped_job_script_on_two_nodes(slurm_on_two_hosts, share
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 4 and summary["mesh"]["tp"] == 2, summary
     assert [r["iter"] for r in map(json.loads, (out / "history.jsonl").read_text().splitlines())] == [1, 2, 3]
+
+
+# --------------------------------------------------------------------------- a rank lost on the second host
+TRAIN = "-m mmm.examples.fsdp_tp --dim 64 --n-layers 2 --seq-len 32 --batch-size 8 --no-plots --max-iters 8".split()
+
+
+def test_a_rank_killed_on_the_second_host_is_named_under_torchrun(two_hosts, shared_dir):
+    """torchrun on each host; rank 2 (on node2) SIGKILLs itself at step 3. The job is gone well within
+    60 s, and the ranks of node1 name it with its host (their roll call), never a rank of node1."""
+    port = str(free_port())
+    env = clean_env(MMM_FAULT="kill@3:2", MMM_TIMEOUT="300")
+    procs = [
+        two_hosts.popen(
+            host,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                f"--nproc-per-node={RANKS_PER_HOST}",
+                f"--node-rank={i}",
+                "--master-addr=node1",
+                f"--master-port={port}",
+                *TRAIN,
+                "--outdir",
+                str(shared_dir / "out"),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        for i, host in enumerate(two_hosts.names)
+    ]
+    t0 = time.monotonic()
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            kill_group(p)
+    took = time.monotonic() - t0
+    assert all(p.returncode != 0 for p in procs) and took < 60, (took, outs)
+    node1_err = outs[0][1]
+    named = [ln for ln in node1_err.splitlines() if "stopped answering" in ln]
+    assert named, node1_err
+    for line in named:
+        assert "on node2 stopped answering" in line and "node1" not in line.split("stopped answering")[0], line
+        assert re.search(r"ranks? 2(, 3)? on node2", line), line
+    assert "frame #" not in node1_err, node1_err
+
+
+@pytest.mark.parametrize("how", ["pbs/openmpi", "slurm"])
+def test_a_rank_killed_on_the_second_host_ends_the_job_naming_rank_and_host(
+    two_hosts, shared_dir, request, how
+):  # fmt: skip
+    """The same fault under launch: mpiexec (PBS) or srun (a 2-node allocation) ends the job within 60 s
+    and its message names rank 2 and node2."""
+    cmd = [str(BIN / "launch"), "python3", *TRAIN, "--outdir", str(shared_dir / "out")]
+    if how == "slurm":
+        c = request.getfixturevalue("slurm_on_two_hosts")
+        full, env = c.command(["salloc", "-N", "2", "--ntasks-per-node=2", *cmd]), c.environ(MMM_FAULT="kill@3:2")
+        named = r"node2: task 2: Killed"
+    else:
+        full, env = two_hosts.command("node1", cmd), pbs_job(two_hosts, shared_dir, MMM_FAULT="kill@3:2")
+        named = r"rank 2 with PID \d+ on node node2 exited on\s+signal 9"
+    res = run(full, env={**env, "MMM_TIMEOUT": "300"}, timeout=120)
+    assert res.returncode != 0 and res.seconds < 60, (res.seconds, res.output)
+    assert re.search(named, res.output), res.output

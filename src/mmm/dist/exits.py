@@ -143,7 +143,7 @@ def run_main(
             liveness.note(traceback.format_exc())
             lost = liveness.silent_ranks()
             if lost:
-                peer = f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} stopped answering; " + peer
+                peer = f"{liveness.describe_ranks(lost)} stopped answering; " + peer
             if liveness.stack_dir() is not None:
                 peer += f"; where each live rank was: {liveness.stack_dir()}/rank-*.txt"
             print_error(peer, prog=prog, rank=rank)

@@ -83,6 +83,10 @@ def start_watcher(rank: int) -> None:
         store = dist.distributed_c10d._get_default_store().clone()
     except Exception:  # a store that cannot be cloned: roll calls will say "unknown"
         return
+    try:  # where this rank runs, so that a roll call can name the host of a silent rank
+        store.set(_host_key(rank), socket.gethostname())
+    except Exception:
+        pass
     _watcher = _Watcher(store, rank)
     _watcher.start()
     if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
@@ -204,6 +208,29 @@ def silent_ranks(wait_s: float = 3.0, linger_s: float = 5.0) -> list[int] | None
         return missing
     except Exception:
         return None
+
+
+def _host_key(rank: int) -> str:
+    return f"mmm/host/{rank}"
+
+
+def describe_ranks(ranks: list[int]) -> str:
+    """``rank 2`` / ``ranks 2, 3``; on a job of several hosts with the host of each (``ranks 2, 3 on
+    node2``: a whole host lost reads as such)."""
+    plain = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+    try:
+        import torch.distributed as dist
+
+        store = dist.distributed_c10d._get_default_store()
+        hosts = [h.decode() for h in store.multi_get([_host_key(r) for r in range(dist.get_world_size())])]
+    except Exception:
+        return plain
+    if len(set(hosts)) <= 1:  # every rank on one host: the host says nothing
+        return plain
+    by_host: dict[str, list[int]] = {}
+    for r in ranks:
+        by_host.setdefault(hosts[r], []).append(r)
+    return "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} on {h}" for h, rs in by_host.items())
 
 
 def _done_key(rank: int) -> str:
