@@ -1,5 +1,6 @@
 """`launch`: scheduler detection, host lists, the commands it builds, and its errors."""
 
+import os
 import subprocess
 import sys
 import time
@@ -9,6 +10,7 @@ import pytest
 from conftest import clean_env, launch, run
 from mmm import launch as L
 from mmm.errors import UsageError
+from mmm.launch.output import ExitBoxFilter
 
 
 @pytest.mark.parametrize(
@@ -280,3 +282,40 @@ def test_rank_watch_skips_ranks_that_finished_and_defers_to_a_rank_that_spoke(tm
     w.done.set()
     w.join(timeout=5)
     assert w.rank_of == {} and w.first_silent() is None
+
+
+_RULE = b"-" * 74 + b"\n"
+_EXIT_BOX = (  # what Open MPI 5's mpiexec prints after a rank's non-zero exit
+    _RULE + b"prterun detected that one or more processes exited with non-zero status,\n"
+    b"thus causing the job to be terminated. The first process to do so was:\n\n"
+    b"   Process name: [prterun-vm-1@1,1]\n   Exit code:    2\n" + _RULE
+)
+_KILLED_BOX = (
+    _RULE + b"prterun noticed that process rank 0 with PID 1 on node vm exited on\nsignal 9 (Killed).\n" + _RULE
+)
+
+
+def _filtered(data: bytes, code: int, cut: int) -> bytes:
+    """``data`` through launch's stderr filter in two reads split at ``cut``, then the exit ``code``."""
+    r, w = os.pipe()
+    box = ExitBoxFilter(L.FLAVORS["openmpi"].exit_box, fd=w)
+    box._feed(data[:cut])
+    box._feed(data[cut:])
+    box.finish(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        return f.read()
+
+
+@pytest.mark.parametrize(
+    "data, code, shown",
+    [
+        (b"x: error: bad\n" + _EXIT_BOX, 2, b"x: error: bad\n"),  # a usage error ends with its own line
+        (b"x: error: bad\n" + _EXIT_BOX, 3, b"x: error: bad\n" + _EXIT_BOX),  # any other failure keeps it
+        (_KILLED_BOX + _EXIT_BOX + b"after\n", 2, _KILLED_BOX + b"after\n"),  # other boxes and lines stay
+        (b"step 1\rstep 2\r-- not a rule\n" + _RULE, 2, b"step 1\rstep 2\r-- not a rule\n" + _RULE),
+    ],
+)
+def test_open_mpi_exit_box_dropped_only_after_a_usage_error(data, code, shown):
+    for cut in range(len(data) + 1):  # however the pipe splits it
+        assert _filtered(data, code, cut) == shown, cut

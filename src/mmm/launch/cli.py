@@ -1,0 +1,135 @@
+"""``launch``'s command line: flags, the plan, and then run it (or hand the process to the launcher)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from collections.abc import Mapping, Sequence
+
+from mmm.errors import ArgumentParser, UsageError, print_error
+from mmm.launch.plan import LAUNCHERS, LaunchPlan, plan_launch
+from mmm.launch.run import run_attempt, run_with_retries, stays_parent
+from mmm.launch.signals import PROG, _unignore_stop_signals
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(
+        prog=PROG,
+        description="Run a command on every rank of this allocation (PBS, Slurm) or on this machine.",
+        epilog="examples:\n"
+        "  launch -n 4 python3 -m mmm --tp 2\n"
+        "  launch python3 -m mmm.examples.fsdp_tp --tpsize 2   # inside a PBS/Slurm job\n"
+        "  launch --dry-run --ppn 4 python3 train.py\n\n"
+        "Environment: MMM_GPUS_PER_NODE (ranks per host default), MMM_MPI_FLAVOR (openmpi|hydra|pals).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "-n",
+        "--nproc",
+        "--np",
+        dest="nproc",
+        type=int,
+        default=None,
+        metavar="N",
+        help="total ranks (default: hosts x ranks per host)",
+    )
+    p.add_argument(
+        "--ppn",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ranks per host (default: accelerators per host, else scheduler slots, else up to 4 CPU ranks)",
+    )
+    p.add_argument(
+        "--hostfile",
+        default=None,
+        metavar="FILE",
+        help="hosts to use instead of the scheduler's (one per line; 'host slots=N' or 'host:N')",
+    )
+    p.add_argument(
+        "--launcher",
+        choices=LAUNCHERS,
+        default="auto",
+        help="auto: mpiexec under PBS, srun under Slurm, else this venv's mpiexec if any, else local",
+    )
+    p.add_argument(
+        "--mpi-args",
+        default="",
+        metavar="ARGS",
+        help='extra launcher flags, one quoted string (e.g. "--cpu-bind depth -d 8")',
+    )
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=0,
+        metavar="N",
+        help="relaunch a failed job up to N times in the same allocation (fresh rendezvous port, "
+        "MMM_RESTART=<attempt>); trainers with --checkpoint-dir resume from their latest "
+        "checkpoint. Bad input (exit 2), Ctrl-C and SIGTERM are not retried [0]",
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the command and exit")
+    p.add_argument("-q", "--quiet", action="store_true", help="do not print the launch line")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    _unignore_stop_signals()
+    try:
+        args = build_parser().parse_args(argv)
+        command = args.command[1:] if args.command[:1] == ["--"] else args.command
+        plan = plan_launch(
+            command,
+            nproc=args.nproc,
+            ppn=args.ppn,
+            hostfile=args.hostfile,
+            launcher=args.launcher,
+            mpi_args=shlex.split(args.mpi_args),
+            dry_run=args.dry_run,
+        )
+        if args.retries < 0:
+            raise UsageError(f"--retries {args.retries} must be >= 0 (the number of relaunches after a failure)")
+    except UsageError as e:
+        print_error(str(e), prog=PROG)
+        return 2
+    if args.dry_run:
+        print(f"# {plan.describe()}")
+        print(plan.command_line())
+        return 0
+    if not args.quiet:
+        print(f"launch: {plan.describe()}", file=sys.stderr, flush=True)
+    if args.retries:
+
+        def replan(env: Mapping[str, str]) -> LaunchPlan:
+            return plan_launch(
+                command,
+                nproc=args.nproc,
+                ppn=args.ppn,
+                hostfile=args.hostfile,
+                launcher=args.launcher,
+                mpi_args=shlex.split(args.mpi_args),
+                env=env,
+                flavor=plan.mpi_flavor,
+            )
+
+        try:
+            return run_with_retries(replan, plan, args.retries, quiet=args.quiet)
+        except UsageError as e:
+            print_error(str(e), prog=PROG)
+            return 2
+    env = {**os.environ, **plan.env}
+    if stays_parent(plan):
+        try:
+            return run_attempt(plan, env, [])
+        except UsageError as e:
+            print_error(str(e), prog=PROG)
+            return 2
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execvpe(plan.argv[0], plan.argv, env)  # the launcher takes over: signals and exit code are its own
+    except OSError as e:
+        print_error(f"cannot run {plan.argv[0]!r}: {e.strerror}", prog=PROG)
+        return 127

@@ -1,0 +1,145 @@
+"""MPI's ``mpiexec``: where it is, which flavour it is, and how that flavour spells launch's flags.
+
+``FLAVORS`` is the table: one row per flavour (Open MPI, MPICH/Intel MPI's Hydra, Cray/HPE PALS).
+Adding a flavour is adding a row.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from mmm.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Flavor:
+    """How one flavour's ``mpiexec`` is recognised and how it spells each setting. ``{n}``, ``{ppn}``,
+    ``{file}``, ``{hosts}``, ``{host}``, ``{name}`` and ``{value}`` are filled in; an empty spelling is a
+    setting this flavour does without."""
+
+    version_says: tuple[str, ...]  # words in its `mpiexec --version` (lower case)
+    nproc: tuple[str, ...]  # total ranks
+    ppn: tuple[str, ...]  # ranks per host
+    ppn_on_one_host: bool  # ranks per host also for a job on this machine alone
+    hostfile: tuple[str, ...]
+    hosts: tuple[str, ...]  # the host list, when there is no hostfile and more than this machine
+    host: str  # one entry of {hosts}
+    export: tuple[str, ...]  # one environment variable for every rank
+    as_root: tuple[str, ...]  # when launch runs as root
+    oversubscribe: tuple[str, ...]  # more ranks than cores on this machine
+    exit_box: str = ""  # in the box it prints after a rank's non-zero exit (dropped after a usage error)
+    watch_ranks: bool = False  # it kills every rank at once and names none: launch names the first to die
+
+
+FLAVORS: dict[str, Flavor] = {  # in the order `mpiexec --version` is matched
+    "openmpi": Flavor(
+        version_says=("open mpi", "openrte", "prte"),
+        nproc=("-n", "{n}"),
+        ppn=("--map-by", "ppr:{ppn}:node"),
+        ppn_on_one_host=False,
+        hostfile=("--hostfile", "{file}"),
+        hosts=("--host", "{hosts}"),
+        host="{host}:{ppn}",
+        export=("-x", "{name}"),
+        as_root=("--allow-run-as-root",),
+        oversubscribe=("--oversubscribe",),
+        exit_box="detected that one or more processes exited with non-zero status",
+    ),
+    "hydra": Flavor(  # MPICH, Intel MPI
+        version_says=("hydra", "intel(r) mpi", "mpich"),
+        nproc=("-n", "{n}"),
+        ppn=("-ppn", "{ppn}"),
+        ppn_on_one_host=True,
+        hostfile=("-hostfile", "{file}"),
+        hosts=("-hosts", "{hosts}"),
+        host="{host}",
+        export=("-genv", "{name}", "{value}"),
+        as_root=(),
+        oversubscribe=(),
+        watch_ranks=True,
+    ),
+    "pals": Flavor(  # Cray/HPE
+        version_says=("pals", "cray", "hpe"),
+        nproc=("-n", "{n}"),
+        ppn=("--ppn", "{ppn}"),
+        ppn_on_one_host=True,
+        hostfile=("--hostfile", "{file}"),
+        hosts=(),
+        host="{host}",
+        export=("--env", "{name}={value}"),
+        as_root=(),
+        oversubscribe=(),
+    ),
+}
+MPI_FLAVORS = tuple(FLAVORS)
+UNRECOGNISED = "hydra"  # an mpiexec whose --version names none of the above
+
+
+def venv_mpiexec() -> str | None:
+    cand = Path(sys.executable).parent / "mpiexec"
+    return str(cand) if cand.is_file() and os.access(cand, os.X_OK) else None
+
+
+def find_mpiexec() -> str | None:
+    return venv_mpiexec() or shutil.which("mpiexec")
+
+
+def mpi_flavor(mpiexec: str) -> str:
+    """openmpi, hydra (MPICH, Intel MPI) or pals (Cray/HPE), from ``mpiexec --version``;
+    ``MMM_MPI_FLAVOR`` overrides."""
+    forced = os.environ.get("MMM_MPI_FLAVOR")
+    if forced:
+        if forced not in FLAVORS:
+            raise UsageError(f"MMM_MPI_FLAVOR={forced!r}; choose one of: {', '.join(MPI_FLAVORS)}")
+        return forced
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=20)
+        text = (out.stdout + out.stderr).lower()
+    except (OSError, subprocess.TimeoutExpired):
+        text = ""
+    for name, row in FLAVORS.items():
+        if any(word in text for word in row.version_says):
+            return name
+    return UNRECOGNISED
+
+
+def mpiexec_flags(
+    flavor: str,
+    *,
+    nproc: int,
+    ppn: int,
+    hosts: Sequence[str],
+    hostfile: str | None,
+    one_host: bool,
+    env: Mapping[str, str],
+    cpus: int,
+) -> list[str]:
+    """``mpiexec``'s flags for ``nproc`` ranks, ``ppn`` per host, on ``hosts`` (or those of ``hostfile``),
+    every rank getting ``env``. ``one_host``: this machine alone (no scheduler, no hostfile)."""
+    if flavor not in FLAVORS:
+        raise UsageError(f"MPI flavour {flavor!r}; choose one of: {', '.join(MPI_FLAVORS)}")
+    row = FLAVORS[flavor]
+    flags = _fill(row.nproc, n=nproc)
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        flags += row.as_root
+    if one_host and nproc > cpus:
+        flags += row.oversubscribe
+    if row.ppn_on_one_host or not one_host:
+        flags += _fill(row.ppn, ppn=ppn)
+    if hostfile:
+        flags += _fill(row.hostfile, file=hostfile)
+    elif not one_host and row.hosts:
+        flags += _fill(row.hosts, hosts=",".join(row.host.format(host=h, ppn=ppn) for h in hosts))
+    for name, value in env.items():
+        flags += _fill(row.export, name=name, value=value)
+    return flags
+
+
+def _fill(spelling: Sequence[str], **values: object) -> list[str]:
+    return [part.format(**values) for part in spelling]

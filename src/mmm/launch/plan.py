@@ -1,0 +1,185 @@
+"""The launch plan: which launcher, how many ranks where, the full command and the variables it sets."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mmm.dist.rendezvous import free_port
+from mmm.errors import UsageError
+from mmm.launch.allocation import Allocation, detect_allocation
+from mmm.launch.hosts import is_this_host
+from mmm.launch.mpi import find_mpiexec, mpi_flavor, mpiexec_flags, venv_mpiexec
+
+LAUNCHERS = ("auto", "mpiexec", "srun", "local")
+LOCAL_CPU_RANKS = 4
+FORWARDED_ENV = (  # passed on to every rank by an MPI launcher, when set
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "MMM_LAUNCH_TIME",
+    "OMP_NUM_THREADS",
+    "MMM_LAUNCHER",
+    "MMM_RUN_STAMP",
+    "MMM_RESTART",
+)
+
+
+@dataclass
+class LaunchPlan:
+    launcher: str  # "mpiexec", "srun" or "local"
+    argv: list[str]  # the full command for mpiexec/srun; the per-rank command for local
+    nproc: int
+    ppn: int
+    allocation: Allocation
+    env: dict[str, str] = field(default_factory=dict)  # added to the environment
+    mpi_flavor: str | None = None
+
+    def describe(self) -> str:
+        a = self.allocation
+        where = (
+            f"{a.num_hosts} host{'s' if a.num_hosts != 1 else ''}"
+            if a.scheduler != "none" or a.hostfile
+            else "this machine"
+        )
+        return (
+            f"{self.nproc} ranks ({self.ppn} per host) on {where} via {self.launcher}"
+            f"{f' ({self.mpi_flavor})' if self.mpi_flavor else ''}; scheduler: {a.scheduler}"
+        )
+
+    def command_line(self) -> str:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        cmd = shlex.join(self.argv)
+        if self.launcher == "local":
+            cmd = f"<{self.nproc} ranks, RANK=0..{self.nproc - 1}> {cmd}"
+        return f"{env} {cmd}" if env else cmd
+
+
+def _resolve_python(cmd: list[str]) -> list[str]:
+    """A bare ``python``/``python3`` means this environment's interpreter, on every rank."""
+    if cmd and cmd[0] in {"python", "python3"}:
+        return [sys.executable, *cmd[1:]]
+    return cmd
+
+
+def plan_launch(
+    command: Sequence[str],
+    *,
+    nproc: int | None = None,
+    ppn: int | None = None,
+    hostfile: str | None = None,
+    launcher: str = "auto",
+    mpi_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    flavor: str | None = None,
+    dry_run: bool = False,
+) -> LaunchPlan:
+    """How to start ``command`` on this allocation. ``dry_run``: only to print it, so a launcher
+    missing from PATH (a login node, a module not loaded) is named as is, not refused."""
+    env = os.environ if env is None else env
+    if not command:
+        raise UsageError("no command to launch; e.g. `launch -n 4 python3 -m mmm --tp 2`")
+    if launcher not in LAUNCHERS:
+        raise UsageError(f"--launcher {launcher!r}; choose one of: {', '.join(LAUNCHERS)}")
+    for name, value in (("-n/--nproc", nproc), ("--ppn", ppn)):
+        if value is not None and value < 1:
+            raise UsageError(f"{name} {value} must be >= 1")
+    alloc = detect_allocation(env, hostfile)
+    if launcher == "auto":
+        launcher = {"pbs": "mpiexec", "slurm": "srun"}.get(alloc.scheduler) or (
+            "mpiexec" if (venv_mpiexec() or alloc.hostfile) else "local"
+        )
+    if launcher == "local" and alloc.num_hosts > 1:
+        raise UsageError(
+            f"--launcher local runs on this machine only, but the allocation has {alloc.num_hosts} hosts; "
+            "use --launcher mpiexec or srun"
+        )
+    cpus = os.cpu_count() or 1
+    on_this_machine = alloc.scheduler == "none" and not alloc.hostfile
+    if ppn is None:
+        if on_this_machine and nproc is not None:
+            ppn = nproc
+        elif alloc.accelerators_per_host:
+            ppn = alloc.accelerators_per_host
+        elif alloc.slots_per_host and alloc.slots_per_host > 1:
+            ppn = alloc.slots_per_host
+        elif nproc is not None:
+            ppn = -(-nproc // alloc.num_hosts)
+        else:
+            ppn = max(2, min(LOCAL_CPU_RANKS, cpus)) if on_this_machine else 1
+    total = nproc if nproc is not None else ppn * alloc.num_hosts
+    if not on_this_machine and total > ppn * alloc.num_hosts:
+        raise UsageError(
+            f"-n {total} needs more ranks than {alloc.num_hosts} host(s) x --ppn {ppn} = {ppn * alloc.num_hosts}; "
+            f"lower -n or raise --ppn"
+        )
+    nodes = -(-total // ppn)
+    hosts = alloc.hosts[:nodes]
+    add_env: dict[str, str] = {}
+    if not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
+        add_env["MASTER_ADDR"] = "127.0.0.1" if on_this_machine or nodes == 1 and is_this_host(hosts[0]) else hosts[0]
+        add_env["MASTER_PORT"] = str(free_port())
+    per_task = env.get("SLURM_CPUS_PER_TASK", "") if launcher == "srun" else ""
+    if not env.get("OMP_NUM_THREADS"):
+        add_env["OMP_NUM_THREADS"] = (
+            per_task
+            if per_task.isdigit()
+            else str(max(1, cpus // ppn if not on_this_machine else cpus // max(total, 1)))
+        )
+    if not env.get("MMM_LAUNCH_TIME"):  # an outer harness may have started the clock already
+        add_env["MMM_LAUNCH_TIME"] = repr(time.time())
+    add_env["MMM_LAUNCHER"] = f"launch/{launcher}"
+    if not env.get("MMM_RUN_STAMP"):  # one default output folder for every rank and every attempt
+        add_env["MMM_RUN_STAMP"] = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    cmd = _resolve_python(list(command))
+
+    if launcher == "local":
+        return LaunchPlan("local", cmd, total, ppn, alloc, add_env)
+    if launcher == "srun":
+        exe = shutil.which("srun") or ("srun" if dry_run else None)
+        if exe is None:
+            where = f"inside Slurm job {env['SLURM_JOB_ID']}, " if env.get("SLURM_JOB_ID") else ""
+            raise UsageError(
+                f"--launcher srun: no srun on PATH ({where}PATH={env.get('PATH', '')!r}); load Slurm "
+                "(e.g. `module load slurm`) or choose --launcher mpiexec"
+            )
+        # a rank that dies takes the step down at once, instead of leaving the others blocked in a
+        # collective until its timeout
+        # since Slurm 22.05 srun does not inherit the job's --cpus-per-task: pass it on
+        cpt = [f"--cpus-per-task={per_task}"] if per_task.isdigit() else []
+        argv = [
+            exe,
+            f"--nodes={nodes}",
+            f"--ntasks={total}",
+            f"--ntasks-per-node={ppn}",
+            *cpt,
+            "--export=ALL",
+            "--kill-on-bad-exit=1",
+            *mpi_args,
+            *cmd,
+        ]
+        return LaunchPlan("srun", argv, total, ppn, alloc, add_env)
+    exe = find_mpiexec()
+    if exe is None:
+        raise UsageError(
+            f"--launcher mpiexec: no mpiexec in {Path(sys.executable).parent} or on PATH; install MPI "
+            "(pip install 'mmm[mpi]' puts Open MPI's mpiexec in the virtual environment) or use --launcher local"
+        )
+    flavor = flavor or mpi_flavor(exe)
+    names = [*add_env, *(k for k in FORWARDED_ENV if k not in add_env and k in env)]
+    flags = mpiexec_flags(
+        flavor,
+        nproc=total,
+        ppn=ppn,
+        hosts=hosts,
+        hostfile=alloc.hostfile,
+        one_host=on_this_machine,
+        env={k: add_env.get(k, env.get(k, "")) for k in names},
+        cpus=cpus,
+    )
+    return LaunchPlan("mpiexec", [exe, *flags, *mpi_args, *cmd], total, ppn, alloc, add_env, flavor)

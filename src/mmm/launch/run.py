@@ -1,0 +1,130 @@
+"""Running a plan with launch as the parent: one attempt (signals passed on, the first rank to die named,
+Open MPI's exit box dropped after a usage error), and relaunches after a failure (``--retries``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from mmm.dist.rendezvous import free_port
+from mmm.errors import UsageError, print_error
+from mmm.launch.mpi import FLAVORS, Flavor
+from mmm.launch.output import ExitBoxFilter
+from mmm.launch.plan import LaunchPlan
+from mmm.launch.signals import PROG, _wait_forwarding
+from mmm.launch.spawn import spawn_local
+from mmm.launch.watch import RankWatch
+
+NOT_RETRIED = {
+    0: "it succeeded",
+    2: "bad input fails again",
+    130: "interrupted (Ctrl-C)",
+    143: "terminated (SIGTERM: preemption or the scheduler's limit)",
+}
+
+
+def _flavor(plan: LaunchPlan) -> Flavor | None:
+    return FLAVORS.get(plan.mpi_flavor or "") if plan.launcher == "mpiexec" else None
+
+
+def stays_parent(plan: LaunchPlan) -> bool:
+    """Whether launch runs the plan as its child rather than handing its process to the launcher: the
+    local spawner always; an ``mpiexec`` whose ranks launch watches (Hydra) or whose exit box it drops
+    (Open MPI)."""
+    flavor = _flavor(plan)
+    return plan.launcher == "local" or flavor is not None and (flavor.watch_ranks or bool(flavor.exit_box))
+
+
+def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) -> int:
+    """Run the plan once as a child (mpiexec/srun) or with the local spawner; its exit code.
+    SIGINT/SIGTERM are forwarded to the child and recorded in ``signalled``. Under a Hydra ``mpiexec``
+    launch watches this host's ranks (:class:`RankWatch`) and names the one that died first; under Open
+    MPI it drops mpiexec's exit box after a usage error (:class:`ExitBoxFilter`)."""
+    if plan.launcher == "local":
+        return spawn_local(plan.argv, plan.nproc, env, signalled=signalled)
+    flavor = _flavor(plan)
+    watcher = None
+    if flavor is not None and flavor.watch_ranks and hasattr(os, "pidfd_open"):
+        watcher = RankWatch(tempfile.mkdtemp(prefix="mmm-pids-"), plan.nproc)
+        env = {**env, "MMM_PID_DIR": str(watcher.folder)}
+    box = ExitBoxFilter(flavor.exit_box) if flavor is not None and flavor.exit_box else None
+    child: list[subprocess.Popen] = []
+    rc: int | None = None
+    try:
+        rc = _wait_forwarding(lambda: _start_child(plan.argv, env, watcher, box, child), signalled)
+        return rc
+    finally:
+        if box is not None and child:
+            box.finish(rc)
+        if watcher is not None:
+            watcher.done.set()
+            watcher.join(timeout=2.0)
+            if not watcher.is_alive():
+                named = watcher.first_silent() if child and child[0].returncode and not signalled else None
+                shutil.rmtree(watcher.folder, ignore_errors=True)
+                if named:
+                    print_error(named, prog=PROG)
+
+
+def _start_child(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    watcher: RankWatch | None,
+    box: ExitBoxFilter | None,
+    started: list[subprocess.Popen],
+) -> subprocess.Popen:
+    try:
+        p = subprocess.Popen(list(argv), env=dict(env), stderr=subprocess.PIPE if box is not None else None)
+    except OSError as e:
+        if watcher is not None:
+            shutil.rmtree(watcher.folder, ignore_errors=True)
+        raise UsageError(f"cannot run {argv[0]!r}: {e.strerror}") from None
+    started.append(p)
+    if box is not None:
+        box.start(p.stderr)
+    if watcher is not None:
+        watcher.start()
+    return p
+
+
+def run_with_retries(
+    replan: Callable[[Mapping[str, str]], LaunchPlan], first: LaunchPlan, retries: int, *, quiet: bool = False
+) -> int:
+    """Run the job; when it fails, run it again (at most ``retries`` more times) in the same allocation.
+    Every attempt gets ``MMM_RESTART=<attempt>`` and the first attempt's output stamp; when launch chose
+    the rendezvous port, each relaunch gets a fresh one. ``replan`` rebuilds the command for an
+    environment (MPI launchers carry variables on their command line). A trainer with
+    ``--checkpoint-dir`` resumes from its latest checkpoint on a restart. Not retried: success, bad
+    input (2), Ctrl-C (130), SIGTERM (143), and a signal sent to launch itself."""
+    fresh_port = "MASTER_PORT" in first.env
+    base = {**os.environ, **first.env}
+    attempt = 0
+    while True:
+        env = {**base, "MMM_RESTART": str(attempt)}
+        if attempt:
+            env["MMM_LAUNCH_TIME"] = repr(time.time())  # startup of this attempt
+            if fresh_port:
+                env["MASTER_PORT"] = str(free_port())
+        plan = replan(env)
+        signalled: list[int] = []
+        code = run_attempt(plan, {**env, **plan.env}, signalled)
+        why = "launch itself was signalled" if signalled else NOT_RETRIED.get(code)
+        if why is not None or attempt >= retries:
+            if code and attempt and not quiet:
+                print_error(
+                    f"attempt {attempt + 1} of {retries + 1} failed with exit code {code}; "
+                    f"{'giving up' if why is None else f'not retried: {why}'}",
+                    prog=PROG,
+                )
+            return code
+        attempt += 1
+        if not quiet:
+            print_error(
+                f"attempt {attempt} of {retries + 1} failed with exit code {code}; relaunching "
+                f"(MMM_RESTART={attempt}{', fresh rendezvous port' if fresh_port else ''})",
+                prog=PROG,
+            )
