@@ -113,7 +113,13 @@ def test_slurm_srun_command(tmp_path, monkeypatch):
         "--kill-on-bad-exit=1",
         sys.executable,
     ]
-    assert plan.env["MASTER_ADDR"] == "gpu1"
+    # rank 0's host is the step's to say (its first node), not a guess from the allocation
+    assert "MASTER_ADDR" not in plan.env and int(plan.env["MASTER_PORT"]) > 0
+    # --hostfile: srun runs on those hosts
+    hf = tmp_path / "hosts"
+    hf.write_text("gpu4\ngpu2\n")
+    plan = L.plan_launch(["python3", "t.py"], env=env, hostfile=str(hf), ppn=1)
+    assert "--nodelist=gpu4,gpu2" in plan.argv and "MASTER_ADDR" not in plan.env
     # the job's --cpus-per-task reaches the step (srun >= 22.05 no longer inherits it) and sets the threads
     plan = L.plan_launch(["python3", "t.py"], env={**env, "SLURM_CPUS_PER_TASK": "8"}, nproc=12)
     assert "--cpus-per-task=8" in plan.argv and plan.env["OMP_NUM_THREADS"] == "8"

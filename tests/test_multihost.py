@@ -208,3 +208,34 @@ def test_a_rank_killed_on_the_second_host_ends_the_job_naming_rank_and_host(
     res = run(full, env={**env, "MMM_TIMEOUT": "300"}, timeout=120)
     assert res.returncode != 0 and res.seconds < 60, (res.seconds, res.output)
     assert re.search(named, res.output), res.output
+
+
+# --------------------------------------------------------------------------- where rank 0 runs under Slurm
+def test_launch_hostfile_under_slurm_meets_where_srun_put_rank_0(slurm_on_two_hosts, shared_dir):
+    """--hostfile naming node2 first: srun still orders the nodes its own way (rank 0 on node1); launch
+    used to point every rank at node2, where no store listens (a hang until the timeout)."""
+    c, out = slurm_on_two_hosts, shared_dir / "report"
+    hostfile = shared_dir / "hosts"
+    hostfile.write_text("node2 slots=2\nnode1 slots=2\n")
+    cmd = ["salloc", "-N", "2", "--ntasks-per-node=2", str(BIN / "launch"), "--hostfile", str(hostfile),
+           "python3", "-m", "mmm", "--tp", "2", "--report-dir", str(out)]  # fmt: skip
+    res = run(c.command(cmd), env=c.environ(MMM_TIMEOUT="60"), timeout=120)
+    assert res.returncode == 0, res.output
+    found = reports(out)
+    assert len(found) == 4 and all(c["ok"] for r in found for c in r["checks"]), res.output
+    assert found[0]["env_master"][0] == found[0]["host"], found[0]  # rank 0's own host
+
+
+def test_srun_arbitrary_distribution_meets_at_rank_0s_host(slurm_on_two_hosts, shared_dir):
+    """--distribution=arbitrary with SLURM_HOSTFILE puts rank 0 on node2: the step's first node (node1)
+    is not rank 0's host."""
+    c, out = slurm_on_two_hosts, shared_dir / "report"
+    tasks = shared_dir / "tasks"
+    tasks.write_text("node2\nnode2\nnode1\nnode1\n")
+    cmd = ["srun", "-n", "4", "--distribution=arbitrary", sys.executable, "-m", "mmm", "--tp", "2",
+           "--report-dir", str(out)]  # fmt: skip
+    res = run(c.command(cmd), env=c.environ(SLURM_HOSTFILE=str(tasks), MMM_TIMEOUT="60"), timeout=120)
+    assert res.returncode == 0, res.output
+    found = reports(out)
+    assert [r["host"] for r in found] == ["node2", "node2", "node1", "node1"], found
+    assert {r["env_master"][0] for r in found} == {"node2"}

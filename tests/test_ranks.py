@@ -226,3 +226,17 @@ def test_a_low_open_file_limit_is_raised_for_the_store():
         out, err = p.communicate(timeout=60)
     assert p.returncode == 2, err
     assert "needs ~516 open files, but its hard limit is 300" in err and "Traceback" not in err, err
+
+
+def test_rank_0s_host_under_slurm_is_the_steps_not_a_guess(tmp_path):
+    """launch under srun exports only MASTER_PORT: each rank reads rank 0's host from the step (its first
+    node; the first line of SLURM_HOSTFILE under --distribution=arbitrary, where tasks follow the file)."""
+    step = {"SLURM_JOB_ID": "4", "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "n[1-2]", "MASTER_PORT": "29400"}
+    info = RankInfo(3, 4, 1, 2, "slurm")
+    assert rendezvous(info, step) == ("n1", 29400)
+    hosts = tmp_path / "hostfile"
+    hosts.write_text("n2\nn2\nn1\nn1\n")
+    arbitrary = {**step, "SLURM_DISTRIBUTION": "arbitrary", "SLURM_HOSTFILE": str(hosts)}
+    assert rendezvous(info, arbitrary) == ("n2", 29400)
+    del arbitrary["MASTER_PORT"]  # plain srun: the derived port, at the same host
+    assert rendezvous(info, arbitrary) == ("n2", derived_port("4.0"))

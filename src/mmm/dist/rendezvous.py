@@ -42,6 +42,8 @@ def rendezvous(info: RankInfo, env: Mapping[str, str] | None = None) -> tuple[st
     """MASTER_ADDR and MASTER_PORT for this job, the same on every rank."""
     env = os.environ if env is None else env
     addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+    if port and not addr and info.source == "slurm":  # `launch` under srun: the port, not rank 0's host
+        addr = slurm_rank0_host(env)
     if addr and port:
         try:
             return addr, int(port)
@@ -59,15 +61,31 @@ def rendezvous(info: RankInfo, env: Mapping[str, str] | None = None) -> tuple[st
             return ("127.0.0.1" if info.local_known and info.num_nodes == 1 else host), port_
     key = _job_key(env)
     if info.source == "slurm" and key:
-        nodes = expand_nodelist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))
-        if nodes:
-            return nodes[0], derived_port(key)
+        host = slurm_rank0_host(env)
+        if host:
+            return host, derived_port(key)
     if info.local_known and info.num_nodes == 1 and key:
         return "127.0.0.1", derived_port(key)
     raise UsageError(
         f"cannot find a rendezvous for {info.world_size} ranks started by {info.source}: set MASTER_ADDR and "
         "MASTER_PORT, start with `launch` (it sets them), or install mpi4py (pip install 'mmm[mpi]')"
     )
+
+
+def slurm_rank0_host(env: Mapping[str, str]) -> str | None:
+    """The host of rank 0 of this Slurm step: the first line of ``SLURM_HOSTFILE`` under
+    ``--distribution=arbitrary`` (tasks follow the file), else the step's first node (block, cyclic and
+    plane distributions all start there)."""
+    if env.get("SLURM_DISTRIBUTION", "").startswith("arbitrary") and env.get("SLURM_HOSTFILE"):
+        try:
+            with open(env["SLURM_HOSTFILE"]) as f:
+                first = next((line.split()[0] for line in f if line.strip() and not line.startswith("#")), None)
+        except OSError:
+            first = None
+        if first:
+            return first
+    nodes = expand_nodelist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))
+    return nodes[0] if nodes else None
 
 
 def check_mpi_world(comm, info: RankInfo) -> None:

@@ -122,7 +122,11 @@ def plan_launch(
     hosts = alloc.hosts[:nodes]
     add_env: dict[str, str] = {}
     if not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
-        add_env["MASTER_ADDR"] = "127.0.0.1" if on_this_machine or nodes == 1 and is_this_host(hosts[0]) else hosts[0]
+        local = on_this_machine or nodes == 1 and is_this_host(hosts[0])
+        if local or launcher != "srun":
+            add_env["MASTER_ADDR"] = "127.0.0.1" if local else hosts[0]
+        # else srun places rank 0 (on the step's first node, which need not be hosts[0]): each rank
+        # reads rank 0's host from the step itself (mmm.dist.rendezvous)
         add_env["MASTER_PORT"] = str(free_port())
     per_task = env.get("SLURM_CPUS_PER_TASK", "") if launcher == "srun" else ""
     if not env.get("OMP_NUM_THREADS"):
@@ -152,9 +156,12 @@ def plan_launch(
         # collective until its timeout
         # since Slurm 22.05 srun does not inherit the job's --cpus-per-task: pass it on
         cpt = [f"--cpus-per-task={per_task}"] if per_task.isdigit() else []
+        # --hostfile under Slurm: run on those hosts (Slurm still orders them: rank 0's host is the step's)
+        where = [f"--nodelist={','.join(hosts)}"] if alloc.hostfile else []
         argv = [
             exe,
             f"--nodes={nodes}",
+            *where,
             f"--ntasks={total}",
             f"--ntasks-per-node={ppn}",
             *cpt,
