@@ -174,6 +174,18 @@ class Hosts:
         """Remove every namespace, veth and the bridge of this cluster, and its state. Idempotent."""
         _remove(self.id)
 
+    def lose(self, host: str) -> list[int]:
+        """``host`` is lost, as when it crashes: its link goes down and every process on it is killed
+        (SIGKILL); the processes' pids."""
+        _ip("link", "set", f"mmm{self.id}v{self._index(host)}", "down")
+        pids = [int(x) for x in _ip("netns", "pids", self.netns(host)).stdout.split()]
+        for pid in pids:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        return pids
+
     def __enter__(self) -> Hosts:
         return self
 

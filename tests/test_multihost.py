@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from conftest import BIN, ROOT, clean_env, env_of, kill_group, mpi_env, pbs_job, run
+from conftest import BIN, ROOT, clean_env, env_of, kill_group, mpi_env, pbs_job, run, spawn
 from mmm.dist import free_port
 
 RANKS_PER_HOST = 2
@@ -239,3 +239,62 @@ def test_srun_arbitrary_distribution_meets_at_rank_0s_host(slurm_on_two_hosts, s
     found = reports(out)
     assert [r["host"] for r in found] == ["node2", "node2", "node1", "node1"], found
     assert {r["env_master"][0] for r in found} == {"node2"}
+
+
+# --------------------------------------------------------------------------- losing a whole host
+def test_a_job_survives_losing_a_host(shared_dir_3, tmp_path):
+    """3 hosts x 2 ranks (dp 3 x tp 2), checkpoints every 2 steps; node3 is lost at step 5 (its link cut,
+    every process on it killed). `launch --retries 1 --drop-lost-hosts` probes the hosts, relaunches on
+    node1 and node2 (dp 2 x tp 2, the same global batch), and the trainer resumes its latest checkpoint
+    on the smaller mesh: history has steps 1-10 once each, and every step's loss and gradient norm are
+    one process's."""
+    hosts, shared = shared_dir_3
+    flags = [*TRAIN[:-1], "10", "--batch-size", "12", "--log-every", "1"]
+    ref = tmp_path / "one"
+    res = run([sys.executable, *flags, "--outdir", str(ref)], timeout=180)
+    flags += ["--tp", "2"]
+    assert res.returncode == 0, res.output
+    out, ck = shared / "out", shared / "ck"
+    cmd = [str(BIN / "launch"), "--retries", "1", "--drop-lost-hosts", "python3", *flags,
+           "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--outdir", str(out)]  # fmt: skip
+    env = pbs_job(hosts, shared, MMM_TIMEOUT="60")
+    with spawn(hosts.command("node1", cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as p:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and p.poll() is None:
+            hist = out / "history.jsonl"
+            if hist.exists() and any(json.loads(x)["iter"] >= 5 for x in hist.read_text().splitlines() if x):
+                break
+            time.sleep(0.1)
+        assert p.poll() is None, p.communicate()
+        assert hosts.lose("node3"), "nothing ran on node3"
+        try:
+            stdout, stderr = p.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the job did not finish after losing a host")
+    assert p.returncode == 0, stdout + stderr
+    assert "host node3 did not answer after the failure: relaunching on node1, node2 (4 ranks, 2 per host" in stderr
+    rows = [json.loads(x) for x in (out / "history.jsonl").read_text().splitlines()]
+    assert [r["iter"] for r in rows] == list(range(1, 11)), [r["iter"] for r in rows]
+    want = {r["iter"]: r for r in map(json.loads, (ref / "history.jsonl").read_text().splitlines())}
+    for key in ("loss", "grad_norm"):
+        worst = max(abs(r[key] - want[r["iter"]][key]) / abs(want[r["iter"]][key]) for r in rows)
+        assert worst <= 1e-5, (key, worst)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 4 and summary["mesh"]["dp_shard"] == 2, summary["mesh"]
+
+
+@pytest.fixture
+def shared_dir_3(request):
+    """Three hosts of their own (node1..node3) for one test, and a folder they all see."""
+    from hosts import Hosts, HostsUnavailable
+
+    try:
+        hosts = Hosts.up(3)
+    except HostsUnavailable as e:
+        pytest.skip(f"no multi-host cluster on this machine: {e}")
+    try:
+        d = hosts.state / "shared"
+        d.mkdir()
+        yield hosts, d
+    finally:
+        hosts.down()

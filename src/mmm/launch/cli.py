@@ -69,6 +69,13 @@ def build_parser() -> ArgumentParser:
         "MMM_RESTART=<attempt>); trainers with --checkpoint-dir resume from their latest "
         "checkpoint. Bad input (exit 2), Ctrl-C and SIGTERM are not retried [0]",
     )
+    p.add_argument(
+        "--drop-lost-hosts",
+        action="store_true",
+        help="with --retries, on several hosts: after a failure, ask each host to run `true` through the "
+        "launcher; relaunch on the hosts that answer (same ranks per host: the trainer's data-parallel degree "
+        "shrinks, tp/pp/cp and the global batch stay; MMM_DROPPED_HOSTS names the others)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the command and exit")
     p.add_argument("-q", "--quiet", action="store_true", help="do not print the launch line")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
@@ -91,6 +98,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if args.retries < 0:
             raise UsageError(f"--retries {args.retries} must be >= 0 (the number of relaunches after a failure)")
+        if args.drop_lost_hosts and not args.retries:
+            raise UsageError("--drop-lost-hosts acts on a relaunch: add --retries N")
+        if args.drop_lost_hosts and plan.launcher == "local":
+            raise UsageError(
+                "--drop-lost-hosts needs several hosts (mpiexec or srun); --launcher local is this machine"
+            )
     except UsageError as e:
         print_error(str(e), prog=PROG)
         return 2
@@ -102,20 +115,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"launch: {plan.describe()}", file=sys.stderr, flush=True)
     if args.retries:
 
-        def replan(env: Mapping[str, str]) -> LaunchPlan:
+        def replan(env: Mapping[str, str], *, hostfile: str | None = None, nproc: int | None = None) -> LaunchPlan:
             return plan_launch(
                 command,
-                nproc=args.nproc,
-                ppn=args.ppn,
-                hostfile=args.hostfile,
-                launcher=args.launcher,
+                nproc=nproc or args.nproc,
+                ppn=args.ppn or plan.ppn,
+                hostfile=hostfile or args.hostfile,
+                launcher=plan.launcher,
                 mpi_args=shlex.split(args.mpi_args),
                 env=env,
                 flavor=plan.mpi_flavor,
             )
 
+        def probe(hostfile: str, env: Mapping[str, str]) -> LaunchPlan:
+            return plan_launch(
+                ["true"], nproc=1, ppn=1, hostfile=hostfile, launcher=plan.launcher, env=env, flavor=plan.mpi_flavor
+            )
+
         try:
-            return run_with_retries(replan, plan, args.retries, quiet=args.quiet)
+            return run_with_retries(
+                replan, plan, args.retries, quiet=args.quiet, probe=probe if args.drop_lost_hosts else None
+            )
         except UsageError as e:
             print_error(str(e), prog=PROG)
             return 2

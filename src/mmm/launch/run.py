@@ -9,9 +9,11 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 from mmm.dist.rendezvous import free_port
 from mmm.errors import UsageError, print_error
+from mmm.launch.hostloss import lost_hosts, plan_hosts, write_hostfile
 from mmm.launch.mpi import FLAVORS, Flavor
 from mmm.launch.output import ExitBoxFilter
 from mmm.launch.plan import LaunchPlan
@@ -91,25 +93,43 @@ def _start_child(
     return p
 
 
+Replan = Callable[..., LaunchPlan]  # (env, *, hostfile=None, nproc=None) -> the plan of an attempt
+
+
 def run_with_retries(
-    replan: Callable[[Mapping[str, str]], LaunchPlan], first: LaunchPlan, retries: int, *, quiet: bool = False
+    replan: Replan,
+    first: LaunchPlan,
+    retries: int,
+    *,
+    quiet: bool = False,
+    probe: Callable[[str, Mapping[str, str]], LaunchPlan] | None = None,
 ) -> int:
     """Run the job; when it fails, run it again (at most ``retries`` more times) in the same allocation.
     Every attempt gets ``MMM_RESTART=<attempt>`` and the first attempt's output stamp; when launch chose
     the rendezvous port, each relaunch gets a fresh one. ``replan`` rebuilds the command for an
     environment (MPI launchers carry variables on their command line). A trainer with
     ``--checkpoint-dir`` resumes from its latest checkpoint on a restart. Not retried: success, bad
-    input (2), Ctrl-C (130), SIGTERM (143), and a signal sent to launch itself."""
+    input (2), Ctrl-C (130), SIGTERM (143), and a signal sent to launch itself.
+
+    With ``probe`` (``--drop-lost-hosts``: plans one rank of ``true`` on a hostfile's hosts), a failed
+    attempt on several hosts is followed by a probe of each; the relaunch runs on the hosts that answer
+    (same ranks per host, fewer ranks), ``MMM_DROPPED_HOSTS`` naming the others."""
     fresh_port = "MASTER_PORT" in first.env
+    chose_addr = "MASTER_ADDR" in first.env
     base = {**os.environ, **first.env}
     attempt = 0
+    where: dict[str, object] = {}  # hostfile and nproc of the hosts that remain, once one is lost
+    dropped: list[str] = []
+    folder = tempfile.mkdtemp(prefix="mmm-hosts-") if probe is not None else None
     while True:
         env = {**base, "MMM_RESTART": str(attempt)}
         if attempt:
             env["MMM_LAUNCH_TIME"] = repr(time.time())  # startup of this attempt
             if fresh_port:
                 env["MASTER_PORT"] = str(free_port())
-        plan = replan(env)
+            if chose_addr and where:
+                env.pop("MASTER_ADDR", None)  # the first host may be the lost one: plan it again
+        plan = replan(env, **where)
         signalled: list[int] = []
         code = run_attempt(plan, {**env, **plan.env}, signalled)
         why = "launch itself was signalled" if signalled else NOT_RETRIED.get(code)
@@ -122,6 +142,22 @@ def run_with_retries(
                 )
             return code
         attempt += 1
+        if probe is not None and folder is not None and plan.allocation.num_hosts > 1:
+            lost = lost_hosts(plan, env, probe)
+            if lost:
+                alive = [h for h in plan_hosts(plan) if h not in lost]
+                dropped += lost
+                base["MMM_DROPPED_HOSTS"] = ",".join(dropped)
+                if not alive:
+                    print_error(f"no host answered after the failure ({', '.join(lost)}); giving up", prog=PROG)
+                    return code
+                where = {"hostfile": str(write_hostfile(Path(folder), alive, plan.ppn)), "nproc": plan.ppn * len(alive)}
+                print_error(
+                    f"host{'s' if len(lost) > 1 else ''} {', '.join(lost)} did not answer after the failure: "
+                    f"relaunching on {', '.join(alive)} ({plan.ppn * len(alive)} ranks, {plan.ppn} per host; "
+                    "the trainer's data-parallel degree shrinks, its global batch stays)",
+                    prog=PROG,
+                )
         if not quiet:
             print_error(
                 f"attempt {attempt} of {retries + 1} failed with exit code {code}; relaunching "
