@@ -325,3 +325,14 @@ def _filtered(data: bytes, code: int, cut: int) -> bytes:
 def test_open_mpi_exit_box_dropped_only_after_a_usage_error(data, code, shown):
     for cut in range(len(data) + 1):  # however the pipe splits it
         assert _filtered(data, code, cut) == shown, cut
+
+
+def test_drop_lost_hosts_is_refused_where_it_cannot_act():
+    from conftest import run
+
+    for argv, needle in (
+        (["--drop-lost-hosts", "true"], "--drop-lost-hosts acts on a relaunch: add --retries N"),
+        (["--retries", "1", "--drop-lost-hosts", "--launcher", "local", "true"], "needs several hosts"),
+    ):
+        res = run([sys.executable, "-m", "mmm.launch", *argv], timeout=30)
+        assert res.returncode == 2 and needle in res.stderr, res.output
