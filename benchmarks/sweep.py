@@ -67,15 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
 def select(args, trainer_argv: list[str]):
     """The planner's layouts for these flags, narrowed to --combos; an invalid requested one is an error."""
     from mmm.errors import UsageError
-    from mmm.plan.cli import build_parser as plan_parser
-    from mmm.plan.cli import plan_from_args
+    from mmm.plan.cli import parse_request, plan_for
 
     strategies = ["--strategies", args.strategies] if args.strategies else []
     # the planner checks the flags the runs will get
-    plan_args = plan_parser().parse_args(["--world", str(args.world), *strategies, *TRAINER_DEFAULTS, *trainer_argv])
-    combos = plan_from_args(plan_args)
+    request = parse_request(["--world", str(args.world), *strategies, *TRAINER_DEFAULTS, *trainer_argv])
+    combos = plan_for(request)
     if args.combos is None:
-        return [c for c in combos if c.valid], plan_args
+        return [c for c in combos if c.valid], request
     by_label = {c.label: c for c in combos}
     wanted = [s.strip() for s in args.combos.split(",") if s.strip()]
     problems = []
@@ -89,7 +88,7 @@ def select(args, trainer_argv: list[str]):
             problems.append(f"{label} is invalid: {'; '.join(by_label[label].problems)}")
     if problems or not wanted:
         raise UsageError("--combos: " + ("; ".join(problems) or "empty list"))
-    return [by_label[label] for label in wanted], plan_args
+    return [by_label[label] for label in wanted], request
 
 
 def _error_line(text: str) -> str:
@@ -172,7 +171,7 @@ def _peak_memory(summary: dict) -> float:
     return float(max(values)) if values else math.nan
 
 
-def to_dataset(combos, results, plan_args):
+def to_dataset(combos, results, request):
     """Every layout's figures as one xarray Dataset over ``combo`` (and ``group`` for communication)."""
     import numpy as np
     import xarray as xr
@@ -216,7 +215,7 @@ def to_dataset(combos, results, plan_args):
     ds = xr.Dataset(data, coords={"combo": labels, **({"group": groups} if groups else {})})
     ds.attrs.update(
         {
-            "world_size": plan_args.world,
+            "world_size": request.world,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "trainer_flags": " ".join(sys.argv[1:]),
             "units": "bytes, seconds, tokens/s",
@@ -345,7 +344,7 @@ def _progress():
 
 def main(argv=None) -> int:
     args, trainer_argv = build_parser().parse_known_args(argv)
-    combos, plan_args = select(args, trainer_argv)
+    combos, request = select(args, trainer_argv)
     out = Path(
         args.out or Path("outputs") / "sweep" / datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     )
@@ -381,7 +380,7 @@ def main(argv=None) -> int:
     finally:
         if progress is not None:
             progress.stop()
-    ds = to_dataset(combos, results, plan_args)
+    ds = to_dataset(combos, results, request)
     from mmm.history import _netcdf_engine
 
     tmp = out / ".results.nc.tmp"

@@ -140,15 +140,20 @@ def test_launch_of_a_missing_script_fails_fast_without_traceback():
 
 def test_flag_checks_in_process():
     """The checks behind the table, without processes: each message names the value and a fix."""
+    from mmm.cli import FLAGS
     from mmm.errors import UsageError
     from mmm.faults import parse
     from mmm.parallel.checkpoint import checkpoint_problems
 
+    # the library names its arguments; the trainers pass FLAGS to name their flags
     assert checkpoint_problems(None, "latest", 0, 0) == [
+        "resume='latest' needs checkpoint_dir (the folder holding step-NNNNNNNN checkpoints)"
+    ]
+    assert checkpoint_problems(None, "latest", 0, 0, spell=FLAGS) == [
         "--resume latest needs --checkpoint-dir (the folder holding step-NNNNNNNN checkpoints)"
     ]
     assert any("'soon'" in p for p in checkpoint_problems("ck", "soon", 0, 0))
-    assert any("--keep-last -1" in p for p in checkpoint_problems("ck", None, 0, -1))
+    assert any("--keep-last -1" in p for p in checkpoint_problems("ck", None, 0, -1, spell=FLAGS))
     assert parse("kill@5:1, nan@7") == {5: [("kill", 1)], 7: [("nan", None)]}
     with pytest.raises(UsageError, match="'kill@x'"):
         parse("kill@x")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import SCRIPTS, clean_env, launch, run
-from mmm.parallel.checkpoint import Checkpointer, complete_steps, latest_step, step_dir
+from mmm.parallel.checkpoint import Checkpointer, complete_steps, latest_step, step_dir, wait_for_deletes
 
 TINY = [
     "-m",
@@ -124,16 +124,18 @@ def test_a_prune_cut_short_never_leaves_a_folder_that_looks_complete(tmp_path, m
     ck.save(1)
     real = shutil.rmtree
 
-    def half(path, ignore_errors=False):  # removes the shards, then "crashes" before mmm.json goes
+    def half(path, ignore_errors=False, **kw):  # removes the shards, then "crashes" before mmm.json goes
         for f in Path(path).iterdir():
             if f.name != "mmm.json":
                 real(f) if f.is_dir() else f.unlink()
 
     monkeypatch.setattr(shutil, "rmtree", half)
     ck.save(2)
+    wait_for_deletes(10)
     monkeypatch.setattr(shutil, "rmtree", real)
     assert complete_steps(tmp_path) == [2] and latest_step(tmp_path) == 2
     saver(tmp_path, keep_last=1).save(3)  # the next save clears what was left
+    wait_for_deletes(10)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003"]
 
 
@@ -226,3 +228,77 @@ def test_a_later_second_sigterm_waits_for_the_checkpoint_being_written(tmp_path)
         import mmm.dist.exits as exits
 
         exits._STOP_SIGNAL = None
+
+
+def test_a_damaged_latest_checkpoint_falls_back_to_the_one_saved_before(tmp_path, caplog):
+    """A node crash can leave a checkpoint marked complete with a file missing, or a shard cut short:
+    'latest' then resumes the one saved before it (saying so) instead of failing the same way on every
+    retry; the damaged step asked for by number is refused naming the damage."""
+    import logging
+
+    from mmm.errors import UsageError
+
+    ck = saver(tmp_path)
+    ck.log = logging.getLogger("test-ck")
+    for step in (2, 4, 6):
+        ck.save(step)
+    (step_dir(tmp_path, 6) / "rng" / "rank00000.pt").unlink()  # lost with the node
+    shard = next(step_dir(tmp_path, 4).glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # cut short: only loading sees it
+    with caplog.at_level(logging.WARNING, logger="test-ck"):
+        saved = ck.load("latest")
+    assert saved["step"] == 2, saved
+    text = caplog.text
+    assert "step 6" in text and "rng/rank00000.pt is missing" in text and "step 4" in text, text
+    with pytest.raises(UsageError, match=r"checkpoint step 6 .* is damaged: rng/rank00000.pt is missing"):
+        ck.resolve("6")
+
+
+def test_loading_a_checkpoint_runs_no_code_from_its_folder(tmp_path):
+    """The per-rank RNG files are read as tensors only: a pickle planted there (a group-writable project
+    folder, a downloaded checkpoint) is refused, never run."""
+    import pickle
+
+    from mmm.errors import UsageError
+
+    marker = tmp_path / "ran"
+
+    class Planted:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    ck = saver(tmp_path / "ck")
+    ck.save(2)
+    (step_dir(tmp_path / "ck", 2) / "rng" / "rank00000.pt").write_bytes(pickle.dumps({"cpu": Planted()}))
+    with pytest.raises(UsageError, match=r"rank00000.pt is not an RNG state as mmm writes it"):
+        ck.load("latest")
+    assert not marker.exists()
+
+
+def test_a_prune_leaves_the_deletes_to_the_background_and_says_when_one_fails(tmp_path, caplog, monkeypatch):
+    """Rank 0 renames pruned checkpoints away (fast) inside the save; the slow deletes run after it.
+    A delete that fails is logged, not hidden; the leftover folder is never read."""
+    import logging
+
+    from mmm.parallel import checkpoint as C
+
+    ck = saver(tmp_path, keep_last=1)
+    ck.log = logging.getLogger("test-prune")
+    ck.save(1)
+    real = shutil.rmtree
+
+    def refuse(path, *a, onerror=None, **k):
+        onerror(os.unlink, str(path), (OSError, OSError(16, "Device or resource busy"), None))
+
+    monkeypatch.setattr(C.shutil, "rmtree", refuse)
+    with caplog.at_level(logging.WARNING, logger="test-prune"):
+        ck.save(2)
+        C.wait_for_deletes(10)
+    monkeypatch.setattr(C.shutil, "rmtree", real)
+    assert complete_steps(tmp_path) == [2]
+    assert "could not delete" in caplog.text and "Device or resource busy" in caplog.text, caplog.text
+    leftover = [p.name for p in tmp_path.iterdir() if p.name.endswith(".del")]
+    assert len(leftover) == 1 and leftover[0].startswith(".step-00000001."), leftover
+    ck.save(3)  # the next save clears what was left, in the background
+    C.wait_for_deletes(10)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003"]

@@ -43,7 +43,7 @@ def test_load_balanced_positions():
     x = torch.arange(16).view(1, 16)
     assert shard_sequence(x, 1, 2).tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]]
     assert cp_problems(cp=4, seq_len=36) == [
-        "--seq-len 36 is not divisible by 2 x cp = 8; context parallel cuts the sequence into 2*cp load-balanced chunks"
+        "seq_len=36 is not divisible by 2 x cp = 8; context parallel cuts the sequence into 2*cp load-balanced chunks"
     ]
 
 

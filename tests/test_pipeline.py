@@ -98,19 +98,19 @@ def test_split_module_list_keeps_full_names_and_runs_its_own_forward():
     [
         (
             dict(n_layers=6, schedule="gpipe", stages_per_rank=1, microbatches=2, local_batch=4, pp=4),
-            "--n-layers 6 does not split evenly into 4 stages",
+            "n_layers=6 does not split evenly into 4 stages",
         ),
         (
             dict(n_layers=8, schedule="gpipe", stages_per_rank=1, microbatches=3, local_batch=4, pp=2),
-            "--microbatches 3 does not divide the per-dp-rank batch 4",
+            "microbatches=3 does not divide the per-dp-rank batch 4",
         ),
         (
             dict(n_layers=8, schedule="interleaved-1f1b", stages_per_rank=1, microbatches=2, local_batch=4, pp=2),
-            "--pp-schedule interleaved-1f1b interleaves several stages per rank",
+            "schedule='interleaved-1f1b' interleaves several stages per rank",
         ),
         (
             dict(n_layers=8, schedule="zigzag", stages_per_rank=1, microbatches=2, local_batch=4, pp=2),
-            "unknown --pp-schedule 'zigzag'",
+            "unknown schedule='zigzag'",
         ),
     ],
 )

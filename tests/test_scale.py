@@ -128,12 +128,11 @@ def test_every_mesh_materialises_one_process_weights(tmp_path):
 
 
 # --------------------------------------------------------------------------- Hugging Face checkpoints
-transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'mmm[hf]')")
-
-
 @pytest.fixture(scope="module")
 def hf_checkpoints(tmp_path_factory):
-    """A tiny random Llama saved by transformers: untied in one file; tied in six shards + an index."""
+    """A tiny random Llama saved by transformers: untied in one file; tied in six shards + an index.
+    Only the tests that use it need transformers (a module-level skip hid the others)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'mmm[hf]')")
     root = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
     out = {}
@@ -155,7 +154,7 @@ def hf_checkpoints(tmp_path_factory):
 
 
 def test_config_maps_to_mmm_llama(hf_checkpoints):
-    from mmm.parallel.hf_checkpoint import llama_config_from_hf
+    from mmm.models.llama import llama_config_from_hf
 
     cfg = llama_config_from_hf(hf_checkpoints["untied"], seq_len=16)
     assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.vocab_size, cfg.ffn_hidden, cfg.seq_len) == (

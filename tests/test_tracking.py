@@ -312,10 +312,9 @@ def test_every_trainer_has_the_tracking_flags(example):
 
 
 def test_wandb_flags_without_wandb_are_refused():
-    from mmm.cli import output_arg_problems
-    from mmm.examples.fsdp_tp import build_parser
+    from mmm.training.llama import command_line
 
-    problems = output_arg_problems(build_parser().parse_args(["--wandb-project", "p"]))
+    problems = command_line().parse(["--wandb-project", "p"]).run.problems()
     assert problems == ["--wandb-project only applies with --wandb; add --wandb or drop it"]
 
 

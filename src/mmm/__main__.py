@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from mmm.cli import ArgumentParser, add_mesh_args
+from mmm.cli import ArgumentParser, MeshConfig, add_flags, from_flags
 
 
 def build_parser() -> ArgumentParser:
@@ -25,7 +25,7 @@ def build_parser() -> ArgumentParser:
         epilog="Environment: MMM_DEVICE (auto|cpu|cuda|xpu|mps), MMM_BACKEND, MMM_TIMEOUT (s), "
         "LOG_FROM_ALL_RANKS=1 (print every rank's coordinate line).",
     )
-    add_mesh_args(p)
+    add_flags(p, (MeshConfig, None))  # --tp/--tpsize, --pp, --cp, --dp-replicate, --dp-shard
     p.add_argument(
         "--device",
         choices=["auto", "cpu", "cuda", "xpu", "mps"],
@@ -59,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch.distributed as tdist
 
     log.info("%s", dist.banner(info))
-    mesh = init_mesh(tp=args.tp, pp=args.pp, cp=args.cp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard)
+    mesh = init_mesh(**from_flags(MeshConfig, args).degrees)
 
     checks: list[dict] = []
     rank = info.rank

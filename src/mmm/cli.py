@@ -1,18 +1,36 @@
-"""Flags shared by mmm's programs, with the spellings already in circulation as aliases."""
+"""Flags shared by mmm's programs, with the spellings already in circulation as aliases.
+
+Configuration is typed: dataclasses whose fields carry their flags (:func:`option`). A program's
+:class:`Flags` generates its parser from them and parses once; everything below takes the configs.
+"""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any, TypeVar
 
-from mmm.errors import ArgumentParser
+from mmm.errors import ArgumentParser, Spelling
+
+T = TypeVar("T")
+# the library names the settings it refuses by field (microbatches=3); its checks take this to name
+# them by these programs' flags instead (--microbatches 3)
+FLAGS = Spelling(flags={"schedule": "--pp-schedule"})
 
 __all__ = [
+    "FLAGS",
     "ArgumentParser",
-    "add_mesh_args",
-    "add_output_args",
-    "add_strategy_args",
+    "Flags",
+    "MeshConfig",
+    "add_flags",
+    "degree",
+    "flag_problems",
+    "from_flags",
+    "int_list",
     "nonnegative_int",
-    "output_arg_problems",
+    "option",
+    "override",
     "positive_int",
 ]
 
@@ -45,233 +63,216 @@ def degree(text: str) -> int:
     return value
 
 
-def add_mesh_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """``--tp/--tpsize``, ``--pp/--ppsize``, ``--cp/--cpsize``, ``--dp-replicate``, ``--dp-shard``."""
-    g = parser.add_argument_group("device mesh (pp x dp_replicate x dp_shard x cp x tp = world size)")
-    g.add_argument(
+def int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
+CHECKED = (positive_int, nonnegative_int, degree)  # parsers whose range :func:`flag_problems` re-checks
+
+
+# --------------------------------------------------------------------------- config fields as flags
+def option(
+    default: Any,
+    *flags: str,
+    help: str,
+    group: str,
+    parse: Callable[[str], Any] | None = None,
+    choices: Sequence[Any] | None = None,
+    metavar: str | None = None,
+    shown: str | None = None,
+    const: Any = None,
+) -> Any:
+    """A config dataclass field that is also a command-line flag.
+
+    ``flags``: its spellings, the documented one first, then those in circulation (accepted as
+    aliases). ``help``: what it does; ``--help`` adds ``[default]`` (``shown`` replaces the default's
+    text; ``{example}`` in either becomes the program's example name). ``group``: its section of
+    ``--help`` (a key of :data:`GROUPS`). ``parse``: text -> value (default: the default's type; a
+    bool default makes a switch). ``const``: the value of the bare flag (``--resume`` = latest)."""
+    meta = {"flags": flags, "help": help, "group": group, "parse": parse, "choices": choices}
+    meta.update(metavar=metavar, shown=shown, const=const)
+    return field(default=default, metadata=meta)
+
+
+def override(cls: type, name: str, default: Any = MISSING, **changes: Any) -> Any:
+    """Field ``name`` of config ``cls`` again, for a subclass: same flags and help, another
+    ``default`` (or other :func:`option` settings, e.g. ``choices``)."""
+    old = {f.name: f for f in fields(cls)}[name]
+    return field(default=old.default if default is MISSING else default, metadata={**old.metadata, **changes})
+
+
+# The sections of --help, in this order (a group not listed here comes after them).
+GROUPS = {
+    "mesh": "device mesh (pp x dp_replicate x dp_shard x cp x tp = world size)",
+    "dp": "data parallelism",
+    "pipeline": "pipeline parallel (with --pp > 1)",
+    "model": "model",
+    "training": "training",
+    "schedule": "learning-rate schedule",
+    "eval": "evaluation",
+    "output": "output",
+    "tracking": "tracking (rank 0 only, fed by the history; optional extras)",
+    "checkpoint": "checkpointing (torch Distributed Checkpoint; DeepSpeed's own for zero1/2/3)",
+    "failures": "failures",
+}
+
+
+@dataclass
+class MeshConfig:
+    """The device mesh's degrees (pp x dp_replicate x dp_shard x cp x tp = world size; one of them
+    may be -1, inferred from the world size). Every mmm program takes them as flags."""
+
+    tp: int = option(
+        1,
         "--tp",
         "--tpsize",
-        dest="tp",
-        type=degree,
-        default=1,
-        metavar="N",
-        help="tensor-parallel degree (innermost axis, keep within a node) [1]",
+        parse=degree,
+        group="mesh",
+        help="tensor-parallel degree (innermost axis, keep within a node)",
     )
-    g.add_argument(
-        "--pp",
-        "--ppsize",
-        dest="pp",
-        type=degree,
-        default=1,
-        metavar="N",
-        help="pipeline-parallel degree (outermost axis) [1]",
+    pp: int = option(
+        1, "--pp", "--ppsize", parse=degree, group="mesh", help="pipeline-parallel degree (outermost axis)"
     )
-    g.add_argument(
-        "--cp",
-        "--cpsize",
-        dest="cp",
-        type=degree,
-        default=1,
-        metavar="N",
-        help="context-parallel degree (sequence split across ranks) [1]",
+    cp: int = option(
+        1, "--cp", "--cpsize", parse=degree, group="mesh", help="context-parallel degree (sequence split across ranks)"
     )
-    g.add_argument(
+    dp_replicate: int = option(
+        1,
         "--dp-replicate",
         "--dp_replicate",
-        dest="dp_replicate",
-        type=degree,
-        default=1,
-        metavar="N",
-        help="data-parallel replicas (HSDP outer axis) [1]",
+        parse=degree,
+        group="mesh",
+        help="data-parallel replicas (HSDP outer axis)",
     )
-    g.add_argument(
+    dp_shard: int = option(
+        -1,
         "--dp-shard",
         "--dp_shard",
-        dest="dp_shard",
-        type=degree,
-        default=-1,
-        metavar="N",
-        help="data-parallel shards (FSDP axis); -1 infers it from the world size [-1]",
+        parse=degree,
+        group="mesh",
+        help="data-parallel shards (FSDP axis); -1 infers it from the world size",
     )
-    return g
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        """The degrees by axis, outermost first (``init_mesh(**degrees)``)."""
+        return {a: getattr(self, a) for a in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
 
 
-def add_strategy_args(parser: argparse.ArgumentParser, *, default: str = "fsdp", dp_replicate: bool = True):
-    """``--strategy`` (ddp, fsdp, hsdp, zero1/2/3), ``--dp-replicate`` (unless the mesh flags have it),
-    ``--offload-optimizer``."""
-    from mmm.parallel.strategy import STRATEGIES
-
-    g = parser.add_argument_group("data parallelism")
-    g.add_argument(
-        "--strategy",
-        choices=STRATEGIES,
-        default=default,
-        help="ddp: DDP; fsdp: FSDP2 over all dp ranks; hsdp: FSDP2 replicate x shard (needs "
-        f"--dp-replicate); zero1/zero2/zero3: DeepSpeed ZeRO stages [{default}]",
-    )
-    if dp_replicate:
-        g.add_argument(
-            "--dp-replicate",
-            "--dp_replicate",
-            dest="dp_replicate",
-            type=positive_int,
-            default=1,
-            metavar="N",
-            help="HSDP replicas (with --strategy hsdp) [1]",
-        )
-    g.add_argument(
-        "--offload-optimizer",
-        action="store_true",
-        help="zero1/2/3 only: keep optimizer state on the CPU (DeepSpeed's own AdamW)",
-    )
-    return g
-
-
-def add_output_args(parser: argparse.ArgumentParser, example: str, *, log_every: int = 1):
-    """``--outdir``, ``--log-every``, ``--warmup``, ``--no-plots``; the trackers ``--wandb``
-    (``--wandb-project``, ``--wandb-name``) and ``--tensorboard``; ``--rank-timings``."""
-    g = parser.add_argument_group("output")
-    g.add_argument("--outdir", default=None, help=f"output folder [outputs/{example}/<UTC timestamp>]")
-    g.add_argument(
-        "--log-every",
-        "--log_every",
-        dest="log_every",
-        type=positive_int,
-        default=log_every,
-        help=f"print every N steps [{log_every}]",
-    )
-    g.add_argument("--warmup", type=nonnegative_int, default=2, help="steps excluded from timing statistics [2]")
-    g.add_argument("--no-plots", action="store_true", help="skip text and image plots at the end")
-    t = parser.add_argument_group("tracking (rank 0 only, fed by the history; optional extras)")
-    t.add_argument(
-        "--wandb",
-        action="store_true",
-        help="log every history row to Weights & Biases, the run under <outdir>/wandb (WANDB_MODE=offline: "
-        "no network, `wandb sync` it later); needs pip install 'mmm[wandb]'",
-    )
-    t.add_argument(
-        "--wandb-project",
-        "--wandb_project",
-        dest="wandb_project",
-        default=None,
-        metavar="NAME",
-        help="W&B project [WANDB_PROJECT or mmm]",
-    )
-    t.add_argument(
-        "--wandb-name",
-        "--wandb_name",
-        dest="wandb_name",
-        default=None,
-        metavar="NAME",
-        help="W&B run name [WANDB_NAME or W&B's own]",
-    )
-    t.add_argument(
-        "--tensorboard",
-        action="store_true",
-        help="write TensorBoard event files to <outdir>/tensorboard, a scalar per history key; needs "
-        "pip install 'mmm[tensorboard]'",
-    )
-    t.add_argument(
-        "--rank-timings",
-        "--rank_timings",
-        dest="rank_timings",
-        action="store_true",
-        help="on logging steps, gather every rank's dt (one small all-gather over all ranks): dt_min, "
-        "dt_max, dt_mean, slowest_rank and dt_lag in the history, so a straggler shows",
-    )
-    return g
-
-
-def output_arg_problems(args) -> list[str]:
-    """Problems with the flags :func:`add_output_args` adds: a tracker whose package does not import
-    (checked on every rank, so every rank stops alike)."""
-    from mmm.tracking import tracker_problems
-
-    out = tracker_problems(args)
-    for flag in ("wandb_project", "wandb_name"):
-        if getattr(args, flag, None) is not None and not getattr(args, "wandb", False):
-            out.append(f"--{flag.replace('_', '-')} only applies with --wandb; add --wandb or drop it")
+def flag_fields(cls: type, only: Collection[str] | None = None) -> list[Field]:
+    """The fields of config ``cls`` that are flags (all of them, or those named in ``only``)."""
+    out = [f for f in fields(cls) if f.metadata.get("flags")]
+    if only is not None:
+        unknown = set(only) - {f.name for f in out}
+        if unknown:
+            raise ValueError(f"{cls.__name__} has no flag field {', '.join(sorted(unknown))}")
+        out = [f for f in out if f.name in only]
     return out
 
 
-def add_checkpoint_args(parser) -> None:
-    """``--checkpoint-dir``, ``--checkpoint-every``, ``--resume``, ``--keep-last``."""
-    g = parser.add_argument_group("checkpointing (torch Distributed Checkpoint; DeepSpeed's own for zero1/2/3)")
-    g.add_argument(
-        "--checkpoint-dir",
-        "--checkpoint_dir",
-        dest="checkpoint_dir",
-        default=None,
-        metavar="DIR",
-        help="save checkpoints here (step-NNNNNNNN/ folders, each complete or absent) [off]",
-    )
-    g.add_argument(
-        "--checkpoint-every",
-        "--checkpoint_every",
-        dest="checkpoint_every",
-        type=nonnegative_int,
-        default=0,
-        metavar="N",
-        help="save every N steps; the last step and SIGTERM always save [0]",
-    )
-    g.add_argument(
-        "--resume",
-        nargs="?",
-        const="latest",
-        default=None,
-        metavar="latest|STEP",
-        help="continue from the latest checkpoint in --checkpoint-dir (a fresh start when there is none "
-        "yet; a bare --resume means latest) or from a given step; the mesh may differ from the "
-        "one that saved it",
-    )
-    g.add_argument(
-        "--keep-last",
-        "--keep_last",
-        dest="keep_last",
-        type=nonnegative_int,
-        default=0,
-        metavar="K",
-        help="keep only the K newest checkpoints; 0 keeps all [0]",
-    )
+def _shown(f: Field) -> str | None:
+    m = f.metadata
+    if m["shown"] is not None:
+        return m["shown"]
+    if f.default is None or isinstance(f.default, bool):
+        return None
+    return f"{f.default:g}" if isinstance(f.default, float) else str(f.default)
 
 
-def add_run_args(parser: argparse.ArgumentParser):
-    """What keeps a long job safe: checkpointing (``--checkpoint-dir``, ``--checkpoint-every``,
-    ``--resume``, ``--keep-last``), ``--timeout`` and ``--on-nonfinite``."""
-    add_checkpoint_args(parser)
-    g = parser.add_argument_group("failures")
-    g.add_argument(
-        "--timeout",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="collective timeout: a rank that stalls this long makes the others fail with a clear "
-        "message [MMM_TIMEOUT or 600]",
-    )
-    g.add_argument(
-        "--on-nonfinite",
-        "--on_nonfinite",
-        dest="on_nonfinite",
-        choices=["stop", "skip"],
-        default="stop",
-        help="a NaN/inf loss: stop with an error naming the step (the last checkpoint stays the last good "
-        "one), or skip that step's update (torch strategies) [stop]",
-    )
-    return g
+def add_flags(
+    parser: argparse.ArgumentParser,
+    *sections: tuple[type, Collection[str] | None],
+    titles: Mapping[str, str] | None = None,
+    example: str = "",
+) -> None:
+    """Add the flag fields of each (config class, fields to offer or None for all) to ``parser``,
+    one ``--help`` section per group (:data:`GROUPS` order; ``titles`` renames one)."""
+    entries = [f for cls, only in sections for f in flag_fields(cls, only)]
+    names = [f.name for f in entries]
+    if len(names) != len(set(names)):
+        raise ValueError(f"two config fields share a name: {sorted(n for n in set(names) if names.count(n) > 1)}")
+    seen = list(dict.fromkeys(f.metadata["group"] for f in entries))
+    keys = sorted(seen, key=lambda k: list(GROUPS).index(k) if k in GROUPS else len(GROUPS) + seen.index(k))
+    titles = {**GROUPS, **(titles or {})}
+    for key in keys:
+        group = parser.add_argument_group(titles.get(key, key))
+        for f in (f for f in entries if f.metadata["group"] == key):
+            m = f.metadata
+            shown = _shown(f)
+            text = (m["help"] + (f" [{shown}]" if shown is not None else "")).replace("{example}", example)
+            text = text.replace("%", "%%")  # argparse formats help with %
+            kw: dict[str, Any] = {"dest": f.name, "default": f.default, "help": text}
+            if isinstance(f.default, bool):
+                kw["action"] = "store_true"
+            else:
+                parse = m["parse"] or (type(f.default) if f.default is not None else str)
+                if m["choices"] is not None:
+                    kw["choices"] = list(m["choices"])
+                if parse is not str:
+                    kw["type"] = parse
+                if m["metavar"] is not None:
+                    kw["metavar"] = m["metavar"]
+                elif m["choices"] is None and parse in (int, *CHECKED):
+                    kw["metavar"] = "N"
+                if m["const"] is not None:
+                    kw.update(nargs="?", const=m["const"])
+            group.add_argument(*m["flags"], **kw)
 
 
-def run_arg_problems(args) -> list[str]:
-    """Problems with the flags :func:`add_run_args` adds, and those of :func:`output_arg_problems`
-    (every trainer asks this)."""
-    from mmm.parallel.checkpoint import checkpoint_problems
+def from_flags(cls: type[T], namespace: argparse.Namespace) -> T:
+    """An instance of config ``cls`` from parsed flags (a field that is not a flag here keeps its default)."""
+    given = vars(namespace)
+    return cls(**{f.name: given[f.name] for f in fields(cls) if f.name in given})
 
-    out = checkpoint_problems(args.checkpoint_dir, args.resume, args.checkpoint_every, args.keep_last)
-    out += output_arg_problems(args)
-    if args.timeout is not None and not args.timeout > 0:
-        out.append(f"--timeout {args.timeout:g} must be a positive number of seconds")
-    if args.on_nonfinite == "skip" and getattr(args, "strategy", "").startswith("zero"):
-        out.append(
-            f"--on-nonfinite skip needs a torch strategy (ddp, fsdp, hsdp), not {args.strategy}: DeepSpeed "
-            "must step after every backward; use --on-nonfinite stop"
-        )
+
+def flag_problems(config: Any) -> list[str]:
+    """Values of a config built in code (not parsed) that its flags would have refused, e.g. a
+    ``positive_int`` field holding 0; each names the flag."""
+    out = []
+    for f in flag_fields(type(config)):
+        value, m = getattr(config, f.name), f.metadata
+        if value is None:
+            continue
+        if m["choices"] is not None and value not in m["choices"]:
+            out.append(f"{m['flags'][0]} {value!r}: choose from {', '.join(map(str, m['choices']))}")
+        elif m["parse"] in CHECKED:
+            try:
+                m["parse"](str(value))
+            except argparse.ArgumentTypeError as e:
+                out.append(f"{m['flags'][0]} {e}")
     return out
+
+
+class Flags:
+    """A program's command line made from config dataclasses: ``sections`` maps a name to (config
+    class, the fields it offers as flags, None for all). :meth:`parse` parses once and returns
+    ``into(**{name: config})``; nothing below it sees argparse."""
+
+    def __init__(
+        self,
+        *,
+        prog: str,
+        doc: str,
+        sections: Mapping[str, tuple[type, Collection[str] | None]],
+        into: Callable[..., Any] = dict,
+        example: str = "",
+        titles: Mapping[str, str] | None = None,
+    ) -> None:
+        self.prog, self.doc, self.sections, self.into = prog, doc, dict(sections), into
+        self.example, self.titles = example, dict(titles or {})
+
+    def parser(self) -> ArgumentParser:
+        """A fresh parser (``--help``: the doc's first paragraph, the flags, the doc's third paragraph on)."""
+        parts = self.doc.split("\n\n", 2)
+        p = ArgumentParser(prog=self.prog, description=parts[0], epilog=parts[2] if len(parts) > 2 else None)
+        add_flags(p, *self.sections.values(), titles=self.titles, example=self.example)
+        return p
+
+    def configs(self, namespace: argparse.Namespace) -> Any:
+        return self.into(**{name: from_flags(cls, namespace) for name, (cls, _) in self.sections.items()})
+
+    def parse(self, argv: Sequence[str] | None = None) -> Any:
+        return self.configs(self.parser().parse_args(argv))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 
 class UsageError(Exception):
@@ -25,6 +27,48 @@ class RunError(UsageError):
     no traceback, exit 1."""
 
     exit_code = 1
+
+
+DIVERGED_EXIT = 65  # a run that stopped itself on a non-finite loss; `launch --retries` does not replay it
+
+
+class DivergedError(RunError):
+    """The loss became non-finite and the run stopped itself: deterministic, so a relaunch from the last
+    checkpoint would diverge again; exit code :data:`DIVERGED_EXIT`."""
+
+    exit_code = DIVERGED_EXIT
+
+
+class Spelling:
+    """How a check names the settings it refuses, so that one rule keeps one message in two vocabularies.
+
+    The library speaks its API, keyword arguments (:data:`API`: ``microbatches=3``, ``dp_replicate``);
+    a command line passes its flags instead (:data:`mmm.cli.FLAGS`: ``--microbatches 3``,
+    ``--dp-replicate``). ``flags`` maps a field to a flag of another name (``schedule`` ->
+    ``--pp-schedule``); any other field is its own name with dashes.
+    """
+
+    def __init__(self, *, flags: Mapping[str, str] | None = None) -> None:
+        self.flags = flags  # None: keyword arguments
+
+    def name(self, field: str) -> str:
+        """The setting alone: ``stages_per_rank`` or ``--stages-per-rank``."""
+        if self.flags is None:
+            return field
+        return self.flags.get(field, "--" + field.replace("_", "-"))
+
+    def __call__(self, field: str, value: Any) -> str:
+        """The setting and its value: ``split_points=[2, 4]`` or ``--split-points 2,4`` (a switch: ``--compile``)."""
+        if self.flags is None:
+            return f"{field}={value!r}"
+        if value is True:
+            return self.name(field)
+        if isinstance(value, (list, tuple)):
+            value = ",".join(map(str, value))
+        return f"{self.name(field)} {value}"
+
+
+API = Spelling()
 
 
 class ArgumentParser(argparse.ArgumentParser):

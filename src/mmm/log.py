@@ -1,9 +1,9 @@
 """Rank-aware logging: rank 0 only by default, every rank on request.
 
-Every rank logs when ``all_ranks=True`` or ``LOG_FROM_ALL_RANKS=1`` (also
-``MMM_LOG_ALL_RANKS=1``); lines then carry a ``[r3]`` prefix. ``MMM_LOG_LEVEL`` sets
-the level (default INFO). Rich renders the lines on a terminal; a batch job's output
-file (and any MPI-launched rank) gets plain, unwrapped lines; ``MMM_RICH=0/1`` forces it.
+Every rank logs when ``all_ranks=True`` or ``LOG_FROM_ALL_RANKS=1`` (also ``MMM_LOG_ALL_RANKS=1``);
+lines then carry a ``[r3]`` prefix. ``MMM_LOG_LEVEL`` sets the level (default INFO). Python warnings
+follow the same rule (rank 0 says each once). Rich renders the lines on a terminal; a batch job's
+output file (and any MPI-launched rank) gets plain, unwrapped lines; ``MMM_RICH=0/1`` forces it.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 
 LOGGER_NAME = "mmm"
 _TRUE = {"1", "true", "yes", "on"}
@@ -56,6 +57,9 @@ def configure(
     logger.propagate = False
     if rank != 0 and not all_ranks:
         logger.setLevel(logging.ERROR)  # errors still surface from the rank that has them
+        # Python warnings too: every rank runs the same code, so N ranks would print N copies of the
+        # same warning (FSDP2's "returned a view tensor", deprecations); rank 0 says it once
+        warnings.filterwarnings("ignore")
     else:
         logger.setLevel(level if isinstance(level, int) else str(level).upper())
     handler = _make_handler()

@@ -45,17 +45,12 @@ class Tracker(Protocol):
         """Flush and close; ``summary``: the run's final scalars, when it finished."""
 
 
-# --------------------------------------------------------------------------- flags
-def requested(args) -> list[str]:
-    """The trackers the flags ask for, in a fixed order."""
-    return [name for name in EXTRAS if getattr(args, name, False)]
-
-
-def tracker_problems(args) -> list[str]:
-    """Every rank imports each package asked for, so that a missing one stops every rank alike,
-    before training, with the extra that installs it."""
+# --------------------------------------------------------------------------- the run's settings
+def tracker_problems(names: Iterable[str]) -> list[str]:
+    """Every rank imports the package of each tracker asked for (``names``, keys of :data:`EXTRAS`),
+    so that a missing one stops every rank alike, before training, with the extra that installs it."""
     out = []
-    for name in requested(args):
+    for name in names:
         try:
             __import__(EXTRAS[name])
         except ImportError as e:
@@ -63,22 +58,25 @@ def tracker_problems(args) -> list[str]:
     return out
 
 
-def run_config(args, *, example: str, world_size: int) -> dict[str, Any]:
-    """The parsed flags, the mesh degrees they make on ``world_size`` ranks, and the example's name."""
+def run_config(
+    values: Mapping[str, Any], *, example: str, degrees: Mapping[str, int], world_size: int
+) -> dict[str, Any]:
+    """What trackers record as the run's config: the example's name, the world size, the settings
+    (``values``: each field by its name, e.g. ``Config.as_dict()``) and the mesh the ``degrees`` make
+    on ``world_size`` ranks."""
     config: dict[str, Any] = {"example": example, "world_size": world_size}
-    for k, v in vars(args).items():
+    for k, v in values.items():
         config[k] = v if v is None or isinstance(v, (bool, int, float, str, list)) else str(v)
-    config["mesh"] = mesh_degrees(args, world_size)
+    config["mesh"] = mesh_degrees(degrees, world_size)
     return config
 
 
-def mesh_degrees(args, world_size: int) -> dict[str, int]:
-    """The degrees of the mesh the flags ask for (``dp_shard`` -1 resolved), as the trainer builds it."""
-    from mmm.parallel.mesh import AXES, check_degrees
+def mesh_degrees(degrees: Mapping[str, int], world_size: int) -> dict[str, int]:
+    """The degrees of the mesh (``dp_shard`` -1 resolved), as the trainer builds it."""
+    from mmm.parallel.mesh import check_degrees
 
-    given = {a: getattr(args, a, -1 if a == "dp_shard" else 1) for a in AXES}
-    resolved, problems = check_degrees(world_size, **given)
-    return given if problems else resolved
+    resolved, problems = check_degrees(world_size, **degrees)
+    return dict(degrees) if problems else resolved
 
 
 # --------------------------------------------------------------------------- trackers
@@ -203,25 +201,27 @@ class Trackers:
         self.close(failed=True)
 
 
-def open_trackers(args, *, example: str, info, outdir: Path, step_key: str = "iter", log=None) -> Trackers:
-    """The trackers ``args`` ask for, opened on rank 0 (empty elsewhere or when none is asked for).
-    One that cannot start (say, W&B without a login and without ``WANDB_MODE=offline``) is left out
-    with a warning: the run goes on."""
-    names = requested(args) if args is not None and info.is_main else []
+def open_trackers(
+    names: Iterable[str],
+    *,
+    config: Mapping[str, Any],
+    outdir: Path,
+    project: str | None = None,
+    run_name: str | None = None,
+    step_key: str = "iter",
+    log=None,
+) -> Trackers:
+    """The trackers ``names`` asks for (keys of :data:`EXTRAS`; pass none on ranks other than 0), each
+    recording ``config`` (:func:`run_config`); ``project``/``run_name``: W&B's. One that cannot start
+    (say, W&B without a login and without ``WANDB_MODE=offline``) is left out with a warning: the run
+    goes on."""
+    names = list(names)
     opened: list[Tracker] = []
     if names:
-        config = run_config(args, example=example, world_size=info.world_size)
         for name in names:
             try:
                 if name == "wandb":
-                    opened.append(
-                        WandbTracker(
-                            outdir=outdir,
-                            project=getattr(args, "wandb_project", None),
-                            run_name=getattr(args, "wandb_name", None),
-                            config=config,
-                        )
-                    )
+                    opened.append(WandbTracker(outdir=outdir, project=project, run_name=run_name, config=config))
                 else:
                     opened.append(TensorBoardTracker(outdir / "tensorboard", config=config))
             except Exception as e:

@@ -24,8 +24,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmm.cli import ArgumentParser, add_mesh_args, positive_int
+from mmm.cli import ArgumentParser, Flags, option, override, positive_int
 from mmm.errors import RunError, UsageError
+from mmm.parallel.mesh import AXES
+from mmm.training.config import ParallelConfig
 
 BUILTIN = ("llama", "vit", "hf-llama")
 
@@ -227,41 +229,52 @@ def verify(
 
 
 # --------------------------------------------------------------------------- command line
-def build_parser() -> ArgumentParser:
-    from mmm.parallel.activation_checkpoint import AC_MODES
-    from mmm.parallel.pipeline import SCHEDULES
+@dataclass
+class VerifyConfig:
+    """What to verify: the model, its TP plan and blocks, and the short run both sides train."""
 
-    p = ArgumentParser(
-        prog="python -m mmm.verify", description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2]
+    model: str = option(
+        "llama", "--model", group="check", help=f"{', '.join(BUILTIN)} or module:function", metavar="MODEL"
     )
-    p.add_argument("--model", default="llama", help=f"{', '.join(BUILTIN)} or module:function [llama]")
-    p.add_argument(
+    tp_plan: str | None = option(
+        None,
         "--tp-plan",
-        default=None,
         metavar="module:NAME",
+        group="check",
         help="the TP plan (a dict of module-name patterns) for a module:function model",
     )
-    p.add_argument("--blocks", default="auto", help="path of the repeated blocks [auto]")
-    add_mesh_args(p)
-    g = p.add_argument_group("what to check")
-    g.add_argument("--strategy", choices=["fsdp", "hsdp", "ddp"], default="fsdp", help="data parallel [fsdp]")
-    g.add_argument("--ac", choices=AC_MODES, default="none", help="activation checkpointing [none]")
-    g.add_argument("--microbatches", type=positive_int, default=None, help="pipeline microbatches [pp]")
-    g.add_argument("--pp-schedule", choices=list(SCHEDULES), default="1f1b", help="pipeline schedule [1f1b]")
-    g.add_argument(
-        "--stages-per-rank",
-        type=positive_int,
-        default=1,
-        help="pipeline stages per rank (interleaved schedules need 2 or more) [1]",
+    blocks: str = option("auto", "--blocks", group="check", help="path of the repeated blocks")
+    steps: int = option(3, "--steps", parse=positive_int, group="check", help="AdamW steps")
+    batch_size: int = option(8, "--batch-size", parse=positive_int, group="check", help="GLOBAL batch")
+    seq_len: int = option(32, "--seq-len", parse=positive_int, group="check", help="tokens per sequence")
+    vocab_size: int = option(
+        128, "--vocab-size", parse=positive_int, group="check", help="token ids are drawn below this"
     )
-    g.add_argument("--steps", type=positive_int, default=3, help="AdamW steps [3]")
-    g.add_argument("--batch-size", type=positive_int, default=8, help="GLOBAL batch [8]")
-    g.add_argument("--seq-len", type=positive_int, default=32, help="tokens per sequence [32]")
-    g.add_argument("--vocab-size", type=positive_int, default=128, help="token ids are drawn below this [128]")
-    g.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate [1e-3]")
-    g.add_argument("--seed", type=int, default=0, help="seed of weights and data [0]")
-    g.add_argument("--rtol", type=float, default=1e-5, help="largest relative difference that passes [1e-5]")
-    return p
+    lr: float = option(1e-3, "--lr", group="check", help="AdamW learning rate")
+    seed: int = option(0, "--seed", group="check", help="seed of weights and data")
+    rtol: float = option(1e-5, "--rtol", group="check", help="largest relative difference that passes")
+
+
+@dataclass
+class VerifyParallel(ParallelConfig):
+    """The layouts verify checks: the torch strategies (DeepSpeed's ZeRO has no one-process twin here)."""
+
+    strategy: str = override(ParallelConfig, "strategy", choices=("fsdp", "hsdp", "ddp"), help="data parallel")
+
+
+COMMAND_LINE = Flags(
+    prog="python -m mmm.verify",
+    doc=__doc__,
+    sections={
+        "check": (VerifyConfig, None),
+        "parallel": (VerifyParallel, (*AXES, "strategy", "ac", "microbatches", "pp_schedule", "stages_per_rank")),
+    },
+    titles={"check": "what to check"},
+)
+
+
+def build_parser() -> ArgumentParser:
+    return COMMAND_LINE.parser()
 
 
 def _load(ref: str, what: str):
@@ -274,33 +287,29 @@ def _load(ref: str, what: str):
         raise UsageError(f"{what} {ref!r}: {e}") from None
 
 
-def target(args):
-    """(model factory, spec options, batch_fn, loss_fn) for the flags."""
+def target(check: VerifyConfig):
+    """(model factory, spec options, batch_fn, loss_fn) for what ``check`` names."""
     import torch.nn.functional as F
 
-    if args.model == "llama":
-        from mmm.models.llama import Llama, LlamaConfig
-        from mmm.parallel.tensor import llama_tp_plan
+    tokens = token_batches(check.vocab_size, check.seq_len, check.batch_size, check.seed)
+    if check.model == "llama":
+        from mmm.models.llama import Llama, LlamaConfig, llama_tp_plan
 
-        cfg = LlamaConfig(dim=64, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=args.vocab_size, seq_len=args.seq_len)
-        return (
-            (lambda: Llama(cfg)),
-            {"tp_plan": llama_tp_plan(), "loss_parallel": True},
-            token_batches(args.vocab_size, args.seq_len, args.batch_size, args.seed),
-            lm_loss,
+        cfg = LlamaConfig(
+            dim=64, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=check.vocab_size, seq_len=check.seq_len
         )
-    if args.model == "vit":
+        return (lambda: Llama(cfg)), {"tp_plan": llama_tp_plan(), "loss_parallel": True}, tokens, lm_loss
+    if check.model == "vit":
         import torch
 
-        from mmm.models.vit import ViT, ViTConfig
-        from mmm.parallel.tensor import VIT_TP_PLAN
+        from mmm.models.vit import VIT_TP_PLAN, ViT, ViTConfig
 
         cfg = ViTConfig(img_size=16, patch_size=4, depth=4, num_heads=4, head_dim=8)
 
         def images(step):
-            g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
-            return torch.randn(args.batch_size, 3, 16, 16, generator=g), torch.randint(
-                0, 10, (args.batch_size,), generator=g
+            g = torch.Generator().manual_seed(check.seed * 1_000_003 + step)
+            return torch.randn(check.batch_size, 3, 16, 16, generator=g), torch.randint(
+                0, 10, (check.batch_size,), generator=g
             )
 
         return (
@@ -309,7 +318,7 @@ def target(args):
             images,
             (lambda logits, y: F.cross_entropy(logits.float(), y)),
         )
-    if args.model == "hf-llama":
+    if check.model == "hf-llama":
         try:
             from transformers import LlamaConfig, LlamaForCausalLM
         except ImportError:
@@ -317,24 +326,19 @@ def target(args):
         from mmm.parallel.tensor import HF_LLAMA_TP_PLAN
 
         config = LlamaConfig(
-            vocab_size=args.vocab_size,
+            vocab_size=check.vocab_size,
             hidden_size=64,
             intermediate_size=128,
             num_hidden_layers=4,
             num_attention_heads=4,
             num_key_value_heads=2,
-            max_position_embeddings=args.seq_len,
+            max_position_embeddings=check.seq_len,
             use_cache=False,
         )
-        return (
-            (lambda: LlamaForCausalLM(config)),
-            {"tp_plan": HF_LLAMA_TP_PLAN},
-            token_batches(args.vocab_size, args.seq_len, args.batch_size, args.seed),
-            lm_loss,
-        )
-    factory = _load(args.model, "--model")
-    plan = _load(args.tp_plan, "--tp-plan") if args.tp_plan else None
-    return factory, {"tp_plan": plan}, token_batches(args.vocab_size, args.seq_len, args.batch_size, args.seed), lm_loss
+        return (lambda: LlamaForCausalLM(config)), {"tp_plan": HF_LLAMA_TP_PLAN}, tokens, lm_loss
+    factory = _load(check.model, "--model")
+    plan = _load(check.tp_plan, "--tp-plan") if check.tp_plan else None
+    return factory, {"tp_plan": plan}, tokens, lm_loss
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -342,42 +346,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mmm.log import get_logger
     from mmm.parallel import ParallelSpec, init_mesh
 
-    args = build_parser().parse_args(argv)
-    info = dist.setup(seed=args.seed)
-    if args.model not in BUILTIN and ":" not in args.model:
-        raise UsageError(f"--model {args.model!r}: use one of {', '.join(BUILTIN)}, or module:function")
-    if args.cp != 1:
+    flags = COMMAND_LINE.parse(argv)  # the flags, parsed once
+    check, par = flags["check"], flags["parallel"]
+    info = dist.setup(seed=check.seed)
+    if check.model not in BUILTIN and ":" not in check.model:
+        raise UsageError(f"--model {check.model!r}: use one of {', '.join(BUILTIN)}, or module:function")
+    if par.cp != 1:
         raise UsageError(
-            f"--cp {args.cp}: verify does not run context parallel; check it with python -m mmm.examples.fsdp_tp --cp N"
+            f"--cp {par.cp}: verify does not run context parallel; check it with python -m mmm.examples.fsdp_tp --cp N"
         )
-    mesh = init_mesh(
-        tp=args.tp, pp=args.pp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard, log_coordinates=False
-    )
-    model_fn, options, batch_fn, loss_fn = target(args)
-    spec = ParallelSpec(blocks=args.blocks, ac=args.ac, dp=args.strategy, **options)
+    problems = par.problems(info.world_size)
+    if problems:
+        raise UsageError("; ".join(problems))
+    mesh = init_mesh(**par.degrees, log_coordinates=False)
+    model_fn, options, batch_fn, loss_fn = target(check)
+    spec = ParallelSpec(blocks=check.blocks, ac=par.ac, dp=par.strategy, **options)
     verdict = verify(
         model_fn,
         mesh,
         spec,
         batch_fn=batch_fn,
         loss_fn=loss_fn,
-        steps=args.steps,
-        lr=args.lr,
-        seed=args.seed,
-        rtol=args.rtol,
-        microbatches=args.microbatches,
-        pp_schedule=args.pp_schedule,
-        stages_per_rank=args.stages_per_rank,
+        steps=check.steps,
+        lr=check.lr,
+        seed=check.seed,
+        rtol=check.rtol,
+        microbatches=par.microbatches,
+        pp_schedule=par.pipeline_schedule,
+        stages_per_rank=par.stages_per_rank,
         device=info.device,
     )
     if info.is_main:
         get_logger().info(
-            "verify %s on %d ranks against one process:\n%s", args.model, info.world_size, verdict.table()
+            "verify %s on %d ranks against one process:\n%s", check.model, info.world_size, verdict.table()
         )
     if not verdict.passed:
         raise RunError(
             f"{verdict.layout} does not match one process: max rel diff loss "
-            f"{verdict.diffs['loss']:.1e}, grad norm {verdict.diffs['grad_norm']:.1e} > {args.rtol:g}"
+            f"{verdict.diffs['loss']:.1e}, grad norm {verdict.diffs['grad_norm']:.1e} > {check.rtol:g}"
         )
     return 0
 

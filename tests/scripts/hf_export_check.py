@@ -28,8 +28,7 @@ def main() -> None:
     from transformers.utils import logging as hf_logging
 
     from mmm.data import make_dataset
-    from mmm.models.llama import Llama
-    from mmm.parallel.hf_checkpoint import llama_config_from_hf, load_hf_llama
+    from mmm.models.llama import Llama, llama_config_from_hf, load_hf_llama
 
     hf_logging.disable_progress_bar()
     out = {}

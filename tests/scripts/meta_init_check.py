@@ -18,8 +18,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ac", default="none")
     args = ap.parse_args(argv)
     info = dist.setup()
-    from mmm.models.llama import Llama, LlamaConfig
-    from mmm.parallel import ParallelSpec, init_mesh, llama_tp_plan, materialize, meta_init, parallelize
+    from mmm.models.llama import Llama, LlamaConfig, llama_tp_plan
+    from mmm.parallel import ParallelSpec, init_mesh, materialize, meta_init, parallelize
     from mmm.parallel.meta import canonical_name
 
     cfg = LlamaConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=97, seq_len=16)

@@ -33,3 +33,18 @@ class TinyLM(nn.Module):
 
 def build():
     return TinyLM()
+
+
+class TinySequentialLM(TinyLM):
+    """The same model with its blocks in an ``nn.Sequential`` (called as one module)."""
+
+    def __init__(self, vocab=128, dim=32, depth=4):
+        super().__init__(vocab, dim, depth)
+        self.blocks = nn.Sequential(*[Block(dim) for _ in range(depth)])
+
+    def forward(self, tokens):
+        return self.head(self.blocks(self.embed(tokens)))
+
+
+def build_sequential():
+    return TinySequentialLM()

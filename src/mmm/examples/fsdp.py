@@ -14,117 +14,155 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from mmm.cli import ArgumentParser, add_output_args, add_run_args, add_strategy_args, positive_int, run_arg_problems
+from mmm.cli import flag_problems, option, override, positive_int
 from mmm.errors import UsageError
+from mmm.training.config import Config, RunConfig, trainer_flags
+from mmm.training.schedule import SCHEDULES, ScheduleConfig
 
 EXAMPLE = "fsdp"
 
 
-def build_parser() -> ArgumentParser:
-    from mmm.training.schedule import add_schedule_args
+@dataclass
+class DigitsTrainConfig(ScheduleConfig):
+    """What to train: a small CNN on digits for some epochs, AdamW with a decay after each epoch
+    (``--lr-schedule epoch``, as the seed's example had) or a per-step schedule."""
 
-    p = ArgumentParser(
-        prog=f"python -m mmm.examples.{EXAMPLE}",
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 2)[2],
-    )
-    add_strategy_args(p)
-    g = p.add_argument_group("training")
-    g.add_argument("--epochs", type=positive_int, default=8, help="passes over the training set [8]")
-    g.add_argument(
+    epochs: int = option(8, "--epochs", parse=positive_int, group="training", help="passes over the training set")
+    steps_per_epoch: int | None = option(
+        None,
         "--steps-per-epoch",
-        type=positive_int,
-        default=None,
-        help="stop each epoch after N steps (quick runs) [all full batches]",
+        parse=positive_int,
+        shown="all full batches",
+        group="training",
+        help="stop each epoch after N steps (quick runs)",
     )
-    g.add_argument(
+    batch_size: int = option(
+        64,
         "--batch-size",
         "--batch_size",
-        dest="batch_size",
-        type=positive_int,
-        default=64,
-        help="GLOBAL training batch, divisible by the data-parallel ranks [64]",
+        parse=positive_int,
+        group="training",
+        help="GLOBAL training batch, divisible by the data-parallel ranks",
     )
-    g.add_argument(
+    test_batch_size: int = option(
+        256,
         "--test-batch-size",
         "--test_batch_size",
-        dest="test_batch_size",
-        type=positive_int,
-        default=256,
-        help="evaluation batch per rank [256]",
+        parse=positive_int,
+        group="training",
+        help="evaluation batch per rank",
     )
-    g.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate [3e-3]")
-    g.add_argument(
+    gamma: float | None = option(
+        None,
         "--gamma",
-        type=float,
-        default=None,
-        help="with --lr-schedule epoch: learning-rate factor after each epoch [0.7]",
+        parse=float,
+        shown="0.7",
+        group="training",
+        help="with --lr-schedule epoch: learning-rate factor after each epoch",
     )
-    g.add_argument("--dropout", type=float, default=0.0, help="dropout probability [0]")
-    g.add_argument("--seed", type=int, default=1, help="seed of weights and data order [1]")
-    g.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype [fp32]")
-    g.add_argument(
+    dropout: float = option(0.0, "--dropout", group="training", help="dropout probability")
+    data_dir: str | None = option(
+        None,
         "--data-dir",
         "--data_dir",
-        dest="data_dir",
-        default=None,
-        help="folder with MNIST IDX files [bundled 8x8 digits]",
+        metavar="DIR",
+        shown="bundled 8x8 digits",
+        group="training",
+        help="folder with MNIST IDX files",
     )
-    g.add_argument(
+    save_model: bool = option(
+        False,
         "--save-model",
         "--save_model",
-        dest="save_model",
-        action="store_true",
+        group="training",
         help="save the trained weights (full state dict) to <outdir>/model.pt",
     )
-    add_schedule_args(p, extra_kinds=("epoch",))  # epoch: x --gamma after each epoch, as before
-    add_output_args(p, EXAMPLE, log_every=50)
-    add_run_args(p)
-    return p
+    lr_schedule: str | None = override(
+        ScheduleConfig,
+        "lr_schedule",
+        choices=(*SCHEDULES, "epoch"),
+        shown="epoch",
+        help="decay after the warmup; epoch: x --gamma after each epoch",
+    )
+
+    @property
+    def per_epoch(self) -> bool:
+        """True: the learning rate decays by ``decay`` after each epoch (no per-step schedule)."""
+        return (self.lr_schedule or "epoch") == "epoch"
+
+    @property
+    def decay(self) -> float:
+        return 0.7 if self.gamma is None else self.gamma
+
+    def problems(self) -> list[str]:
+        out = flag_problems(self)
+        if not 0.0 <= self.dropout < 1.0:
+            out.append(f"--dropout {self.dropout} must be in [0, 1)")
+        if self.lr <= 0:
+            out.append(f"--lr {self.lr} must be > 0")
+        if self.per_epoch:
+            if self.warmup_steps or self.min_lr is not None or self.lr_decay_steps is not None:
+                out.append(
+                    "--warmup-steps, --min-lr and --lr-decay-steps need a per-step schedule: add "
+                    "--lr-schedule cosine, linear or constant (the default, epoch, multiplies by --gamma)"
+                )
+            if self.gamma is not None and self.gamma <= 0:
+                out.append(f"--gamma {self.gamma} must be > 0")
+        else:
+            if self.gamma is not None:
+                out.append(f"--gamma {self.gamma} applies to --lr-schedule epoch only (not {self.lr_schedule})")
+            out += self.schedule_problems(total_steps=None)
+        return out
 
 
-def check_args(args, world_size: int) -> None:
-    from mmm.parallel import ParallelDims, check_degrees
-    from mmm.parallel.strategy import strategy_problems
+@dataclass
+class DigitsRunConfig(RunConfig):
+    """The CNN's runs: seed 1 (as the seed's example had), a step line every 50 steps."""
+
+    seed: int = override(RunConfig, "seed", 1)
+    log_every: int = override(RunConfig, "log_every", 50)
+
+
+# the flags: every field of DigitsTrainConfig and DigitsRunConfig, and these of ParallelConfig (data parallel only)
+COMMAND_LINE = trainer_flags(
+    EXAMPLE,
+    __doc__,
+    DigitsTrainConfig,
+    parallel=("dp_replicate", "strategy", "offload_optimizer", "dtype"),
+    run=DigitsRunConfig,
+    titles={"mesh": "device mesh (dp_replicate x dp_shard = world size; dp_shard is inferred)"},
+)
+
+
+def build_parser():
+    return COMMAND_LINE.parser()
+
+
+def problems(config: Config[DigitsTrainConfig], world_size: int) -> list[str]:
+    """Every problem with this configuration on ``world_size`` ranks, at once."""
     from mmm.training import batch_problems
-    from mmm.training.schedule import schedule_problems
 
-    degrees = {"dp_replicate": args.dp_replicate, "dp_shard": -1}
-    _, problems = check_degrees(world_size, **degrees)
-    if not problems:
-        dims = ParallelDims(world_size=world_size, **degrees)
-        problems += strategy_problems(args.strategy, dims, offload_optimizer=args.offload_optimizer)
-        problems += batch_problems(args.batch_size, dims.dp)
-    if not 0.0 <= args.dropout < 1.0:
-        problems.append(f"--dropout {args.dropout} must be in [0, 1)")
-    if args.lr <= 0:
-        problems.append(f"--lr {args.lr} must be > 0")
-    problems += run_arg_problems(args)
-    if (args.lr_schedule or "epoch") == "epoch":
-        if args.warmup_steps or args.min_lr is not None or args.lr_decay_steps is not None:
-            problems.append(
-                "--warmup-steps, --min-lr and --lr-decay-steps need a per-step schedule: add "
-                "--lr-schedule cosine, linear or constant (the default, epoch, multiplies by --gamma)"
-            )
-        if args.gamma is not None and args.gamma <= 0:
-            problems.append(f"--gamma {args.gamma} must be > 0")
-    else:
-        if args.gamma is not None:
-            problems.append(f"--gamma {args.gamma} applies to --lr-schedule epoch only (not {args.lr_schedule})")
-        problems += schedule_problems(args, total_steps=None)
-    if problems:
-        raise UsageError("; ".join(problems))
+    train, par = config.train, config.parallel
+    out = par.problems(world_size)
+    if (par.tp, par.pp, par.cp) != (1, 1, 1):
+        out.append(f"tp={par.tp}, pp={par.pp}, cp={par.cp}: the CNN trainer is data parallel only; leave them at 1")
+    dims = par.dims(world_size)
+    if dims is not None:
+        out += batch_problems(train.batch_size, dims.dp)
+    return out + train.problems() + config.run.problems(strategy=par.strategy)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from mmm.training import start
 
-    args, info, outdir, startup = start(EXAMPLE, build_parser(), argv, check_args)
-    return train(args, info, outdir, startup)
+    config = COMMAND_LINE.parse(argv)  # the flags, parsed once into typed configs
+    info, outdir, startup = start(EXAMPLE, config, problems)
+    return train(config, info, outdir, startup)
 
 
-def train(args, info, outdir, startup) -> int:
+def train(config: Config[DigitsTrainConfig], info, outdir, startup) -> int:
     import torch
 
     from mmm import dist
@@ -134,21 +172,23 @@ def train(args, info, outdir, startup) -> int:
     from mmm.models.cnn import DigitsCNN, log_softmax_nll
     from mmm.parallel import ParallelSpec, init_mesh, meta_init
     from mmm.parallel.strategy import build_engine
-    from mmm.training import Run, StepSync, make_checkpointer, resume, should_save, torchinfo_summary, train_step
-    from mmm.training.schedule import schedule_from_args, set_lr
+    from mmm.training import Run, StepSync, make_checkpointer, resume, torchinfo_summary, train_step
+    from mmm.training.schedule import set_lr
 
     log = get_logger()
-    data = load_digits_data(args.data_dir)
-    if len(data.train.labels) < args.batch_size:
+    what, how = config.train, config.parallel  # what to train, how to parallelise it (config.run: how to run)
+    seed = config.run.seed  # weights, data order, dropout
+    data = load_digits_data(what.data_dir)
+    if len(data.train.labels) < what.batch_size:
         raise UsageError(
-            f"--batch-size {args.batch_size} is larger than the {len(data.train.labels)} training "
+            f"--batch-size {what.batch_size} is larger than the {len(data.train.labels)} training "
             f"samples of {data.name}"
         )
-    mesh = init_mesh(dp_replicate=args.dp_replicate, dp_shard=-1)
+    mesh = init_mesh(**how.degrees)  # dp_replicate x dp_shard
     startup.mark("mesh")
     device = info.device
     with meta_init():  # parameters materialise after sharding, seeded by --seed and their names
-        model = DigitsCNN(img_size=data.img_size, dropout=args.dropout)
+        model = DigitsCNN(img_size=data.img_size, dropout=what.dropout)
     n_params = sum(p.numel() for p in model.parameters())
     if info.is_main:
         log.info(
@@ -160,50 +200,51 @@ def train(args, info, outdir, startup) -> int:
             data.img_size,
         )
         log.info("%s", torchinfo_summary(model))
-    mesh.seed_streams(args.seed)  # own dropout masks per dp rank from here on
+    mesh.seed_streams(seed)  # own dropout masks per dp rank from here on
     startup.mark("model")
     engine = build_engine(
         model,
         mesh,
-        ParallelSpec(blocks=None, dtype=args.dtype),
-        strategy=args.strategy,
+        ParallelSpec(blocks=None, dtype=how.dtype),
+        strategy=how.strategy,
         device=device,
-        global_batch=args.batch_size,
-        make_optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr),
-        optimizer_args={"lr": args.lr},
-        offload_optimizer=args.offload_optimizer,
-        seed=args.seed,
+        global_batch=what.batch_size,
+        make_optimizer=lambda params: torch.optim.AdamW(params, lr=what.lr),
+        optimizer_args={"lr": what.lr},
+        offload_optimizer=how.offload_optimizer,
+        seed=seed,
     )
     if info.is_main:
-        log.info("model after parallelisation (%s over %d ranks):\n%s", args.strategy, mesh.dp, engine.module)
+        log.info("model after parallelisation (%s over %d ranks):\n%s", how.strategy, mesh.dp, engine.module)
     startup.mark("parallelize")
 
     dp_group, dp_rank, dp = mesh.group("dp"), mesh.coord("dp"), mesh.dp
-    local = args.batch_size // dp
-    per_epoch = len(epoch_batches(len(data.train.labels), global_batch=args.batch_size, seed=args.seed, epoch=1))
-    per_epoch = min(per_epoch, args.steps_per_epoch or per_epoch)
+    local = what.batch_size // dp
+    per_epoch = len(epoch_batches(len(data.train.labels), global_batch=what.batch_size, seed=seed, epoch=1))
+    per_epoch = min(per_epoch, what.steps_per_epoch or per_epoch)
     meta = {
         "example": EXAMPLE,
         "model": {"type": "DigitsCNN", "img_size": data.img_size, "num_params": n_params},
         "mesh": mesh.dims.degrees,
-        "strategy": args.strategy,
-        "seed": args.seed,
-        "global_batch": args.batch_size,
+        "strategy": how.strategy,
+        "seed": seed,
+        "global_batch": what.batch_size,
         "steps_per_epoch": per_epoch,
-        "lr_schedule": {"kind": "epoch", "lr": args.lr, "gamma": 0.7 if args.gamma is None else args.gamma}
-        if (args.lr_schedule or "epoch") == "epoch"
-        else schedule_from_args(args, total_steps=args.epochs * per_epoch).as_dict(),
+        "lr_schedule": {"kind": "epoch", "lr": what.lr, "gamma": what.decay}
+        if what.per_epoch
+        else what.schedule(total_steps=what.epochs * per_epoch).as_dict(),
     }
-    ckpt = make_checkpointer(args, engine, meta=meta, log=log)
-    start = resume(args, ckpt, startup)  # optimizer state carries the decayed learning rate
+    ckpt = make_checkpointer(
+        engine, directory=config.run.checkpoint_dir, keep_last=config.run.keep_last, meta=meta, log=log
+    )
+    start = resume(ckpt, config.run.resume, startup)  # optimizer state carries the decayed learning rate
     first_epoch, skip = (start - 1) // per_epoch + 1, (start - 1) % per_epoch
     run = Run(
         EXAMPLE,
         info=info,
         outdir=outdir,
         startup=startup,
-        warmup=args.warmup,
-        log_every=args.log_every,
+        config=config,
         resume_step=start - 1,
         sync=StepSync.for_engine(engine, device=device),
     )
@@ -217,16 +258,12 @@ def train(args, info, outdir, startup) -> int:
     )
     train_x, train_y = data.train.images.to(device), data.train.labels.to(device)
     step, stopping = start - 1, False
-    per_step_lr = (
-        None
-        if (args.lr_schedule or "epoch") == "epoch"
-        else schedule_from_args(args, total_steps=args.epochs * per_epoch)
-    )
+    per_step_lr = None if what.per_epoch else what.schedule(total_steps=what.epochs * per_epoch)
     dist.graceful_sigterm()
-    for epoch in range(first_epoch, args.epochs + 1):
+    for epoch in range(first_epoch, what.epochs + 1):
         t_epoch = time.perf_counter()
         engine.train()
-        batches = epoch_batches(len(train_y), global_batch=args.batch_size, seed=args.seed, epoch=epoch)[:per_epoch]
+        batches = epoch_batches(len(train_y), global_batch=what.batch_size, seed=seed, epoch=epoch)[:per_epoch]
         run.restart_clock()  # the previous epoch's evaluation is not part of this epoch's first step
         losses = []
         for i, idx in enumerate(batches):
@@ -238,7 +275,7 @@ def train(args, info, outdir, startup) -> int:
                 set_lr(engine, per_step_lr(step))
             mine = idx[dp_rank * local : (dp_rank + 1) * local].to(device)
             end_of_epoch = i == len(batches) - 1
-            last = epoch == args.epochs and end_of_epoch
+            last = epoch == what.epochs and end_of_epoch
             _, reduced, times = train_step(
                 engine,
                 train_x[mine],
@@ -246,7 +283,7 @@ def train(args, info, outdir, startup) -> int:
                 log_softmax_nll,
                 sync=run.sync,
                 poison=poison,
-                skip_nonfinite=args.on_nonfinite == "skip",
+                skip_nonfinite=config.run.on_nonfinite == "skip",
                 after_backward=(lambda: run.capture_memory(engine)) if last else None,
             )
             # the epoch's mean training loss needs every step's loss: read each step at once (a small model)
@@ -254,7 +291,7 @@ def train(args, info, outdir, startup) -> int:
                 step,
                 reduced,
                 times,
-                rates={"samples_per_s": args.batch_size},
+                rates={"samples_per_s": what.batch_size},
                 grad_norm=engine.grad_norm,
                 checkpointer=ckpt,
                 lr=engine.param_groups[0]["lr"],
@@ -262,14 +299,14 @@ def train(args, info, outdir, startup) -> int:
             losses.append(loss_value)
             if end_of_epoch:
                 break  # an epoch's last step is saved after its evaluation and learning-rate decay
-            if should_save(args, step, last=False, stopping=stopping):
+            if config.run.checkpoint_due(step, last=False, stopping=stopping):
                 ckpt.save(step, {"loss": loss_value, "epoch": epoch})
             if stopping:
                 break
         if stopping and not end_of_epoch:
             break
         test_loss, test_acc = evaluate(
-            engine, data.test, batch=args.test_batch_size, rank=dp_rank, world=dp, group=dp_group, device=device
+            engine, data.test, batch=what.test_batch_size, rank=dp_rank, world=dp, group=dp_group, device=device
         )
         test_acc *= 100  # percent: 97.62, not 0.9762
         finite = [x for x in losses if math.isfinite(x)]
@@ -291,24 +328,24 @@ def train(args, info, outdir, startup) -> int:
         )
         if per_step_lr is None:  # --lr-schedule epoch
             for group in engine.param_groups:
-                group["lr"] *= 0.7 if args.gamma is None else args.gamma
-        if should_save(args, step, last=epoch == args.epochs, stopping=stopping):
+                group["lr"] *= what.decay
+        if config.run.checkpoint_due(step, last=epoch == what.epochs, stopping=stopping):
             ckpt.save(step, {"loss": losses[-1] if losses else None, "epoch": epoch})
         if stopping:
             break
-    epochs.finalize(plots=not args.no_plots, print_plots=False, summary_file=None)
-    if args.save_model:
+    epochs.finalize(plots=not config.run.no_plots, print_plots=False, summary_file=None)
+    if what.save_model:
         from mmm.training import save_full_model
 
         save_full_model(engine, outdir / "model.pt", is_main=info.is_main)
     last_epoch = epochs.rows[-1] if epochs.rows else {}  # none when stopped inside the first epoch
     extra = {
         "mesh": mesh.dims.degrees,
-        "strategy": args.strategy,
-        "dtype": args.dtype,
+        "strategy": how.strategy,
+        "dtype": how.dtype,
         "dataset": data.name,
         "model": {"type": "DigitsCNN", "num_params": n_params},
-        "global_batch": args.batch_size,
+        "global_batch": what.batch_size,
         "epochs": epochs.rows,
         "test_acc": last_epoch.get("test_acc"),
         "test_loss": last_epoch.get("test_loss"),
@@ -321,10 +358,10 @@ def train(args, info, outdir, startup) -> int:
         extra,
         mesh=mesh,
         num_params=n_params,
-        plots=not args.no_plots,
+        plots=not config.run.no_plots,
         rate_key="samples_per_s",
         flops_per_unit=flops,
-        dtype=args.dtype,
+        dtype=how.dtype,
     )
     return 0
 

@@ -13,25 +13,27 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mmm.flops import llama_flops_per_token
-from mmm.training import llama as flags
+from mmm.training import llama as recipe
 from mmm.training import torchinfo_summary
-from mmm.training.llama import MEASURE_STEP, check_args, loop_setup, model_config, pp_schedule, reshard_after_forward
+from mmm.training.config import Config
+from mmm.training.llama import MEASURE_STEP, LlamaTrainConfig, command_line, loop_setup
 
 EXAMPLE = "fsdp_tp"
 
 
 def build_parser():
-    return flags.build_parser(__doc__)
+    return command_line(__doc__).parser()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from mmm.training import start
 
-    args, info, outdir, startup = start(EXAMPLE, build_parser(), argv, check_args)
-    return train(args, info, outdir, startup)
+    config = command_line(__doc__).parse(argv)  # the flags, parsed once into typed configs
+    info, outdir, startup = start(EXAMPLE, config, recipe.problems)
+    return train(config, info, outdir, startup)
 
 
-def train(args, info, outdir, startup) -> int:
+def train(config: Config[LlamaTrainConfig], info, outdir, startup) -> int:
     import time
 
     import torch
@@ -40,25 +42,28 @@ def train(args, info, outdir, startup) -> int:
     from mmm import dist
     from mmm.data import make_dataset
     from mmm.log import get_logger
-    from mmm.models.llama import Llama
+    from mmm.models.llama import Llama, apply_cp_llama, llama_tp_plan
     from mmm.parallel import ParallelSpec, describe_sharding, init_mesh, meta_init
-    from mmm.parallel.context import apply_cp_llama, shard_sequence
+    from mmm.parallel.context import shard_sequence
     from mmm.parallel.strategy import build_engine
-    from mmm.parallel.tensor import llama_tp_plan, loss_parallel_context
+    from mmm.parallel.tensor import loss_parallel_context
     from mmm.training import compiled_graphs, train_step
-    from mmm.training.evaluation import eval_due, perplexity
-    from mmm.training.schedule import schedule_from_args, set_lr
+    from mmm.training.evaluation import perplexity
+    from mmm.training.schedule import set_lr
     from mmm.training.step import evaluate
 
     log = get_logger()
+    # what to train (model, data, batch, steps, lr schedule), how to parallelise it (mesh, strategy, pipeline, ...);
+    # config.run: seed, output, checkpoints, trackers (mmm.training.config)
+    what, how = config.train, config.parallel
     # 1. the mesh: pp x dp_replicate x dp_shard x cp x tp
-    mesh = init_mesh(tp=args.tp, pp=args.pp, cp=args.cp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard)
+    mesh = init_mesh(**how.degrees)
     startup.mark("mesh")
 
     # 2. the model: plain single-device code, built on `meta` (no memory yet); each rank materialises
     #    only its own shards after step 3, every weight seeded by --seed and its name (any mesh, same weights)
-    cfg = model_config(args)
-    dataset = make_dataset(args.dataset, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, **flags.data_options(args))
+    cfg = what.model_config()
+    dataset = make_dataset(what.dataset, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, **what.data_options())
     if info.device.type == "cpu":  # a large model in host memory: freed tensors go back at once (decided early)
         dist.return_freed_host_memory(4 * cfg.num_params())
     with meta_init():
@@ -67,7 +72,7 @@ def train(args, info, outdir, startup) -> int:
     if info.is_main:
         log.info("model: %s", cfg)
         log.info("%s", torchinfo_summary(model))
-    mesh.seed_streams(args.seed)  # own dropout masks per dp rank from here on
+    mesh.seed_streams(config.run.seed)  # own dropout masks per dp rank from here on
     startup.mark("model")
 
     # 3. parallelise: context parallel swaps in ring attention; then TP -> AC -> compile -> FSDP,
@@ -78,10 +83,10 @@ def train(args, info, outdir, startup) -> int:
         tp_plan=llama_tp_plan(),
         loss_parallel=True,
         blocks="layers",
-        ac=args.ac,
-        compile=args.compile,
-        dtype=args.dtype,
-        reshard_after_forward=reshard_after_forward(args),
+        ac=how.ac,
+        compile=how.compile,
+        dtype=how.dtype,
+        reshard_after_forward=how.reshard,
     )
 
     def loss_fn(logits, labels):
@@ -91,41 +96,41 @@ def train(args, info, outdir, startup) -> int:
         model,
         mesh,
         spec,
-        strategy=args.strategy,
+        strategy=how.strategy,
         device=info.device,
-        max_grad_norm=args.grad_clip,
-        make_optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay),
-        global_batch=args.batch_size,
-        optimizer_args={"lr": args.lr, "weight_decay": args.weight_decay},
-        offload_optimizer=args.offload_optimizer,
-        seed=args.seed,
+        max_grad_norm=what.grad_clip,
+        make_optimizer=lambda params: torch.optim.AdamW(params, lr=what.lr, weight_decay=what.weight_decay),
+        global_batch=what.batch_size,
+        optimizer_args={"lr": what.lr, "weight_decay": what.weight_decay},
+        offload_optimizer=how.offload_optimizer,
+        seed=config.run.seed,
         pipeline_args=dict(
             loss_fn=loss_fn,
-            microbatches=args.microbatches,
-            schedule=pp_schedule(args),
-            stages_per_rank=args.stages_per_rank,
-            split_points=args.split_points,
+            microbatches=how.microbatches,
+            schedule=how.pipeline_schedule,
+            stages_per_rank=how.stages_per_rank,
+            split_points=how.split_points,
         ),
     )
     del model
-    if args.init_from:  # each rank reads only its shards from the safetensors files
-        from mmm.parallel.hf_checkpoint import load_hf_llama
+    if what.init_from:  # each rank reads only its shards from the safetensors files
+        from mmm.models.llama import load_hf_llama
 
-        load_hf_llama(engine.unwrapped(), args.init_from)
-        log.info("weights loaded from %s", args.init_from)
+        load_hf_llama(engine.unwrapped(), what.init_from)
+        log.info("weights loaded from %s", what.init_from)
     if info.is_main:
         if engine.pipeline is not None:
             log.info("%s", engine.pipeline.describe())
         else:
-            log.info("model after parallelisation (%s, %s):\n%s", args.strategy, mesh.dims, engine.module)
+            log.info("model after parallelisation (%s, %s):\n%s", how.strategy, mesh.dims, engine.module)
         log.info("%s", describe_sharding(engine.module))
     startup.mark("parallelize")
 
     # 4. the loop: each dp rank takes its slice of the global batch; cp ranks their sequence shards
-    ckpt, start, batches, run = loop_setup(args, info, outdir, startup, engine, cfg, mesh, dataset, log)
-    tokens_per_step = args.batch_size * cfg.seq_len
-    lr_at = schedule_from_args(args, total_steps=args.max_iters)  # the step's learning rate: warmup, decay
-    heldout = flags.heldout_batches(args, cfg, mesh, info.device) if args.eval_every else None
+    ckpt, start, batches, run = loop_setup(config, info, outdir, startup, engine, cfg, mesh, dataset, log)
+    tokens_per_step = what.batch_size * cfg.seq_len
+    lr_at = what.schedule(total_steps=what.max_iters)  # the step's learning rate: warmup, decay
+    heldout = recipe.heldout_batches(config, cfg, mesh, info.device) if what.eval_every else None
     if info.is_main:
         if mesh.cp_enabled:
             log.info(
@@ -137,18 +142,18 @@ def train(args, info, outdir, startup) -> int:
         log.info(
             "training steps %d-%d: global batch %d x %d tokens (%d per dp rank), dataset=%s, dtype=%s, out=%s",
             start,
-            args.max_iters,
-            args.batch_size,
+            what.max_iters,
+            what.batch_size,
             cfg.seq_len,
-            args.batch_size // mesh.dp,
+            what.batch_size // mesh.dp,
             dataset.name,
-            args.dtype,
+            how.dtype,
             outdir,
         )
     dist.graceful_sigterm()
     engine.train()
     with run:  # leaving on an error, the step read late is still written
-        for step in range(start, args.max_iters + 1):
+        for step in range(start, what.max_iters + 1):
             poison = run.begin_step(step)
             lr = lr_at(step)
             set_lr(engine, lr)
@@ -156,8 +161,8 @@ def train(args, info, outdir, startup) -> int:
             if mesh.cp_enabled:
                 cp_rank = mesh.coord("cp")
                 inputs, labels = shard_sequence(inputs, cp_rank, mesh.cp), shard_sequence(labels, cp_rank, mesh.cp)
-            last = step == args.max_iters
-            with run.measuring(mesh, enabled=args.measure and step == MEASURE_STEP):
+            last = step == what.max_iters
+            with run.measuring(mesh, enabled=what.measure and step == MEASURE_STEP):
                 _, reduced, times = train_step(
                     engine,
                     inputs,
@@ -166,11 +171,11 @@ def train(args, info, outdir, startup) -> int:
                     sync=run.sync,
                     context=loss_parallel_context(mesh.tp_enabled),
                     poison=poison,
-                    skip_nonfinite=args.on_nonfinite == "skip",
+                    skip_nonfinite=config.run.on_nonfinite == "skip",
                     after_backward=(lambda: run.capture_memory(engine)) if last else None,
                 )
             val = {}
-            if eval_due(args, step, last=last):  # the held-out loss, left out of the step's dt
+            if what.eval_due(step, last=last):  # the held-out loss, left out of the step's dt
                 t_eval = time.perf_counter()
                 val_loss = evaluate(
                     engine, heldout, loss_fn, sync=run.sync, context=lambda: loss_parallel_context(mesh.tp_enabled)
@@ -181,7 +186,6 @@ def train(args, info, outdir, startup) -> int:
                 step,
                 reduced,
                 times,
-                args=args,
                 checkpointer=ckpt,
                 last=last,
                 rates={"tps": tokens_per_step},
@@ -191,18 +195,18 @@ def train(args, info, outdir, startup) -> int:
             ):
                 break
 
-    flags.export_hf(args, engine, cfg, info, run, log)  # --export-hf DIR: a Hugging Face checkpoint
+    recipe.export_hf(what, engine, cfg, info, run, log)  # --export-hf DIR: a Hugging Face checkpoint
     extra = {
         "mesh": mesh.dims.degrees,
-        "strategy": args.strategy,
-        "dtype": args.dtype,
-        "ac": args.ac,
-        "compile": args.compile,
+        "strategy": how.strategy,
+        "dtype": how.dtype,
+        "ac": how.ac,
+        "compile": how.compile,
         "compiled_graphs": compiled_graphs(),
-        "reshard_after_forward": args.reshard_after_forward,
+        "reshard_after_forward": how.reshard_after_forward,
         "dataset": dataset.name,
         "model": {**vars(cfg), "num_params": n_params},
-        "global_batch": args.batch_size,
+        "global_batch": what.batch_size,
         "tokens_per_step": tokens_per_step,
     }
     if engine.pipeline is not None:
@@ -219,9 +223,9 @@ def train(args, info, outdir, startup) -> int:
         extra,
         mesh=mesh,
         num_params=n_params,
-        plots=not args.no_plots,
+        plots=not config.run.no_plots,
         flops_per_unit=llama_flops_per_token(cfg),
-        dtype=args.dtype,
+        dtype=how.dtype,
     )
     return 0
 

@@ -11,142 +11,106 @@ is the GLOBAL batch; the same --seed and global batch give the same losses on an
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from mmm.cli import (
-    ArgumentParser,
-    add_output_args,
-    add_run_args,
-    add_strategy_args,
-    degree,
-    positive_int,
-    run_arg_problems,
-)
-from mmm.errors import UsageError
+from mmm.cli import FLAGS, flag_problems, option, override, positive_int
+from mmm.training.config import Config, trainer_flags
+from mmm.training.evaluation import EvalConfig
+from mmm.training.schedule import ScheduleConfig
 
 EXAMPLE = "vit"
 
 
-def build_parser() -> ArgumentParser:
-    from mmm.parallel.activation_checkpoint import AC_MODES
-    from mmm.training.evaluation import add_eval_args
-    from mmm.training.schedule import add_schedule_args
+@dataclass
+class ViTTrainConfig(EvalConfig, ScheduleConfig):
+    """What to train: the ViT's shape, the global batch and steps, AdamW and its schedule, evaluation."""
 
-    p = ArgumentParser(
-        prog=f"python -m mmm.examples.{EXAMPLE}",
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 2)[2],
+    img_size: int = option(32, "--img-size", "--img_size", parse=positive_int, group="model", help="image side")
+    patch_size: int = option(
+        4, "--patch-size", "--patch_size", parse=positive_int, group="model", help="patch side, divides the image side"
     )
-    g = add_strategy_args(p)
-    g.add_argument(
-        "--tp",
-        "--tpsize",
-        dest="tp",
-        type=degree,
-        default=1,
-        metavar="N",
-        help="tensor-parallel degree for the ViT blocks (with fsdp/hsdp) [1]",
+    depth: int = option(4, "--depth", parse=positive_int, group="model", help="transformer blocks")
+    num_heads: int = option(
+        4, "--num-heads", "--num_heads", parse=positive_int, group="model", help="attention heads (divisible by tp)"
     )
-    g = p.add_argument_group("model")
-    g.add_argument("--img-size", "--img_size", dest="img_size", type=positive_int, default=32, help="image side [32]")
-    g.add_argument(
-        "--patch-size",
-        "--patch_size",
-        dest="patch_size",
-        type=positive_int,
-        default=4,
-        help="patch side, divides the image side [4]",
-    )
-    g.add_argument("--depth", type=positive_int, default=4, help="transformer blocks [4]")
-    g.add_argument(
-        "--num-heads",
-        "--num_heads",
-        dest="num_heads",
-        type=positive_int,
-        default=4,
-        help="attention heads (divisible by tp) [4]",
-    )
-    g.add_argument(
+    head_dim: int = option(
+        32,
         "--head-dim",
         "--head_dim",
-        dest="head_dim",
-        type=positive_int,
-        default=32,
-        help="width per head; model width = heads x head dim [32]",
+        parse=positive_int,
+        group="model",
+        help="width per head; model width = heads x head dim",
     )
-    g.add_argument(
-        "--num-classes", "--num_classes", dest="num_classes", type=positive_int, default=10, help="classes [10]"
-    )
-    g = p.add_argument_group("training")
-    g.add_argument(
+    num_classes: int = option(10, "--num-classes", "--num_classes", parse=positive_int, group="model", help="classes")
+    batch_size: int = option(
+        32,
         "--batch-size",
         "--batch_size",
-        dest="batch_size",
-        type=positive_int,
-        default=32,
-        help="GLOBAL batch, divisible by the data-parallel ranks [32]",
+        parse=positive_int,
+        group="training",
+        help="GLOBAL batch, divisible by the data-parallel ranks",
     )
-    g.add_argument(
-        "--max-iters", "--max_iters", dest="max_iters", type=positive_int, default=30, help="optimizer steps [30]"
+    max_iters: int = option(
+        30, "--max-iters", "--max_iters", parse=positive_int, group="training", help="optimizer steps"
     )
-    g.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate [1e-3]")
-    g.add_argument("--seed", type=int, default=0, help="seed of weights and data [0]")
-    g.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype [fp32]")
-    g.add_argument("--compile", action="store_true", help="torch.compile each block")
-    g.add_argument("--ac", choices=AC_MODES, default="none", help="activation checkpointing [none]")
-    add_schedule_args(p)
-    add_eval_args(p)
-    add_output_args(p, EXAMPLE)
-    add_run_args(p)
-    return p
+    lr: float = override(ScheduleConfig, "lr", 1e-3)
+
+    def model_config(self):
+        from mmm.models.vit import ViTConfig
+
+        return ViTConfig(
+            img_size=self.img_size,
+            patch_size=self.patch_size,
+            depth=self.depth,
+            num_heads=self.num_heads,
+            head_dim=self.head_dim,
+            num_classes=self.num_classes,
+        )
+
+    def problems(self) -> list[str]:
+        out = flag_problems(self) + self.model_config().problems()
+        return out + self.schedule_problems(total_steps=self.max_iters) + self.eval_problems()
 
 
-def model_config(args):
-    from mmm.models.vit import ViTConfig
-
-    return ViTConfig(
-        img_size=args.img_size,
-        patch_size=args.patch_size,
-        depth=args.depth,
-        num_heads=args.num_heads,
-        head_dim=args.head_dim,
-        num_classes=args.num_classes,
-    )
+# the flags: every field of ViTTrainConfig and RunConfig, and these of ParallelConfig (a dp x tp mesh)
+COMMAND_LINE = trainer_flags(
+    EXAMPLE,
+    __doc__,
+    ViTTrainConfig,
+    parallel=("tp", "dp_replicate", "strategy", "offload_optimizer", "dtype", "compile", "ac"),
+    titles={"mesh": "device mesh (dp_replicate x dp_shard x tp = world size; dp_shard is inferred)"},
+)
 
 
-def check_args(args, world_size: int) -> None:
-    from mmm.parallel import ParallelDims, check_degrees
-    from mmm.parallel.compose import compile_problems
-    from mmm.parallel.strategy import strategy_problems
-    from mmm.parallel.tensor import vit_tp_problems
+def build_parser():
+    return COMMAND_LINE.parser()
+
+
+def problems(config: Config[ViTTrainConfig], world_size: int) -> list[str]:
+    """Every problem with this configuration on ``world_size`` ranks, at once."""
+    from mmm.models.vit import vit_tp_problems
     from mmm.training import batch_problems
-    from mmm.training.evaluation import eval_problems
-    from mmm.training.schedule import schedule_problems
 
-    degrees = {"dp_replicate": args.dp_replicate, "dp_shard": -1, "tp": args.tp}
-    _, problems = check_degrees(world_size, **degrees)
-    mesh_ok = not problems
-    problems += model_config(args).problems()
-    if mesh_ok:
-        dims = ParallelDims(world_size=world_size, **degrees)
-        problems += strategy_problems(args.strategy, dims, offload_optimizer=args.offload_optimizer)
-        problems += compile_problems(args.compile, dims)
-        problems += vit_tp_problems(tp=dims.tp, num_heads=args.num_heads)
-        problems += batch_problems(args.batch_size, dims.dp)
-    problems += run_arg_problems(args)
-    problems += schedule_problems(args, total_steps=args.max_iters)
-    problems += eval_problems(args)
-    if problems:
-        raise UsageError("; ".join(problems))
+    train, par = config.train, config.parallel
+    out = par.problems(world_size) + train.problems()
+    if par.pp != 1 or par.cp != 1:
+        out.append(f"pp={par.pp}, cp={par.cp}: the ViT trainer runs a dp x tp mesh; leave pp and cp at 1")
+    dims = par.dims(world_size)
+    if dims is not None:
+        out += vit_tp_problems(tp=dims.tp, num_heads=train.num_heads, spell=FLAGS)
+        out += batch_problems(train.batch_size, dims.dp)
+    return out + config.run.problems(strategy=par.strategy)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from mmm.training import start
 
-    args, info, outdir, startup = start(EXAMPLE, build_parser(), argv, check_args)
-    return train(args, info, outdir, startup)
+    config = COMMAND_LINE.parse(argv)  # the flags, parsed once into typed configs
+    info, outdir, startup = start(EXAMPLE, config, problems)
+    return train(config, info, outdir, startup)
 
 
-def train(args, info, outdir, startup) -> int:
+def train(config: Config[ViTTrainConfig], info, outdir, startup) -> int:
     import time
 
     import torch
@@ -155,19 +119,18 @@ def train(args, info, outdir, startup) -> int:
     from mmm import dist
     from mmm.data.images import SyntheticImages
     from mmm.log import get_logger
-    from mmm.models.vit import ViT
+    from mmm.models.vit import VIT_TP_PLAN, ViT
     from mmm.parallel import ParallelSpec, describe_sharding, init_mesh, meta_init
     from mmm.parallel.strategy import build_engine
-    from mmm.parallel.tensor import VIT_TP_PLAN
     from mmm.training import Run, StepSync, compiled_graphs, make_checkpointer, resume, torchinfo_summary, train_step
-    from mmm.training.evaluation import eval_due
-    from mmm.training.schedule import schedule_from_args, set_lr
+    from mmm.training.schedule import set_lr
     from mmm.training.step import evaluate
 
     log = get_logger()
-    mesh = init_mesh(tp=args.tp, dp_replicate=args.dp_replicate, dp_shard=-1)
+    what, how = config.train, config.parallel  # what to train, how to parallelise it (config.run: how to run)
+    mesh = init_mesh(**how.degrees)  # dp_replicate x dp_shard x tp
     startup.mark("mesh")
-    cfg = model_config(args)
+    cfg = what.model_config()
     device = info.device
     data = SyntheticImages(img_size=cfg.img_size, num_classes=cfg.num_classes, channels=cfg.in_chans)
     with meta_init():  # parameters materialise after sharding, seeded by --seed and their names
@@ -176,46 +139,45 @@ def train(args, info, outdir, startup) -> int:
     if info.is_main:
         log.info("model: %s (width %d)", cfg, cfg.dim)
         log.info("%s", torchinfo_summary(model))
-    mesh.seed_streams(args.seed)  # own dropout masks per dp rank from here on
+    mesh.seed_streams(config.run.seed)  # own dropout masks per dp rank from here on
     startup.mark("model")
-    spec = ParallelSpec(tp_plan=VIT_TP_PLAN, blocks="blocks", ac=args.ac, compile=args.compile, dtype=args.dtype)
+    spec = ParallelSpec(tp_plan=VIT_TP_PLAN, blocks="blocks", ac=how.ac, compile=how.compile, dtype=how.dtype)
     engine = build_engine(
         model,
         mesh,
         spec,
-        strategy=args.strategy,
+        strategy=how.strategy,
         device=device,
-        global_batch=args.batch_size,
-        make_optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr),
-        optimizer_args={"lr": args.lr},
-        offload_optimizer=args.offload_optimizer,
-        seed=args.seed,
+        global_batch=what.batch_size,
+        make_optimizer=lambda params: torch.optim.AdamW(params, lr=what.lr),
+        optimizer_args={"lr": what.lr},
+        offload_optimizer=how.offload_optimizer,
+        seed=config.run.seed,
     )
     if info.is_main:
-        log.info(
-            "model after parallelisation (%s, %s):\n%s", args.strategy, mesh.dims, describe_sharding(engine.module)
-        )
+        log.info("model after parallelisation (%s, %s):\n%s", how.strategy, mesh.dims, describe_sharding(engine.module))
     startup.mark("parallelize")
 
-    dp_rank, local = mesh.coord("dp"), args.batch_size // mesh.dp
+    dp_rank, local = mesh.coord("dp"), what.batch_size // mesh.dp
     meta = {
         "example": EXAMPLE,
         "model": dict(vars(cfg)),
         "mesh": mesh.dims.degrees,
-        "strategy": args.strategy,
-        "seed": args.seed,
-        "global_batch": args.batch_size,
-        "lr_schedule": schedule_from_args(args, total_steps=args.max_iters).as_dict(),
+        "strategy": how.strategy,
+        "seed": config.run.seed,
+        "global_batch": what.batch_size,
+        "lr_schedule": what.schedule(total_steps=what.max_iters).as_dict(),
     }
-    ckpt = make_checkpointer(args, engine, meta=meta, log=log)
-    start = resume(args, ckpt, startup)
+    ckpt = make_checkpointer(
+        engine, directory=config.run.checkpoint_dir, keep_last=config.run.keep_last, meta=meta, log=log
+    )
+    start = resume(ckpt, config.run.resume, startup)  # the first step: 1, or after the checkpoint --resume names
     run = Run(
         EXAMPLE,
         info=info,
         outdir=outdir,
         startup=startup,
-        warmup=args.warmup,
-        log_every=args.log_every,
+        config=config,
         resume_step=start - 1,
         sync=StepSync.for_engine(engine, device=device),
     )
@@ -223,22 +185,22 @@ def train(args, info, outdir, startup) -> int:
         log.info(
             "training steps %d-%d: global batch %d images of %dx%d (%d per dp rank), dtype=%s, out=%s",
             start,
-            args.max_iters,
-            args.batch_size,
+            what.max_iters,
+            what.batch_size,
             cfg.img_size,
             cfg.img_size,
             local,
-            args.dtype,
+            how.dtype,
             outdir,
         )
 
     def loss_fn(logits, labels):
         return F.cross_entropy(logits.float(), labels)
 
-    lr_at = schedule_from_args(args, total_steps=args.max_iters)  # the step's learning rate: warmup, decay
+    lr_at = what.schedule(total_steps=what.max_iters)  # the step's learning rate: warmup, decay
     heldout = []  # this rank's part of the --eval-iters held-out global batches (the same ones each time)
-    for k in range(args.eval_iters if args.eval_every else 0):
-        x, y = data.global_batch(args.seed, k, args.batch_size, split="val")
+    for k in range(what.eval_iters if what.eval_every else 0):
+        x, y = data.global_batch(config.run.seed, k, what.batch_size, split="val")
         heldout.append(
             (
                 x[dp_rank * local : (dp_rank + 1) * local].to(device),
@@ -248,14 +210,14 @@ def train(args, info, outdir, startup) -> int:
     dist.graceful_sigterm()
     engine.train()
     with run:  # leaving on an error, the step read late is still written
-        for step in range(start, args.max_iters + 1):
+        for step in range(start, what.max_iters + 1):
             poison = run.begin_step(step)
             lr = lr_at(step)
             set_lr(engine, lr)
-            images, labels = data.global_batch(args.seed, step, args.batch_size)
+            images, labels = data.global_batch(config.run.seed, step, what.batch_size)
             images = images[dp_rank * local : (dp_rank + 1) * local].to(device)
             labels = labels[dp_rank * local : (dp_rank + 1) * local].to(device)
-            last = step == args.max_iters
+            last = step == what.max_iters
             _, reduced, times = train_step(
                 engine,
                 images,
@@ -263,11 +225,11 @@ def train(args, info, outdir, startup) -> int:
                 loss_fn,
                 sync=run.sync,
                 poison=poison,
-                skip_nonfinite=args.on_nonfinite == "skip",
+                skip_nonfinite=config.run.on_nonfinite == "skip",
                 after_backward=(lambda: run.capture_memory(engine)) if last else None,
             )
             val = {}
-            if eval_due(args, step, last=last):  # the held-out loss, left out of the step's dt
+            if what.eval_due(step, last=last):  # the held-out loss, left out of the step's dt
                 t_eval = time.perf_counter()
                 val = {
                     "val_loss": evaluate(engine, heldout, loss_fn, sync=run.sync),
@@ -278,10 +240,9 @@ def train(args, info, outdir, startup) -> int:
                 step,
                 reduced,
                 times,
-                args=args,
                 checkpointer=ckpt,
                 last=last,
-                rates={"samples_per_s": args.batch_size},
+                rates={"samples_per_s": what.batch_size},
                 grad_norm=engine.grad_norm,
                 lr=lr,
                 **val,
@@ -290,13 +251,13 @@ def train(args, info, outdir, startup) -> int:
 
     extra = {
         "mesh": mesh.dims.degrees,
-        "strategy": args.strategy,
-        "dtype": args.dtype,
-        "ac": args.ac,
-        "compile": args.compile,
+        "strategy": how.strategy,
+        "dtype": how.dtype,
+        "ac": how.ac,
+        "compile": how.compile,
         "compiled_graphs": compiled_graphs(),
         "model": {**vars(cfg), "num_params": n_params},
-        "global_batch": args.batch_size,
+        "global_batch": what.batch_size,
     }
     from mmm.flops import counted_flops_per_sample
 
@@ -306,10 +267,10 @@ def train(args, info, outdir, startup) -> int:
         extra,
         mesh=mesh,
         num_params=n_params,
-        plots=not args.no_plots,
+        plots=not config.run.no_plots,
         rate_key="samples_per_s",
         flops_per_unit=flops,
-        dtype=args.dtype,
+        dtype=how.dtype,
     )
     return 0
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from mmm.dist.rendezvous import free_port
-from mmm.errors import UsageError, print_error
+from mmm.errors import DIVERGED_EXIT, UsageError, print_error
 from mmm.launch.hostloss import lost_hosts, plan_hosts, write_hostfile
 from mmm.launch.mpi import FLAVORS, Flavor
 from mmm.launch.output import ExitBoxFilter
@@ -24,6 +24,7 @@ from mmm.launch.watch import RankWatch
 NOT_RETRIED = {
     0: "it succeeded",
     2: "bad input fails again",
+    DIVERGED_EXIT: "the run stopped itself on a non-finite loss (a relaunch would replay it)",
     130: "interrupted (Ctrl-C)",
     143: "terminated (SIGTERM: preemption or the scheduler's limit)",
 }

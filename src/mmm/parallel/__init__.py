@@ -5,7 +5,8 @@
 ``init_mesh`` builds the one named mesh; ``parallelize`` applies TP -> activation checkpointing ->
 compile -> FSDP/HSDP/DDP to a model (:mod:`mmm.parallel.compose`); ``build_pipeline`` splits a model into
 stages and puts each through ``parallelize`` (:mod:`mmm.parallel.pipeline`). TP plans are data
-(:mod:`mmm.parallel.tensor`: ``llama_tp_plan``, ``VIT_TP_PLAN``, ``HF_LLAMA_TP_PLAN``).
+(:mod:`mmm.parallel.tensor`: ``apply_tp_plan``, ``hf_tp_plan``, ``HF_LLAMA_TP_PLAN``); the plans of
+mmm's own models live beside them (``mmm.models.llama.llama_tp_plan``, ``mmm.models.vit.VIT_TP_PLAN``).
 
 ``from mmm.parallel import init_mesh`` stays light: the names below load their modules on first use.
 """
@@ -24,8 +25,6 @@ _LAZY = {
     "build_pipeline": "mmm.parallel.pipeline",
     "Pipeline": "mmm.parallel.pipeline",
     "apply_tp_plan": "mmm.parallel.tensor",
-    "llama_tp_plan": "mmm.parallel.tensor",
-    "VIT_TP_PLAN": "mmm.parallel.tensor",
     "HF_LLAMA_TP_PLAN": "mmm.parallel.tensor",
     "hf_tp_plan": "mmm.parallel.tensor",
     "context_parallel": "mmm.parallel.context",

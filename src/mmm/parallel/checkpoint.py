@@ -1,6 +1,6 @@
 """Checkpoint and resume with torch Distributed Checkpoint (DCP), atomically, across meshes.
 
-Layout under ``--checkpoint-dir``::
+Layout of a checkpoint folder (``Checkpointer(root)``)::
 
     step-00000040/        one complete checkpoint (DCP shards + .metadata, mmm.json, rng/)
     step-00000050/
@@ -9,7 +9,7 @@ Layout under ``--checkpoint-dir``::
 A save writes everything into the ``.tmp`` folder, then rank 0 renames it once every rank has
 finished, so a checkpoint is visible only when complete and a crash during a save leaves the
 previous one usable (a re-save of a step sets the old folder aside until the new one is in place).
-``--resume latest`` takes the most recently SAVED checkpoint, not the highest step: a run resumed
+Resuming from 'latest' takes the most recently SAVED checkpoint, not the highest step: a run resumed
 from an earlier step, then requeued, continues itself, not the run it abandoned. ``keep_last``
 prunes the least recently saved ones (each renamed away before it is deleted). Rank 0 alone reads
 the folder and broadcasts the step to load. A second SIGTERM during a save takes effect after it.
@@ -26,6 +26,7 @@ matters for dropout). DeepSpeed strategies use DeepSpeed's own ``save_checkpoint
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 
 from mmm.dist.exits import uninterrupted
-from mmm.errors import UsageError
+from mmm.errors import API, Spelling, UsageError
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 META = "mmm.json"
@@ -72,17 +73,17 @@ def _saved_at(root: Path, step: int) -> float:
 
 def steps_by_recency(root: Path) -> list[int]:
     """Complete checkpoints, the most recently saved last. Not the same as step order: after
-    ``--resume 4000`` with 5000 and 6000 on disk from an abandoned run, the new run's 4100 is newer."""
+    resuming from 4000 with 5000 and 6000 on disk from an abandoned run, the new run's 4100 is newer."""
     return sorted(complete_steps(root), key=lambda step: (_saved_at(root, step), step))
 
 
 def latest_step(root: Path) -> int | None:
-    """The most recently saved complete checkpoint (what ``--resume latest`` takes), or None."""
+    """The most recently saved complete checkpoint (what 'latest' takes), or None."""
     steps = steps_by_recency(root)
     return steps[-1] if steps else None
 
 
-def recover(root: Path) -> None:
+def recover(root: Path, log=None) -> None:
     """Undo what a crash in the middle of a re-save or a prune leaves (rank 0 only): a step set aside
     as ``.step-N.old`` while its replacement was renamed in goes back; ``.del`` and ``.tmp`` folders
     (never read) are removed."""
@@ -92,46 +93,56 @@ def recover(root: Path) -> None:
         if p.name.startswith(".step-") and p.name.endswith(".old"):
             final = root / p.name[1 : -len(".old")]
             if final.exists():
-                shutil.rmtree(p, ignore_errors=True)
+                doomed = root / f"{p.name[: -len('.old')]}.{time.time_ns()}.del"
+                os.replace(p, doomed)
+                _delete_in_background(doomed, log)
             else:
                 os.replace(p, final)
-        elif p.name.startswith(".step-") and p.name.endswith((".del", ".tmp")):
-            shutil.rmtree(p, ignore_errors=True)
+        elif p.name.startswith(".step-") and p.name.endswith((".del", ".tmp")) and str(p) not in _being_deleted:
+            _delete_in_background(p, log)  # never read; slow on a big checkpoint, so not in the ranks' way
 
 
 def missing_step(root: Path, step: int, steps: list[int]) -> str:
-    """The message for a ``--resume`` step that has no complete checkpoint."""
+    """The message for a step to resume from that has no complete checkpoint."""
     return (
-        f"--resume {step}: no complete checkpoint of step {step} in {str(root)!r} "
+        f"no complete checkpoint of step {step} in {str(root)!r} "
         f"(steps there: {', '.join(map(str, steps)) or 'none'}); use one of those or 'latest'"
     )
 
 
-def checkpoint_problems(checkpoint_dir: str | None, resume: str | None, every: int, keep_last: int) -> list[str]:
-    """Flag problems, each naming the value and a fix (nothing is created here)."""
+def checkpoint_problems(
+    checkpoint_dir: str | None, resume: str | None, checkpoint_every: int, keep_last: int, *, spell: Spelling = API
+) -> list[str]:
+    """Problems with a run's checkpoint settings, each naming the value and a fix (nothing is created
+    here): the folder, the step to resume from ('latest' or a step number), how often to save and
+    how many to keep."""
     out = []
     if resume is not None and checkpoint_dir is None:
-        out.append(f"--resume {resume} needs --checkpoint-dir (the folder holding step-NNNNNNNN checkpoints)")
+        out.append(
+            f"{spell('resume', resume)} needs {spell.name('checkpoint_dir')} (the folder holding "
+            "step-NNNNNNNN checkpoints)"
+        )
     if resume is not None and resume != "latest" and not (resume.isdigit() and int(resume) > 0):
-        out.append(f"--resume {resume!r}: use 'latest' or a step number (e.g. --resume 40)")
-    if every < 0:
-        out.append(f"--checkpoint-every {every} must be >= 0 (0: only at the end and on SIGTERM)")
+        out.append(f"{spell('resume', resume)}: use 'latest' or a step number (e.g. {spell('resume', '40')})")
+    if checkpoint_every < 0:
+        out.append(f"{spell('checkpoint_every', checkpoint_every)} must be >= 0 (0: only at the end and on SIGTERM)")
     if keep_last < 0:
-        out.append(f"--keep-last {keep_last} must be >= 0 (0 keeps every checkpoint)")
+        out.append(f"{spell('keep_last', keep_last)} must be >= 0 (0 keeps every checkpoint)")
     if checkpoint_dir is not None:
         path = Path(checkpoint_dir)
+        where = spell("checkpoint_dir", checkpoint_dir)
         if path.exists() and not path.is_dir():
-            out.append(f"--checkpoint-dir {checkpoint_dir!r} is a file; pass a directory")
+            out.append(f"{where} is a file; pass a directory")
         else:
             parent = next((p for p in [path, *path.parents] if p.exists()), None)
             if parent is not None and not parent.is_dir():
-                out.append(f"--checkpoint-dir {checkpoint_dir!r}: {str(parent)!r} is a file, not a directory")
+                out.append(f"{where}: {str(parent)!r} is a file, not a directory")
             elif parent is not None and not os.access(parent, os.W_OK):
-                out.append(f"--checkpoint-dir {checkpoint_dir!r}: cannot write in {str(parent)!r}")
+                out.append(f"{where}: cannot write in {str(parent)!r}")
         if resume is not None and resume != "latest" and resume.isdigit() and path.is_dir():
             steps = complete_steps(path)
             if int(resume) not in steps:
-                out.append(missing_step(path, int(resume), steps))
+                out.append(f"{spell('resume', resume)}: {missing_step(path, int(resume), steps)}")
     return out
 
 
@@ -140,6 +151,82 @@ def _barrier() -> None:
 
     if dist.is_initialized():
         dist.barrier()
+
+
+def _on_rank0(fn) -> Any:
+    """Run ``fn`` on rank 0 and tell every rank how it went (a collective): a failure there (a folder that
+    cannot be made, a full disk) raises on every rank at once instead of leaving the others at a
+    barrier until the timeout."""
+    rank, world = _rank_world()
+    box: list[Any] = [None]
+    if rank == 0:
+        try:
+            box[0] = ("ok", fn())
+        except Exception as e:  # every rank raises it below
+            box[0] = ("error", f"{type(e).__name__}: {e}")
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise CheckpointWriteError(value)
+    return value
+
+
+class CheckpointWriteError(RuntimeError):
+    """Writing a checkpoint failed on rank 0 (every rank raises it); the previous checkpoints are intact."""
+
+
+def _fsync_path(path: Path) -> None:
+    """Make a file's data, or a folder's entries (renames, new files), durable (a node crash after a
+    checkpoint is marked complete must not lose any of it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_deleting: list[Any] = []  # threads removing pruned checkpoints (rank 0)
+EXIT_WAIT_S = 300.0  # how long a finished process waits for them (after teardown: no rank waits on it)
+_being_deleted: set[str] = set()
+
+
+def _delete_in_background(folder: Path, log=None) -> None:
+    """Remove a folder already renamed out of sight (``.step-N.del``) without holding up the ranks: a
+    multi-TB checkpoint on a parallel file system takes minutes. A delete that fails is said, not hidden
+    (the folder stays, is never read, and the next start tries again)."""
+    import threading
+
+    def remove() -> None:
+        failed: list[str] = []
+        shutil.rmtree(folder, onerror=lambda fn, path, exc: failed.append(f"{path}: {exc[1]}"))
+        _being_deleted.discard(str(folder))
+        if failed and log is not None:
+            log.warning(
+                "checkpoint: could not delete %s (%s%s); it is never read, remove it by hand",
+                folder,
+                failed[0],
+                f" and {len(failed) - 1} more" if len(failed) > 1 else "",
+            )
+
+    if not _deleting and not _being_deleted:  # once: a run that ends lets its deletes finish (bounded)
+        atexit.register(wait_for_deletes, EXIT_WAIT_S)
+    _being_deleted.add(str(folder))
+    t = threading.Thread(target=remove, name="mmm-prune", daemon=True)
+    t.start()
+    _deleting.append(t)
+
+
+def wait_for_deletes(timeout_s: float | None = None) -> None:
+    """Wait for background deletes of pruned checkpoints (tests, and a clean exit); what is left after
+    ``timeout_s`` stays as a ``.del`` folder, removed by the next run's first save or resume."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    for t in list(_deleting):
+        t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if not t.is_alive():
+            _deleting.remove(t)
 
 
 def _rank_world() -> tuple[int, int]:
@@ -213,42 +300,59 @@ class Checkpointer:
         return final
 
     def _save(self, step: int, extra: dict[str, Any] | None, rank: int, world: int, final: Path, tmp: Path) -> None:
-        if rank == 0:
+        def prepare() -> None:
             self.root.mkdir(parents=True, exist_ok=True)
-            recover(self.root)
+            recover(self.root, self.log)
+            if tmp.exists():  # left by a delete that failed: out of the way, never in the way
+                os.replace(tmp, self.root / f"{tmp.name}.{time.time_ns()}.del")
             tmp.mkdir()
             (tmp / "rng").mkdir()
-        _barrier()
+
+        _on_rank0(prepare)
         if self.ds is not None:
             self.ds.save_checkpoint(str(tmp), tag="deepspeed", client_state={"step": step}, save_latest=False)
         else:
             import torch.distributed.checkpoint as dcp
 
-            dcp.save(self._state(), checkpoint_id=str(tmp))
-        torch.save(_rng_state(), tmp / "rng" / f"rank{rank:05d}.pt")
+            dcp.save(self._state(), checkpoint_id=str(tmp))  # DCP's file writer fsyncs its files
+        with open(tmp / "rng" / f"rank{rank:05d}.pt", "wb") as f:
+            torch.save(_rng_state(), f)
+            f.flush()
+            os.fsync(f.fileno())
         _barrier()
-        if rank == 0:
-            meta = {
-                **self.meta,
-                **(extra or {}),
-                "step": step,
-                "world_size": world,
-                "format": "deepspeed" if self.ds is not None else "dcp",
-                "saved_at": time.time(),
-            }
-            with open(tmp / META, "w") as f:
-                json.dump(meta, f, indent=1, default=str)
-                f.flush()
-                os.fsync(f.fileno())
-            if final.exists():  # a re-save of the same step (after a resume): set the old one aside first,
-                aside = self.root / f".{final.name}.old"  # so a crash between the renames loses nothing
-                os.replace(final, aside)
-                os.replace(tmp, final)
-                shutil.rmtree(aside, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
-            self._prune(keep=step)
-        _barrier()
+        _on_rank0(lambda: self._commit(step, extra, world, final, tmp))
+
+    def _commit(self, step: int, extra: dict[str, Any] | None, world: int, final: Path, tmp: Path) -> None:
+        """Rank 0, once every rank's files are durable: the metadata last, then the renames, each made
+        durable before the next; then the prune (renames only; the deletes go on in the background)."""
+        for folder in (p for p in tmp.rglob("*") if p.is_dir()):
+            _fsync_path(folder)
+        meta = {
+            **self.meta,
+            **(extra or {}),
+            "step": step,
+            "world_size": world,
+            "format": "deepspeed" if self.ds is not None else "dcp",
+            "saved_at": time.time(),
+        }
+        with open(tmp / META, "w") as f:
+            json.dump(meta, f, indent=1, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_path(tmp)
+        if final.exists():  # a re-save of the same step (after a resume): set the old one aside first,
+            aside = self.root / f".{final.name}.old"  # so a crash between the renames loses nothing
+            os.replace(final, aside)
+            _fsync_path(self.root)
+            os.replace(tmp, final)
+            _fsync_path(self.root)
+            doomed = self.root / f".{final.name}.{time.time_ns()}.del"
+            os.replace(aside, doomed)
+            _delete_in_background(doomed, self.log)
+        else:
+            os.replace(tmp, final)
+        _fsync_path(self.root)
+        self._prune(keep=step)
 
     def _prune(self, *, keep: int) -> None:
         """Remove all but the ``keep_last`` most recently saved checkpoints (never ``keep``, the one
@@ -258,22 +362,42 @@ class Checkpointer:
         for old in steps_by_recency(self.root)[: -self.keep_last]:
             if old == keep:
                 continue
-            doomed = self.root / f".{step_dir(self.root, old).name}.del"
+            doomed = self.root / f".{step_dir(self.root, old).name}.{time.time_ns()}.del"
             os.replace(step_dir(self.root, old), doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
+            _fsync_path(self.root)
+            _delete_in_background(doomed, self.log)
 
     # ------------------------------------------------------------------ load
-    def resolve(self, which: str) -> int | None:
-        """The step ``--resume`` names (None: 'latest' and no checkpoint yet). Rank 0 alone reads the
-        folder and tells the others (a collective), so every rank loads the same step even where a
-        shared file system shows ranks different listings."""
+    def resolve(self, which: str, *, skip: frozenset[int] = frozenset()) -> int | None:
+        """The step ``which`` names ('latest' or a step number; None: 'latest' and no checkpoint yet).
+        Rank 0 alone reads the folder and tells the others (a collective), so every rank loads the
+        same step even where a shared file system shows ranks different listings. 'latest' passes over
+        a damaged checkpoint (a file missing or empty after a node crash), and the ``skip`` ones, to the
+        next most recent, saying so; a damaged step asked for by number is refused naming the damage."""
         found: list[Any] = [None]
         rank, world = _rank_world()
         if rank == 0:
-            recover(self.root)
+            recover(self.root, self.log)
             steps = complete_steps(self.root)
             if which == "latest":
-                found[0] = ("step", latest_step(self.root))
+                found[0] = ("step", None)
+                for step in reversed(steps_by_recency(self.root)):
+                    damage = "it failed to load" if step in skip else self.damage(step)
+                    if damage is None:
+                        found[0] = ("step", step)
+                        break
+                    if self.log is not None:
+                        self.log.warning(
+                            "checkpoint: step %d in %s is damaged (%s); trying the one saved before it",
+                            step,
+                            self.root,
+                            damage,
+                        )
+            elif int(which) in steps and self.damage(int(which)) is not None:
+                found[0] = (
+                    "error",
+                    f"checkpoint step {which} in {str(self.root)!r} is damaged: {self.damage(int(which))}",
+                )
             elif int(which) in steps:
                 found[0] = ("step", int(which))
             else:
@@ -286,6 +410,22 @@ class Checkpointer:
         if kind == "error":
             raise UsageError(value)
         return value
+
+    def damage(self, step: int) -> str | None:
+        """What is missing from a checkpoint marked complete, or None (a cheap look: files present and
+        not empty; DCP itself checks the shards' contents when it loads them)."""
+        path = step_dir(self.root, step)
+        try:
+            saved = json.loads((path / META).read_text())
+        except (OSError, ValueError) as e:
+            return f"{META} cannot be read ({e})"
+        needed = {"dcp": [".metadata"], "deepspeed": ["deepspeed"]}.get(saved.get("format"), [])
+        needed += [f"rng/rank{r:05d}.pt" for r in range(int(saved.get("world_size", 0)))]
+        for name in needed:
+            f = path / name
+            if not f.exists() or f.is_file() and f.stat().st_size == 0:
+                return f"{name} is {'empty' if f.exists() else 'missing'}"
+        return None
 
     def check_compatible(self, saved: dict[str, Any], path: Path) -> None:
         problems = []
@@ -317,34 +457,52 @@ class Checkpointer:
         if problems:
             raise UsageError(
                 f"checkpoint {str(path)!r} does not fit this run: {'; '.join(problems)}; use the "
-                "flags it was saved with, or another --checkpoint-dir"
+                "settings it was saved with, or another checkpoint folder"
             )
 
     def load(self, which: str) -> dict[str, Any] | None:
         """Restore the checkpoint ``which`` names (a collective); its metadata, or None when
         'latest' finds nothing to resume."""
-        step = self.resolve(which)
-        if step is None:
-            if self.log is not None:
-                self.log.info("checkpoint: none in %s yet; starting from step 1", self.root)
-            return None
-        t0 = time.perf_counter()
-        path = step_dir(self.root, step)
-        saved = json.loads((path / META).read_text())
-        self.check_compatible(saved, path)
-        rank, world = _rank_world()
-        if self.ds is not None:
-            self.ds.load_checkpoint(str(path), tag="deepspeed", load_module_strict=True)
-        else:
+        failed: set[int] = set()
+        while True:
+            step = self.resolve(which, skip=frozenset(failed))
+            if step is None:
+                if self.log is not None:
+                    self.log.info("checkpoint: none in %s yet; starting from step 1", self.root)
+                return None
+            t0 = time.perf_counter()
+            path = step_dir(self.root, step)
+            saved = json.loads((path / META).read_text())
+            self.check_compatible(saved, path)
+            rank, world = _rank_world()
+            if self.ds is not None:
+                self.ds.load_checkpoint(str(path), tag="deepspeed", load_module_strict=True)
+                break
             import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.api import CheckpointException
             from torch.distributed.checkpoint.state_dict import set_state_dict
 
             state = self._state()
-            dcp.load(state, checkpoint_id=str(path))
+            try:
+                dcp.load(state, checkpoint_id=str(path))  # a read error on any rank raises on every rank
+            except CheckpointException:
+                if which != "latest":
+                    raise
+                failed.add(step)  # damaged in a way the cheap look missed: the one saved before it
+                continue
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            break
         rng = path / "rng" / f"rank{rank:05d}.pt"
         if saved.get("world_size") == world and rng.is_file():
-            _set_rng_state(torch.load(rng, weights_only=False))
+            try:
+                state = torch.load(rng, weights_only=True)  # tensors only: nothing in the folder runs
+            except Exception as e:
+                raise UsageError(
+                    f"{rng} is not an RNG state as mmm writes it (tensors only; loading it as a pickle would "
+                    f"run code from the checkpoint folder): {type(e).__name__}; delete that checkpoint or "
+                    "resume from another"
+                ) from None
+            _set_rng_state(state)
         _barrier()
         self.last_load_s = time.perf_counter() - t0
         if self.log is not None:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mmm.errors import UsageError
+from mmm.errors import API, Spelling, UsageError
 from mmm.log import get_logger
 from mmm.parallel.activation_checkpoint import AC_MODES, wrap_block
 from mmm.parallel.fsdp import DTYPES, apply_ddp, apply_fsdp
@@ -98,41 +98,50 @@ def spec_problems(spec: ParallelSpec, dims: ParallelDims) -> list[str]:
     return out + compile_problems(spec.compile, dims)
 
 
-def compile_problems(compile: bool, dims: ParallelDims) -> list[str]:
+def compile_problems(compile: bool, dims: ParallelDims, *, spell: Spelling = API) -> list[str]:
     if compile and dims.tp > 1:
         return [
-            f"--compile with --tp {dims.tp} is not supported with torch {torch.__version__}: the compiled "
-            "blocks' DTensor backward fails (AttributeError in DTensor redistribute); drop --compile, or "
-            "compile with tp=1 (FSDP/DDP/ZeRO)"
+            f"{spell('compile', True)} with {spell('tp', dims.tp)} is not supported with torch {torch.__version__}: "
+            "the compiled blocks' DTensor backward fails (AttributeError in DTensor redistribute); drop "
+            f"{spell.name('compile')}, or compile with tp=1 (FSDP/DDP/ZeRO)"
         ]
     return []
 
 
-def dp_problems(dp: str, dims: ParallelDims) -> list[str]:
+def dp_problems(dp: str, dims: ParallelDims, *, field: str = "dp", spell: Spelling = API) -> list[str]:
     """How a torch data-parallel mode must fit the mesh ("none": the caller, e.g. DeepSpeed, reduces
-    gradients itself)."""
+    gradients itself). ``field`` is the setting that chose the mode: ``ParallelSpec.dp``, or
+    ``strategy`` (:func:`mmm.parallel.strategy.strategy_problems`)."""
     if dp not in DP_MODES:
-        return [f"unknown data-parallel mode dp={dp!r}; choose one of {', '.join(DP_MODES)}"]
+        return [f"unknown data-parallel mode {spell(field, dp)}; choose one of {', '.join(DP_MODES)}"]
     out = []
     if dp == "hsdp" and dims.cp > 1:
-        out.append(f"--strategy hsdp with cp={dims.cp} is not supported yet; use --strategy fsdp with --cp")
+        out.append(f"{spell(field, dp)} with cp={dims.cp} is not supported yet; use {spell(field, 'fsdp')} with cp")
     if dp == "hsdp" and not (dims.dp_replicate > 1 and dims.dp_shard > 1):
         out.append(
-            f"--strategy hsdp needs dp_replicate > 1 and dp_shard > 1 (got dp_replicate={dims.dp_replicate}, "
-            f"dp_shard={dims.dp_shard}); set --dp-replicate, or use --strategy fsdp"
+            f"{spell(field, dp)} needs dp_replicate > 1 and dp_shard > 1 (got dp_replicate={dims.dp_replicate}, "
+            f"dp_shard={dims.dp_shard}); set {spell.name('dp_replicate')}, or use {spell(field, 'fsdp')}"
         )
-    if dp == "fsdp" and dims.dp_replicate > 1:
-        out.append(
-            f"--strategy fsdp shards over all data-parallel ranks; --dp-replicate {dims.dp_replicate} "
-            "needs --strategy hsdp"
-        )
+    if dp == "fsdp":
+        out += flat_dp_problems(dp, dims, field=field, spell=spell)
     bad = {k: v for k, v in {"tp": dims.tp, "cp": dims.cp, "pp": dims.pp}.items() if v > 1}
     if dp == "ddp" and bad:
         out.append(
-            f"--strategy ddp does not compose with tp/cp/pp (got {', '.join(f'{k}={v}' for k, v in bad.items())})"
-            ": DDP cannot hold sharded (DTensor) parameters; use --strategy fsdp"
+            f"{spell(field, dp)} does not compose with tp/cp/pp (got {', '.join(spell(k, v) for k, v in bad.items())})"
+            f": DDP cannot hold sharded (DTensor) parameters; use {spell(field, 'fsdp')}"
         )
     return out
+
+
+def flat_dp_problems(mode: str, dims: ParallelDims, *, field: str = "dp", spell: Spelling = API) -> list[str]:
+    """A mode that shards over all data-parallel ranks as one group (fsdp; the ZeRO strategies) has no
+    replicate axis: ``dp_replicate > 1`` is hsdp's."""
+    if dims.dp_replicate > 1:
+        return [
+            f"{spell(field, mode)} shards over all data-parallel ranks; "
+            f"{spell('dp_replicate', dims.dp_replicate)} needs {spell(field, 'hsdp')}"
+        ]
+    return []
 
 
 def shards_parameters(dims: ParallelDims, dp: str) -> bool:
@@ -162,23 +171,24 @@ def get_submodule(model: nn.Module, path: str) -> nn.Module | None:
 
 def find_blocks(model: nn.Module, blocks: str | None = "auto") -> str | None:
     """The path of the model's repeated blocks: ``blocks`` itself when given (checked), or for
-    "auto" the ``ModuleList``/``ModuleDict`` of modules of one type that holds the most parameters
-    (None when the model has none, e.g. a small CNN: FSDP then shards the model as one unit)."""
+    "auto" the ``ModuleList``/``ModuleDict``/``Sequential`` (not the model itself) of modules of one type
+    that holds the most parameters (None when the model has none, e.g. a small CNN: FSDP then shards
+    the model as one unit)."""
     if blocks is None:
         return None
     if blocks != "auto":
         found = get_submodule(model, blocks)
-        if not isinstance(found, (nn.ModuleList, nn.ModuleDict)):
+        if not isinstance(found, BLOCK_CONTAINERS):
             what = "nothing" if found is None else type(found).__name__
             raise UsageError(
                 f"blocks={blocks!r} names {what} in {type(model).__name__}; it must name the "
-                "ModuleList or ModuleDict of repeated blocks (or use blocks='auto')"
+                "ModuleList, ModuleDict or Sequential of repeated blocks (or use blocks='auto')"
             )
         return blocks
     best, best_params = None, 0
     for name, mod in model.named_modules():
-        if isinstance(mod, (nn.ModuleList, nn.ModuleDict)) and len(mod) > 0:
-            children = list(mod.values() if isinstance(mod, nn.ModuleDict) else mod)
+        if isinstance(mod, BLOCK_CONTAINERS) and len(mod) > 0 and name:
+            children = [b for _, b in block_items(mod)]
             if len({type(c) for c in children}) != 1:
                 continue
             n = sum(p.numel() for p in mod.parameters())
@@ -187,9 +197,14 @@ def find_blocks(model: nn.Module, blocks: str | None = "auto") -> str | None:
     return best
 
 
+BLOCK_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
 def block_items(container: nn.Module) -> list[tuple[Any, nn.Module]]:
-    """(key, block) pairs of a ModuleDict or ModuleList."""
-    return list(container.items() if isinstance(container, nn.ModuleDict) else enumerate(container))
+    """(key, block) pairs of a ModuleDict, Sequential (its names) or ModuleList (its indices)."""
+    if isinstance(container, (nn.ModuleDict, nn.Sequential)):
+        return list(container.named_children())
+    return list(enumerate(container))
 
 
 # --------------------------------------------------------------------------- the composition
@@ -237,7 +252,7 @@ def parallelize(
             block = wrap_block(block, spec.ac)
             if spec.compile:
                 block = torch.compile(block)
-            blocks[key] = block
+            setattr(blocks, str(key), block)  # in place, whatever the container
             units.append(block)
     elif spec.ac != "none" or spec.compile:
         raise UsageError(

@@ -8,8 +8,9 @@ softmax). Communication is a custom autograd function whose backward sends the g
 the other way, so autograd gives the exact backward. Runs on gloo (CPU) and NCCL alike.
 
 For your own model: give its attention module an ``attn_fn(q, k, v)`` attribute (causal SDPA by
-default) and set it to :func:`ring_attention_fn`; shard inputs with :func:`shard_sequence` and
-give rotary/positional embeddings the positions from :func:`local_positions`.
+default) and set it to :func:`ring_attention_fn` (:func:`context_parallel` does it for every such
+module); shard inputs with :func:`shard_sequence` and give rotary/positional embeddings the positions
+from :func:`local_positions` (mmm's Llama: ``mmm.models.llama.apply_cp_llama``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import math
 
 import torch
 import torch.distributed as dist
+
+from mmm.errors import API, Spelling, UsageError
 
 
 def local_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
@@ -33,13 +36,14 @@ def shard_sequence(t: torch.Tensor, cp_rank: int, cp: int, dim: int = 1) -> torc
     return t.index_select(dim, local_positions(t.shape[dim], cp_rank, cp).to(t.device))
 
 
-def cp_problems(*, cp: int, seq_len: int, tp: int = 1) -> list[str]:
+def cp_problems(*, cp: int, seq_len: int, tp: int = 1, spell: Spelling = API) -> list[str]:
+    """What context parallel (and TP's sequence parallel inside it) requires of the sequence length."""
     if cp <= 1:
         return []
     need = 2 * cp * tp
     if seq_len % need:
         return [
-            f"--seq-len {seq_len} is not divisible by 2 x cp{' x tp' if tp > 1 else ''} = {need}; context "
+            f"{spell('seq_len', seq_len)} is not divisible by 2 x cp{' x tp' if tp > 1 else ''} = {need}; context "
             f"parallel cuts the sequence into 2*cp load-balanced chunks{' split again by TP' if tp > 1 else ''}"
         ]
     return []
@@ -131,7 +135,7 @@ class RingAttention:
 
 
 def ring_attention_fn(group) -> RingAttention:
-    """An ``attn_fn(q, k, v)`` for :class:`mmm.models.llama.Attention` that runs ring attention."""
+    """An ``attn_fn(q, k, v)`` hook (an attention module's, e.g. mmm's Llama's) that runs ring attention."""
     return RingAttention(group)
 
 
@@ -142,8 +146,6 @@ def context_parallel(model: torch.nn.Module, cp_mesh, *, attn_attr: str = "attn_
     Returns the names of the modules changed (none is an error). The model must also give its
     positional encoding this rank's positions (:func:`local_positions`), and its inputs and labels
     are sharded with :func:`shard_sequence`."""
-    from mmm.errors import UsageError
-
     names = [name for name, mod in model.named_modules() if hasattr(mod, attn_attr)]
     if not names:
         raise UsageError(
@@ -154,13 +156,3 @@ def context_parallel(model: torch.nn.Module, cp_mesh, *, attn_attr: str = "attn_
     for name in names:
         setattr(model.get_submodule(name), attn_attr, attn)
     return names
-
-
-def apply_cp_llama(model: torch.nn.Module, cp_mesh, *, seq_len: int) -> torch.nn.Module:
-    """Context-parallel a :class:`mmm.models.llama.Llama` (in place): ring attention through its
-    ``attn_fn`` hooks, rotary table re-indexed to this rank's load-balanced positions. Shard its
-    inputs and labels with :func:`shard_sequence`."""
-    positions = local_positions(seq_len, cp_mesh.get_local_rank(), cp_mesh.size()).to(model.rope.device)
-    model.rope = model.rope[positions]
-    context_parallel(model, cp_mesh)
-    return model

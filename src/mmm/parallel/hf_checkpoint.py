@@ -1,23 +1,22 @@
-"""Load a Hugging Face safetensors checkpoint into a sharded model, each rank reading only its part.
+"""Safetensors checkpoints in and out of a sharded model, each rank reading only its part.
 
-    from mmm.parallel.hf_checkpoint import llama_config_from_hf, load_hf_llama
-    cfg = llama_config_from_hf("path/to/llama")              # config.json -> mmm's LlamaConfig
-    with meta_init():
-        model = Llama(cfg)
+    from mmm.parallel.hf_checkpoint import load_safetensors
     model = parallelize(model, mesh, spec, device=dev, seed=0)
-    load_hf_llama(model, "path/to/llama")                    # model.safetensors (or its index + shards)
+    load_safetensors(model, "path/to/checkpoint")           # model.safetensors (or its index + shards)
 
 Every parameter, plain or a DTensor shard (FSDP, TP, both), is filled from a safetensors slice
 covering this rank's region of the global tensor: a rank reads its rows/columns, never the whole
-checkpoint. Names are mapped from Hugging Face's Llama layout to mmm's (``model.layers.0.self_attn.
-q_proj.weight`` -> ``layers.0.attention.wq.weight``), and the query/key projections are permuted from
-HF's rotary layout (rotate-half: the two halves of a head are the pairs) to mmm's (adjacent pairs).
-:func:`load_safetensors` is the generic loader (a Hugging Face model loads with its own names).
+checkpoint. A Hugging Face model loads with its own names; a model whose names differ gives a
+:class:`Source` per parameter: the checkpoint's name, and for rotary query/key projections the head
+size whose rows are permuted from Hugging Face's rotate-half layout (the two halves of a head are
+the pairs) to adjacent pairs.
 
-The way out, :func:`export_hf_llama`, is the inverse: every rank takes part (DTensor shards are
+The way out, :func:`export_safetensors`, is the inverse: every rank takes part (DTensor shards are
 gathered with ``full_tensor()``; under pipeline parallel, the ranks of rank 0's pipeline send their
-stages to it), and rank 0 writes ``config.json`` + ``model.safetensors`` that transformers'
-``LlamaForCausalLM.from_pretrained`` loads, and that ``load_hf_llama`` reads back.
+stages to it), and rank 0 writes ``model.safetensors`` (+ ``config.json``).
+
+A model's own mapping lives beside the model: mmm's Llama in :mod:`mmm.models.llama.hf`
+(``load_hf_llama``, ``export_hf_llama``).
 """
 
 from __future__ import annotations
@@ -32,24 +31,6 @@ from torch import nn
 
 from mmm.errors import UsageError
 
-# mmm Llama name (after "layers.N.") -> HF name (after "model.layers.N.")
-_BLOCK_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_TOP_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-
 
 class Source:
     """Where a parameter comes from: a tensor name in the checkpoint, and for rotary projections the
@@ -59,7 +40,7 @@ class Source:
         self.key, self.rotary_head_dim = key, rotary_head_dim
 
 
-def _files(path: Path) -> dict[str, Path]:
+def tensor_files(path: Path) -> dict[str, Path]:
     """Checkpoint tensor name -> the safetensors file holding it (one file, or an index of shards)."""
     if path.is_file():
         files = [path]
@@ -102,7 +83,7 @@ def _unrotate(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 def _rotate(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """mmm's rotary layout (adjacent pairs) -> HF's (per head: first half, second half): the inverse of
+    """Adjacent pairs -> HF's rotary layout (per head: first half, second half): the inverse of
     :func:`_unrotate`."""
     heads = rows.shape[0] // head_dim
     return rows.reshape(heads, head_dim // 2, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
@@ -137,7 +118,7 @@ def load_safetensors(
     from mmm.parallel.meta import canonical_name
 
     path = Path(path)
-    where = _files(path)
+    where = tensor_files(path)
     plan: dict[Path, list[tuple[torch.Tensor, Source, str]]] = {}
     missing = []
     for name, param in model.named_parameters():
@@ -167,8 +148,9 @@ def load_safetensors(
     return sorted(set(where) - taken)
 
 
-# --------------------------------------------------------------------------- Llama
-def _hf_config(path: Path) -> dict:
+def read_hf_config(path: str | Path) -> dict:
+    """The ``config.json`` of the Hugging Face checkpoint at ``path`` (a directory, or a file in one)."""
+    path = Path(path)
     if not path.exists():
         raise UsageError(
             f"{path} does not exist; give a Hugging Face checkpoint directory (config.json + "
@@ -180,109 +162,27 @@ def _hf_config(path: Path) -> dict:
     return json.loads(file.read_text())
 
 
-def llama_config_from_hf(path: str | Path, *, seq_len: int | None = None):
-    """mmm's :class:`~mmm.models.llama.LlamaConfig` for the Hugging Face Llama in ``path``
-    (its config.json); ``seq_len`` (default: max_position_embeddings) sizes the rotary table."""
-    from mmm.models.llama import LlamaConfig
-
-    hf = _hf_config(Path(path))
-    if hf.get("model_type") != "llama":
-        raise UsageError(
-            f"{path} holds a {hf.get('model_type')!r} model; this loader reads Llama checkpoints (model_type 'llama')"
-        )
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    problems = []
-    if rope_type != "default":
-        problems.append(f"rope_type {rope_type!r} (mmm's Llama has plain rotary embeddings)")
-    for flag in ("attention_bias", "mlp_bias"):
-        if hf.get(flag):
-            problems.append(f"{flag}=true (mmm's Llama has no biases)")
-    dim, heads = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("head_dim") not in (None, dim // heads):
-        problems.append(f"head_dim {hf['head_dim']} != hidden_size / num_attention_heads = {dim // heads}")
-    if hf.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act {hf['hidden_act']!r} (mmm's Llama uses silu)")
-    if problems:
-        raise UsageError(f"{path}: cannot load into mmm's Llama: {'; '.join(problems)}")
-    return LlamaConfig(
-        dim=dim,
-        n_layers=hf["num_hidden_layers"],
-        n_heads=heads,
-        n_kv_heads=hf.get("num_key_value_heads") or heads,
-        vocab_size=hf["vocab_size"],
-        seq_len=seq_len or hf.get("max_position_embeddings", 2048),
-        ffn_hidden_dim=hf["intermediate_size"],
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-    )
-
-
-def hf_llama_sources(cfg, *, tied: bool = False) -> dict[str, Source]:
-    """mmm Llama parameter name -> where it is in a Hugging Face Llama checkpoint."""
-    out = {k: Source(v) for k, v in _TOP_NAMES.items()}
-    if tied:
-        out["output.weight"] = Source("model.embed_tokens.weight")
-    for i in range(cfg.n_layers):
-        for mine, theirs in _BLOCK_NAMES.items():
-            rotary = cfg.head_dim if mine in ("attention.wq.weight", "attention.wk.weight") else None
-            out[f"layers.{i}.{mine}"] = Source(f"model.layers.{i}.{theirs}", rotary)
-    return out
-
-
-def load_hf_llama(model: nn.Module, path: str | Path) -> None:
-    """Load the Hugging Face Llama checkpoint at ``path`` into mmm's Llama ``model`` (sharded or not;
-    under pipeline parallel, this rank's stages). A tied checkpoint (no ``lm_head``) fills the output
-    layer from the embedding: mmm's Llama keeps them as two parameters."""
-    path = Path(path)
-    hf = _hf_config(path)
-    cfg = getattr(model, "cfg", None) or llama_config_from_hf(path)
-    tied = bool(hf.get("tie_word_embeddings")) and "lm_head.weight" not in _files(path)
-    load_safetensors(model, path, sources=hf_llama_sources(cfg, tied=tied))
-
-
-# --------------------------------------------------------------------------- Llama out
-def hf_llama_config(cfg, *, tied: bool = False, dtype: torch.dtype = torch.float32) -> dict:
-    """transformers' ``LlamaConfig`` (as config.json) of mmm's :class:`~mmm.models.llama.LlamaConfig`:
-    the inverse of :func:`llama_config_from_hf` (``max_position_embeddings`` is ``seq_len``)."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": cfg.dim,
-        "intermediate_size": cfg.ffn_hidden,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": cfg.seq_len,
-        "rms_norm_eps": cfg.norm_eps,
-        # rope_parameters for transformers >= 5, rope_theta for the releases before
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
-        "rope_theta": float(cfg.rope_theta),
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": tied,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-        "initializer_range": 0.02,
-        "use_cache": True,
-    }
-
-
+# --------------------------------------------------------------------------- out
 @torch.no_grad()
-def export_hf_llama(
-    model: nn.Module, out_dir: str | Path, cfg, *, pp_group=None, dtype: torch.dtype | None = None
+def export_safetensors(
+    model: nn.Module,
+    out_dir: str | Path,
+    *,
+    sources: Mapping[str, Source],
+    config: Mapping | None = None,
+    pp_group=None,
+    dtype: torch.dtype | None = None,
 ) -> Path | None:
-    """Write mmm's Llama ``model`` as a Hugging Face Llama checkpoint in ``out_dir``: ``config.json``
-    (:func:`hf_llama_config`) and ``model.safetensors`` (HF names; query/key rows permuted back from
-    adjacent pairs to rotate-half). Works on any mesh: every rank must call it, since DTensor shards
+    """Write every parameter of ``model`` to ``out_dir/model.safetensors`` under the name
+    ``sources[name]`` gives (rows of a rotary :class:`Source` permuted back to rotate-half), and
+    ``config`` as ``config.json``. Works on any mesh: every rank must call it, since DTensor shards
     (FSDP, TP, both) are gathered one parameter at a time with ``full_tensor()``; under pipeline
     parallel, pass the pipeline's ``pp_group``: the ranks of rank 0's pipeline send their stages'
     parameters to rank 0, one tensor at a time. Only rank 0 holds the whole model (on the host) and
-    writes; ``dtype`` casts on the way (default: the parameters' own). Returns ``out_dir`` on rank 0,
-    None elsewhere."""
+    writes; ``dtype`` casts on the way (default: the parameters' own). Every tensor ``sources``
+    names must arrive. Returns ``out_dir`` on rank 0, None elsewhere."""
+    import importlib.util
+
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -291,13 +191,10 @@ def export_hf_llama(
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise UsageError(f"{str(out)!r} is a file; export to a directory (it is created if missing)")
-    import importlib.util
-
     if importlib.util.find_spec("safetensors") is None:  # every rank checks, before any collective
-        raise UsageError("exporting a Hugging Face checkpoint needs safetensors: pip install 'mmm[hf]'")
+        raise UsageError("exporting a safetensors checkpoint needs safetensors: pip install 'mmm[hf]'")
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
-    sources = hf_llama_sources(cfg)
     members = dist.get_process_group_ranks(pp_group) if pp_group is not None else [rank]
     collects = 0 in members  # this rank belongs to rank 0's pipeline (or is rank 0)
     tensors: dict[str, torch.Tensor] = {}
@@ -305,7 +202,7 @@ def export_hf_llama(
     unknown = [n for n, _ in params if n not in sources]
     if unknown:
         raise UsageError(
-            f"export_hf_llama writes mmm's Llama; {type(model).__name__} has other parameters: {', '.join(unknown[:4])}"
+            f"{type(model).__name__} has parameters the export does not name (sources=): {', '.join(unknown[:4])}"
         )
     if collects and rank != 0:  # a later stage of rank 0's pipeline: say what will come, then send it
         dist.send_object_list([[(sources[n].key, tuple(p.shape), p.dtype) for n, p in params]], dst=0, group=pp_group)
@@ -331,20 +228,17 @@ def export_hf_llama(
                 buf = torch.empty(shape, dtype=param_dtype, device=device)
                 dist.recv(buf, src=peer, group=pp_group)
                 tensors[key] = buf.to("cpu", dtype or param_dtype).contiguous()
-        # mmm's Llama keeps the output layer apart from the embedding; tied by hand, named_parameters()
-        # lists the shared tensor once (as the embedding) and the checkpoint says tie_word_embeddings
-        embed, head = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
-        tied = embed is not None and head is not None and head.weight is embed.weight
-        _write_hf_llama(out, tensors, cfg, dtype=dtype or next(iter(tensors.values())).dtype, tied=tied)
+        _write_checkpoint(out, tensors, expected={s.key for s in sources.values()}, config=config)
     if distributed:
         dist.barrier()  # the checkpoint is complete when any rank returns
     return out if rank == 0 else None
 
 
-def _write_hf_llama(out: Path, tensors: dict[str, torch.Tensor], cfg, *, dtype: torch.dtype, tied: bool) -> None:
+def _write_checkpoint(
+    out: Path, tensors: dict[str, torch.Tensor], *, expected: set[str], config: Mapping | None
+) -> None:
     from safetensors.torch import save_file
 
-    expected = {s.key for k, s in hf_llama_sources(cfg).items() if not (tied and k == "output.weight")}
     missing = sorted(expected - set(tensors))
     if missing:
         raise UsageError(
@@ -360,6 +254,7 @@ def _write_hf_llama(out: Path, tensors: dict[str, torch.Tensor], cfg, *, dtype: 
     tmp = out / ".model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, out / "model.safetensors")
-    tmp = out / ".config.json.tmp"
-    tmp.write_text(json.dumps(hf_llama_config(cfg, tied=tied, dtype=dtype), indent=2) + "\n")
-    os.replace(tmp, out / "config.json")
+    if config is not None:
+        tmp = out / ".config.json.tmp"
+        tmp.write_text(json.dumps(config, indent=2) + "\n")
+        os.replace(tmp, out / "config.json")

@@ -180,14 +180,80 @@ class Mesh:
     """A named DeviceMesh with its flattened views, degrees and this rank's coordinates.
 
     ``mesh["tp"]`` / ``mesh.get("tp")`` give sub-meshes (``get`` returns None for an axis
-    of degree 1); ``mesh.root`` is the DeviceMesh itself; ``mesh.dims`` the degrees;
-    ``mesh.coord("dp")`` this rank's index along an axis or view.
+    of degree 1); ``mesh.root`` is the DeviceMesh itself; ``mesh.dims`` the degrees, also read
+    as ``mesh.tp``, ``mesh.dp``, ``mesh.cp_enabled``, ...; ``mesh.coord("dp")`` this rank's index
+    along an axis or view.
     """
 
     def __init__(self, dims: ParallelDims, root: DeviceMesh, views: dict[str, DeviceMesh]) -> None:
         self.dims = dims
         self.root = root
         self._views = views
+
+    # ---- degrees and flags (those of ``dims``)
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    @property
+    def pp(self) -> int:
+        return self.dims.pp
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.dims.dp_replicate
+
+    @property
+    def dp_shard(self) -> int:
+        return self.dims.dp_shard
+
+    @property
+    def cp(self) -> int:
+        return self.dims.cp
+
+    @property
+    def tp(self) -> int:
+        return self.dims.tp
+
+    @property
+    def dp(self) -> int:
+        """dp_replicate x dp_shard."""
+        return self.dims.dp
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        return self.dims.degrees
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.dims.pp_enabled
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dims.dp_replicate_enabled
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self.dims.dp_shard_enabled
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dims.dp_enabled
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.dims.cp_enabled
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.dims.tp_enabled
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dims.fsdp_enabled
+
+    def enabled_axes(self) -> tuple[str, ...]:
+        return self.dims.enabled_axes()
 
     # ---- access
     @property
@@ -243,12 +309,6 @@ class Mesh:
                 seen.add(id(group))
                 out[name] = group
         return out
-
-    def __getattr__(self, name: str):
-        # pp_enabled, dp, dp_shard, tp_enabled, ... come from the degrees
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self.dims, name)
 
     def seed_streams(self, seed: int) -> int:
         """After building the (identical) weights: give every data-parallel / context-parallel rank
@@ -326,8 +386,3 @@ def init_mesh(
     if log_coordinates:
         log.info("%s", mesh.describe(info.rank))
     return mesh
-
-
-def mesh_degrees_from_args(args) -> dict[str, int]:
-    """Degrees from parsed flags made by :func:`mmm.cli.add_mesh_args`."""
-    return {a: getattr(args, a) for a in AXES}

@@ -1,4 +1,4 @@
-"""Pipeline parallelism for any model whose repeated blocks are a ``ModuleList`` or ``ModuleDict``.
+"""Pipeline parallelism for any model whose repeated blocks are a ``ModuleList``, ``ModuleDict`` or ``Sequential``.
 
 ::
 
@@ -27,13 +27,14 @@ stages r, r + p, ..., r + (v-1)p ("looped"; the interleaved schedules need v >= 
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from mmm.errors import UsageError
+from mmm.errors import API, Spelling, UsageError
 from mmm.parallel.compose import ParallelSpec, block_items, find_blocks, get_submodule, parallelize, shards_parameters
 from mmm.parallel.mesh import Mesh
 from mmm.parallel.tensor import loss_parallel_context
@@ -69,46 +70,51 @@ def pipeline_problems(
     microbatches: int,
     local_batch: int | None = None,
     split_points: Sequence[int] | None = None,
+    spell: Spelling = API,
 ) -> list[str]:
     """What a pipeline configuration requires, each problem naming the values and a fix
-    (``local_batch``: the per-dp-rank batch the microbatches must divide, when known)."""
+    (``n_layers``: the model's blocks; ``local_batch``: the per-dp-rank batch the microbatches must
+    divide, when known)."""
     if pp <= 1:
         return []
     out = []
     if schedule not in SCHEDULES:
-        return [f"unknown --pp-schedule {schedule!r}; choose one of: {', '.join(SCHEDULES)}"]
+        return [f"unknown {spell('schedule', schedule)}; choose one of: {', '.join(SCHEDULES)}"]
     multi = SCHEDULES[schedule][1]
     if multi and stages_per_rank < 2:
-        out.append(f"--pp-schedule {schedule} interleaves several stages per rank; set --stages-per-rank 2 or more")
+        out.append(
+            f"{spell('schedule', schedule)} interleaves several stages per rank; set "
+            f"{spell.name('stages_per_rank')} to 2 or more"
+        )
     if not multi and stages_per_rank != 1:
         out.append(
-            f"--pp-schedule {schedule} runs one stage per rank; use --stages-per-rank 1 or an interleaved schedule"
+            f"{spell('schedule', schedule)} runs one stage per rank; use {spell('stages_per_rank', 1)} or an "
+            "interleaved schedule"
         )
     num_stages = pp * stages_per_rank
+    stages = f"{num_stages} stages (pp={pp} x {stages_per_rank} per rank)"
     if split_points:
         if len(split_points) != num_stages - 1:
             out.append(
-                f"--split-points {','.join(map(str, split_points))} gives {len(split_points) + 1} stages; "
-                f"pp={pp} x stages-per-rank={stages_per_rank} needs {num_stages - 1} split points"
+                f"{spell('split_points', list(split_points))} gives {len(split_points) + 1} stages; "
+                f"{stages} need {num_stages - 1} split points"
             )
         elif list(split_points) != sorted(set(split_points)) or split_points[0] <= 0 or split_points[-1] >= n_layers:
-            out.append(
-                f"--split-points {','.join(map(str, split_points))} must increase strictly within (0, {n_layers})"
-            )
+            out.append(f"{spell('split_points', list(split_points))} must increase strictly within (0, {n_layers})")
     elif n_layers % num_stages:
         out.append(
-            f"--n-layers {n_layers} does not split evenly into {num_stages} stages (pp={pp} x "
-            f"stages-per-rank={stages_per_rank}); use a multiple of {num_stages} or --split-points"
+            f"{spell('n_layers', n_layers)} does not split evenly into {stages}; use a multiple of "
+            f"{num_stages} or {spell.name('split_points')}"
         )
     if microbatches < 1:
-        out.append(f"--microbatches {microbatches} must be >= 1")
+        out.append(f"{spell('microbatches', microbatches)} must be >= 1")
     elif local_batch is not None and local_batch % microbatches:
         out.append(
-            f"--microbatches {microbatches} does not divide the per-dp-rank batch {local_batch}; "
+            f"{spell('microbatches', microbatches)} does not divide the per-dp-rank batch {local_batch}; "
             f"use a divisor of {local_batch}"
         )
     elif not multi and microbatches < pp and schedule == "1f1b":
-        out.append(f"--pp-schedule 1f1b needs --microbatches >= pp ({pp}); got {microbatches}")
+        out.append(f"{spell('schedule', schedule)} needs {spell.name('microbatches')} >= pp ({pp}); got {microbatches}")
     return out
 
 
@@ -182,8 +188,8 @@ def split_model(
     path = find_blocks(model, blocks)
     if path is None:
         raise UsageError(
-            f"{type(model).__name__} has no ModuleList/ModuleDict of repeated blocks to split into "
-            "pipeline stages; name it with blocks='...'"
+            f"{type(model).__name__} has no ModuleList, ModuleDict or Sequential of repeated blocks to split "
+            "into pipeline stages; name the one that holds them with the blocks setting (e.g. 'model.layers')"
         )
     auto_pre, auto_post = outer_modules(model, path)
     pre = auto_pre if pre is None else list(pre)
@@ -195,10 +201,14 @@ def split_model(
     for name in ([] if first else pre) + ([] if last else post):
         memo[id(get_submodule(model, name))] = nn.Identity()
     part = copy.deepcopy(model, memo)
-    kept = {str(k): b for i, (k, b) in enumerate(block_items(get_submodule(part, path))) if start <= i < end}
+    copied = get_submodule(part, path)._modules  # by key: the dropped blocks are None there
+    kept = {str(k): copied[str(k)] for i, (k, _) in enumerate(items) if start <= i < end}
     parent_path, _, attr = path.rpartition(".")
     parent = get_submodule(part, parent_path)
-    setattr(parent, attr, nn.ModuleDict(kept) if isinstance(container, nn.ModuleDict) else KeptBlocks(kept))
+    if isinstance(container, nn.Sequential):  # still runs its blocks in order, under their own names
+        setattr(parent, attr, nn.Sequential(OrderedDict(kept)))
+    else:
+        setattr(parent, attr, nn.ModuleDict(kept) if isinstance(container, nn.ModuleDict) else KeptBlocks(kept))
     part.register_forward_hook(_tensor_output)
     return part
 
@@ -331,7 +341,7 @@ class Pipeline:
         if not hasattr(self.schedule, "eval"):
             raise UsageError(
                 f"evaluation needs a forward-only pipeline pass, which schedule {self.schedule_name} "
-                "does not have here; choose --pp-schedule 1f1b or gpipe, or leave --eval-every off"
+                "does not have here; build the pipeline with schedule='1f1b' or 'gpipe', or do not evaluate"
             )
         losses: list = []
         with loss_parallel_context(self.loss_parallel):
@@ -384,8 +394,8 @@ def build_pipeline(
     path = find_blocks(model, spec.blocks)
     if path is None:
         raise UsageError(
-            f"{type(model).__name__} has no ModuleList/ModuleDict of repeated blocks to split into "
-            "pipeline stages; name it with ParallelSpec(blocks='...')"
+            f"{type(model).__name__} has no ModuleList, ModuleDict or Sequential of repeated blocks to split "
+            "into pipeline stages; name the one that holds them with the blocks setting (e.g. 'model.layers')"
         )
     own = [
         name or type(model).__name__

@@ -13,46 +13,48 @@ from typing import Any
 import torch
 from torch import nn
 
-from mmm.parallel.compose import ParallelSpec, dp_problems, parallelize, shards_parameters
+from mmm.errors import API, Spelling
+from mmm.parallel.compose import ParallelSpec, dp_problems, flat_dp_problems, parallelize, shards_parameters
 from mmm.parallel.mesh import Mesh, ParallelDims
-from mmm.parallel.zero import ZERO_STAGES, deepspeed_available, zero_config
+from mmm.parallel.zero import INSTALL_HINT, ZERO_STAGES, deepspeed_available, zero_config
 from mmm.parallel.zero import initialize as zero_initialize
 
 TORCH_STRATEGIES = ("ddp", "fsdp", "hsdp")
 STRATEGIES = (*TORCH_STRATEGIES, *ZERO_STAGES)
 
 
-def strategy_problems(strategy: str, dims: ParallelDims, *, offload_optimizer: bool = False) -> list[str]:
+def strategy_problems(
+    strategy: str, dims: ParallelDims, *, offload_optimizer: bool = False, spell: Spelling = API
+) -> list[str]:
     """How a data-parallel strategy must fit the mesh, each problem naming the values and a fix
-    (the torch strategies' rules are :func:`mmm.parallel.compose.compose_problems`')."""
+    (the torch strategies' rules are :func:`mmm.parallel.compose.dp_problems`')."""
     if strategy not in STRATEGIES:
-        return [f"unknown --strategy {strategy!r}; choose one of: {', '.join(STRATEGIES)}"]
-    out = []
+        return [f"unknown {spell('strategy', strategy)}; choose one of: {', '.join(STRATEGIES)}"]
     if strategy in TORCH_STRATEGIES:
-        out += dp_problems(strategy, dims)
-    if strategy in ZERO_STAGES and dims.dp_replicate > 1:
-        out.append(
-            f"--strategy {strategy} shards over all data-parallel ranks; --dp-replicate {dims.dp_replicate} "
-            "needs --strategy hsdp"
-        )
+        out = dp_problems(strategy, dims, field="strategy", spell=spell)
+        if offload_optimizer:
+            out.append(
+                f"{spell('offload_optimizer', True)} needs {spell.name('strategy')} zero1, zero2 or zero3 "
+                f"(got {strategy})"
+            )
+        return out
+    out = flat_dp_problems(strategy, dims, field="strategy", spell=spell)
     bad = {k: v for k, v in {"tp": dims.tp, "cp": dims.cp, "pp": dims.pp}.items() if v > 1}
-    if strategy in ZERO_STAGES and bad:
+    if bad:
         out.append(
-            f"--strategy {strategy} (DeepSpeed) runs pure data parallel here; got "
-            f"{', '.join(f'--{k} {v}' for k, v in bad.items())}: use --strategy fsdp to combine with "
-            "tp/cp/pp"
+            f"{spell('strategy', strategy)} (DeepSpeed) runs pure data parallel here; got "
+            f"{', '.join(spell(k, v) for k, v in bad.items())}: use {spell('strategy', 'fsdp')} to combine "
+            "with tp/cp/pp"
         )
-    if offload_optimizer and strategy not in ZERO_STAGES:
-        out.append(f"--offload-optimizer needs --strategy zero1, zero2 or zero3 (got {strategy})")
-    if strategy in ZERO_STAGES and not deepspeed_available():
+    if not deepspeed_available():
         out.append(
-            f"--strategy {strategy} needs DeepSpeed, which is not installed: pip install 'mmm[deepspeed]' "
-            "(or pip install deepspeed); or use --strategy fsdp"
+            f"{spell('strategy', strategy)} needs DeepSpeed, which is not installed: {INSTALL_HINT}; or use "
+            f"{spell('strategy', 'fsdp')}"
         )
     return out
 
 
-def state_bytes_per_param(strategy: str, dims) -> tuple[float, float, float]:
+def state_bytes_per_param(strategy: str, dims: ParallelDims) -> tuple[float, float, float]:
     """Bytes per parameter (of this rank's TP shard / pipeline stage) of parameters, gradients and
     AdamW state under a strategy, fp32 (see :func:`theoretical_state_bytes`)."""
     n = dims.dp
@@ -75,7 +77,7 @@ def theoretical_state_bytes(strategy: str, *, num_params: int, mesh: Mesh) -> di
     with TP dividing everything by tp, and PP by pp (stages of equal block counts; the embedding
     and output sit on the end stages, so the figure is approximate under PP).
     """
-    p, g, o = state_bytes_per_param(strategy, mesh)
+    p, g, o = state_bytes_per_param(strategy, mesh.dims)
     psi = num_params / (mesh.tp * mesh.pp)  # pipeline stages split the blocks (about evenly)
     return {"param_bytes": p * psi, "grad_bytes": g * psi, "optim_bytes": o * psi, "total_bytes": (p + g + o) * psi}
 
@@ -124,7 +126,7 @@ class Engine:
         raise NotImplementedError
 
     def skip_step(self) -> None:
-        """Drop this step's gradients without updating (a non-finite loss with --on-nonfinite skip)."""
+        """Drop this step's gradients without updating (e.g. after a non-finite loss)."""
         raise NotImplementedError(f"{self.strategy} cannot skip a step")
 
     @property

@@ -8,11 +8,9 @@ anything is sharded: a pattern that matches nothing is an error, not a silent no
 Short names: ``colwise``, ``rowwise`` (its output replicated), ``sequence_parallel``,
 ``rowwise_seq`` (row-wise, output sharded along the sequence: the end of an SP region).
 
-The Llama plan follows PyTorch's TP tutorial: attention and feed-forward projections are
-column-wise then row-wise sharded (heads split over TP ranks), norms run sequence-parallel on a
-sequence-sharded residual stream, the embedding is row-wise sharded and hands out a
-sequence-sharded activation, and the output projection is column-wise sharded over the
-vocabulary so that the loss can be computed without gathering logits (loss parallel).
+Plans of mmm's own models live beside them (``mmm.models.llama.llama_tp_plan``,
+``mmm.models.vit.VIT_TP_PLAN``); a Hugging Face model carries its own (:func:`hf_tp_plan`,
+:data:`HF_LLAMA_TP_PLAN`).
 """
 
 from __future__ import annotations
@@ -93,47 +91,7 @@ def apply_tp_plan(
     return model
 
 
-# --------------------------------------------------------------------------- plans shipped
-def llama_tp_plan(*, loss_parallel: bool = True) -> dict[str, Any]:
-    """TP + sequence parallel plan of :class:`mmm.models.llama.Llama` (patterns from the model root)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
-
-    return {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": "sequence_parallel",
-        "output": ColwiseParallel(
-            input_layouts=Shard(1),
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        ),
-        "layers.*.attention_norm": "sequence_parallel",
-        "layers.*.attention": PrepareModuleInput(
-            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
-        ),
-        "layers.*.attention.wq": "colwise",
-        "layers.*.attention.wk": "colwise",
-        "layers.*.attention.wv": "colwise",
-        "layers.*.attention.wo": "rowwise_seq",
-        "layers.*.ffn_norm": "sequence_parallel",
-        "layers.*.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "layers.*.feed_forward.w1": "colwise",
-        "layers.*.feed_forward.w2": "rowwise_seq",
-        "layers.*.feed_forward.w3": "colwise",
-    }
-
-
-# q/k/v and fc1 column-wise, proj and fc2 row-wise: heads and MLP width split, activations between
-# blocks replicated
-VIT_TP_PLAN = {
-    "blocks.*.attn.q": "colwise",
-    "blocks.*.attn.k": "colwise",
-    "blocks.*.attn.v": "colwise",
-    "blocks.*.attn.proj": "rowwise",
-    "blocks.*.mlp.fc1": "colwise",
-    "blocks.*.mlp.fc2": "rowwise",
-}
-
+# --------------------------------------------------------------------------- Hugging Face plans
 # Hugging Face Llama-family causal LMs (LlamaForCausalLM, and Mistral/Qwen2-style models with the
 # same module names): the config's ``base_model_tp_plan``, rooted at the causal LM. Embedding, norms
 # and the LM head stay unsharded over TP (FSDP still shards them over dp).
@@ -169,34 +127,7 @@ def hf_tp_plan(model: nn.Module) -> dict[str, str]:
     return base
 
 
-# --------------------------------------------------------------------------- checks and loss
-def tp_problems(
-    *, tp: int, n_heads: int, n_kv_heads: int, vocab_size: int, seq_len: int, sequence_parallel: bool = True
-) -> list[str]:
-    """What a TP degree requires of a transformer's shapes, each problem naming the values."""
-    if tp <= 1:
-        return []
-    out = []
-    if n_heads % tp:
-        out.append(
-            f"--n-heads {n_heads} is not divisible by tp={tp}; heads are split over TP ranks "
-            f"(use tp in {{{', '.join(str(d) for d in range(1, n_heads + 1) if n_heads % d == 0)}}})"
-        )
-    if n_kv_heads % tp:
-        out.append(f"--n-kv-heads {n_kv_heads} is not divisible by tp={tp}; key/value heads are split over TP ranks")
-    if vocab_size % tp:
-        out.append(f"--vocab-size {vocab_size} is not divisible by tp={tp}; embedding and output are vocab-sharded")
-    if sequence_parallel and seq_len % tp:
-        out.append(f"--seq-len {seq_len} is not divisible by tp={tp}; sequence parallelism splits the sequence")
-    return out
-
-
-def vit_tp_problems(*, tp: int, num_heads: int) -> list[str]:
-    if tp > 1 and num_heads % tp:
-        return [f"--num-heads {num_heads} is not divisible by tp={tp}; heads are split over TP ranks"]
-    return []
-
-
+# --------------------------------------------------------------------------- loss
 def loss_parallel_context(enabled: bool):
     """``torch.distributed.tensor.parallel.loss_parallel()`` when TP shards the logits, else a no-op.
 

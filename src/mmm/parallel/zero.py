@@ -30,7 +30,7 @@ def import_deepspeed():
     except ImportError:
         raise UsageError(
             f"the zero1/zero2/zero3 strategies need DeepSpeed, which is not installed: {INSTALL_HINT}; "
-            "or use --strategy fsdp"
+            "or use the fsdp strategy"
         ) from None
     level = logging.DEBUG if os.environ.get("MMM_LOG_LEVEL", "").upper() == "DEBUG" else logging.WARNING
     deepspeed.utils.logger.setLevel(level)

@@ -8,7 +8,7 @@ An application of the library (it asks the fsdp_tp trainer which layouts are val
     for c in plan(8, dim=512, n_layers=8, seq_len=256, batch_size=32):
         print(c.label, c.valid and c.memory["total_bytes"], c.problems)
 
-Validity is the fsdp_tp trainer's own check (:func:`mmm.training.llama.arg_problems`), so the
+Validity is the fsdp_tp trainer's own check (:func:`mmm.training.llama.problems`), so the
 planner and the trainer never disagree. Estimates are for that trainer's Llama model, per rank
 (the busiest rank where ranks differ):
 
@@ -43,9 +43,11 @@ Tests compare these with measured figures (``--measure``); see tests/test_plan.p
 
 from __future__ import annotations
 
-import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
+
+from mmm.training.config import Config, ParallelConfig, RunConfig
+from mmm.training.llama import LlamaTrainConfig
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -101,22 +103,22 @@ def _factorizations(n: int, parts: int):
                 yield (d, *rest)
 
 
-def trainer_args(**overrides) -> argparse.Namespace:
-    """The fsdp_tp trainer's defaults with ``overrides`` (flag names with underscores)."""
-    from mmm.training.llama import build_parser
-
-    args = build_parser().parse_args([])
-    unknown = sorted(set(overrides) - set(vars(args)))
-    if unknown:
-        raise TypeError(f"unknown trainer option(s) {', '.join(unknown)}")
-    for k, v in overrides.items():
-        setattr(args, k, v)
-    return args
+def trainer_config(**overrides) -> Config[LlamaTrainConfig]:
+    """The fsdp_tp trainer's defaults with ``overrides`` (field names: ``n_layers=8``, ``dtype="bf16"``,
+    ``measure=True``), each given to the config that has it."""
+    sections = {"train": LlamaTrainConfig, "parallel": ParallelConfig, "run": RunConfig}
+    given: dict[str, dict[str, Any]] = {name: {} for name in sections}
+    for key, value in overrides.items():
+        owner = next((name for name, cls in sections.items() if key in {f.name for f in fields(cls)}), None)
+        if owner is None:
+            raise TypeError(f"unknown trainer option {key}")
+        given[owner][key] = value
+    return Config(**{name: cls(**given[name]) for name, cls in sections.items()})
 
 
 def plan(
     world: int,
-    args: argparse.Namespace | None = None,
+    config: Config[LlamaTrainConfig] | None = None,
     *,
     strategies=None,
     fixed: dict[str, int] | None = None,
@@ -124,16 +126,17 @@ def plan(
 ) -> list[Combo]:
     """Every layout of ``world`` ranks (valid first, in mesh order), with estimates for the valid ones.
 
-    ``args``: the trainer's flags (default: its defaults, with ``overrides``); ``strategies``: the
-    data-parallel strategies to consider (default all); ``fixed``: degrees to hold, e.g. ``{"tp": 2}``.
+    ``config``: the trainer's (default: its defaults, with ``overrides``, see :func:`trainer_config`);
+    its degrees and strategy are what varies. ``strategies``: the data-parallel strategies to consider
+    (default all); ``fixed``: degrees to hold, e.g. ``{"tp": 2}``.
     """
     from mmm.errors import UsageError
     from mmm.parallel.strategy import STRATEGIES
-    from mmm.training.llama import arg_problems
+    from mmm.training.llama import problems
 
     if not isinstance(world, int) or world < 1:
         raise UsageError(f"--world {world} must be a positive number of ranks (e.g. --world 4)")
-    args = args if args is not None else trainer_args(**overrides)
+    config = config if config is not None else trainer_config(**overrides)
     strategies = list(strategies or STRATEGIES)
     bad = [s for s in strategies if s not in STRATEGIES]
     if bad:
@@ -145,14 +148,14 @@ def plan(
         if any(degrees[k] != v for k, v in fixed.items()):
             continue
         for strategy in strategies:
-            trial = argparse.Namespace(**{**vars(args), **degrees, "strategy": strategy})
-            problems = arg_problems(trial, world)
-            if not problems and strategy == "ddp" and degrees["dp_replicate"] > 1:
-                problems = [
+            trial = replace(config, parallel=replace(config.parallel, **degrees, strategy=strategy))
+            found = problems(trial, world)
+            if not found and strategy == "ddp" and degrees["dp_replicate"] > 1:
+                found = [
                     f"same as dp_shard={degrees['dp_replicate'] * degrees['dp_shard']} with ddp: DDP "
                     "replicates over the flattened dp group, so dp_replicate changes nothing"
                 ]
-            combo = Combo(degrees, strategy, problems)
+            combo = Combo(degrees, strategy, found)
             if combo.valid:
                 combo.memory = estimate_memory(trial, world)
                 combo.comm = estimate_comm(trial, world)
@@ -167,23 +170,24 @@ def plan(
 
 
 # --------------------------------------------------------------------------- the model's shapes
-def _dims(args, world: int):
+def _dims(config: Config, world: int):
     from mmm.parallel.mesh import ParallelDims
 
-    return ParallelDims(world_size=world, **{a: getattr(args, a) for a in AXES})
+    return ParallelDims(world_size=world, **config.parallel.degrees)
 
 
-def _stage_blocks(args, dims) -> list[tuple[int, bool, bool]]:
+def _stage_blocks(config: Config[LlamaTrainConfig], dims) -> list[tuple[int, bool, bool]]:
     """(blocks, has embedding, has output) of every pipeline rank (its stages together)."""
     from mmm.parallel.pipeline import stage_ids, stage_layer_ranges
 
+    n_layers, par = config.train.n_layers, config.parallel
     if dims.pp == 1:
-        return [(args.n_layers, True, True)]
-    num_stages = dims.pp * args.stages_per_rank
-    ranges = stage_layer_ranges(args.n_layers, num_stages, args.split_points)
+        return [(n_layers, True, True)]
+    num_stages = dims.pp * par.stages_per_rank
+    ranges = stage_layer_ranges(n_layers, num_stages, par.split_points)
     out = []
     for r in range(dims.pp):
-        ids = stage_ids(r, dims.pp, args.stages_per_rank)
+        ids = stage_ids(r, dims.pp, par.stages_per_rank)
         out.append((sum(ranges[i][1] - ranges[i][0] for i in ids), 0 in ids, num_stages - 1 in ids))
     return out
 
@@ -200,15 +204,14 @@ def _rank_params(cfg, tp: int, blocks: int, first: bool, last: bool) -> tuple[fl
     return total, blocks * block
 
 
-def estimate_memory(args, world: int) -> dict[str, float]:
+def estimate_memory(config: Config[LlamaTrainConfig], world: int) -> dict[str, float]:
     """Per-rank bytes (busiest rank) of parameters, gradients, optimizer state and activations."""
     from mmm.parallel.strategy import state_bytes_per_param
-    from mmm.training.llama import model_config
 
-    cfg, dims = model_config(args), _dims(args, world)
-    p, g, o = state_bytes_per_param(args.strategy, dims)
-    c = DTYPE_BYTES[args.dtype]
-    t = args.batch_size // dims.dp * cfg.seq_len // dims.cp  # tokens per rank per step
+    cfg, dims, par, batch = config.train.model_config(), _dims(config, world), config.parallel, config.train.batch_size
+    p, g, o = state_bytes_per_param(par.strategy, dims)
+    c = DTYPE_BYTES[par.dtype]
+    t = batch // dims.dp * cfg.seq_len // dims.cp  # tokens per rank per step
     d, f, tp = cfg.dim, cfg.ffn_hidden, dims.tp
     kvw = cfg.n_kv_heads * cfg.head_dim  # k and v width: grouped-query attention keeps them narrower
     norms_ffn = 2 * (2 / tp + 1) * t * d * c + 4 * t * f * c / tp
@@ -217,22 +220,20 @@ def estimate_memory(args, world: int) -> dict[str, float]:
     else:  # ring attention: q, every rotated k/v pair, merged outputs, and fp32 scores + probabilities per pair
         cp, heads, chunk = dims.cp, cfg.n_heads / tp, cfg.seq_len // dims.cp // 2
         pairs = 2 * cp + 1  # (query chunk, key chunk) pairs a rank computes under causal load balancing
-        attention = (2 * d + 4 * cp * kvw) * t * c / tp + pairs * 2 * (
-            args.batch_size // dims.dp
-        ) * heads * chunk**2 * 4
+        attention = (2 * d + 4 * cp * kvw) * t * c / tp + pairs * 2 * (batch // dims.dp) * heads * chunk**2 * 4
     per_block = norms_ffn + attention
-    if args.ac == "full":
+    if par.ac == "full":
         per_block = t * d * c  # a checkpointed block keeps only its input
     out_layers = (2 / tp + 1) * t * d * c + t * cfg.vocab_size * 4 / tp
     best: dict[str, float] = {}
-    for blocks, first, last in _stage_blocks(args, dims):
+    for blocks, first, last in _stage_blocks(config, dims):
         params, _ = _rank_params(cfg, tp, blocks, first, last)
         act = blocks * per_block + (out_layers if last else 0.0)
-        if args.ac == "full":
+        if par.ac == "full":
             act += norms_ffn + attention  # the block being recomputed
         if dims.pp > 1:
-            m = args.microbatches or dims.pp
-            in_flight = m if args.pp_schedule == "gpipe" else min(m, dims.pp)
+            m = par.microbatches or dims.pp
+            in_flight = m if par.pp_schedule == "gpipe" else min(m, dims.pp)
             act = act / m * in_flight
         row = {"param_bytes": p * params, "grad_bytes": g * params, "optim_bytes": o * params, "activation_bytes": act}
         row["state_bytes"] = row["param_bytes"] + row["grad_bytes"] + row["optim_bytes"]
@@ -257,17 +258,16 @@ def group_name(view: str, dims) -> str:
     return view
 
 
-def estimate_comm(args, world: int) -> dict[str, float]:
+def estimate_comm(config: Config[LlamaTrainConfig], world: int) -> dict[str, float]:
     """Payload bytes per step by process group, for the busiest rank."""
     from mmm.parallel.compose import shards_parameters
-    from mmm.training.llama import model_config
 
-    cfg, dims = model_config(args), _dims(args, world)
-    c = DTYPE_BYTES[args.dtype]
-    b = args.batch_size // dims.dp
+    cfg, dims, par = config.train.model_config(), _dims(config, world), config.parallel
+    c = DTYPE_BYTES[par.dtype]
+    b = config.train.batch_size // dims.dp
     t = b * cfg.seq_len // dims.cp
     d, tp = cfg.dim, dims.tp
-    stages = _stage_blocks(args, dims)
+    stages = _stage_blocks(config, dims)
     blocks, first, last = max(stages, key=lambda s: _rank_params(cfg, tp, *s)[0])
     params, block_params = _rank_params(cfg, tp, blocks, first, last)
     out: dict[str, float] = {}
@@ -277,16 +277,16 @@ def estimate_comm(args, world: int) -> dict[str, float]:
             key = group_name(view, dims)
             out[key] = out.get(key, 0.0) + nbytes
 
-    strategy = args.strategy
+    strategy = par.strategy
     dp_view = "dp_cp" if dims.cp > 1 else "dp"
     if strategy in ("fsdp", "hsdp") and shards_parameters(dims, strategy):
         shard_view = "dp_shard" if strategy == "hsdp" else dp_view
-        reshard = {"auto": "blocks", "true": "all", "false": "none"}[args.reshard_after_forward]
-        if dims.pp > 1 and args.reshard_after_forward == "auto":
+        reshard = {"auto": "blocks", "true": "all", "false": "none"}[par.reshard_after_forward]
+        if dims.pp > 1 and par.reshard_after_forward == "auto":
             reshard = "none"  # a stage keeps its parameters gathered over its microbatches
         regather = {"blocks": block_params, "all": params, "none": 0.0}[reshard]
         if dims.pp > 1 and reshard != "none":  # every microbatch's forward gathers; backward once more
-            regather = params * (args.microbatches or dims.pp)
+            regather = params * (par.microbatches or dims.pp)
         add(shard_view, (params + regather) * c)  # all-gathers in param dtype
         add(shard_view, params * 4)  # reduce-scatter of fp32 gradients
         if strategy == "hsdp":
@@ -305,9 +305,9 @@ def estimate_comm(args, world: int) -> dict[str, float]:
     if dims.pp > 1:  # per stage and neighbour: activations one way, their gradients back
         from mmm.parallel.pipeline import stage_ids
 
-        num_stages = dims.pp * args.stages_per_rank
+        num_stages = dims.pp * par.stages_per_rank
         links = max(
-            sum((i > 0) + (i < num_stages - 1) for i in stage_ids(r, dims.pp, args.stages_per_rank))
+            sum((i > 0) + (i < num_stages - 1) for i in stage_ids(r, dims.pp, par.stages_per_rank))
             for r in range(dims.pp)
         )
         add("pp", 2 * links * t * d / tp * c)

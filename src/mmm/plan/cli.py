@@ -15,21 +15,24 @@ by process group (see mmm.plan for the formulas and what they leave out).
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+from mmm.cli import ArgumentParser, positive_int
 from mmm.errors import UsageError
+from mmm.plan import AXES, Combo, plan
+from mmm.training.config import Config
+from mmm.training.llama import LlamaTrainConfig, command_line
 
 MIB = 2**20
 
 
-def build_parser():
-    from mmm.cli import positive_int
-    from mmm.training.llama import build_parser as trainer_parser
-
-    p = trainer_parser()
+def build_parser() -> ArgumentParser:
+    p = command_line().parser()
     p.prog = "python -m mmm.plan"
     p.description = __doc__.split("\n\n")[0]
     p.epilog = __doc__.split("\n\n", 2)[2]
@@ -54,46 +57,73 @@ def build_parser():
     return p
 
 
-def _strategies(args) -> list[str] | None:
+@dataclass
+class PlanRequest:
+    """What ``python -m mmm.plan`` is asked: layouts of ``world`` ranks for the trainer's ``config``
+    (whose degrees and strategy the planner varies), holding the degrees in ``fixed`` (None: varied)
+    and ``strategy``, or considering ``strategies`` (comma-separated)."""
+
+    world: int
+    config: Config[LlamaTrainConfig]
+    fixed: dict[str, int | None]
+    strategy: str | None = None
+    strategies: str | None = None
+    valid_only: bool = False
+    json_path: str | None = None
+
+
+def parse_request(argv: Sequence[str] | None = None) -> PlanRequest:
+    """The planner's flags, parsed once."""
+    ns = build_parser().parse_args(argv)
+    # the trainer's config for the rest; its degrees and strategy are placeholders the planner varies
+    config = command_line().configs(argparse.Namespace(**{**vars(ns), **{a: 1 for a in AXES}, "strategy": "fsdp"}))
+    return PlanRequest(
+        world=ns.world,
+        config=config,
+        fixed={a: getattr(ns, a) for a in AXES},
+        strategy=ns.strategy,
+        strategies=ns.strategies,
+        valid_only=ns.valid_only,
+        json_path=ns.json_path,
+    )
+
+
+def _strategies(strategy: str | None, strategies: str | None) -> list[str] | None:
     from mmm.parallel.strategy import STRATEGIES
 
-    if args.strategy is not None and args.strategies is not None:
+    if strategy is not None and strategies is not None:
         raise UsageError("give --strategy (one) or --strategies (a list), not both")
-    if args.strategy is not None:
-        return [args.strategy]
-    if args.strategies is None:
+    if strategy is not None:
+        return [strategy]
+    if strategies is None:
         return None
-    names = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    names = [s.strip() for s in strategies.split(",") if s.strip()]
     bad = [s for s in names if s not in STRATEGIES]
     if bad or not names:
         raise UsageError(
-            f"--strategies {args.strategies!r}: unknown {', '.join(map(repr, bad)) or 'empty list'}; "
+            f"--strategies {strategies!r}: unknown {', '.join(map(repr, bad)) or 'empty list'}; "
             f"choose from {', '.join(STRATEGIES)}"
         )
     return names
 
 
-def plan_from_args(args):
-    """The planner's combos for parsed ``python -m mmm.plan`` flags."""
-    from mmm.plan import AXES, plan
-
-    fixed = {a: getattr(args, a) for a in AXES}
+def plan_for(request: PlanRequest) -> list[Combo]:
+    """The planner's layouts for a request; none valid is an error naming the reasons."""
+    fixed = request.fixed
     bad = {a: v for a, v in fixed.items() if v == -1}
     if bad:
         raise UsageError(
             f"{', '.join(f'--{a.replace(chr(95), chr(45))} -1' for a in bad)}: the planner varies "
             "unset degrees itself; give a positive degree or leave the flag out"
         )
-    base = {**vars(args), **{a: 1 for a in AXES}, "strategy": "fsdp"}
-    import argparse
-
-    combos = plan(args.world, argparse.Namespace(**base), strategies=_strategies(args), fixed=fixed)
+    strategies = _strategies(request.strategy, request.strategies)
+    combos = plan(request.world, request.config, strategies=strategies, fixed=fixed)
     if not any(c.valid for c in combos):
         reasons = "; ".join(dict.fromkeys(p for c in combos for p in c.problems))
         held = ", ".join(f"{a}={v}" for a, v in fixed.items() if v is not None)
         raise UsageError(
-            f"no valid layout of {args.world} ranks{' with ' + held if held else ''}"
-            f"{' and --strategy ' + args.strategy if args.strategy else ''}: {reasons}"
+            f"no valid layout of {request.world} ranks{' with ' + held if held else ''}"
+            f"{' and --strategy ' + request.strategy if request.strategy else ''}: {reasons}"
         )
     return combos
 
@@ -134,17 +164,17 @@ def format_table(combos, *, valid_only: bool = False) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    combos = plan_from_args(args)
-    print(format_table(combos, valid_only=args.valid_only))
-    if args.json_path:
+    request = parse_request(argv)
+    combos = plan_for(request)
+    print(format_table(combos, valid_only=request.valid_only))
+    if request.json_path:
         text = json.dumps([c.as_dict() for c in combos], indent=1)
-        if args.json_path == "-":
+        if request.json_path == "-":
             print(text)
         else:
             from mmm.history import atomic_write_text
 
-            atomic_write_text(Path(args.json_path), text + "\n")
+            atomic_write_text(Path(request.json_path), text + "\n")
     return 0
 
 

@@ -9,14 +9,17 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mmm.errors import UsageError
 from mmm.training.step import StepSync, train_step  # noqa: F401  (the trainers' one step)
+
+if TYPE_CHECKING:  # pragma: no cover  (mmm.training.config imports the parallel library: not at import mmm.training)
+    from mmm.training.config import Config
 
 
 # --------------------------------------------------------------------------- timing
@@ -79,23 +82,24 @@ def batch_problems(batch_size: int, dp: int) -> list[str]:
     ]
 
 
-def start(example: str, parser, argv, check_args) -> tuple[Any, Any, Path, Startup]:
-    """Parse flags, set up the distributed job, log the banner, validate, pick the output folder.
+def start(example: str, config: Config, problems: Callable[[Config, int], list[str]]) -> tuple[Any, Path, Startup]:
+    """Set up the distributed job for a parsed ``config``, log the banner, check the config, pick the
+    output folder; returns (dist info, output folder, startup clock).
 
-    ``check_args(args, world_size)`` raises one UsageError listing every problem.
+    ``problems(config, world_size)``: every problem at once, raised as one UsageError.
     """
     from mmm import dist
     from mmm.log import get_logger
 
     startup = Startup()
-    args = parser.parse_args(argv)
-    startup.args = args  # the flags, for Run: trackers, --rank-timings
-    info = dist.setup(seed=args.seed, timeout=getattr(args, "timeout", None))
+    info = dist.setup(seed=config.run.seed, timeout=config.run.timeout)
     startup.mark_setup(info)
     if info.is_main:
         get_logger().info("%s", dist.banner(info))
-    check_args(args, info.world_size)
-    return args, info, resolve_outdir(args.outdir, example), startup
+    found = problems(config, info.world_size)
+    if found:
+        raise UsageError("; ".join(found))
+    return info, resolve_outdir(config.run.outdir, example), startup
 
 
 # --------------------------------------------------------------------------- output folder
@@ -206,31 +210,24 @@ def mean_over(value: torch.Tensor, group) -> float:
     return value.item()
 
 
-def make_checkpointer(args, engine, *, meta: dict[str, Any], log=None):
-    """A :class:`mmm.parallel.checkpoint.Checkpointer` for ``--checkpoint-dir`` (None without it)."""
-    if not getattr(args, "checkpoint_dir", None):
+def make_checkpointer(engine, *, directory: str | None, keep_last: int = 0, meta: dict[str, Any], log=None):
+    """A :class:`mmm.parallel.checkpoint.Checkpointer` saving under ``directory`` (``--checkpoint-dir``;
+    None without one), keeping the ``keep_last`` newest (0: all)."""
+    if not directory:
         return None
     from mmm.parallel.checkpoint import Checkpointer
 
     if hasattr(engine, "ds"):
-        return Checkpointer(
-            args.checkpoint_dir, deepspeed_engine=engine.ds, meta=meta, keep_last=args.keep_last, log=log
-        )
+        return Checkpointer(directory, deepspeed_engine=engine.ds, meta=meta, keep_last=keep_last, log=log)
     return Checkpointer(
-        args.checkpoint_dir,
-        model=engine.module,
-        optimizer=engine.optimizer,
-        meta=meta,
-        keep_last=args.keep_last,
-        log=log,
+        directory, model=engine.module, optimizer=engine.optimizer, meta=meta, keep_last=keep_last, log=log
     )
 
 
-def resume(args, checkpointer, startup: Startup | None = None) -> int:
-    """The first step to run: 1, or one past the checkpoint ``--resume`` names (loading it is a
-    startup phase of its own, ``resume``). A job relaunched by ``launch --retries``
-    (``MMM_RESTART`` >= 1) resumes from the latest checkpoint, whatever ``--resume`` said."""
-    which = getattr(args, "resume", None)
+def resume(checkpointer, which: str | None, startup: Startup | None = None) -> int:
+    """The first step to run: 1, or one past the checkpoint ``which`` names ('latest' or a step
+    number, ``--resume``; loading it is a startup phase of its own, ``resume``). A job relaunched by
+    ``launch --retries`` (``MMM_RESTART`` >= 1) resumes from the latest checkpoint, whatever ``which`` said."""
     if checkpointer is not None and restart_attempt():
         from mmm import dist
         from mmm.log import get_logger
@@ -256,11 +253,6 @@ def restart_attempt() -> int:
     """Which relaunch of the job this is (``MMM_RESTART`` set by ``launch --retries``; 0: the first run)."""
     raw = os.environ.get("MMM_RESTART", "")
     return int(raw) if raw.isdigit() else 0
-
-
-def should_save(args, step: int, *, last: bool, stopping: bool) -> bool:
-    every = getattr(args, "checkpoint_every", 0)
-    return bool(getattr(args, "checkpoint_dir", None)) and (last or stopping or (every and step % every == 0))
 
 
 @contextlib.contextmanager
@@ -314,8 +306,7 @@ class Run:
         info,
         outdir: Path,
         startup: Startup,
-        warmup: int = 2,
-        log_every: int = 1,
+        config: Config,
         step_key: str = "iter",
         resume_step: int = 0,
         sync=None,
@@ -324,11 +315,16 @@ class Run:
         from mmm.log import get_logger
 
         self.example, self.info, self.outdir, self.startup = example, info, outdir, startup
+        self.options = config.run  # warmup, log_every, checkpoints, trackers, --rank-timings
         self.log = get_logger()
-        self.log_every = log_every
+        self.log_every = self.options.log_every
         self.resume_step = resume_step
         self.hist = History(
-            outdir, write=info.is_main, warmup=warmup, step_key=step_key, resume=resume_step if resume_step else None
+            outdir,
+            write=info.is_main,
+            warmup=self.options.warmup,
+            step_key=step_key,
+            resume=resume_step if resume_step else None,
         )
         self._recorded = 0  # records made by this process (the first one closes the startup clock)
         self.stopped_by: str | None = None
@@ -339,13 +335,25 @@ class Run:
         self.sync = sync  # the per-step all-reduce (mmm.training.step.StepSync)
         self._t_last: float | None = None  # when the previous iteration ended
         self._pending: _Pending | None = None
-        from mmm.tracking import open_trackers  # --wandb/--tensorboard: rank 0, fed every History row
+        from mmm.tracking import open_trackers, run_config  # --wandb/--tensorboard: rank 0, fed every History row
 
-        args = getattr(startup, "args", None)
-        self.trackers = open_trackers(args, example=example, info=info, outdir=outdir, step_key=step_key, log=self.log)
+        names = self.options.trackers if info.is_main else []
+        self.trackers = open_trackers(
+            names,
+            config=run_config(
+                config.as_dict(), example=example, degrees=config.parallel.degrees, world_size=info.world_size
+            )
+            if names
+            else {},
+            project=self.options.wandb_project,
+            run_name=self.options.wandb_name,
+            outdir=outdir,
+            step_key=step_key,
+            log=self.log,
+        )
         if self.trackers:
             self.hist.hooks.append(self.trackers.log_row)
-        self.rank_timings = bool(getattr(args, "rank_timings", False))  # an all-gather on logging steps
+        self.rank_timings = self.options.rank_timings  # an all-gather on logging steps
         if info.world_size > 1 and not os.environ.get("MMM_STACK_DIR"):
             # where each rank was, written when a collective fails and on SIGUSR1 (mmm.dist.liveness)
             from mmm.dist import set_stack_dir
@@ -407,7 +415,7 @@ class Run:
             self._t_last += seconds
 
     def end_step(
-        self, step: int, reduced, times, *, args, checkpointer, last: bool, rates: dict[str, float], **metrics
+        self, step: int, reduced, times, *, checkpointer, last: bool, rates: dict[str, float], **metrics
     ) -> bool:
         """Close a step: its ``dt``; its values read now or one step later (see the class doc), then
         recorded, checked (a non-finite loss stops the run) and SIGTERM agreed on (every rank stops
@@ -420,7 +428,7 @@ class Run:
         if self._pending is not None:
             pending, self._pending = self._pending, None  # taken first: a failed check must not write it twice
             self._flush(pending, checkpointer)
-        every = getattr(args, "checkpoint_every", 0)
+        every = self.options.checkpoint_every
         due = (
             last
             or self._recorded == 0
@@ -434,7 +442,7 @@ class Run:
         else:
             self._pending = entry
         stopping = self.stopped_by is not None  # a stop seen in the previous step's values made this one due
-        if should_save(args, step, last=last, stopping=stopping):
+        if self.options.checkpoint_due(step, last=last, stopping=stopping):
             checkpointer.save(step, {"loss": self.hist.rows[-1].get("loss") if self.hist.rows else None})
         return stopping
 

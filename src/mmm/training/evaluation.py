@@ -1,4 +1,4 @@
-"""Evaluation flags shared by the trainers: ``--eval-every N`` and ``--eval-iters K``.
+"""Held-out evaluation, shared by the trainers (:class:`EvalConfig`: ``--eval-every N``, ``--eval-iters K``).
 
 Every N steps (and after the last) the trainer runs K batches of the held-out split (the same K
 global batches each time, so the numbers compare across steps and meshes) forward only, reduces
@@ -9,40 +9,37 @@ recorded as ``dt_eval`` and left out of that step's ``dt``.
 
 from __future__ import annotations
 
-import argparse
 import math
+from dataclasses import dataclass
+
+from mmm.cli import option
 
 
-def add_eval_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("evaluation")
-    g.add_argument(
+@dataclass
+class EvalConfig:
+    """Held-out evaluation: part of the train config of trainers that evaluate."""
+
+    eval_every: int = option(
+        0,
         "--eval-every",
-        type=int,
-        default=0,
         metavar="N",
-        help="evaluate on the held-out split every N steps and after the last; 0: never [0]",
+        group="eval",
+        help="evaluate on the held-out split every N steps and after the last; 0: never",
     )
-    g.add_argument(
-        "--eval-iters",
-        type=int,
-        default=4,
-        metavar="K",
-        help="global batches per evaluation (the same K each time) [4]",
+    eval_iters: int = option(
+        4, "--eval-iters", metavar="K", group="eval", help="global batches per evaluation (the same K each time)"
     )
 
+    def eval_due(self, step: int, *, last: bool) -> bool:
+        return bool(self.eval_every) and (step % self.eval_every == 0 or last)
 
-def eval_problems(args: argparse.Namespace) -> list[str]:
-    out = []
-    if args.eval_every < 0:
-        out.append(f"--eval-every {args.eval_every} must be >= 0 (0 turns evaluation off)")
-    if args.eval_iters < 1:
-        out.append(f"--eval-iters {args.eval_iters} must be >= 1")
-    return out
-
-
-def eval_due(args: argparse.Namespace, step: int, *, last: bool) -> bool:
-    every = getattr(args, "eval_every", 0)
-    return bool(every) and (step % every == 0 or last)
+    def eval_problems(self) -> list[str]:
+        out = []
+        if self.eval_every < 0:
+            out.append(f"--eval-every {self.eval_every} must be >= 0 (0 turns evaluation off)")
+        if self.eval_iters < 1:
+            out.append(f"--eval-iters {self.eval_iters} must be >= 1")
+        return out
 
 
 def perplexity(loss: float) -> float:

@@ -2,7 +2,8 @@
 
 The learning rate of a step is a pure function of the step (as in nanoGPT's ``get_lr``), so a
 resumed run gets it back from the step alone, on any mesh; the schedule itself is recorded in each
-checkpoint and a resume with another schedule is refused. Every trainer takes the same flags::
+checkpoint and a resume with another schedule is refused. Every trainer's train config has the
+fields of :class:`ScheduleConfig`, so every trainer takes the same flags::
 
     --lr 3e-3 --lr-schedule cosine --warmup-steps 100 --min-lr 3e-4 [--lr-decay-steps N]
 
@@ -11,10 +12,11 @@ and logs the step's ``lr`` in History.
 
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from mmm.cli import option
 
 SCHEDULES = ("constant", "cosine", "linear")
 
@@ -47,75 +49,80 @@ class LRSchedule:
         return asdict(self)
 
 
-def add_schedule_args(parser: argparse.ArgumentParser, *, extra_kinds: tuple[str, ...] = ()) -> None:
-    """``--lr-schedule``, ``--warmup-steps``, ``--min-lr``, ``--lr-decay-steps`` (``--lr`` is the trainer's)."""
-    g = parser.add_argument_group("learning-rate schedule")
-    g.add_argument(
-        "--lr-schedule",
-        choices=(*SCHEDULES, *extra_kinds),
-        default=None,
-        help=f"decay after the warmup: {', '.join((*SCHEDULES, *extra_kinds))} "
-        f"[{extra_kinds[0] if extra_kinds else 'constant'}]",
+@dataclass
+class ScheduleConfig:
+    """The learning rate and its schedule: part of every trainer's train config."""
+
+    lr: float = option(3e-3, "--lr", group="training", help="AdamW learning rate")
+    lr_schedule: str | None = option(
+        None, "--lr-schedule", choices=SCHEDULES, shown="constant", group="schedule", help="decay after the warmup"
     )
-    g.add_argument(
+    warmup_steps: int = option(
+        0,
         "--warmup-steps",
-        type=int,
-        default=0,
         metavar="N",
-        help="linear learning-rate warmup over the first N steps (not --warmup, the steps left out of "
-        "the timing means) [0]",
+        group="schedule",
+        help="linear learning-rate warmup over the first N steps (not --warmup, the steps left out of the timing "
+        "means)",
     )
-    g.add_argument(
-        "--min-lr", type=float, default=None, metavar="LR", help="floor the decay ends at [lr/10 for cosine and linear]"
+    min_lr: float | None = option(
+        None,
+        "--min-lr",
+        parse=float,
+        metavar="LR",
+        shown="lr/10 for cosine and linear",
+        group="schedule",
+        help="floor the decay ends at",
     )
-    g.add_argument(
+    lr_decay_steps: int | None = option(
+        None,
         "--lr-decay-steps",
-        type=int,
-        default=None,
+        parse=int,
         metavar="N",
-        help="step at which the decay reaches --min-lr [--max-iters]",
+        shown="--max-iters",
+        group="schedule",
+        help="step at which the decay reaches --min-lr",
     )
 
+    def schedule(self, *, total_steps: int) -> LRSchedule:
+        """The per-step schedule (``lr_decay_steps`` defaults to ``total_steps``)."""
+        kind = self.lr_schedule or "constant"
+        if kind not in SCHEDULES:
+            raise ValueError(f"{kind!r} is not a per-step schedule")
+        min_lr = self.min_lr if self.min_lr is not None else (self.lr / 10 if kind != "constant" else self.lr)
+        decay = self.lr_decay_steps if self.lr_decay_steps is not None else total_steps
+        return LRSchedule(
+            lr=self.lr,
+            kind=kind,
+            warmup_steps=self.warmup_steps,
+            min_lr=min_lr,
+            decay_steps=decay if kind != "constant" else 0,
+        )
 
-def schedule_problems(args: argparse.Namespace, *, total_steps: int | None) -> list[str]:
-    """Flag problems, each naming the value and the fix."""
-    out = []
-    kind = args.lr_schedule or "constant"
-    if args.warmup_steps < 0:
-        out.append(f"--warmup-steps {args.warmup_steps} must be >= 0")
-    if args.min_lr is not None:
-        if args.min_lr < 0:
-            out.append(f"--min-lr {args.min_lr} must be >= 0")
-        elif kind == "constant":
-            out.append(f"--min-lr {args.min_lr} has no effect with --lr-schedule constant; choose cosine or linear")
-        elif args.min_lr > args.lr:
-            out.append(f"--min-lr {args.min_lr} is above --lr {args.lr}; the decay goes down to it")
-    if args.lr_decay_steps is not None:
-        if kind == "constant":
-            out.append(
-                f"--lr-decay-steps {args.lr_decay_steps} has no effect with --lr-schedule constant; choose "
-                "cosine or linear"
-            )
-        elif args.lr_decay_steps <= args.warmup_steps:
-            out.append(f"--lr-decay-steps {args.lr_decay_steps} must be > --warmup-steps {args.warmup_steps}")
-    if total_steps is not None and args.warmup_steps > total_steps:
-        out.append(f"--warmup-steps {args.warmup_steps} is longer than the run ({total_steps} steps)")
-    return out
-
-
-def schedule_from_args(args: argparse.Namespace, *, total_steps: int) -> LRSchedule:
-    kind = args.lr_schedule or "constant"
-    if kind not in SCHEDULES:
-        raise ValueError(f"{kind!r} is not a per-step schedule")
-    min_lr = args.min_lr if args.min_lr is not None else (args.lr / 10 if kind != "constant" else args.lr)
-    decay = args.lr_decay_steps if args.lr_decay_steps is not None else total_steps
-    return LRSchedule(
-        lr=args.lr,
-        kind=kind,
-        warmup_steps=args.warmup_steps,
-        min_lr=min_lr,
-        decay_steps=decay if kind != "constant" else 0,
-    )
+    def schedule_problems(self, *, total_steps: int | None) -> list[str]:
+        """Problems with the schedule over a run of ``total_steps``, each naming the value and the fix."""
+        out = []
+        kind = self.lr_schedule or "constant"
+        if self.warmup_steps < 0:
+            out.append(f"--warmup-steps {self.warmup_steps} must be >= 0")
+        if self.min_lr is not None:
+            if self.min_lr < 0:
+                out.append(f"--min-lr {self.min_lr} must be >= 0")
+            elif kind == "constant":
+                out.append(f"--min-lr {self.min_lr} has no effect with --lr-schedule constant; choose cosine or linear")
+            elif self.min_lr > self.lr:
+                out.append(f"--min-lr {self.min_lr} is above --lr {self.lr}; the decay goes down to it")
+        if self.lr_decay_steps is not None:
+            if kind == "constant":
+                out.append(
+                    f"--lr-decay-steps {self.lr_decay_steps} has no effect with --lr-schedule constant; choose "
+                    "cosine or linear"
+                )
+            elif self.lr_decay_steps <= self.warmup_steps:
+                out.append(f"--lr-decay-steps {self.lr_decay_steps} must be > --warmup-steps {self.warmup_steps}")
+        if total_steps is not None and self.warmup_steps > total_steps:
+            out.append(f"--warmup-steps {self.warmup_steps} is longer than the run ({total_steps} steps)")
+        return out
 
 
 def set_lr(optimizer_or_engine: Any, lr: float) -> None:
