@@ -81,3 +81,16 @@ def test_what_is_not_retried(tmp_path):
     )
     assert res.returncode == 5 and "attempt 1 of 2 failed with exit code 5; relaunching" in res.stderr, res.output
     assert "attempt 2 of 2 failed with exit code 5; giving up" in res.stderr, res.output
+
+
+def test_a_run_stopped_by_its_own_nan_check_is_not_retried(tmp_path):
+    """A non-finite loss is deterministic: a relaunch from the last checkpoint would diverge again. The
+    run exits 65 and launch stops there instead of replaying it N times."""
+    res = run(
+        launch("--launcher", "local", "--retries", "3", "-n", "2", "python3", *TINY,
+               "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2", "--outdir", str(tmp_path / "o")),
+        env=clean_env(MMM_FAULT="nan@3"),
+        timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 65, res.output
+    assert "loss is nan at iter 3" in res.stderr and "relaunching" not in res.stderr, res.output

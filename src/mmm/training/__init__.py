@@ -374,7 +374,7 @@ class Run:
         history shows it; no checkpoint is written for it)."""
         import math
 
-        from mmm.errors import RunError
+        from mmm.errors import DivergedError
 
         if math.isfinite(loss_value) or skipped:
             return
@@ -385,7 +385,7 @@ class Run:
             last = latest_step(checkpointer.root)
             if last is not None:
                 good = f"the last good checkpoint is {step_dir(checkpointer.root, last)} (--resume {last})"
-        raise RunError(
+        raise DivergedError(  # exit 65: `launch --retries` does not replay a deterministic divergence
             f"loss is {loss_value} at {self.hist.step_key} {step}; {good}. Lower --lr, use --dtype fp32, "
             "--grad-clip, or --on-nonfinite skip"
         )
