@@ -302,3 +302,51 @@ def test_a_prune_leaves_the_deletes_to_the_background_and_says_when_one_fails(tm
     ck.save(3)  # the next save clears what was left, in the background
     C.wait_for_deletes(10)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003"]
+
+
+def test_a_fresh_start_never_overwrites_an_earlier_run(saved_run, tmp_path):
+    """A job script resubmitted without --resume into the folders of a finished run: refused in one line
+    (before, it re-saved the old run's steps and pruned its newest checkpoints first). --start-over
+    begins again and moves the earlier run aside, every file of it intact."""
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    shutil.copytree(saved_run, ck)
+    before = sorted(str(p.relative_to(ck)) for p in ck.rglob("*"))
+    res = trainer("--max-iters", "2", "--checkpoint-dir", str(ck), "--keep-last", "1", "--outdir", str(out))
+    assert res.returncode == 2 and "Traceback" not in res.output, res.output
+    (line,) = [ln for ln in res.stderr.splitlines() if "error:" in ln]
+    assert f"--checkpoint-dir '{ck}' holds the checkpoints of an earlier run (steps 2)" in line, line
+    assert "--start-over" in line and "nothing is deleted" in line, line
+    assert sorted(str(p.relative_to(ck)) for p in ck.rglob("*")) == before  # untouched
+    ok("--max-iters", "2", "--outdir", str(out))
+    # the same outdir again: its history is an earlier run's too
+    res = trainer("--max-iters", "2", "--outdir", str(out))
+    assert res.returncode == 2 and f"--outdir '{out}' holds the history of an earlier run" in res.stderr, res.output
+    res = ok("--max-iters", "2", "--checkpoint-dir", str(ck), "--outdir", str(out), "--start-over")
+    aside = sorted(p.name for p in tmp_path.iterdir() if ".old-" in p.name)
+    assert [a.split(".old-")[0] for a in aside] == ["ck", "out"], aside
+    (old_ck,) = [tmp_path / a for a in aside if a.startswith("ck.")]
+    assert complete_steps(old_ck) == [2] and complete_steps(ck) == [2]
+    assert (
+        json.loads((step_dir(old_ck, 2) / "mmm.json").read_text())["saved_at"]
+        != json.loads((step_dir(ck, 2) / "mmm.json").read_text())["saved_at"]
+    )
+
+
+def test_a_relaunch_resumes_its_own_lineage_not_the_abandoned_branch(saved_run, tmp_path):
+    """Rolled back to step 2 of a run that also saved 4 and 6 (still on disk), the job loses a rank at
+    step 3, before its first save: the relaunch resumes step 2 again (its own starting point), not 6
+    (the most recent on disk, the branch the user abandoned)."""
+    ck = tmp_path / "ck"
+    ok("--max-iters", "6", "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--outdir", str(tmp_path / "a"))
+    res = run(
+        launch("--launcher", "local", "--retries", "1", "-n", "2", "python3", *TINY, "--max-iters", "6",
+               "--checkpoint-dir", str(ck), "--checkpoint-every", "4", "--resume", "2",
+               "--outdir", str(tmp_path / "b")),
+        env=clean_env(MMM_FAULT="kill@3:1", MMM_TIMEOUT="60"),
+        timeout=240,
+    )  # fmt: skip
+    assert res.returncode == 0, res.output
+    resumed = [ln for ln in res.stdout.splitlines() if "checkpoint: resumed from" in ln]
+    assert len(resumed) == 2 and all("step-00000002" in ln for ln in resumed), resumed
+    rows = [json.loads(x)["iter"] for x in (tmp_path / "b" / "history.jsonl").read_text().splitlines()]
+    assert rows == [3, 4, 5, 6], rows

@@ -71,6 +71,13 @@ def _saved_at(root: Path, step: int) -> float:
         return path.stat().st_mtime if path.exists() else 0.0
 
 
+def _meta_of(root: Path, step: int) -> dict[str, Any]:
+    try:
+        return json.loads((step_dir(root, step) / META).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def steps_by_recency(root: Path) -> list[int]:
     """Complete checkpoints, the most recently saved last. Not the same as step order: after
     resuming from 4000 with 5000 and 6000 on disk from an abandoned run, the new run's 4100 is newer."""
@@ -334,6 +341,7 @@ class Checkpointer:
             "world_size": world,
             "format": "deepspeed" if self.ds is not None else "dcp",
             "saved_at": time.time(),
+            "run": os.environ.get("MMM_RUN_STAMP"),  # the job (all its relaunches) that saved it
         }
         with open(tmp / META, "w") as f:
             json.dump(meta, f, indent=1, default=str)
@@ -368,18 +376,24 @@ class Checkpointer:
             _delete_in_background(doomed, self.log)
 
     # ------------------------------------------------------------------ load
-    def resolve(self, which: str, *, skip: frozenset[int] = frozenset()) -> int | None:
+    def resolve(self, which: str, *, skip: frozenset[int] = frozenset(), lineage: str | None = None) -> int | None:
         """The step ``which`` names ('latest' or a step number; None: 'latest' and no checkpoint yet).
         Rank 0 alone reads the folder and tells the others (a collective), so every rank loads the
         same step even where a shared file system shows ranks different listings. 'latest' passes over
         a damaged checkpoint (a file missing or empty after a node crash), and the ``skip`` ones, to the
-        next most recent, saying so; a damaged step asked for by number is refused naming the damage."""
+        next most recent, saying so; a damaged step asked for by number is refused naming the damage.
+        ``lineage`` (a relaunched job's ``MMM_RUN_STAMP``): the newest sound checkpoint that job saved,
+        before falling back to ``which``."""
         found: list[Any] = [None]
         rank, world = _rank_world()
         if rank == 0:
             recover(self.root, self.log)
             steps = complete_steps(self.root)
-            if which == "latest":
+            mine = [s for s in steps_by_recency(self.root) if lineage and _meta_of(self.root, s).get("run") == lineage]
+            mine = [s for s in mine if s not in skip and self.damage(s) is None]
+            if mine:
+                found[0] = ("step", mine[-1])
+            elif which == "latest":
                 found[0] = ("step", None)
                 for step in reversed(steps_by_recency(self.root)):
                     damage = "it failed to load" if step in skip else self.damage(step)
@@ -460,12 +474,12 @@ class Checkpointer:
                 "settings it was saved with, or another checkpoint folder"
             )
 
-    def load(self, which: str) -> dict[str, Any] | None:
+    def load(self, which: str, *, lineage: str | None = None) -> dict[str, Any] | None:
         """Restore the checkpoint ``which`` names (a collective); its metadata, or None when
         'latest' finds nothing to resume."""
         failed: set[int] = set()
         while True:
-            step = self.resolve(which, skip=frozenset(failed))
+            step = self.resolve(which, skip=frozenset(failed), lineage=lineage)
             if step is None:
                 if self.log is not None:
                     self.log.info("checkpoint: none in %s yet; starting from step 1", self.root)

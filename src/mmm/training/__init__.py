@@ -99,7 +99,59 @@ def start(example: str, config: Config, problems: Callable[[Config, int], list[s
     found = problems(config, info.world_size)
     if found:
         raise UsageError("; ".join(found))
-    return info, resolve_outdir(config.run.outdir, example), startup
+    outdir = resolve_outdir(config.run.outdir, example)
+    keep_earlier_run(config.run, outdir, info)
+    return info, outdir, startup
+
+
+def earlier_run(run, outdir: Path) -> dict[str, str]:
+    """What an earlier run left where this one would write (flag -> what it holds), unless this run
+    continues it (``--resume``, or a relaunch by ``launch --retries``)."""
+    from mmm.parallel.checkpoint import complete_steps
+
+    if run.resume is not None or restart_attempt():
+        return {}
+    found = {}
+    steps = complete_steps(Path(run.checkpoint_dir)) if run.checkpoint_dir else []
+    if steps:
+        shown = ", ".join(map(str, steps[:5])) + (f", ... ({len(steps)} in all)" if len(steps) > 5 else "")
+        found["--checkpoint-dir"] = (
+            f"--checkpoint-dir {run.checkpoint_dir!r} holds the checkpoints of an earlier run (steps {shown})"
+        )
+    history = outdir / "history.jsonl"
+    if history.is_file() and history.stat().st_size > 0:
+        found["--outdir"] = f"--outdir {str(outdir)!r} holds the history of an earlier run ({history.name})"
+    return found
+
+
+def keep_earlier_run(run, outdir: Path, info) -> None:
+    """Never overwrite an earlier run by starting afresh in its folders (a resubmitted job script without
+    --resume would re-save its steps and prune its newest checkpoints first): refuse in one line, or with
+    ``--start-over`` move those folders aside (rank 0, before anyone writes; nothing is deleted)."""
+    found = earlier_run(run, outdir)
+    if not found:
+        return
+    if not run.start_over:
+        raise UsageError(
+            "; ".join(found.values()) + ": continue it with --resume, or begin again at step 1 with --start-over "
+            "(the earlier run is moved to <folder>.old-<UTC time>; nothing is deleted)"
+        )
+    from mmm import dist
+    from mmm.log import get_logger
+
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    folders = [Path(run.checkpoint_dir)] if "--checkpoint-dir" in found else []
+    if "--outdir" in found and not any(outdir.resolve().is_relative_to(f.resolve()) for f in folders):
+        folders.append(outdir)
+    if info.is_main:
+        for folder in folders:
+            if any(folder.resolve().is_relative_to(f.resolve()) for f in folders if f is not folder):
+                continue  # inside another folder set aside
+            aside = folder.with_name(f"{folder.name}.old-{stamp}")
+            os.replace(folder, aside)
+            get_logger().info("--start-over: the earlier run in %s is now %s", folder, aside)
+    if dist.info().world_size > 1:
+        torch.distributed.barrier()
 
 
 # --------------------------------------------------------------------------- output folder
@@ -228,20 +280,25 @@ def resume(checkpointer, which: str | None, startup: Startup | None = None) -> i
     """The first step to run: 1, or one past the checkpoint ``which`` names ('latest' or a step
     number, ``--resume``; loading it is a startup phase of its own, ``resume``). A job relaunched by
     ``launch --retries`` (``MMM_RESTART`` >= 1) resumes from the latest checkpoint, whatever ``which`` said."""
+    lineage = None
     if checkpointer is not None and restart_attempt():
         from mmm import dist
         from mmm.log import get_logger
 
-        which = "latest"
+        # the newest checkpoint this job saved; before its first save, where it started (a rollback to
+        # an earlier step must not continue the abandoned branch that is still on disk)
+        lineage = os.environ.get("MMM_RUN_STAMP") or None
+        which = which or "latest"
         if dist.info().is_main:
             get_logger().info(
-                "restart %d (launch --retries): resuming from the latest checkpoint in %s",
+                "restart %d (launch --retries): resuming from this run's newest checkpoint in %s (else %s)",
                 restart_attempt(),
                 checkpointer.root,
+                which,
             )
     if checkpointer is None or not which:
         return 1
-    saved = checkpointer.load(which)
+    saved = checkpointer.load(which, lineage=lineage)
     if saved is None:
         return 1
     if startup is not None:

@@ -244,6 +244,14 @@ class RunConfig:
         help="continue from the latest checkpoint in --checkpoint-dir (a fresh start when there is none yet; a "
         "bare --resume means latest) or from a given step; the mesh may differ from the one that saved it",
     )
+    start_over: bool = option(
+        False,
+        "--start-over",
+        "--start_over",
+        group="checkpoint",
+        help="start at step 1 although --checkpoint-dir or --outdir hold an earlier run (refused otherwise): "
+        "that run's folder is moved aside to <folder>.old-<UTC time>, nothing is deleted",
+    )
     keep_last: int = option(
         0,
         "--keep-last",
@@ -291,6 +299,8 @@ class RunConfig:
         for flag, value in (("--wandb-project", self.wandb_project), ("--wandb-name", self.wandb_name)):
             if value is not None and not self.wandb:
                 out.append(f"{flag} only applies with --wandb; add --wandb or drop it")
+        if self.start_over and self.resume is not None:
+            out.append(f"--start-over and --resume {self.resume} contradict each other; choose one")
         if self.timeout is not None and not self.timeout > 0:
             out.append(f"--timeout {self.timeout:g} must be a positive number of seconds")
         if self.on_nonfinite == "skip" and strategy.startswith("zero"):
