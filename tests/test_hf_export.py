@@ -173,3 +173,52 @@ def test_export_is_refused_where_the_model_is_deepspeeds(tmp_path):
     res = run([sys.executable, *MODULE, *TINY, "--strategy", "zero2", "--export-hf", str(tmp_path / "x")], timeout=60)
     assert res.returncode == 2, res.output
     assert "--export-hf gathers the torch-sharded model; --strategy zero2 hands the model to DeepSpeed" in res.stderr
+
+
+# --------------------------------------------------------------------------- nothing lost
+def _tiny_llama():
+    import torch
+
+    from mmm.models.llama import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(dim=32, n_layers=1, n_heads=4, vocab_size=64, seq_len=16)
+    return Llama(cfg), cfg
+
+
+def test_an_export_never_deletes_what_its_folder_held(tmp_path, monkeypatch):
+    """--export-hf into a folder that holds weights (an earlier export, or the very checkpoint the run
+    started from with --init-from): the old files are moved aside whole, after the new export is complete;
+    an index naming a file outside the folder deletes nothing; a full disk mid-write leaves the folder as
+    it was."""
+    import safetensors.torch
+
+    from mmm.models.llama import export_hf_llama
+
+    model, cfg = _tiny_llama()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not a shard")
+    dest = tmp_path / "m" / "llama"
+    dest.mkdir(parents=True)
+    (dest / "model-00001-of-00001.safetensors").write_bytes(b"the original weights")
+    (dest / "tokenizer.json").write_text("{}")
+    (dest / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-00001-of-00001.safetensors", "b": "../../victim.txt"}})
+    )
+    before = {p.name: p.read_bytes() for p in dest.iterdir()}
+
+    def full_disk(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        export_hf_llama(model, dest, cfg)
+    assert {p.name: p.read_bytes() for p in dest.iterdir()} == before  # untouched
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["llama"]  # no half-written export left
+    monkeypatch.undo()
+
+    export_hf_llama(model, dest, cfg)
+    assert victim.read_text() == "not a shard"
+    assert sorted(p.name for p in dest.iterdir()) == ["config.json", "model.safetensors"]
+    (aside,) = [p for p in dest.parent.iterdir() if p.name.startswith("llama.old-")]
+    assert {p.name: p.read_bytes() for p in aside.iterdir()} == before  # every old file, intact

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -30,6 +32,7 @@ import torch
 from torch import nn
 
 from mmm.errors import UsageError
+from mmm.log import get_logger
 
 
 class Source:
@@ -245,16 +248,37 @@ def _write_checkpoint(
             f"cannot export: no rank sent {', '.join(missing[:4])}; under pipeline parallel pass "
             "pp_group= so that the other stages reach rank 0"
         )
-    out.mkdir(parents=True, exist_ok=True)
-    index = out / "model.safetensors.index.json"
-    if index.exists():  # a sharded checkpoint there would be read instead of the file written now
-        for shard in set(json.loads(index.read_text()).get("weight_map", {}).values()):
-            (out / shard).unlink(missing_ok=True)
-        index.unlink()
-    tmp = out / ".model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out / "model.safetensors")
-    if config is not None:
-        tmp = out / ".config.json.tmp"
-        tmp.write_text(json.dumps(config, indent=2) + "\n")
-        os.replace(tmp, out / "config.json")
+    # Everything goes to a new folder beside ``out`` first; only a complete, durable export takes its
+    # place, and whatever ``out`` held before (an earlier export, or the very weights this run started
+    # from with --init-from) is moved aside whole, never deleted, never read for file names to delete.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.export-{time.time_ns()}"
+    tmp.mkdir()
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if config is not None:
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for f in tmp.iterdir():
+            _fsync(f)
+        _fsync(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # our own incomplete export; nothing of ``out`` touched
+        raise
+    aside = None
+    if out.exists() and any(out.iterdir()):
+        aside = out.with_name(f"{out.name}.old-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{os.getpid()}")
+        os.replace(out, aside)
+    elif out.exists():
+        out.rmdir()
+    os.replace(tmp, out)
+    _fsync(out.parent)
+    if aside is not None:
+        get_logger().info("export: what %s held before is now %s (nothing was deleted)", out, aside)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

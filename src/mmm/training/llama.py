@@ -328,13 +328,11 @@ def export_hf(train: LlamaTrainConfig, engine, cfg, info, run, log) -> None:
         if info.is_main:
             log.info("--export-hf skipped: the run stopped early (%s); resume it to the last step", run.stopped_by)
         return
-    import shutil
     from pathlib import Path
 
     from mmm.models.llama import export_hf_llama
 
     pp_group = engine.pipeline.pp_group if engine.pipeline is not None else None
-    out = export_hf_llama(engine.unwrapped(), train.export_hf, cfg, pp_group=pp_group)
     tokenizer = (
         Path(train.tokenizer)
         if train.tokenizer not in (None, "bytes")
@@ -342,7 +340,10 @@ def export_hf(train: LlamaTrainConfig, engine, cfg, info, run, log) -> None:
         if train.dataset == "bin" and train.data_dir
         else None
     )
-    if out is not None and tokenizer is not None and tokenizer.is_file():
-        shutil.copyfile(tokenizer, out / "tokenizer.json")
+    # read first: the folder it lives in may be the export's, whose old contents are moved aside
+    tokenizer_bytes = tokenizer.read_bytes() if info.is_main and tokenizer is not None and tokenizer.is_file() else None
+    out = export_hf_llama(engine.unwrapped(), train.export_hf, cfg, pp_group=pp_group)
+    if out is not None and tokenizer_bytes is not None:
+        (out / "tokenizer.json").write_bytes(tokenizer_bytes)
     if info.is_main:
         log.info("Hugging Face checkpoint written to %s (config.json, model.safetensors)", train.export_hf)
