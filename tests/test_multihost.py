@@ -281,6 +281,8 @@ def test_a_job_survives_losing_a_host(shared_dir_3, tmp_path):
         assert worst <= 1e-5, (key, worst)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 4 and summary["mesh"]["dp_shard"] == 2, summary["mesh"]
+    assert summary["dropped_hosts"] == ["node3"] and summary["restart"] == 1, summary
+    assert "relaunched without host(s) node3: they did not answer after the failure" in stdout
 
 
 @pytest.fixture

@@ -96,6 +96,11 @@ def start(example: str, config: Config, problems: Callable[[Config, int], list[s
     startup.mark_setup(info)
     if info.is_main:
         get_logger().info("%s", dist.banner(info))
+        if dropped_hosts():
+            get_logger().info(
+                "relaunched without host(s) %s: they did not answer after the failure (launch --drop-lost-hosts)",
+                ", ".join(dropped_hosts()),
+            )
     found = problems(config, info.world_size)
     if found:
         raise UsageError("; ".join(found))
@@ -304,6 +309,11 @@ def resume(checkpointer, which: str | None, startup: Startup | None = None) -> i
     if startup is not None:
         startup.mark("resume")
     return int(saved["step"]) + 1
+
+
+def dropped_hosts() -> list[str]:
+    """Hosts ``launch --drop-lost-hosts`` left out of this relaunch: they did not answer after a failure."""
+    return [h for h in os.environ.get("MMM_DROPPED_HOSTS", "").split(",") if h]
 
 
 def restart_attempt() -> int:
@@ -596,6 +606,8 @@ class Run:
             "world_size": self.info.world_size,
             "num_nodes": self.info.num_nodes,
             "launcher": self.info.launcher,
+            "restart": restart_attempt(),
+            "dropped_hosts": dropped_hosts(),
             "device": str(self.info.device),
             "backend": self.info.backend,
             **extra,
