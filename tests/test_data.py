@@ -11,6 +11,7 @@ bad input is one line naming the file and the value.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from types import SimpleNamespace
 
@@ -274,6 +275,36 @@ def test_trainer_on_a_saved_hf_dataset(corpus, hf_dirs, tmp_path):
     for key in ("loss", "grad_norm"):
         assert max_rel_diff([r[key] for r in b], [r[key] for r in a]) <= RTOL, key
     assert json.loads((two / "summary.json").read_text())["dataset"] == f"hf:{hf_dirs.pre.name}"
+
+
+def test_a_text_dataset_is_tokenised_once_per_job(corpus, hf_dirs, tmp_path):
+    """2 ranks on the text column: rank 0 tokenises it into one token file beside the dataset, every rank
+    memory-maps it (not a copy of the corpus per rank); the next job with the same data and tokenizer
+    reuses the file; the stream and the steps are one process's."""
+    from mmm.data.tokens import TOKEN_CACHE, hf_token_array
+
+    cache = hf_dirs.text / TOKEN_CACHE
+    shutil.rmtree(cache, ignore_errors=True)
+    flags = [*MODULE, *TINY, "--dataset", "hf", "--data-dir", str(hf_dirs.text), "--tokenizer", str(corpus.tokenizer)]
+    one = tmp_path / "one"
+    res = run([sys.executable, *flags, "--max-iters", "3", "--outdir", str(one)], timeout=180)
+    assert res.returncode == 0 and not cache.exists(), res.output  # one process: nothing to share
+    outs = []
+    for attempt in range(2):
+        outs.append(tmp_path / f"two{attempt}")
+        res = run(launch("-n", "2", "python3", *flags, "--max-iters", "3", "--outdir", str(outs[-1])), timeout=240)
+        assert res.returncode == 0, res.output
+        (token_file,) = cache.glob("train-*.bin")
+        if attempt == 0:
+            written = token_file.stat().st_mtime_ns
+    assert token_file.stat().st_mtime_ns == written  # reused, not written again
+    want, _ = hf_token_array(hf_dirs.text, tokenizer=str(corpus.tokenizer))
+    meta = json.loads(token_file.with_suffix(".json").read_text())
+    assert np.array_equal(np.fromfile(token_file, dtype=meta["dtype"]), want)
+    for out in outs:
+        for key in ("loss", "grad_norm"):
+            got, ref = jsonl(out / "history.jsonl", key), jsonl(one / "history.jsonl", key)
+            assert max_rel_diff(got, ref) <= RTOL, key
 
 
 def _write_tokens(path, values, dtype=np.uint16):

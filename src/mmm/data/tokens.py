@@ -19,11 +19,13 @@ numpy reads the files; ``datasets`` and ``tokenizers`` are imported only for Hug
 from __future__ import annotations
 
 import json
+import os
 import pickle
 from functools import lru_cache
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from mmm.errors import UsageError
 
@@ -367,9 +369,82 @@ def hf_tokens(
     text_column: str | None = None,
     tokenizer: str | None = None,
 ) -> TokenWindows:
-    """``--dataset hf``: windows of a saved dataset's token stream (tokenised at load, on every rank)."""
-    tokens, source = hf_token_array(data_dir, split=split, text_column=text_column, tokenizer=tokenizer)
+    """``--dataset hf``: windows of a saved dataset's token stream. In a job of several ranks the stream
+    is tokenised once, by rank 0, into a token file every rank memory-maps (:func:`cached_hf_tokens`):
+    a rank holds a window at a time, not the corpus (tokenising on every rank took ~36 bytes per token
+    per rank: ~290 GB per node of 8 ranks for a 2B-token split)."""
+    tokens, source = cached_hf_tokens(data_dir, split=split, text_column=text_column, tokenizer=tokenizer)
     return TokenWindows(tokens, seq_len=seq_len, name=f"hf:{Path(data_dir).name}", source=source, vocab_size=vocab_size)
+
+
+TOKEN_CACHE = ".mmm-tokens"  # beside the dataset (shared by every node), else MMM_TOKEN_CACHE
+
+
+def token_cache_dir(data_dir: Path) -> Path:
+    """Where tokenised splits are kept: ``MMM_TOKEN_CACHE``, else ``<data-dir>/.mmm-tokens`` when the
+    dataset's folder is writable, else ``~/.cache/mmm/tokens``."""
+    import os
+
+    if os.environ.get("MMM_TOKEN_CACHE"):
+        return Path(os.environ["MMM_TOKEN_CACHE"])
+    if os.access(data_dir, os.W_OK):
+        return data_dir / TOKEN_CACHE
+    return Path.home() / ".cache" / "mmm" / "tokens"
+
+
+def _cache_key(data_dir: Path, split: str, text_column: str | None, tokenizer: str | None) -> str:
+    """Names what the tokens depend on: the dataset's files (names, sizes, times), the column and the
+    tokenizer (its file's size and time); any change gives another file."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(p for p in data_dir.rglob("*") if p.is_file() and TOKEN_CACHE not in p.parts):
+        st = f.stat()
+        h.update(f"{f.relative_to(data_dir)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    h.update(f"{split}:{text_column}:{tokenizer}\n".encode())
+    if tokenizer not in (None, "bytes") and Path(tokenizer).is_file():
+        st = Path(tokenizer).stat()
+        h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def cached_hf_tokens(data_dir, *, split: str = "train", text_column: str | None = None, tokenizer: str | None = None):
+    """(tokens, description) of a split, as :func:`hf_token_array` gives them, read from a token file
+    that rank 0 writes once (the other ranks wait, then memory-map it; a later job with the same data
+    and tokenizer reuses it). A single process, or a rank that cannot see rank 0's file (a cache on a
+    node-local disk), tokenises for itself."""
+    import numpy as np
+
+    data_dir = check_data_dir(data_dir, "hf")
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world == 1:
+        return hf_token_array(data_dir, split=split, text_column=text_column, tokenizer=tokenizer)
+    key = _cache_key(data_dir, split, text_column, tokenizer)
+    cache = token_cache_dir(data_dir)
+    path, meta = cache / f"{split}-{key}.bin", cache / f"{split}-{key}.json"
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            if not (path.is_file() and meta.is_file()):
+                tokens, source = hf_token_array(data_dir, split=split, text_column=text_column, tokenizer=tokenizer)
+                cache.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+                tokens.tofile(tmp)
+                os.replace(tmp, path)
+                meta.write_text(json.dumps({"dtype": str(tokens.dtype), "tokens": int(tokens.size), "source": source}))
+            box[0] = ("ok", json.loads(meta.read_text()))
+        except UsageError as e:
+            box[0] = ("error", str(e))
+        except OSError as e:  # a cache folder it cannot write: every rank tokenises for itself
+            box[0] = ("none", f"{e}")
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise UsageError(value)
+    if kind == "ok" and path.is_file() and path.stat().st_size == value["tokens"] * np.dtype(value["dtype"]).itemsize:
+        tokens = np.memmap(path, dtype=value["dtype"], mode="r") if value["tokens"] else np.zeros(0, value["dtype"])
+        return tokens, value["source"]
+    return hf_token_array(data_dir, split=split, text_column=text_column, tokenizer=tokenizer)
 
 
 # --------------------------------------------------------------------------- vocabulary
