@@ -27,10 +27,12 @@ matters for dropout). DeepSpeed strategies use DeepSpeed's own ``save_checkpoint
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import os
 import re
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -38,7 +40,7 @@ from typing import Any
 import torch
 
 from mmm.dist.exits import uninterrupted
-from mmm.errors import API, Spelling, UsageError
+from mmm.errors import API, RunError, Spelling, UsageError
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 META = "mmm.json"
@@ -153,6 +155,33 @@ def checkpoint_problems(
     return out
 
 
+# ---------------------------------------------------------------------- crash points (tests)
+# MMM_SAVE_FAULT=STAGE[@STEP][:RANK|:all] SIGKILLs a rank at that point of a checkpoint save (or an
+# export): shards (its DCP files written), rng (its RNG file written), meta (rank 0: mmm.json written,
+# not yet renamed), rename (rank 0: between the two renames of a re-save), prune (rank 0: half-way
+# through deleting a pruned folder), export (rank 0: the export written beside DIR, not yet in place).
+# First attempt only (not after a relaunch by launch --retries), like MMM_FAULT. Unset: one dict lookup.
+def crash_armed(stage: str, step: int | None = None) -> bool:
+    spec = os.environ.get("MMM_SAVE_FAULT")
+    if not spec or os.environ.get("MMM_RESTART", "0") not in ("", "0"):
+        return False
+    m = re.fullmatch(r"(?P<stage>[a-z]+)(?:@(?P<step>\d+))?(?::(?P<rank>\d+|all))?", spec)
+    if m is None:
+        raise UsageError(f"MMM_SAVE_FAULT={spec!r} is not STAGE[@STEP][:RANK|:all] (e.g. rng@4:1)")
+    rank, _ = _rank_world()
+    who = m["rank"] or "0"
+    return (
+        m["stage"] == stage
+        and (m["step"] is None or step is None or int(m["step"]) == step)
+        and (who == "all" or int(who) == rank)
+    )
+
+
+def crash_point(stage: str, step: int | None = None) -> None:
+    if crash_armed(stage, step):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _barrier() -> None:
     import torch.distributed as dist
 
@@ -179,6 +208,14 @@ def _on_rank0(fn) -> Any:
     if kind == "error":
         raise CheckpointWriteError(value)
     return value
+
+
+def _no_space(e: BaseException) -> bool:
+    """A full disk or quota, however DCP or rank 0's broadcast wrapped it."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(e)
+    return "No space left on device" in text or "Disk quota exceeded" in text
 
 
 class CheckpointWriteError(RuntimeError):
@@ -300,7 +337,17 @@ class Checkpointer:
         final = step_dir(self.root, step)
         tmp = self.root / f".{final.name}.tmp"
         with uninterrupted():  # a second SIGTERM waits until the checkpoint is complete
-            self._save(step, extra, rank, world, final, tmp)
+            try:
+                self._save(step, extra, rank, world, final, tmp)
+            except BaseException as e:  # DCP's CheckpointException is a BaseException
+                if not _no_space(e):
+                    raise
+                free = shutil.disk_usage(self.root).free if self.root.exists() else 0
+                raise RunError(
+                    f"checkpoint of step {step}: no space left in {str(self.root)!r} ({free / 2**20:.1f} MiB free); "
+                    "the checkpoints saved before are intact: free space (or keep fewer with keep_last) and "
+                    "resume from the latest"
+                ) from None
         self.last_save_s = time.perf_counter() - t0
         if self.log is not None:
             self.log.info("checkpoint: step %d saved to %s in %.2fs", step, final, self.last_save_s)
@@ -322,10 +369,12 @@ class Checkpointer:
             import torch.distributed.checkpoint as dcp
 
             dcp.save(self._state(), checkpoint_id=str(tmp))  # DCP's file writer fsyncs its files
+        crash_point("shards", step)
         with open(tmp / "rng" / f"rank{rank:05d}.pt", "wb") as f:
             torch.save(_rng_state(), f)
             f.flush()
             os.fsync(f.fileno())
+        crash_point("rng", step)
         _barrier()
         _on_rank0(lambda: self._commit(step, extra, world, final, tmp))
 
@@ -348,10 +397,12 @@ class Checkpointer:
             f.flush()
             os.fsync(f.fileno())
         _fsync_path(tmp)
+        crash_point("meta", step)
         if final.exists():  # a re-save of the same step (after a resume): set the old one aside first,
             aside = self.root / f".{final.name}.old"  # so a crash between the renames loses nothing
             os.replace(final, aside)
             _fsync_path(self.root)
+            crash_point("rename", step)
             os.replace(tmp, final)
             _fsync_path(self.root)
             doomed = self.root / f".{final.name}.{time.time_ns()}.del"
@@ -373,6 +424,9 @@ class Checkpointer:
             doomed = self.root / f".{step_dir(self.root, old).name}.{time.time_ns()}.del"
             os.replace(step_dir(self.root, old), doomed)
             _fsync_path(self.root)
+            if crash_armed("prune", keep):  # die half-way through deleting it
+                next(p for p in doomed.rglob("*") if p.is_file()).unlink()
+                crash_point("prune", keep)
             _delete_in_background(doomed, self.log)
 
     # ------------------------------------------------------------------ load

@@ -33,6 +33,7 @@ from torch import nn
 
 from mmm.errors import UsageError
 from mmm.log import get_logger
+from mmm.parallel.checkpoint import crash_point
 
 
 class Source:
@@ -261,6 +262,7 @@ def _write_checkpoint(
         for f in tmp.iterdir():
             _fsync(f)
         _fsync(tmp)
+        crash_point("export")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # our own incomplete export; nothing of ``out`` touched
         raise
