@@ -52,6 +52,7 @@ def resumed_steps(output: str) -> list[int]:
         ("rng@4:all", 2),  # every rank dies after its RNG file: nothing marks step 4 complete
         ("meta@4", 2),  # rank 0 dies with mmm.json written in the temporary folder, before the rename
         ("prune@4", 4),  # rank 0 dies half-way through deleting step 2 (keep-last 1): 4 is complete
+        ("history@5", 4),  # rank 0 dies half-way through writing step 5's line of history.jsonl
     ],
 )
 def test_a_kill_during_a_save_loses_nothing(reference, tmp_path, fault, resumes_at):

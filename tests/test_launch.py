@@ -1,6 +1,7 @@
 """`launch`: scheduler detection, host lists, the commands it builds, and its errors."""
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -282,12 +283,21 @@ def test_rank_watch_skips_ranks_that_finished_and_defers_to_a_rank_that_spoke(tm
     (tmp_path / "c").mkdir()  # a rank that never noted itself (another host): the order is not known
     assert L.RankWatch(str(tmp_path / "c"), 4).first_silent() is None
     (tmp_path / "c" / "another-host.1").write_text("0")  # a note from another host is not this host's pid 1
-    w = L.RankWatch(str(tmp_path / "c"), 1)
-    w.start()
-    time.sleep(0.2)
-    w.done.set()
-    w.join(timeout=5)
-    assert w.rank_of == {} and w.first_silent() is None
+    mine = subprocess.Popen(["sleep", "30"])  # and one of this host, so we know the watcher has looked
+    try:
+        (tmp_path / "c" / f"{socket.gethostname()}.{mine.pid}").write_text("1")
+        w = L.RankWatch(str(tmp_path / "c"), 2)
+        w.start()
+        deadline = time.monotonic() + 10
+        while mine.pid not in w.rank_of and time.monotonic() < deadline:
+            time.sleep(0.02)
+        w.done.set()
+        w.join(timeout=5)
+    finally:
+        mine.kill()
+        mine.wait()
+    assert w.rank_of == {mine.pid: "1"}, w.rank_of  # looked, took this host's note, skipped the other's
+    assert w.first_silent() is None
 
 
 _RULE = b"-" * 74 + b"\n"

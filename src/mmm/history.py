@@ -26,6 +26,7 @@ import json
 import math
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -54,6 +55,15 @@ def _json_line(rec: dict) -> str:
         else:  # None, bool, nan/inf: let json spell them
             parts.append(f'"{k}": {json.dumps(v)}')
     return "{" + ", ".join(parts) + "}\n"
+
+
+def _crash_step(name: str) -> int | None:
+    """``MMM_SAVE_FAULT=history@N`` (tests): die half-way through writing step N's line of
+    ``history.jsonl`` (first attempt only, as every fault)."""
+    spec = os.environ.get("MMM_SAVE_FAULT", "")
+    if name != "history" or not spec.startswith("history@") or os.environ.get("MMM_RESTART", "0") not in ("", "0"):
+        return None
+    return int(spec.split("@", 1)[1])
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -90,6 +100,7 @@ class History:
         self.rows: list[dict[str, float | int | None]] = []
         self.hooks: list[Callable[[dict], Any]] = list(hooks)
         self._file = None
+        self._crash_at = _crash_step(name)
         path = self.outdir / f"{name}.jsonl" if self.outdir is not None else None
         if resume is not None and path is not None and path.is_file():
             for line in path.read_text().splitlines():
@@ -128,7 +139,12 @@ class History:
             rec[k] = v if t is float or t is int or v is None else _scalar(v)
         self.rows.append(rec)
         if self._file is not None:
-            self._file.write(_json_line(rec))
+            line = _json_line(rec)
+            if rec[self.step_key] == self._crash_at:  # a kill in the middle of a line (tests)
+                self._file.write(line[: len(line) // 2])
+                self._file.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+            self._file.write(line)
         if self.hooks:
             for hook in self.hooks:
                 hook(rec)
