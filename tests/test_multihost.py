@@ -41,9 +41,17 @@ def assert_two_hosts(found: list[dict], launcher: str) -> None:
     assert {r["env_master"][0] for r in found} == {"node1"}  # rendezvous at rank 0's host, not 127.0.0.1
 
 
-def test_torchrun_on_two_hosts(two_hosts, shared_dir):
+@pytest.mark.parametrize("rdzv", ["static", "c10d"])
+def test_torchrun_on_two_hosts(two_hosts, shared_dir, rdzv):
+    """torchrun on each host, with a static rendezvous at node1 or torchrun's c10d rendezvous (which
+    assigns the node ranks itself: rank 0 may land on either host, and mmm meets at its host)."""
     out = shared_dir / "torchrun"
     port = str(free_port())
+    meet = (
+        ["--rdzv-backend=c10d", f"--rdzv-endpoint=node1:{port}", "--rdzv-id=mmm-test"]
+        if rdzv == "c10d"
+        else ["--master-addr=node1", f"--master-port={port}"]
+    )
     procs = [
         two_hosts.popen(
             host,
@@ -53,9 +61,8 @@ def test_torchrun_on_two_hosts(two_hosts, shared_dir):
                 "torch.distributed.run",
                 "--nnodes=2",
                 f"--nproc-per-node={RANKS_PER_HOST}",
-                f"--node-rank={i}",
-                "--master-addr=node1",
-                f"--master-port={port}",
+                *([f"--node-rank={i}"] if rdzv == "static" else []),
+                *meet,
                 "-m",
                 "mmm",
                 "--tp",
@@ -77,9 +84,18 @@ def test_torchrun_on_two_hosts(two_hosts, shared_dir):
         for p in procs:
             kill_group(p)
     assert [p.returncode for p in procs] == [0, 0], outs
-    assert "smoke test passed: 6 all-reduce checks on each of 4 ranks" in outs[0][0], outs[0]
-    assert "world=4 nodes=2 local_world=2" in outs[0][0]
-    assert_two_hosts(reports(out), "torchrun")
+    logs = outs[0][0] + outs[1][0]  # rank 0 logs on whichever host it landed
+    assert "smoke test passed: 6 all-reduce checks on each of 4 ranks" in logs, outs
+    assert "world=4 nodes=2 local_world=2" in logs
+    found = reports(out)
+    if rdzv == "static":
+        assert_two_hosts(found, "torchrun")
+    else:  # c10d picks which host holds ranks 0-1; everything else is as with a static rendezvous
+        hosts = [r["host"] for r in found]
+        assert hosts[0] == hosts[1] != hosts[2] == hosts[3] and set(hosts) == {"node1", "node2"}, hosts
+        assert [r["local_rank"] for r in found] == [0, 1, 0, 1]
+        assert {r["env_master"][0] for r in found} == {hosts[0]}  # they met at rank 0's host
+        assert all(c["ok"] for r in found for c in r["checks"]), found
 
 
 @pytest.mark.parametrize("flavor", ["openmpi", "mpich"])
