@@ -54,3 +54,14 @@ def test_a_tolerance_of_zero_fails_with_a_one_line_error():
 def test_bad_input(flags, needle):
     res = run(launch("--launcher", "local", "-n", "2", *VERIFY, *flags), timeout=60)
     assert_clean_user_error(res, needle)
+
+
+def test_a_hugging_face_model_without_a_tp_plan_uses_its_configs():
+    """--model mypkg:build --tp 2 on a transformers model and no --tp-plan: its config's
+    base_model_tp_plan is used, and the log says so (it used to say "the spec has no tp_plan")."""
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install 'mmm[hf]')")
+    env = clean_env(PYTHONPATH=os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]))
+    res = run(launch("-n", "2", *VERIFY, "--model", "hf_lm:build", "--tp", "2", "--steps", "3"), env=env, timeout=240)
+    assert res.returncode == 0, res.output
+    assert "no --tp-plan given: using the TP plan LlamaForCausalLM's config carries" in res.output, res.output
+    assert "PASS: " in res.stdout

@@ -341,6 +341,27 @@ def target(check: VerifyConfig):
     return factory, {"tp_plan": plan}, tokens, lm_loss
 
 
+def config_tp_plan(model_fn, say: bool) -> dict | None:
+    """No --tp-plan for a model whose config carries one (a Hugging Face model's ``base_model_tp_plan``):
+    use that plan, and say so. None when the model has no such config (the spec check then asks for one)."""
+    from mmm.log import get_logger
+    from mmm.parallel import meta_init
+    from mmm.parallel.tensor import hf_tp_plan
+
+    with meta_init():  # only to read its config: no memory, no weights
+        probe = model_fn()
+    if not getattr(getattr(probe, "config", None), "base_model_tp_plan", None):
+        return None
+    plan = hf_tp_plan(probe)
+    if say:
+        get_logger().info(
+            "no --tp-plan given: using the TP plan %s's config carries (base_model_tp_plan, %d patterns)",
+            type(probe).__name__,
+            len(plan),
+        )
+    return plan
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from mmm import dist
     from mmm.log import get_logger
@@ -360,6 +381,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UsageError("; ".join(problems))
     mesh = init_mesh(**par.degrees, log_coordinates=False)
     model_fn, options, batch_fn, loss_fn = target(check)
+    if par.tp > 1 and not options.get("tp_plan"):
+        options["tp_plan"] = config_tp_plan(model_fn, info.is_main)
     spec = ParallelSpec(blocks=check.blocks, ac=par.ac, dp=par.strategy, **options)
     verdict = verify(
         model_fn,
