@@ -274,3 +274,14 @@ def slurm_on_two_hosts(two_hosts, tmp_path_factory):
         yield cluster
     finally:
         cluster.stop()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The fault campaign's table (tests/test_faults.py), after the run."""
+    faults = sys.modules.get("test_faults")
+    rows = getattr(faults, "OUTCOMES", [])
+    if rows:
+        width = max(len(f) for f, _, _ in rows)
+        terminalreporter.write_sep("-", "fault campaign: fault / outcome / lost")
+        for fault, outcome, lost in rows:
+            terminalreporter.write_line(f"{fault:<{width}}  {outcome} / lost: {lost}")

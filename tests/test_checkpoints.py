@@ -252,6 +252,9 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_one_saved_before(tmp_path
     assert "step 6" in text and "rng/rank00000.pt is missing" in text and "step 4" in text, text
     with pytest.raises(UsageError, match=r"checkpoint step 6 .* is damaged: rng/rank00000.pt is missing"):
         ck.resolve("6")
+    (step_dir(tmp_path, 2) / ".metadata").unlink()  # now none is sound: never a fresh start over them
+    with pytest.raises(UsageError, match=r"no checkpoint in .* can be loaded \(steps 2, 4, 6"):
+        ck.load("latest")
 
 
 def test_loading_a_checkpoint_runs_no_code_from_its_folder(tmp_path):
@@ -320,6 +323,9 @@ def test_a_fresh_start_never_overwrites_an_earlier_run(saved_run, tmp_path):
     ok("--max-iters", "2", "--outdir", str(out))
     # the same outdir again: its history is an earlier run's too
     res = trainer("--max-iters", "2", "--outdir", str(out))
+    assert res.returncode == 2 and f"--outdir '{out}' holds the history of an earlier run" in res.stderr, res.output
+    # --resume with nothing to resume from would have started afresh and truncated that history
+    res = trainer("--max-iters", "2", "--checkpoint-dir", str(tmp_path / "new"), "--resume", "--outdir", str(out))
     assert res.returncode == 2 and f"--outdir '{out}' holds the history of an earlier run" in res.stderr, res.output
     res = ok("--max-iters", "2", "--checkpoint-dir", str(ck), "--outdir", str(out), "--start-over")
     aside = sorted(p.name for p in tmp_path.iterdir() if ".old-" in p.name)

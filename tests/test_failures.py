@@ -191,10 +191,14 @@ def test_import_mmm_and_parallel_stay_light():
     code = (
         "import sys, mmm; assert 'torch' not in sys.modules, 'import mmm pulled torch'\n"
         "from mmm.parallel import init_mesh\n"
-        "heavy = [m for m in ('deepspeed', 'xarray', 'matplotlib', 'plotext', 'torchinfo', 'mpi4py')"
-        " if m in sys.modules]\n"
+        "heavy = [m for m in ('deepspeed', 'xarray', 'matplotlib', 'plotext', 'torchinfo', 'mpi4py',"
+        " 'transformers', 'wandb', 'tensorboard', 'datasets') if m in sys.modules]\n"
         "assert not heavy, heavy\nprint('light')"
     )
+    res = run([sys.executable, "-c", code])
+    assert res.returncode == 0 and res.stdout.strip() == "light", res.output
+    # the launch command starts ranks: it never imports torch itself
+    code = "import sys, mmm.launch.cli; assert 'torch' not in sys.modules, 'launch pulled torch'; print('light')"
     res = run([sys.executable, "-c", code])
     assert res.returncode == 0 and res.stdout.strip() == "light", res.output
 

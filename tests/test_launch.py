@@ -342,7 +342,8 @@ def test_drop_lost_hosts_is_refused_where_it_cannot_act():
 
     for argv, needle in (
         (["--drop-lost-hosts", "true"], "--drop-lost-hosts acts on a relaunch: add --retries N"),
-        (["--retries", "1", "--drop-lost-hosts", "--launcher", "local", "true"], "needs several hosts"),
+        (["--retries", "1", "--drop-lost-hosts", "--launcher", "local", "true"], "needs a job on several hosts"),
+        (["--retries", "1", "--drop-lost-hosts", "--launcher", "mpiexec", "-n", "2", "true"], "needs a job on several"),
     ):
         res = run([sys.executable, "-m", "mmm.launch", *argv], timeout=30)
         assert res.returncode == 2 and needle in res.stderr, res.output

@@ -289,6 +289,8 @@ def test_a_job_survives_losing_a_host(shared_dir_3, tmp_path):
             pytest.fail("the job did not finish after losing a host")
     assert p.returncode == 0, stdout + stderr
     assert "host node3 did not answer after the failure: relaunching on node1, node2 (4 ranks, 2 per host" in stderr
+    resumed = [ln for ln in stdout.splitlines() if "checkpoint: resumed from" in ln]
+    assert len(resumed) == 1 and "step-00000004" in resumed[0], stdout  # not a fresh start at step 1
     rows = [json.loads(x) for x in (out / "history.jsonl").read_text().splitlines()]
     assert [r["iter"] for r in rows] == list(range(1, 11)), [r["iter"] for r in rows]
     want = {r["iter"]: r for r in map(json.loads, (ref / "history.jsonl").read_text().splitlines())}

@@ -59,7 +59,7 @@ def test_a_killed_rank_is_recovered_by_a_relaunch(tmp_path, launcher):
         "launch: error: attempt 1 of 3 failed with exit code" in res.stderr
         and "relaunching (MMM_RESTART=1, fresh rendezvous port)" in res.stderr
     ), res.stderr
-    assert "restart 1 (launch --retries): resuming from the latest checkpoint" in res.output
+    assert "restart 1 (launch --retries): resuming from this run's newest checkpoint" in res.output
     assert "step-00000004" in res.output  # the last checkpoint of the first attempt
     rows = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
     assert [r["iter"] for r in rows] == list(range(1, 9))  # one row per step: no duplicates, no gaps

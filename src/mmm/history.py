@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from mmm.errors import UsageError
+
 DEFAULT_WARMUP = 2
 TEXT_PLOT_POINTS = 400  # plotext draws at most this many points (evenly strided)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -59,11 +61,14 @@ def _json_line(rec: dict) -> str:
 
 def _crash_step(name: str) -> int | None:
     """``MMM_SAVE_FAULT=history@N`` (tests): die half-way through writing step N's line of
-    ``history.jsonl`` (first attempt only, as every fault)."""
+    ``history.jsonl`` (first attempt only, as every fault; only rank 0 writes the history)."""
     spec = os.environ.get("MMM_SAVE_FAULT", "")
-    if name != "history" or not spec.startswith("history@") or os.environ.get("MMM_RESTART", "0") not in ("", "0"):
+    if name != "history" or not spec.startswith("history") or os.environ.get("MMM_RESTART", "0") not in ("", "0"):
         return None
-    return int(spec.split("@", 1)[1])
+    m = re.fullmatch(r"history@(\d+)(?::0)?", spec)
+    if m is None:
+        raise UsageError(f"MMM_SAVE_FAULT={spec!r}: the history fault is history@STEP (rank 0 writes the history)")
+    return int(m[1])
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -18,6 +18,7 @@ numpy reads the files; ``datasets`` and ``tokenizers`` are imported only for Hug
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import pickle
@@ -422,29 +423,57 @@ def cached_hf_tokens(data_dir, *, split: str = "train", text_column: str | None 
     key = _cache_key(data_dir, split, text_column, tokenizer)
     cache = token_cache_dir(data_dir)
     path, meta = cache / f"{split}-{key}.bin", cache / f"{split}-{key}.json"
-    box: list = [None]
+    # the outcome travels through the job's store, waited on without the collective timeout: tokenising a
+    # large split on rank 0 may take longer than that
+    store, note = dist.distributed_c10d._get_default_store(), f"mmm/tokens/{split}-{key}"
     if dist.get_rank() == 0:
         try:
             if not (path.is_file() and meta.is_file()):
-                tokens, source = hf_token_array(data_dir, split=split, text_column=text_column, tokenizer=tokenizer)
-                cache.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-                tokens.tofile(tmp)
-                os.replace(tmp, path)
-                meta.write_text(json.dumps({"dtype": str(tokens.dtype), "tokens": int(tokens.size), "source": source}))
-            box[0] = ("ok", json.loads(meta.read_text()))
+                _write_token_cache(path, meta, data_dir, split, text_column, tokenizer)
+            outcome = ("ok", json.loads(meta.read_text()))
         except UsageError as e:
-            box[0] = ("error", str(e))
+            outcome = ("error", str(e))
         except OSError as e:  # a cache folder it cannot write: every rank tokenises for itself
-            box[0] = ("none", f"{e}")
-    dist.broadcast_object_list(box, src=0)
-    kind, value = box[0]
+            outcome = ("none", f"{e}")
+        except BaseException as e:
+            store.set(note, json.dumps(("failed", f"{type(e).__name__}: {e}")))
+            raise  # a real bug: its traceback, from rank 0
+        store.set(note, json.dumps(outcome))
+    else:
+        store.wait([note], datetime.timedelta(days=7))
+        outcome = tuple(json.loads(store.get(note)))
+    kind, value = outcome
     if kind == "error":
         raise UsageError(value)
+    if kind == "failed":
+        raise RuntimeError(f"rank 0 failed to tokenise {data_dir}: {value}")
     if kind == "ok" and path.is_file() and path.stat().st_size == value["tokens"] * np.dtype(value["dtype"]).itemsize:
         tokens = np.memmap(path, dtype=value["dtype"], mode="r") if value["tokens"] else np.zeros(0, value["dtype"])
         return tokens, value["source"]
+    if dist.get_rank() == 0:
+        from mmm.log import get_logger
+
+        reason = value if kind == "none" else f"{path} is not visible on every rank"
+        get_logger().warning("token cache: %s; every rank tokenises %s itself", reason, data_dir)
     return hf_token_array(data_dir, split=split, text_column=text_column, tokenizer=tokenizer)
+
+
+def _write_token_cache(path: Path, meta: Path, data_dir: Path, split: str, text_column, tokenizer) -> None:
+    """Rank 0: the split's tokens to ``path`` and their description to ``meta``, each written whole
+    (a temporary name, fsynced, renamed), the tokens first: a meta file names only complete tokens."""
+    tokens, source = hf_token_array(data_dir, split=split, text_column=text_column, tokenizer=tokenizer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    description = json.dumps({"dtype": str(tokens.dtype), "tokens": int(tokens.size), "source": source}).encode()
+    for target, write in ((path, lambda f: tokens.tofile(f)), (meta, lambda f: f.write(description))):
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------- vocabulary

@@ -38,10 +38,13 @@ from mmm.dist.device import (  # noqa: F401
 )
 from mmm.dist.exits import (  # noqa: F401
     USAGE_ERROR_GRACE_S,
+    RankZeroFailed,
     Terminated,
+    all_ok,
     finish,
     gather_objects,
     graceful_sigterm,
+    on_rank0,
     peer_failure_message,
     run_main,
     stop_flag,

@@ -301,6 +301,52 @@ def _mpi_finalized() -> bool:
         return False
 
 
+class RankZeroFailed(RuntimeError):
+    """Work rank 0 did for every rank failed there (:func:`on_rank0`); raised on every rank at once."""
+
+
+def on_rank0(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on rank 0 and tell every rank how it went (a collective every rank enters): its
+    value, or its error raised on every rank at once, so that a failure of rank 0's filesystem work
+    (a folder it cannot make, a full disk) never leaves the others at a barrier until the timeout.
+    A :class:`mmm.errors.UsageError` keeps its type (a one-line error on every rank)."""
+    import torch.distributed as tdist
+
+    distributed = tdist.is_initialized() and tdist.get_world_size() > 1
+    rank = tdist.get_rank() if distributed else 0
+    box: list[Any] = [None]
+    if rank == 0:
+        try:
+            box[0] = ("ok", fn())
+        except UsageError as e:
+            if not distributed:
+                raise
+            box[0] = ("usage", (type(e), str(e)))
+        except Exception as e:
+            if not distributed:
+                raise
+            box[0] = ("error", f"{type(e).__name__}: {e}")
+    if distributed:
+        tdist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "usage":  # the same error, and the same one line (rank 0 prints it), on every rank
+        cls, message = value
+        raise cls(message)
+    if kind == "error":
+        raise RankZeroFailed(value)
+    return value
+
+
+def all_ok(error: BaseException | None) -> None:
+    """After work every rank did for itself (its own file): raise on every rank when any rank failed,
+    naming the first, instead of leaving the others at the next barrier."""
+    failures = [f for f in gather_objects(None if error is None else f"{type(error).__name__}: {error}") if f]
+    if error is not None and len(failures) <= 1:
+        raise error
+    if failures:
+        raise RankZeroFailed(f"{len(failures)} rank(s) failed, the first: {failures[0]}")
+
+
 def gather_objects(obj: Any) -> list[Any]:
     """Every rank's ``obj`` on every rank (an explicit collective, for end-of-run reports)."""
     import torch.distributed as tdist

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from mmm.errors import ArgumentParser, UsageError, print_error
+from mmm.launch.hostloss import plan_hosts
 from mmm.launch.plan import LAUNCHERS, LaunchPlan, plan_launch
 from mmm.launch.run import run_attempt, run_with_retries, stays_parent
 from mmm.launch.signals import PROG, _unignore_stop_signals
@@ -100,9 +101,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError(f"--retries {args.retries} must be >= 0 (the number of relaunches after a failure)")
         if args.drop_lost_hosts and not args.retries:
             raise UsageError("--drop-lost-hosts acts on a relaunch: add --retries N")
-        if args.drop_lost_hosts and plan.launcher == "local":
+        if args.drop_lost_hosts and (plan.launcher == "local" or len(plan_hosts(plan)) < 2):
             raise UsageError(
-                "--drop-lost-hosts needs several hosts (mpiexec or srun); --launcher local is this machine"
+                f"--drop-lost-hosts needs a job on several hosts; this one runs on {', '.join(plan_hosts(plan))} "
+                f"only (via {plan.launcher})"
             )
     except UsageError as e:
         print_error(str(e), prog=PROG)

@@ -27,6 +27,7 @@ FORWARDED_ENV = (  # passed on to every rank by an MPI launcher, when set
     "MMM_LAUNCHER",
     "MMM_RUN_STAMP",
     "MMM_RESTART",
+    "MMM_DROPPED_HOSTS",
 )
 
 

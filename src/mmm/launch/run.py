@@ -118,10 +118,18 @@ def run_with_retries(
     fresh_port = "MASTER_PORT" in first.env
     chose_addr = "MASTER_ADDR" in first.env
     base = {**os.environ, **first.env}
+    folder = tempfile.mkdtemp(prefix="mmm-hosts-") if probe is not None else None
+    try:
+        return _attempts(replan, first, retries, quiet, probe, folder, fresh_port, chose_addr, base)
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)  # launch's own hostfiles
+
+
+def _attempts(replan, first, retries, quiet, probe, folder, fresh_port, chose_addr, base) -> int:
     attempt = 0
     where: dict[str, object] = {}  # hostfile and nproc of the hosts that remain, once one is lost
     dropped: list[str] = []
-    folder = tempfile.mkdtemp(prefix="mmm-hosts-") if probe is not None else None
     while True:
         env = {**base, "MMM_RESTART": str(attempt)}
         if attempt:

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from mmm.dist.exits import uninterrupted
+from mmm.dist.exits import all_ok, on_rank0, uninterrupted
 from mmm.errors import API, RunError, Spelling, UsageError
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -65,12 +65,14 @@ def complete_steps(root: Path) -> list[int]:
     return sorted(out)
 
 
-def _saved_at(root: Path, step: int) -> float:
+def _saved_at(root: Path, step: int) -> tuple[int, float]:
+    """When a checkpoint was saved: its place in the sequence of saves (``save_seq``), then its time."""
     path = step_dir(root, step) / META
     try:
-        return float(json.loads(path.read_text()).get("saved_at"))
+        meta = json.loads(path.read_text())
+        return int(meta.get("save_seq", 0)), float(meta.get("saved_at"))
     except (OSError, ValueError, TypeError):
-        return path.stat().st_mtime if path.exists() else 0.0
+        return 0, path.stat().st_mtime if path.exists() else 0.0
 
 
 def _meta_of(root: Path, step: int) -> dict[str, Any]:
@@ -108,6 +110,10 @@ def recover(root: Path, log=None) -> None:
             else:
                 os.replace(p, final)
         elif p.name.startswith(".step-") and p.name.endswith((".del", ".tmp")) and str(p) not in _being_deleted:
+            if p.name.endswith(".tmp"):  # a unique name first: a new save may make a folder of this name
+                doomed = root / f"{p.name}.{time.time_ns()}.del"
+                os.replace(p, doomed)
+                p = doomed
             _delete_in_background(p, log)  # never read; slow on a big checkpoint, so not in the ranks' way
 
 
@@ -161,13 +167,19 @@ def checkpoint_problems(
 # not yet renamed), rename (rank 0: between the two renames of a re-save), prune (rank 0: half-way
 # through deleting a pruned folder), export (rank 0: the export written beside DIR, not yet in place).
 # First attempt only (not after a relaunch by launch --retries), like MMM_FAULT. Unset: one dict lookup.
+CRASH_STAGES = ("shards", "rng", "meta", "rename", "prune", "export", "history")
+
+
 def crash_armed(stage: str, step: int | None = None) -> bool:
     spec = os.environ.get("MMM_SAVE_FAULT")
     if not spec or os.environ.get("MMM_RESTART", "0") not in ("", "0"):
         return False
     m = re.fullmatch(r"(?P<stage>[a-z]+)(?:@(?P<step>\d+))?(?::(?P<rank>\d+|all))?", spec)
-    if m is None:
-        raise UsageError(f"MMM_SAVE_FAULT={spec!r} is not STAGE[@STEP][:RANK|:all] (e.g. rng@4:1)")
+    if m is None or m["stage"] not in CRASH_STAGES:
+        raise UsageError(
+            f"MMM_SAVE_FAULT={spec!r} is not STAGE[@STEP][:RANK|:all] with STAGE one of {', '.join(CRASH_STAGES)} "
+            "(e.g. rng@4:1)"
+        )
     rank, _ = _rank_world()
     who = m["rank"] or "0"
     return (
@@ -189,25 +201,25 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _on_rank0(fn) -> Any:
-    """Run ``fn`` on rank 0 and tell every rank how it went (a collective): a failure there (a folder that
-    cannot be made, a full disk) raises on every rank at once instead of leaving the others at a
-    barrier until the timeout."""
-    rank, world = _rank_world()
-    box: list[Any] = [None]
-    if rank == 0:
-        try:
-            box[0] = ("ok", fn())
-        except Exception as e:  # every rank raises it below
-            box[0] = ("error", f"{type(e).__name__}: {e}")
-    if world > 1:
-        import torch.distributed as dist
+def _damaged_files(e: BaseException) -> bool:
+    """A DCP load failed on reading files (cut short, unreadable, unpicklable), on every failing rank:
+    damage, not a code or memory problem."""
+    import pickle
 
-        dist.broadcast_object_list(box, src=0)
-    kind, value = box[0]
-    if kind == "error":
-        raise CheckpointWriteError(value)
-    return value
+    failures = getattr(e, "failures", {}) or {}
+    kinds = (OSError, EOFError, pickle.UnpicklingError)
+    return bool(failures) and all(
+        isinstance(exc[0] if isinstance(exc, tuple) else exc, kinds) for exc in failures.values()
+    )
+
+
+def _full(root: Path) -> bool:
+    """The checkpoint folder's filesystem has (almost) no room left: torch.save's zip writer reports a
+    full disk as 'unexpected pos', not as ENOSPC."""
+    try:
+        return shutil.disk_usage(root).free < 1 << 20
+    except OSError:
+        return False
 
 
 def _no_space(e: BaseException) -> bool:
@@ -216,10 +228,6 @@ def _no_space(e: BaseException) -> bool:
         return True
     text = str(e)
     return "No space left on device" in text or "Disk quota exceeded" in text
-
-
-class CheckpointWriteError(RuntimeError):
-    """Writing a checkpoint failed on rank 0 (every rank raises it); the previous checkpoints are intact."""
 
 
 def _fsync_path(path: Path) -> None:
@@ -340,7 +348,8 @@ class Checkpointer:
             try:
                 self._save(step, extra, rank, world, final, tmp)
             except BaseException as e:  # DCP's CheckpointException is a BaseException
-                if not _no_space(e):
+                failed_write = isinstance(e, Exception) or type(e).__name__ == "CheckpointException"
+                if not (_no_space(e) or failed_write and _full(self.root)):
                     raise
                 free = shutil.disk_usage(self.root).free if self.root.exists() else 0
                 raise RunError(
@@ -362,7 +371,7 @@ class Checkpointer:
             tmp.mkdir()
             (tmp / "rng").mkdir()
 
-        _on_rank0(prepare)
+        on_rank0(prepare)
         if self.ds is not None:
             self.ds.save_checkpoint(str(tmp), tag="deepspeed", client_state={"step": step}, save_latest=False)
         else:
@@ -370,13 +379,21 @@ class Checkpointer:
 
             dcp.save(self._state(), checkpoint_id=str(tmp))  # DCP's file writer fsyncs its files
         crash_point("shards", step)
-        with open(tmp / "rng" / f"rank{rank:05d}.pt", "wb") as f:
-            torch.save(_rng_state(), f)
-            f.flush()
-            os.fsync(f.fileno())
+        error = None
+        try:
+            if self.ds is not None:  # DeepSpeed does not fsync its files: each rank makes its own durable
+                for f in (tmp / "deepspeed").rglob("*"):
+                    if f.is_file():
+                        _fsync_path(f)
+            with open(tmp / "rng" / f"rank{rank:05d}.pt", "wb") as f:
+                torch.save(_rng_state(), f)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:  # this rank's own files: every rank learns of it (no one waits at a barrier)
+            error = e
         crash_point("rng", step)
-        _barrier()
-        _on_rank0(lambda: self._commit(step, extra, world, final, tmp))
+        all_ok(error)
+        on_rank0(lambda: self._commit(step, extra, world, final, tmp))
 
     def _commit(self, step: int, extra: dict[str, Any] | None, world: int, final: Path, tmp: Path) -> None:
         """Rank 0, once every rank's files are durable: the metadata last, then the renames, each made
@@ -390,6 +407,9 @@ class Checkpointer:
             "world_size": world,
             "format": "deepspeed" if self.ds is not None else "dcp",
             "saved_at": time.time(),
+            # the order of saves, whatever the clocks of the hosts rank 0 ran on say
+            "save_seq": 1
+            + max((_meta_of(self.root, s).get("save_seq", 0) for s in complete_steps(self.root)), default=0),
             "run": os.environ.get("MMM_RUN_STAMP"),  # the job (all its relaunches) that saved it
         }
         with open(tmp / META, "w") as f:
@@ -422,7 +442,12 @@ class Checkpointer:
             if old == keep:
                 continue
             doomed = self.root / f".{step_dir(self.root, old).name}.{time.time_ns()}.del"
-            os.replace(step_dir(self.root, old), doomed)
+            try:
+                os.replace(step_dir(self.root, old), doomed)
+            except OSError as e:  # the new checkpoint is committed: keep training, keep this one, say so
+                if self.log is not None:
+                    self.log.warning("checkpoint: could not prune %s (%s); it stays", step_dir(self.root, old), e)
+                continue
             _fsync_path(self.root)
             if crash_armed("prune", keep):  # die half-way through deleting it
                 next(p for p in doomed.rglob("*") if p.is_file()).unlink()
@@ -534,6 +559,12 @@ class Checkpointer:
         failed: set[int] = set()
         while True:
             step = self.resolve(which, skip=frozenset(failed), lineage=lineage)
+            if step is None and complete_steps(self.root):  # never a fresh start over checkpoints that exist
+                steps = ", ".join(map(str, complete_steps(self.root)))
+                raise UsageError(
+                    f"no checkpoint in {str(self.root)!r} can be loaded (steps {steps}: damaged or unreadable, see "
+                    "the warnings above); resume a step by number, or move the folder away to start afresh"
+                )
             if step is None:
                 if self.log is not None:
                     self.log.info("checkpoint: none in %s yet; starting from step 1", self.root)
@@ -553,9 +584,9 @@ class Checkpointer:
             state = self._state()
             try:
                 dcp.load(state, checkpoint_id=str(path))  # a read error on any rank raises on every rank
-            except CheckpointException:
-                if which != "latest":
-                    raise
+            except CheckpointException as e:
+                if which != "latest" or not _damaged_files(e):
+                    raise  # not damage (a changed model, out of memory...): keep the traceback
                 failed.add(step)  # damaged in a way the cheap look missed: the one saved before it
                 continue
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

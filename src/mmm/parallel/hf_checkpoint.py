@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mmm.errors import UsageError
+from mmm.dist.exits import RankZeroFailed, on_rank0
+from mmm.errors import RunError, UsageError
 from mmm.log import get_logger
 from mmm.parallel.checkpoint import crash_point
 
@@ -232,9 +233,15 @@ def export_safetensors(
                 buf = torch.empty(shape, dtype=param_dtype, device=device)
                 dist.recv(buf, src=peer, group=pp_group)
                 tensors[key] = buf.to("cpu", dtype or param_dtype).contiguous()
-        _write_checkpoint(out, tensors, expected={s.key for s in sources.values()}, config=config)
-    if distributed:
-        dist.barrier()  # the checkpoint is complete when any rank returns
+    try:  # rank 0 writes; every rank learns how it went (none waits at a barrier if it fails)
+        on_rank0(lambda: _write_checkpoint(out, tensors, expected={s.key for s in sources.values()}, config=config))
+    except (OSError, RankZeroFailed) as e:
+        if "No space left on device" not in str(e) and "Disk quota exceeded" not in str(e):
+            raise
+        raise RunError(
+            f"export to {str(out)!r}: no space left in {str(out.parent)!r}; nothing there was changed (the earlier "
+            "contents stay): free space and export again"
+        ) from None
     return out if rank == 0 else None
 
 

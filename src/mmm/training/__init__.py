@@ -114,10 +114,12 @@ def earlier_run(run, outdir: Path) -> dict[str, str]:
     continues it (``--resume``, or a relaunch by ``launch --retries``)."""
     from mmm.parallel.checkpoint import complete_steps
 
-    if run.resume is not None or restart_attempt():
+    if restart_attempt():  # the same job, relaunched: it continues itself
         return {}
     found = {}
     steps = complete_steps(Path(run.checkpoint_dir)) if run.checkpoint_dir else []
+    if run.resume is not None and steps:
+        return {}  # it continues that run (its history is kept up to the step it resumes)
     if steps:
         shown = ", ".join(map(str, steps[:5])) + (f", ... ({len(steps)} in all)" if len(steps) > 5 else "")
         found["--checkpoint-dir"] = (
@@ -133,30 +135,32 @@ def keep_earlier_run(run, outdir: Path, info) -> None:
     """Never overwrite an earlier run by starting afresh in its folders (a resubmitted job script without
     --resume would re-save its steps and prune its newest checkpoints first): refuse in one line, or with
     ``--start-over`` move those folders aside (rank 0, before anyone writes; nothing is deleted)."""
-    found = earlier_run(run, outdir)
-    if not found:
-        return
-    if not run.start_over:
+    from mmm import dist
+    from mmm.log import get_logger
+
+    def decide_and_move() -> dict[str, str]:  # rank 0 alone looks and moves; every rank learns the outcome
+        found = earlier_run(run, outdir)
+        if not found or not run.start_over:
+            return found
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        folders = [Path(run.checkpoint_dir)] if "--checkpoint-dir" in found else []
+        if "--outdir" in found and not any(outdir.resolve().is_relative_to(f.resolve()) for f in folders):
+            folders.append(outdir)
+        for folder in folders:
+            aside = folder.with_name(f"{folder.name}.old-{stamp}")
+            try:
+                os.replace(folder, aside)
+            except OSError as e:
+                raise UsageError(f"--start-over: cannot move {str(folder)!r} aside to {aside.name!r}: {e.strerror}")
+            get_logger().info("--start-over: the earlier run in %s is now %s", folder, aside)
+        return {}
+
+    found = dist.on_rank0(decide_and_move)
+    if found:
         raise UsageError(
             "; ".join(found.values()) + ": continue it with --resume, or begin again at step 1 with --start-over "
             "(the earlier run is moved to <folder>.old-<UTC time>; nothing is deleted)"
         )
-    from mmm import dist
-    from mmm.log import get_logger
-
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    folders = [Path(run.checkpoint_dir)] if "--checkpoint-dir" in found else []
-    if "--outdir" in found and not any(outdir.resolve().is_relative_to(f.resolve()) for f in folders):
-        folders.append(outdir)
-    if info.is_main:
-        for folder in folders:
-            if any(folder.resolve().is_relative_to(f.resolve()) for f in folders if f is not folder):
-                continue  # inside another folder set aside
-            aside = folder.with_name(f"{folder.name}.old-{stamp}")
-            os.replace(folder, aside)
-            get_logger().info("--start-over: the earlier run in %s is now %s", folder, aside)
-    if dist.info().world_size > 1:
-        torch.distributed.barrier()
 
 
 # --------------------------------------------------------------------------- output folder
