@@ -54,6 +54,8 @@ def sound_steps(root) -> list[int]:
     "fault, resumes_at",
     [
         ("shards@4:1", 2),  # rank 1 dies with its DCP shards of step 4 written, its RNG file not
+        ("shards@4:all", 2),  # every rank dies there
+        ("rng@4:1", 2),  # rank 1 dies after its RNG file
         ("rng@4:all", 2),  # every rank dies after its RNG file: nothing marks step 4 complete
         ("meta@4", 2),  # rank 0 dies with mmm.json written in the temporary folder, before the rename
         ("prune@4", 4),  # rank 0 dies half-way through deleting step 2 (keep-last 1): 4 is complete
