@@ -284,6 +284,12 @@ def _remove(id: int) -> None:
     for line in listed:
         name = line.split(" ")[0]
         if name.startswith(prefix):
+            # whatever still runs on the host goes with it (a remote daemon's orphans, a rank left behind)
+            for pid in _ip("netns", "pids", name, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), 9)
+                except (ProcessLookupError, ValueError):
+                    pass
             _ip("netns", "del", name, check=False)  # its end of each veth goes with it
     for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
         name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""

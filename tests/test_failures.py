@@ -318,3 +318,18 @@ def test_sigusr1_writes_every_ranks_stacks(tmp_path):
             text = (stacks / f"rank-{r}.txt").read_text()
             assert 'wait_forever.py", line' in text and "in main" in text, text
         assert p.poll() is None  # still running
+
+
+def test_a_teardown_that_hangs_is_cut_short():
+    """After a failure a peer's host may be gone without a word (link cut): destroying the process group
+    can then wait forever, and the rank would stay behind holding its device. finish() leaves anyway."""
+    code = (
+        "import time\n"
+        "from mmm.dist import exits\n"
+        "exits.TEARDOWN_AFTER_FAILURE_S = 1.0\n"
+        "exits.teardown = lambda **kw: time.sleep(3600)  # what a dead peer's socket does to destroy()\n"
+        "exits.finish(3)\n"
+    )
+    res = run([sys.executable, "-c", code], timeout=60)
+    assert res.returncode == 3 and res.seconds < 30, res.output
+    assert "teardown did not finish within 1 s" in res.stderr, res.output

@@ -261,10 +261,40 @@ def _rank_for_messages() -> int | None:
         return None
 
 
+TEARDOWN_AFTER_FAILURE_S = 30.0
+
+
+def _collective_timeout() -> float:
+    info = current()
+    try:
+        return info.timeout_s if info is not None else timeout_seconds(None)
+    except UsageError:
+        return 600.0
+
+
+def _leave_now(code: int, grace: float) -> None:
+    print_error(f"teardown did not finish within {grace:.0f} s (a peer's host gone?); leaving with code {code}")
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
+
+
 def finish(code: int = 0, *, together: bool | None = None) -> NoReturn:
     """Tear down, run the atexit handlers, flush, and leave the process with ``code`` (skipping
     interpreter shutdown, where gloo's worker threads can abort a finished run).
-    ``together``: every rank is leaving the same way (success, or a usage error all ranks saw)."""
+    ``together``: every rank is leaving the same way (success, or a usage error all ranks saw).
+
+    Teardown is bounded: after a failure a peer's host may be gone without a word (its link cut, no TCP
+    reset), and destroying the group can then wait on it forever, leaving a rank behind that holds its
+    device. A watchdog leaves after :data:`TEARDOWN_AFTER_FAILURE_S` (a failed run), or the collective
+    timeout plus that (a finished run, whose teardown barrier may wait for slower peers)."""
+    grace = TEARDOWN_AFTER_FAILURE_S if code else _collective_timeout() + TEARDOWN_AFTER_FAILURE_S
+    watchdog = threading.Timer(grace, _leave_now, args=(code or 1, grace))
+    watchdog.daemon = True
+    watchdog.start()
     try:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         teardown(ok=code == 0, finalize_mpi=code == 0 if together is None else together)
