@@ -207,23 +207,38 @@ def test_a_rank_killed_on_the_second_host_is_named_under_torchrun(two_hosts, sha
     assert "frame #" not in node1_err, node1_err
 
 
-@pytest.mark.parametrize("how", ["pbs/openmpi", "slurm"])
+@pytest.mark.parametrize("how", ["pbs/openmpi", "pbs/mpich", "slurm"])
 def test_a_rank_killed_on_the_second_host_ends_the_job_naming_rank_and_host(
     two_hosts, shared_dir, request, how
 ):  # fmt: skip
     """The same fault under launch: mpiexec (PBS) or srun (a 2-node allocation) ends the job within 60 s
-    and its message names rank 2 and node2."""
+    and its message names rank 2 and node2. Open MPI and Slurm name it themselves; MPICH's Hydra kills
+    every rank and names none, so launch does, from the reports of node2's rank watcher (the host's
+    first rank starts it; it leaves with its ranks, taking their notes with it)."""
     cmd = [str(BIN / "launch"), "python3", *TRAIN, "--outdir", str(shared_dir / "out")]
     if how == "slurm":
         c = request.getfixturevalue("slurm_on_two_hosts")
         full, env = c.command(["salloc", "-N", "2", "--ntasks-per-node=2", *cmd]), c.environ(MMM_FAULT="kill@3:2")
         named = r"node2: task 2: Killed"
+    elif how == "pbs/mpich":
+        envdir = mpi_env("mpich")
+        cmd[:1] = [str(envdir / "bin" / "python"), "-m", "mmm.launch"]
+        full = two_hosts.command("node1", cmd)
+        env = pbs_job(two_hosts, shared_dir, MMM_FAULT="kill@3:2", PATH=env_of(envdir)["PATH"])
+        named = r"launch: error: rank 2 on node2 \(pid \d+\) died first, without a word"
     else:
         full, env = two_hosts.command("node1", cmd), pbs_job(two_hosts, shared_dir, MMM_FAULT="kill@3:2")
         named = r"rank 2 with PID \d+ on node node2 exited on\s+signal 9"
     res = run(full, env={**env, "MMM_TIMEOUT": "300"}, timeout=120)
     assert res.returncode != 0 and res.seconds < 60, (res.seconds, res.output)
     assert re.search(named, res.output), res.output
+    assert len(re.findall("died first", res.output)) == (how == "pbs/mpich"), res.output  # one rank, once
+    if how == "pbs/mpich":
+        time.sleep(1)  # the watcher has gone with its ranks, and taken their notes
+        pids = subprocess.run(two_hosts.command("node2", ["pgrep", "-f", "mmm.dist.rankwatch"]), capture_output=True)
+        assert pids.stdout.strip() == b"", pids
+        left = [f for h in two_hosts.names for f in two_hosts.tmp(h).glob("mmm-pids-*/*")]
+        assert not left, left
 
 
 # --------------------------------------------------------------------------- where rank 0 runs under Slurm
@@ -303,13 +318,53 @@ def test_a_job_survives_losing_a_host(shared_dir_3, tmp_path):
     assert "relaunched without host(s) node3: they did not answer after the failure" in stdout
 
 
+def test_a_lost_host_ends_the_job_and_is_named(own_two_hosts):
+    """node2 is lost in the middle of a job under MPICH (its link cut, every process on it killed, its
+    rank watcher too): the job ends well within the collective timeout, launch names node2 as lost and
+    says how to go on without it, and names no rank of node1 as the one that died first."""
+    hosts, shared = own_two_hosts
+    envdir = mpi_env("mpich")
+    out = shared / "out"
+    cmd = [str(envdir / "bin" / "python"), "-m", "mmm.launch", "python3", *TRAIN[:-1], "200", "--outdir", str(out)]
+    env = pbs_job(hosts, shared, MMM_TIMEOUT="20", PATH=env_of(envdir)["PATH"])
+    with spawn(hosts.command("node1", cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as p:
+        deadline = time.monotonic() + 120
+        hist = out / "history.jsonl"
+        while time.monotonic() < deadline and p.poll() is None:
+            if hist.exists() and any(json.loads(x)["iter"] >= 3 for x in hist.read_text().splitlines() if x):
+                break
+            time.sleep(0.1)
+        assert p.poll() is None, p.communicate()
+        assert hosts.lose("node2"), "nothing ran on node2"
+        t0 = time.monotonic()
+        try:
+            stdout, stderr = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the job did not end after losing a host")
+    took = time.monotonic() - t0
+    assert p.returncode != 0 and took < 60, (took, stderr)
+    lost = "launch: error: host node2 did not answer after the failure: lost (crashed, powered off or cut off"
+    assert lost in stderr and "launch --retries N --drop-lost-hosts relaunches on the hosts" in stderr, stderr
+    assert "died first" not in stderr, stderr  # node2's ends never came: no rank of node1 is blamed
+
+
 @pytest.fixture
-def shared_dir_3(request):
+def own_two_hosts():
+    """Two hosts of their own (node1, node2) for a test that loses one, and a folder they both see."""
+    yield from _own_hosts(2)
+
+
+@pytest.fixture
+def shared_dir_3():
     """Three hosts of their own (node1..node3) for one test, and a folder they all see."""
+    yield from _own_hosts(3)
+
+
+def _own_hosts(n: int):
     from hosts import Hosts, HostsUnavailable
 
     try:
-        hosts = Hosts.up(3)
+        hosts = Hosts.up(n)
     except HostsUnavailable as e:
         pytest.skip(f"no multi-host cluster on this machine: {e}")
     try:

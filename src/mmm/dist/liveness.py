@@ -12,8 +12,9 @@ the trainers use ``<outdir>/stacks``): what each live rank was doing when the jo
 to the rank's stack file when a folder is set, else to stderr. This works for gloo, NCCL and
 oneCCL alike; NCCL's flight recorder only sees NCCL.
 
-While nothing fails a watcher costs one idle store request per rank every 30 seconds; it is
-released through its own key before its rank leaves.
+While nothing fails a watcher costs one idle store request per rank (renewed every 20 days: a wait
+that times out makes the store client print warnings); it is released through its own key before its
+rank leaves.
 """
 
 from __future__ import annotations
@@ -29,7 +30,12 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-_WAIT_S = 30.0
+from mmm.dist.rankwatch import start_host_watcher
+
+# The watcher's idle store request: a wait that times out makes the store client print two C++ warnings
+# (measured: 4 lines per rank every 30 s with a 30 s wait), so it waits 20 days (below the 2**31 ms a
+# poll() timeout holds) and is woken through its key; an error sooner than that means the store is gone.
+_WAIT_S = 20 * 86400.0
 
 _stack_file: IO[str] | None = None
 _stack_path: Path | None = None
@@ -251,20 +257,30 @@ def _store_host_gone(store: Any) -> bool:
     return False
 
 
-def record_pid(rank: int) -> None:
+def record_pid(rank: int, local_size: int = 1) -> None:
     """Note this process for ``launch`` (``MMM_PID_DIR``, a folder it made on its host): under a launcher
     that kills every rank the moment one dies without saying which (MPICH's Hydra), launch watches
-    these processes and names the rank that ended first. Nothing when the folder is not on this host."""
+    these processes and names the rank that ended first. On a host other than launch's (``MMM_WATCH``
+    names launch's host and port) the folder is made here when missing, and the first rank of the host
+    starts the host's watcher (:mod:`mmm.dist.rankwatch`). Nothing without ``MMM_PID_DIR``."""
     global _pid_file
     folder = os.environ.get("MMM_PID_DIR")
-    if not folder or not os.path.isdir(folder):
+    if not folder:
         return
+    me, watch = socket.gethostname(), os.environ.get("MMM_WATCH", "")
+    remote = bool(watch) and watch.rpartition(":")[0] != me
     try:
-        path = Path(folder, f"{socket.gethostname()}.{os.getpid()}")
+        if remote:
+            os.makedirs(folder, exist_ok=True)
+        elif not os.path.isdir(folder):
+            return
+        path = Path(folder, f"{me}.{os.getpid()}")
         _write_whole(path, str(rank))
         _pid_file = path
     except OSError:
-        pass
+        return
+    if remote:
+        start_host_watcher(Path(folder), local_size)
 
 
 def record_exit(how: int | str) -> None:

@@ -119,7 +119,7 @@ def setup(
         return _INFO
     t0 = time.perf_counter()
     ranks = discover_ranks()
-    liveness.record_pid(ranks.rank)
+    liveness.record_pid(ranks.rank, ranks.local_world_size)
     from mmm import log as mlog
 
     mlog.configure(rank=ranks.rank, world_size=ranks.world_size, all_ranks=all_ranks_log)

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from mmm.errors import ArgumentParser, UsageError, print_error
 from mmm.launch.hostloss import plan_hosts
 from mmm.launch.plan import LAUNCHERS, LaunchPlan, plan_launch
-from mmm.launch.run import run_attempt, run_with_retries, stays_parent
+from mmm.launch.run import find_lost_hosts, lost_hosts_message, run_attempt, run_with_retries, stays_parent
 from mmm.launch.signals import PROG, _unignore_stop_signals
 
 
@@ -115,6 +115,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if not args.quiet:
         print(f"launch: {plan.describe()}", file=sys.stderr, flush=True)
+
+    def probe(hostfile: str, env: Mapping[str, str]) -> LaunchPlan:
+        return plan_launch(
+            ["true"], nproc=1, ppn=1, hostfile=hostfile, launcher=plan.launcher, env=env, flavor=plan.mpi_flavor
+        )
+
     if args.retries:
 
         def replan(env: Mapping[str, str], *, hostfile: str | None = None, nproc: int | None = None) -> LaunchPlan:
@@ -129,25 +135,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flavor=plan.mpi_flavor,
             )
 
-        def probe(hostfile: str, env: Mapping[str, str]) -> LaunchPlan:
-            return plan_launch(
-                ["true"], nproc=1, ppn=1, hostfile=hostfile, launcher=plan.launcher, env=env, flavor=plan.mpi_flavor
-            )
-
         try:
             return run_with_retries(
-                replan, plan, args.retries, quiet=args.quiet, probe=probe if args.drop_lost_hosts else None
+                replan, plan, args.retries, quiet=args.quiet, probe=probe, drop=args.drop_lost_hosts
             )
         except UsageError as e:
             print_error(str(e), prog=PROG)
             return 2
     env = {**os.environ, **plan.env}
     if stays_parent(plan):
+        signalled: list[int] = []
         try:
-            return run_attempt(plan, env, [])
+            code = run_attempt(plan, env, signalled)
+            lost = find_lost_hosts(plan, env, probe, code, signalled)
         except UsageError as e:
             print_error(str(e), prog=PROG)
             return 2
+        if lost:
+            print_error(lost_hosts_message(lost, retries=False), prog=PROG)
+        return code
     sys.stdout.flush()
     sys.stderr.flush()
     try:

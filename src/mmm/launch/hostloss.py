@@ -17,14 +17,20 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from mmm.errors import UsageError
+from mmm.launch.mpi import FLAVORS
 from mmm.launch.plan import LaunchPlan
 
 PROBE_TIMEOUT_S = 30.0
 
 
-def write_hostfile(folder: Path, hosts: Sequence[str], slots: int, *, name: str | None = None) -> Path:
+def write_hostfile(
+    plan: LaunchPlan, folder: Path, hosts: Sequence[str], slots: int, *, name: str | None = None
+) -> Path:
+    """A hostfile in the syntax of the plan's launcher (Open MPI's ``host slots=N``, Hydra's ``host:N``...)."""
+    flavor = FLAVORS.get(plan.mpi_flavor or "") if plan.launcher == "mpiexec" else None
+    line = flavor.hostfile_line if flavor is not None else "{host} slots={slots}"
     path = folder / (name or f"hosts-{len(hosts)}")
-    path.write_text("".join(f"{h} slots={slots}\n" for h in hosts))
+    path.write_text("".join(line.format(host=h, slots=slots) + "\n" for h in hosts))
     return path
 
 
@@ -42,7 +48,7 @@ def lost_hosts(
     with tempfile.TemporaryDirectory(prefix="mmm-probe-") as folder:
 
         def probe(host: str) -> None:
-            hostfile = write_hostfile(Path(folder), [host], 1, name=f"probe-{host}")
+            hostfile = write_hostfile(plan, Path(folder), [host], 1, name=f"probe-{host}")
             try:
                 p = probe_plan(str(hostfile), env)
                 done = subprocess.run(

@@ -35,6 +35,7 @@ class Flavor:
     oversubscribe: tuple[str, ...]  # more ranks than cores on this machine
     exit_box: str = ""  # in the box it prints after a rank's non-zero exit (dropped after a usage error)
     watch_ranks: bool = False  # it kills every rank at once and names none: launch names the first to die
+    hostfile_line: str = "{host} slots={slots}"  # a line of a hostfile launch writes (after a host is lost)
 
 
 FLAVORS: dict[str, Flavor] = {  # in the order `mpiexec --version` is matched
@@ -63,6 +64,7 @@ FLAVORS: dict[str, Flavor] = {  # in the order `mpiexec --version` is matched
         as_root=(),
         oversubscribe=(),
         watch_ranks=True,
+        hostfile_line="{host}:{slots}",  # Hydra refuses Open MPI's "slots="
     ),
     "pals": Flavor(  # Cray/HPE
         version_says=("pals", "cray", "hpe"),
@@ -75,6 +77,7 @@ FLAVORS: dict[str, Flavor] = {  # in the order `mpiexec --version` is matched
         export=("--env", "{name}={value}"),
         as_root=(),
         oversubscribe=(),
+        hostfile_line="{host}",  # one host a line; ranks per host come from --ppn
     ),
 }
 MPI_FLAVORS = tuple(FLAVORS)

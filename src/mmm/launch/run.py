@@ -45,20 +45,25 @@ def stays_parent(plan: LaunchPlan) -> bool:
 def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) -> int:
     """Run the plan once as a child (mpiexec/srun) or with the local spawner; its exit code.
     SIGINT/SIGTERM are forwarded to the child and recorded in ``signalled``. Under a Hydra ``mpiexec``
-    launch watches this host's ranks (:class:`RankWatch`) and names the one that died first; under Open
+    launch watches the ranks of every host (:class:`RankWatch`) and names the one that died first; under Open
     MPI it drops mpiexec's exit box after a usage error (:class:`ExitBoxFilter`)."""
     if plan.launcher == "local":
         return spawn_local(plan.argv, plan.nproc, env, signalled=signalled)
     flavor = _flavor(plan)
     watcher = None
     if flavor is not None and flavor.watch_ranks and hasattr(os, "pidfd_open"):
-        watcher = RankWatch(tempfile.mkdtemp(prefix="mmm-pids-"), plan.nproc)
-        env = {**env, "MMM_PID_DIR": str(watcher.folder)}
+        several = len(plan_hosts(plan)) > 1  # each other host's first rank starts a watcher that reports here
+        watcher = RankWatch(tempfile.mkdtemp(prefix="mmm-pids-"), plan.nproc, listen=several)
+        env = {**env, "MMM_PID_DIR": str(watcher.folder), **({"MMM_WATCH": watcher.address} if several else {})}
     box = ExitBoxFilter(flavor.exit_box) if flavor is not None and flavor.exit_box else None
     child: list[subprocess.Popen] = []
     rc: int | None = None
     try:
-        rc = _wait_forwarding(lambda: _start_child(plan.argv, env, watcher, box, child), signalled)
+        rc = _wait_forwarding(
+            lambda: _start_child(plan.argv, env, watcher, box, child),
+            signalled,
+            stuck=watcher.stuck if watcher is not None else None,
+        )
         return rc
     finally:
         if box is not None and child:
@@ -104,6 +109,7 @@ def run_with_retries(
     *,
     quiet: bool = False,
     probe: Callable[[str, Mapping[str, str]], LaunchPlan] | None = None,
+    drop: bool = False,
 ) -> int:
     """Run the job; when it fails, run it again (at most ``retries`` more times) in the same allocation.
     Every attempt gets ``MMM_RESTART=<attempt>`` and the first attempt's output stamp; when launch chose
@@ -112,21 +118,45 @@ def run_with_retries(
     ``--checkpoint-dir`` resumes from its latest checkpoint on a restart. Not retried: success, bad
     input (2), Ctrl-C (130), SIGTERM (143), and a signal sent to launch itself.
 
-    With ``probe`` (``--drop-lost-hosts``: plans one rank of ``true`` on a hostfile's hosts), a failed
-    attempt on several hosts is followed by a probe of each; the relaunch runs on the hosts that answer
-    (same ranks per host, fewer ranks), ``MMM_DROPPED_HOSTS`` naming the others."""
+    With ``probe`` (plans one rank of ``true`` on a hostfile's hosts), a failed attempt on several hosts
+    is followed by a probe of each, and the hosts that do not answer are named. With ``drop``
+    (``--drop-lost-hosts``) the relaunch runs on the hosts that answer (same ranks per host, fewer
+    ranks), ``MMM_DROPPED_HOSTS`` naming the others."""
     fresh_port = "MASTER_PORT" in first.env
     chose_addr = "MASTER_ADDR" in first.env
     base = {**os.environ, **first.env}
-    folder = tempfile.mkdtemp(prefix="mmm-hosts-") if probe is not None else None
+    folder = tempfile.mkdtemp(prefix="mmm-hosts-") if drop else None
     try:
-        return _attempts(replan, first, retries, quiet, probe, folder, fresh_port, chose_addr, base)
+        return _attempts(replan, first, retries, quiet, probe, drop, folder, fresh_port, chose_addr, base)
     finally:
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)  # launch's own hostfiles
 
 
-def _attempts(replan, first, retries, quiet, probe, folder, fresh_port, chose_addr, base) -> int:
+def find_lost_hosts(
+    plan: LaunchPlan,
+    env: Mapping[str, str],
+    probe: Callable[[str, Mapping[str, str]], LaunchPlan] | None,
+    code: int,
+    signalled: Sequence[int],
+) -> list[str]:
+    """After a failed attempt on several hosts (not bad input, not a signal to launch): the hosts that
+    no longer run a probe through the job's launcher (:func:`lost_hosts`)."""
+    if probe is None or signalled or code in NOT_RETRIED or plan.launcher == "local" or len(plan_hosts(plan)) < 2:
+        return []
+    return lost_hosts(plan, env, probe)
+
+
+def lost_hosts_message(lost: Sequence[str], *, retries: bool) -> str:
+    s = "s" if len(lost) > 1 else ""
+    fix = "launch --retries N --drop-lost-hosts" if not retries else "--drop-lost-hosts"
+    return (
+        f"host{s} {', '.join(lost)} did not answer after the failure: lost (crashed, powered off or cut off "
+        f"from the others), which ended the job; {fix} relaunches on the hosts that remain"
+    )
+
+
+def _attempts(replan, first, retries, quiet, probe, drop, folder, fresh_port, chose_addr, base) -> int:
     attempt = 0
     where: dict[str, object] = {}  # hostfile and nproc of the hosts that remain, once one is lost
     dropped: list[str] = []
@@ -142,6 +172,9 @@ def _attempts(replan, first, retries, quiet, probe, folder, fresh_port, chose_ad
         signalled: list[int] = []
         code = run_attempt(plan, {**env, **plan.env}, signalled)
         why = "launch itself was signalled" if signalled else NOT_RETRIED.get(code)
+        lost = find_lost_hosts(plan, env, probe, code, signalled) if why is None else []
+        if lost and (not drop or attempt >= retries):
+            print_error(lost_hosts_message(lost, retries=retries > 0), prog=PROG)
         if why is not None or attempt >= retries:
             if code and attempt and not quiet:
                 print_error(
@@ -151,8 +184,7 @@ def _attempts(replan, first, retries, quiet, probe, folder, fresh_port, chose_ad
                 )
             return code
         attempt += 1
-        if probe is not None and folder is not None and plan.allocation.num_hosts > 1:
-            lost = lost_hosts(plan, env, probe)
+        if drop and folder is not None:
             if lost:
                 alive = [h for h in plan_hosts(plan) if h not in lost]
                 dropped += lost
@@ -160,7 +192,10 @@ def _attempts(replan, first, retries, quiet, probe, folder, fresh_port, chose_ad
                 if not alive:
                     print_error(f"no host answered after the failure ({', '.join(lost)}); giving up", prog=PROG)
                     return code
-                where = {"hostfile": str(write_hostfile(Path(folder), alive, plan.ppn)), "nproc": plan.ppn * len(alive)}
+                where = {
+                    "hostfile": str(write_hostfile(plan, Path(folder), alive, plan.ppn)),
+                    "nproc": plan.ppn * len(alive),
+                }
                 print_error(
                     f"host{'s' if len(lost) > 1 else ''} {', '.join(lost)} did not answer after the failure: "
                     f"relaunching on {', '.join(alive)} ({plan.ppn * len(alive)} ranks, {plan.ppn} per host; "

@@ -13,6 +13,7 @@ from mmm.errors import print_error
 
 PROG = "launch"  # the name on launch's own messages
 ESCALATE_AFTER_S = 10.0  # a forwarded SIGINT that stopped nothing is followed by SIGTERM after this
+KILL_AFTER_S = 5.0  # a launcher stopped for waiting on nothing is killed if SIGTERM has not ended it
 _STOPPING = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")  # recorded: a job stopped on purpose is not retried
 _PASSED_ON = ("SIGUSR1", "SIGUSR2")  # e.g. SIGUSR1: every mmm rank writes its stacks
 
@@ -54,12 +55,18 @@ class _Escalation:
 
 
 def _wait_forwarding(
-    start: Callable[[], subprocess.Popen], signalled: list[int], *, grace_s: float = ESCALATE_AFTER_S
+    start: Callable[[], subprocess.Popen],
+    signalled: list[int],
+    *,
+    grace_s: float = ESCALATE_AFTER_S,
+    stuck: Callable[[], str | None] | None = None,
 ) -> int:
     """Start the child and wait for it, passing on the signals launch gets (as when the child had taken
     launch's place). The handlers go in before the child starts, so it begins with the default handling
     of each (never an "ignore" launch inherited); a signal launch inherited as ignored (nohup's SIGHUP)
-    is left alone."""
+    is left alone. ``stuck()``, asked while the child runs, returns why the child is waiting for
+    nothing (e.g. an mpiexec waiting on a host that is gone): it is then stopped (SIGTERM, SIGKILL
+    after ``KILL_AFTER_S``) and the exit code is 1."""
     holder: list[subprocess.Popen] = []
 
     def forward(signum, frame):
@@ -74,6 +81,7 @@ def _wait_forwarding(
     mine = (signal.SIGINT, signal.SIGTERM)  # always launch's to forward, even if inherited as ignored
     old = {sig: signal.signal(sig, forward) for sig in sigs if sig in mine or signal.getsignal(sig) != signal.SIG_IGN}
     escalate = _Escalation(grace_s)
+    stopped_at: float | None = None
     try:
         holder.append(start())
         p = holder[0]
@@ -84,9 +92,17 @@ def _wait_forwarding(
             except subprocess.TimeoutExpired:
                 if escalate.due(signalled):
                     p.send_signal(signal.SIGTERM)
+                if stopped_at is None and stuck is not None and not signalled and (why := stuck()):
+                    print_error(f"{why}: stopping {os.path.basename(p.args[0])}", prog=PROG)
+                    p.send_signal(signal.SIGTERM)
+                    stopped_at = time.monotonic()
+                elif stopped_at is not None and time.monotonic() - stopped_at > KILL_AFTER_S:
+                    p.kill()
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
+    if stopped_at is not None:
+        return 1
     return 128 - rc if rc < 0 else rc
 
 
