@@ -228,6 +228,8 @@ def pbs_job(hosts, folder: Path, *, ranks_per_host: int = 2, **extra: str) -> di
         PRTE_MCA_plm_ssh_agent=agent,
         HYDRA_LAUNCHER="ssh",
         HYDRA_LAUNCHER_EXEC=agent,
+        I_MPI_HYDRA_BOOTSTRAP="ssh",  # Intel MPI's names for the same
+        I_MPI_HYDRA_BOOTSTRAP_EXEC=agent,
         **extra,
     )
 

@@ -98,7 +98,7 @@ def test_torchrun_on_two_hosts(two_hosts, shared_dir, rdzv):
         assert all(c["ok"] for r in found for c in r["checks"]), found
 
 
-@pytest.mark.parametrize("flavor", ["openmpi", "mpich"])
+@pytest.mark.parametrize("flavor", ["openmpi", "mpich", "impi"])
 def test_launch_under_pbs_runs_mpiexec_across_two_hosts(two_hosts, shared_dir, flavor):
     """launch on the first host of a 2-node PBS job: Open MPI's daemons and MPICH's Hydra proxies reach
     the second host through the remote-shell agent, as through ssh."""
@@ -207,7 +207,7 @@ def test_a_rank_killed_on_the_second_host_is_named_under_torchrun(two_hosts, sha
     assert "frame #" not in node1_err, node1_err
 
 
-@pytest.mark.parametrize("how", ["pbs/openmpi", "pbs/mpich", "slurm"])
+@pytest.mark.parametrize("how", ["pbs/openmpi", "pbs/mpich", "pbs/impi", "slurm"])
 def test_a_rank_killed_on_the_second_host_ends_the_job_naming_rank_and_host(
     two_hosts, shared_dir, request, how
 ):  # fmt: skip
@@ -220,8 +220,8 @@ def test_a_rank_killed_on_the_second_host_ends_the_job_naming_rank_and_host(
         c = request.getfixturevalue("slurm_on_two_hosts")
         full, env = c.command(["salloc", "-N", "2", "--ntasks-per-node=2", *cmd]), c.environ(MMM_FAULT="kill@3:2")
         named = r"node2: task 2: Killed"
-    elif how == "pbs/mpich":
-        envdir = mpi_env("mpich")
+    elif how in ("pbs/mpich", "pbs/impi"):
+        envdir = mpi_env(how[4:])
         cmd[:1] = [str(envdir / "bin" / "python"), "-m", "mmm.launch"]
         full = two_hosts.command("node1", cmd)
         env = pbs_job(two_hosts, shared_dir, MMM_FAULT="kill@3:2", PATH=env_of(envdir)["PATH"])
@@ -232,8 +232,8 @@ def test_a_rank_killed_on_the_second_host_ends_the_job_naming_rank_and_host(
     res = run(full, env={**env, "MMM_TIMEOUT": "300"}, timeout=120)
     assert res.returncode != 0 and res.seconds < 60, (res.seconds, res.output)
     assert re.search(named, res.output), res.output
-    assert len(re.findall("died first", res.output)) == (how == "pbs/mpich"), res.output  # one rank, once
-    if how == "pbs/mpich":
+    assert len(re.findall("died first", res.output)) == (how in ("pbs/mpich", "pbs/impi")), res.output  # once
+    if how in ("pbs/mpich", "pbs/impi"):
         time.sleep(1)  # the watcher has gone with its ranks, and taken their notes
         pids = subprocess.run(two_hosts.command("node2", ["pgrep", "-f", "mmm.dist.rankwatch"]), capture_output=True)
         assert pids.stdout.strip() == b"", pids
