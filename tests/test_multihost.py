@@ -35,6 +35,7 @@ def assert_two_hosts(found: list[dict], launcher: str) -> None:
     assert [r["rank"] for r in found] == [0, 1, 2, 3], found
     assert [r["host"] for r in found] == ["node1", "node1", "node2", "node2"]  # ranks by host, in order
     assert [r["local_rank"] for r in found] == [0, 1, 0, 1]
+    assert [r["node"] for r in found] == [0, 0, 1, 1]
     assert {(r["num_nodes"], r["local_world_size"]) for r in found} == {(2, 2)}
     assert {r["launcher"] for r in found} == {launcher}
     assert all(c["ok"] for r in found for c in r["checks"]), found
@@ -87,6 +88,7 @@ def test_torchrun_on_two_hosts(two_hosts, shared_dir, rdzv):
     logs = outs[0][0] + outs[1][0]  # rank 0 logs on whichever host it landed
     assert "smoke test passed: 6 all-reduce checks on each of 4 ranks" in logs, outs
     assert "world=4 nodes=2 local_world=2" in logs
+    assert "hosts: node 0 node1 (ranks 0-1), node 1 node2 (ranks 2-3)" in logs or "hosts: node 0 node2" in logs
     found = reports(out)
     if rdzv == "static":
         assert_two_hosts(found, "torchrun")
@@ -269,6 +271,7 @@ def test_srun_arbitrary_distribution_meets_at_rank_0s_host(slurm_on_two_hosts, s
     assert res.returncode == 0, res.output
     found = reports(out)
     assert [r["host"] for r in found] == ["node2", "node2", "node1", "node1"], found
+    assert [r["node"] for r in found] == [0, 0, 1, 1], found  # node 0 is rank 0's host
     assert {r["env_master"][0] for r in found} == {"node2"}
 
 

@@ -42,6 +42,17 @@ def build_parser() -> ArgumentParser:
     return p
 
 
+def _spans(ranks: list[int]) -> str:
+    """0, 1, 2, 5 -> '0-2, 5'."""
+    out: list[str] = []
+    for r in ranks:
+        if out and r == int(out[-1].split("-")[-1]) + 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{r}"
+        else:
+            out.append(str(r))
+    return ", ".join(out)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.report_dir is not None and args.report_dir.exists() and not args.report_dir.is_dir():
@@ -60,6 +71,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     log.info("%s", dist.banner(info))
     mesh = init_mesh(**from_flags(MeshConfig, args).degrees)
+    hosts: list[str] = [""] * info.world_size  # every rank's host, to number the nodes in rank order
+    if info.world_size > 1:
+        tdist.all_gather_object(hosts, socket.gethostname())
+    else:
+        hosts = [socket.gethostname()]
+    order = list(dict.fromkeys(hosts))
+    node = order.index(socket.gethostname())
+    log.info("hosts: %s", ", ".join(f"node {i} {h} (ranks {_spans([r for r, x in enumerate(hosts) if x == h])})"
+                                     for i, h in enumerate(order)))  # fmt: skip
 
     checks: list[dict] = []
     rank = info.rank
@@ -101,6 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = {
             "rank": rank,
             "host": socket.gethostname(),
+            "node": node,  # this host's index among the job's hosts, in the order of their first rank
             "world_size": info.world_size,
             "local_rank": info.local_rank,
             "local_world_size": info.local_world_size,
