@@ -268,10 +268,12 @@ def record_pid(rank: int, local_size: int = 1) -> None:
     if not folder:
         return
     me, watch = socket.gethostname(), os.environ.get("MMM_WATCH", "")
-    remote = bool(watch) and watch.rpartition(":")[0] != me
+    remote = bool(watch) and watch.split(":", 1)[0] != me
     try:
         if remote:
-            os.makedirs(folder, exist_ok=True)
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            if os.lstat(folder).st_uid != os.getuid():
+                return  # not a folder of this job's user: write nothing into it
         elif not os.path.isdir(folder):
             return
         path = Path(folder, f"{me}.{os.getpid()}")

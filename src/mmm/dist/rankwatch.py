@@ -165,20 +165,23 @@ def start_host_watcher(folder: Path, local_size: int) -> None:
     except OSError:
         return  # another rank of this host has started it (or the folder is not writable)
     os.close(fd)
+    here = str(Path(__file__).resolve().parents[2])  # the folder mmm itself was imported from
+    path = os.environ.get("PYTHONPATH", "")
     try:
         subprocess.Popen(
             [sys.executable, "-m", "mmm.dist.rankwatch", str(folder), str(local_size)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": f"{here}{os.pathsep}{path}" if path else here},
             start_new_session=True,  # out of the launcher's reach: it reports the kill, then leaves
         )
     except OSError:
-        pass
+        (folder / f"{socket.gethostname()}.watcher").unlink(missing_ok=True)
 
 
 def _serve_launch(folder: Path, expected: int, address: str) -> None:
-    host, _, port = address.rpartition(":")
+    host, port, token = (address.split(":") + ["", ""])[:3]
     me = socket.gethostname()
     try:
         sock = socket.create_connection((host, int(port)), timeout=10)
@@ -192,7 +195,7 @@ def _serve_launch(folder: Path, expected: int, address: str) -> None:
             watch.done.set()  # launch is gone: nobody to tell
 
     watch = HostWatch(folder, expected, host=me, until_gone=True)
-    send({"host": me, "expected": expected})
+    send({"host": me, "token": token, "t": time.time(), "expected": expected})  # launch takes out the skew
     watch.on_batch = lambda b: send({"host": me, "batch": b, "seen": len(watch.rank_of), "blind": watch.blind})
     watch.on_found = lambda n: send({"host": me, "seen": n})
     watch.run()  # in this thread

@@ -10,10 +10,12 @@ shrinks (its tp, pp and cp are flags and stay), the global batch stays, and a tr
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import tempfile
-import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from mmm.errors import UsageError
@@ -21,6 +23,7 @@ from mmm.launch.mpi import FLAVORS
 from mmm.launch.plan import LaunchPlan
 
 PROBE_TIMEOUT_S = 30.0
+PROBES_AT_ONCE = 64
 
 
 def write_hostfile(
@@ -42,28 +45,39 @@ def lost_hosts(
     timeout_s: float = PROBE_TIMEOUT_S,
 ) -> list[str]:
     """The hosts of ``plan`` that do not run a probe (``probe_plan(hostfile, env)`` plans one rank of
-    ``true`` on the hosts a file names). Probes run in parallel; order as in the plan."""
+    ``true`` on the hosts a file names). Up to ``PROBES_AT_ONCE`` probes run at a time, each in a
+    process group of its own (a probe that times out is killed with whatever it started); order as in
+    the plan."""
     hosts = plan_hosts(plan)
-    answered: dict[str, bool] = {}
     with tempfile.TemporaryDirectory(prefix="mmm-probe-") as folder:
 
-        def probe(host: str) -> None:
+        def answers(host: str) -> bool:
             hostfile = write_hostfile(plan, Path(folder), [host], 1, name=f"probe-{host}")
             try:
                 p = probe_plan(str(hostfile), env)
-                done = subprocess.run(
-                    p.argv, env={**env, **p.env}, capture_output=True, timeout=timeout_s, stdin=subprocess.DEVNULL
+                child = subprocess.Popen(
+                    p.argv,
+                    env={**env, **p.env},
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,
                 )
-                answered[host] = done.returncode == 0
-            except (subprocess.TimeoutExpired, OSError, UsageError):
-                answered[host] = False
+            except (OSError, UsageError):
+                return False
+            try:
+                return child.wait(timeout=timeout_s) == 0
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(child.pid, signal.SIGKILL)
+                except OSError:
+                    pass
+                child.wait()
+                return False
 
-        threads = [threading.Thread(target=probe, args=(h,), daemon=True) for h in hosts]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout_s + 5)
-    return [h for h in hosts if not answered.get(h, False)]
+        with ThreadPoolExecutor(max_workers=min(PROBES_AT_ONCE, max(1, len(hosts)))) as pool:
+            answered = dict(zip(hosts, pool.map(answers, hosts)))
+    return [h for h in hosts if not answered[h]]
 
 
 def plan_hosts(plan: LaunchPlan) -> list[str]:

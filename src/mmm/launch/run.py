@@ -68,7 +68,7 @@ def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) 
     finally:
         if box is not None and child:
             box.finish(rc)
-        if watcher is not None:
+        if watcher is not None and watcher.ident is not None:
             watcher.done.set()
             watcher.join(timeout=2.0)
             if not watcher.is_alive():
@@ -76,6 +76,8 @@ def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) 
                 shutil.rmtree(watcher.folder, ignore_errors=True)
                 if named:
                     print_error(named, prog=PROG)
+        if watcher is not None:
+            watcher.close()
 
 
 def _start_child(

@@ -59,14 +59,14 @@ def _wait_forwarding(
     signalled: list[int],
     *,
     grace_s: float = ESCALATE_AFTER_S,
-    stuck: Callable[[], str | None] | None = None,
+    stuck: Callable[[], tuple[str, int] | None] | None = None,
 ) -> int:
     """Start the child and wait for it, passing on the signals launch gets (as when the child had taken
     launch's place). The handlers go in before the child starts, so it begins with the default handling
     of each (never an "ignore" launch inherited); a signal launch inherited as ignored (nohup's SIGHUP)
     is left alone. ``stuck()``, asked while the child runs, returns why the child is waiting for
-    nothing (e.g. an mpiexec waiting on a host that is gone): it is then stopped (SIGTERM, SIGKILL
-    after ``KILL_AFTER_S``) and the exit code is 1."""
+    nothing (e.g. an mpiexec waiting on a host that is gone) and the exit code to report: the child is
+    then stopped (SIGTERM, SIGKILL after ``KILL_AFTER_S``)."""
     holder: list[subprocess.Popen] = []
 
     def forward(signum, frame):
@@ -82,6 +82,7 @@ def _wait_forwarding(
     old = {sig: signal.signal(sig, forward) for sig in sigs if sig in mine or signal.getsignal(sig) != signal.SIG_IGN}
     escalate = _Escalation(grace_s)
     stopped_at: float | None = None
+    stopped_code = 1
     try:
         holder.append(start())
         p = holder[0]
@@ -92,7 +93,8 @@ def _wait_forwarding(
             except subprocess.TimeoutExpired:
                 if escalate.due(signalled):
                     p.send_signal(signal.SIGTERM)
-                if stopped_at is None and stuck is not None and not signalled and (why := stuck()):
+                if stopped_at is None and stuck is not None and not signalled and (found := stuck()):
+                    why, stopped_code = found
                     print_error(f"{why}: stopping {os.path.basename(p.args[0])}", prog=PROG)
                     p.send_signal(signal.SIGTERM)
                     stopped_at = time.monotonic()
@@ -102,7 +104,7 @@ def _wait_forwarding(
         for sig, handler in old.items():
             signal.signal(sig, handler)
     if stopped_at is not None:
-        return 1
+        return stopped_code
     return 128 - rc if rc < 0 else rc
 
 
