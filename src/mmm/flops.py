@@ -21,6 +21,7 @@ same share of the cores as training did.
 from __future__ import annotations
 
 import os
+import platform
 import time
 from typing import Any
 
@@ -111,7 +112,6 @@ def device_name(device) -> str:
         return torch.cuda.get_device_name(device)
     if device.type == "xpu":
         return torch.xpu.get_device_name(device)
-    import platform
 
     return platform.processor() or platform.machine() or "cpu"
 

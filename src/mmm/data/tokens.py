@@ -19,6 +19,7 @@ numpy reads the files; ``datasets`` and ``tokenizers`` are imported only for Hug
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import pickle
@@ -384,8 +385,6 @@ TOKEN_CACHE = ".mmm-tokens"  # beside the dataset (shared by every node), else M
 def token_cache_dir(data_dir: Path) -> Path:
     """Where tokenised splits are kept: ``MMM_TOKEN_CACHE``, else ``<data-dir>/.mmm-tokens`` when the
     dataset's folder is writable, else ``~/.cache/mmm/tokens``."""
-    import os
-
     if os.environ.get("MMM_TOKEN_CACHE"):
         return Path(os.environ["MMM_TOKEN_CACHE"])
     if os.access(data_dir, os.W_OK):
@@ -396,8 +395,6 @@ def token_cache_dir(data_dir: Path) -> Path:
 def _cache_key(data_dir: Path, split: str, text_column: str | None, tokenizer: str | None) -> str:
     """Names what the tokens depend on: the dataset's files (names, sizes, times), the column and the
     tokenizer (its file's size and time); any change gives another file."""
-    import hashlib
-
     h = hashlib.sha256()
     for f in sorted(p for p in data_dir.rglob("*") if p.is_file() and TOKEN_CACHE not in p.parts):
         st = f.stat()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import platform
+import random
 import socket
 import sys
 import time
@@ -76,8 +78,6 @@ def info() -> DistInfo:
 
 def banner(di: DistInfo | None = None) -> str:
     """One line on where this job runs: launcher, ranks, nodes, device, backend, versions."""
-    import platform
-
     import torch
 
     from mmm import __version__
@@ -190,8 +190,6 @@ def _init_process_group(ranks: RankInfo, backend: str, dev, timeout_s: float) ->
 
 def seed_all(seed: int) -> None:
     """Identical weight init on every rank: seed python, numpy (if loaded) and torch with ``seed``."""
-    import random
-
     import torch
 
     random.seed(seed)

@@ -10,6 +10,7 @@ Writes history.jsonl (live), history.nc, summary.json and plots/ to --outdir.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from mmm.flops import llama_flops_per_token
@@ -34,8 +35,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def train(config: Config[LlamaTrainConfig], info, outdir, startup) -> int:
-    import time
-
     import torch
     import torch.nn.functional as F
 

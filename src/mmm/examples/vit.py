@@ -10,6 +10,7 @@ is the GLOBAL batch; the same --seed and global batch give the same losses on an
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -111,8 +112,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def train(config: Config[ViTTrainConfig], info, outdir, startup) -> int:
-    import time
-
     import torch
     import torch.nn.functional as F
 

@@ -30,9 +30,11 @@ import atexit
 import errno
 import json
 import os
+import pickle
 import re
 import shutil
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -204,8 +206,6 @@ def _barrier() -> None:
 def _damaged_files(e: BaseException) -> bool:
     """A DCP load failed on reading files (cut short, unreadable, unpicklable), on every failing rank:
     damage, not a code or memory problem."""
-    import pickle
-
     failures = getattr(e, "failures", {}) or {}
     kinds = (OSError, EOFError, pickle.UnpicklingError)
     return bool(failures) and all(
@@ -249,7 +249,6 @@ def _delete_in_background(folder: Path, log=None) -> None:
     """Remove a folder already renamed out of sight (``.step-N.del``) without holding up the ranks: a
     multi-TB checkpoint on a parallel file system takes minutes. A delete that fails is said, not hidden
     (the folder stays, is never read, and the next start tries again)."""
-    import threading
 
     def remove() -> None:
         failed: list[str] = []

@@ -27,6 +27,7 @@ cannot honour, and :func:`parallelize` raises them as one :class:`mmm.errors.Usa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -70,8 +71,6 @@ class ParallelSpec:
     """A TP pattern may match nothing (set for pipeline stages, which hold part of the model)."""
 
     def replace(self, **changes) -> ParallelSpec:
-        import dataclasses
-
         return dataclasses.replace(self, **changes)
 
 

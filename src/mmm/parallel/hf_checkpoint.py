@@ -21,6 +21,7 @@ A model's own mapping lives beside the model: mmm's Llama in :mod:`mmm.models.ll
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -186,8 +187,6 @@ def export_safetensors(
     parameters to rank 0, one tensor at a time. Only rank 0 holds the whole model (on the host) and
     writes; ``dtype`` casts on the way (default: the parameters' own). Every tensor ``sources``
     names must arrive. Returns ``out_dir`` on rank 0, None elsewhere."""
-    import importlib.util
-
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 

@@ -8,6 +8,7 @@ dp), bf16, and optimizer offload to CPU when asked. With no offload the trainer'
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import warnings
@@ -44,8 +45,6 @@ def import_deepspeed():
 
 
 def deepspeed_available() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("deepspeed") is not None
 
 

@@ -235,8 +235,6 @@ def torchinfo_summary(model: torch.nn.Module, depth: int = 2) -> str:
 
 def compiled_graphs() -> int:
     """Graphs torch.compile has captured in this process so far (0 when nothing was compiled)."""
-    import sys
-
     dynamo = sys.modules.get("torch._dynamo.utils")
     return int(dynamo.counters["stats"]["unique_graphs"]) if dynamo is not None else 0
 
@@ -443,8 +441,6 @@ class Run:
     def check_loss(self, step: int, loss_value: float, *, skipped: bool = False, checkpointer=None) -> None:
         """A non-finite loss stops the run with one line naming the step (recorded first, so the
         history shows it; no checkpoint is written for it)."""
-        import math
-
         from mmm.errors import DivergedError
 
         if math.isfinite(loss_value) or skipped:

@@ -5,6 +5,7 @@ never disagree) and kept here so that the example reads as a tutorial."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 from mmm.cli import FLAGS, Flags, flag_problems, option, positive_int
 from mmm.data import DATASETS
@@ -242,8 +243,6 @@ def problems(config: Config[LlamaTrainConfig], world_size: int) -> list[str]:
 
 
 def _is_file(path: str) -> bool:
-    from pathlib import Path
-
     return Path(path).is_file()
 
 
@@ -328,7 +327,6 @@ def export_hf(train: LlamaTrainConfig, engine, cfg, info, run, log) -> None:
         if info.is_main:
             log.info("--export-hf skipped: the run stopped early (%s); resume it to the last step", run.stopped_by)
         return
-    from pathlib import Path
 
     from mmm.models.llama import export_hf_llama
 
