@@ -25,6 +25,8 @@ import platform
 import time
 from typing import Any
 
+from mmm.dist import gather_objects
+
 # (substring of the device name, case-insensitive) -> {dtype: FLOP/s}; first match wins.
 # fp32 is the plain fp32 rate (PyTorch's default matmul precision "highest"); tf32 applies when
 # torch.backends.cuda.matmul.allow_tf32 is on or float32 matmul precision is "high"/"medium".
@@ -142,8 +144,6 @@ def mfu(*, tokens_per_s: float | None, flops_per_token: float | None, peaks: lis
 def mfu_report(device, dtype: str, *, rate: float | None, flops_per_unit: float | None) -> dict[str, Any]:
     """Every rank's peak (gathered), and the job's MFU: the ``mfu`` block of summary.json."""
     import torch.distributed as dist
-
-    from mmm.dist import gather_objects
 
     if dist.is_initialized():
         dist.barrier()  # calibrate together: ranks that share cores measure their share

@@ -30,6 +30,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from mmm.history import atomic_write_text
+from mmm.log import rich_wanted
+from mmm.parallel.mesh import check_degrees
+
 EXTRAS = {"wandb": "wandb", "tensorboard": "tensorboard"}  # flag -> (package to import, extra to install)
 
 
@@ -73,8 +77,6 @@ def run_config(
 
 def mesh_degrees(degrees: Mapping[str, int], world_size: int) -> dict[str, int]:
     """The degrees of the mesh (``dp_shard`` -1 resolved), as the trainer builds it."""
-    from mmm.parallel.mesh import check_degrees
-
     resolved, problems = check_degrees(world_size, **degrees)
     return dict(degrees) if problems else resolved
 
@@ -369,8 +371,6 @@ def summary_rows(
 def summary_table(rows: list[tuple[str, str]], *, title: str, rich: bool | None = None) -> str | Any:
     """A rich ``Table`` of the rows when rich is on (``MMM_RICH``, else a terminal), else aligned text."""
     if rich is None:
-        from mmm.log import rich_wanted
-
         rich = rich_wanted()
     if rich:
         try:
@@ -425,8 +425,6 @@ def write_report(
 ) -> Path:
     """``report.md`` beside summary.json: command line, launch, mesh, the summary table, versions,
     links to the PNG plots."""
-    from mmm.history import atomic_write_text
-
     mesh = summary.get("mesh") or {}
     world = summary.get("world_size")
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")

@@ -24,9 +24,27 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mmm import dist
 from mmm.cli import ArgumentParser, Flags, option, override, positive_int
+from mmm.dist import current
 from mmm.errors import RunError, UsageError
+from mmm.log import get_logger
+from mmm.models.llama import Llama, LlamaConfig, llama_tp_plan
+from mmm.models.vit import VIT_TP_PLAN, ViT, ViTConfig
+from mmm.parallel import (
+    ParallelSpec,
+    build_pipeline,
+    clip_grad_norm_,
+    compose_problems,
+    init_mesh,
+    meta_init,
+    parallelize,
+)
+from mmm.parallel.compose import find_blocks, get_submodule
 from mmm.parallel.mesh import AXES
+from mmm.parallel.pipeline import pipeline_problems
+from mmm.parallel.tensor import HF_LLAMA_TP_PLAN, hf_tp_plan, loss_parallel_context
+from mmm.training import mean_over
 from mmm.training.config import ParallelConfig
 
 BUILTIN = ("llama", "vit", "hf-llama")
@@ -134,16 +152,9 @@ def verify(
     import torch
     import torch.distributed as tdist
 
-    from mmm.dist import current
-    from mmm.parallel import ParallelSpec, build_pipeline, clip_grad_norm_, compose_problems, parallelize
-    from mmm.training import mean_over
-
     spec = spec or ParallelSpec()
     problems = compose_problems(spec, mesh.dims)  # before the reference run, not after it
     if mesh.pp_enabled:
-        from mmm.parallel.compose import find_blocks, get_submodule
-        from mmm.parallel.pipeline import pipeline_problems
-
         with torch.device("meta"):  # only the block count is needed
             shape = model_fn()
         blocks = find_blocks(shape, spec.blocks)
@@ -215,8 +226,6 @@ def verify(
         if pipe is not None:
             loss = pipe.step(inputs, targets)
         else:
-            from mmm.parallel.tensor import loss_parallel_context
-
             with loss_parallel_context(spec.loss_parallel and mesh.tp_enabled):
                 loss = loss_fn(model(inputs), targets)
                 loss.backward()
@@ -293,16 +302,12 @@ def target(check: VerifyConfig):
 
     tokens = token_batches(check.vocab_size, check.seq_len, check.batch_size, check.seed)
     if check.model == "llama":
-        from mmm.models.llama import Llama, LlamaConfig, llama_tp_plan
-
         cfg = LlamaConfig(
             dim=64, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=check.vocab_size, seq_len=check.seq_len
         )
         return (lambda: Llama(cfg)), {"tp_plan": llama_tp_plan(), "loss_parallel": True}, tokens, lm_loss
     if check.model == "vit":
         import torch
-
-        from mmm.models.vit import VIT_TP_PLAN, ViT, ViTConfig
 
         cfg = ViTConfig(img_size=16, patch_size=4, depth=4, num_heads=4, head_dim=8)
 
@@ -320,12 +325,12 @@ def target(check: VerifyConfig):
         )
     if check.model == "hf-llama":
         try:
-            from transformers import LlamaConfig, LlamaForCausalLM
+            from transformers import LlamaConfig as HFLlamaConfig
+            from transformers import LlamaForCausalLM
         except ImportError:
             raise UsageError("--model hf-llama needs transformers: pip install 'mmm[hf]'") from None
-        from mmm.parallel.tensor import HF_LLAMA_TP_PLAN
 
-        config = LlamaConfig(
+        config = HFLlamaConfig(
             vocab_size=check.vocab_size,
             hidden_size=64,
             intermediate_size=128,
@@ -344,10 +349,6 @@ def target(check: VerifyConfig):
 def config_tp_plan(model_fn, say: bool) -> dict | None:
     """No --tp-plan for a model whose config carries one (a Hugging Face model's ``base_model_tp_plan``):
     use that plan, and say so. None when the model has no such config (the spec check then asks for one)."""
-    from mmm.log import get_logger
-    from mmm.parallel import meta_init
-    from mmm.parallel.tensor import hf_tp_plan
-
     with meta_init():  # only to read its config: no memory, no weights
         probe = model_fn()
     if not getattr(getattr(probe, "config", None), "base_model_tp_plan", None):
@@ -363,10 +364,6 @@ def config_tp_plan(model_fn, say: bool) -> dict | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from mmm import dist
-    from mmm.log import get_logger
-    from mmm.parallel import ParallelSpec, init_mesh
-
     flags = COMMAND_LINE.parse(argv)  # the flags, parsed once
     check, par = flags["check"], flags["parallel"]
     info = dist.setup(seed=check.seed)

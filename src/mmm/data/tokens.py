@@ -29,7 +29,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mmm.data import _step_generator
 from mmm.errors import UsageError
+from mmm.log import get_logger
 
 DTYPES = ("uint16", "uint32")
 # end-of-document tokens looked for in a tokenizer's vocabulary, in this order
@@ -67,8 +69,6 @@ class TokenWindows:
         """Step ``step``'s global batch (``batch`` windows), or only its ``rows``: the starts are drawn
         for the whole batch, the tokens read for the rows asked."""
         import numpy as np
-
-        from mmm.data import _step_generator
 
         starts = torch.randint(0, len(self.tokens) - self.seq_len, (batch,), generator=_step_generator(seed, step))
         idx = starts[rows].numpy()[:, None] + np.arange(self.seq_len + 1)
@@ -448,8 +448,6 @@ def cached_hf_tokens(data_dir, *, split: str = "train", text_column: str | None 
         tokens = np.memmap(path, dtype=value["dtype"], mode="r") if value["tokens"] else np.zeros(0, value["dtype"])
         return tokens, value["source"]
     if dist.get_rank() == 0:
-        from mmm.log import get_logger
-
         reason = value if kind == "none" else f"{path} is not visible on every rank"
         get_logger().warning("token cache: %s; every rank tokenises %s itself", reason, data_dir)
     return hf_token_array(data_dir, split=split, text_column=text_column, tokenizer=tokenizer)

@@ -15,7 +15,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mmm.errors import UsageError
+from mmm import __version__, dist
+from mmm.dist import gather_objects, launch_time, set_stack_dir
+from mmm.errors import DivergedError, UsageError
+from mmm.faults import inject
+from mmm.flops import mfu_report
+from mmm.history import History
+from mmm.log import get_logger
+from mmm.measure import CommCounter, SavedActivations
+from mmm.parallel.checkpoint import Checkpointer, complete_steps, latest_step, step_dir
+from mmm.parallel.strategy import theoretical_state_bytes
+from mmm.tracking import finish_run, gather_rank_timings, open_trackers, run_config
 from mmm.training.step import StepSync, train_step  # noqa: F401  (the trainers' one step)
 
 if TYPE_CHECKING:  # pragma: no cover  (mmm.training.config imports the parallel library: not at import mmm.training)
@@ -38,8 +48,6 @@ class Startup:
     """Phases from launch (``MMM_LAUNCH_TIME``, else process start) to the first finished step."""
 
     def __init__(self) -> None:
-        from mmm.dist import launch_time
-
         self.process_start = process_start_time()
         self.launch = launch_time() or self.process_start
         self.marks: list[tuple[str, float]] = [("interpreter", self.process_start)]
@@ -88,9 +96,6 @@ def start(example: str, config: Config, problems: Callable[[Config, int], list[s
 
     ``problems(config, world_size)``: every problem at once, raised as one UsageError.
     """
-    from mmm import dist
-    from mmm.log import get_logger
-
     startup = Startup()
     info = dist.setup(seed=config.run.seed, timeout=config.run.timeout)
     startup.mark_setup(info)
@@ -112,8 +117,6 @@ def start(example: str, config: Config, problems: Callable[[Config, int], list[s
 def earlier_run(run, outdir: Path) -> dict[str, str]:
     """What an earlier run left where this one would write (flag -> what it holds), unless this run
     continues it (``--resume``, or a relaunch by ``launch --retries``)."""
-    from mmm.parallel.checkpoint import complete_steps
-
     if restart_attempt():  # the same job, relaunched: it continues itself
         return {}
     found = {}
@@ -135,8 +138,6 @@ def keep_earlier_run(run, outdir: Path, info) -> None:
     """Never overwrite an earlier run by starting afresh in its folders (a resubmitted job script without
     --resume would re-save its steps and prune its newest checkpoints first): refuse in one line, or with
     ``--start-over`` move those folders aside (rank 0, before anyone writes; nothing is deleted)."""
-    from mmm import dist
-    from mmm.log import get_logger
 
     def decide_and_move() -> dict[str, str]:  # rank 0 alone looks and moves; every rank learns the outcome
         found = earlier_run(run, outdir)
@@ -216,8 +217,6 @@ def memory_now(device: torch.device) -> dict[str, int]:
 
 
 def versions(extra: Iterable[str] = ()) -> dict[str, str]:
-    from mmm import __version__
-
     out = {"mmm": __version__, "python": platform.python_version(), "torch": torch.__version__}
     for name in ("numpy", "deepspeed", "mpi4py", *extra):
         mod = sys.modules.get(name)
@@ -274,7 +273,6 @@ def make_checkpointer(engine, *, directory: str | None, keep_last: int = 0, meta
     None without one), keeping the ``keep_last`` newest (0: all)."""
     if not directory:
         return None
-    from mmm.parallel.checkpoint import Checkpointer
 
     if hasattr(engine, "ds"):
         return Checkpointer(directory, deepspeed_engine=engine.ds, meta=meta, keep_last=keep_last, log=log)
@@ -289,9 +287,6 @@ def resume(checkpointer, which: str | None, startup: Startup | None = None) -> i
     ``launch --retries`` (``MMM_RESTART`` >= 1) resumes from the latest checkpoint, whatever ``which`` said."""
     lineage = None
     if checkpointer is not None and restart_attempt():
-        from mmm import dist
-        from mmm.log import get_logger
-
         # the newest checkpoint this job saved; before its first save, where it started (a rollback to
         # an earlier step must not continue the abandoned branch that is still on disk)
         lineage = os.environ.get("MMM_RUN_STAMP") or None
@@ -326,8 +321,6 @@ def restart_attempt() -> int:
 
 @contextlib.contextmanager
 def _measuring(run, mesh):
-    from mmm.measure import CommCounter, SavedActivations
-
     comm, saved = CommCounter(mesh.named_groups()), SavedActivations()
     with comm, saved:
         yield
@@ -380,9 +373,6 @@ class Run:
         resume_step: int = 0,
         sync=None,
     ) -> None:
-        from mmm.history import History
-        from mmm.log import get_logger
-
         self.example, self.info, self.outdir, self.startup = example, info, outdir, startup
         self.options = config.run  # warmup, log_every, checkpoints, trackers, --rank-timings
         self.log = get_logger()
@@ -404,7 +394,6 @@ class Run:
         self.sync = sync  # the per-step all-reduce (mmm.training.step.StepSync)
         self._t_last: float | None = None  # when the previous iteration ended
         self._pending: _Pending | None = None
-        from mmm.tracking import open_trackers, run_config  # --wandb/--tensorboard: rank 0, fed every History row
 
         names = self.options.trackers if info.is_main else []
         self.trackers = open_trackers(
@@ -425,15 +414,12 @@ class Run:
         self.rank_timings = self.options.rank_timings  # an all-gather on logging steps
         if info.world_size > 1 and not os.environ.get("MMM_STACK_DIR"):
             # where each rank was, written when a collective fails and on SIGUSR1 (mmm.dist.liveness)
-            from mmm.dist import set_stack_dir
 
             set_stack_dir(outdir / "stacks", info.rank)
 
     def begin_step(self, step: int) -> bool:
         """Called as a step starts: carries out ``MMM_FAULT`` fault injection (:mod:`mmm.faults`);
         True when this step's loss must be made NaN."""
-        from mmm.faults import inject
-
         if self._t_last is None:
             self._t_last = time.perf_counter()
         return inject(step, self.info.rank)
@@ -441,14 +427,10 @@ class Run:
     def check_loss(self, step: int, loss_value: float, *, skipped: bool = False, checkpointer=None) -> None:
         """A non-finite loss stops the run with one line naming the step (recorded first, so the
         history shows it; no checkpoint is written for it)."""
-        from mmm.errors import DivergedError
-
         if math.isfinite(loss_value) or skipped:
             return
         good = "no checkpoint was saved"
         if checkpointer is not None:
-            from mmm.parallel.checkpoint import latest_step, step_dir
-
             last = latest_step(checkpointer.root)
             if last is not None:
                 good = f"the last good checkpoint is {step_dir(checkpointer.root, last)} (--resume {last})"
@@ -521,8 +503,6 @@ class Run:
             metrics["grad_norm"] = entry.reduced.grad_norm
         metrics = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
         if self.rank_timings and (entry.step % self.log_every == 0 or entry.last):  # every rank, same steps
-            from mmm.tracking import gather_rank_timings
-
             metrics.update(gather_rank_timings(entry.dt, device=self.info.device))
         self.record(
             entry.step,
@@ -590,10 +570,6 @@ class Run:
         """Gather per-rank memory, compare it with the strategy's theoretical figure, work out MFU
         (``flops_per_unit``: training FLOPs per token, or per sample when ``rate_key`` counts
         samples), write the outputs."""
-        from mmm.dist import gather_objects
-        from mmm.flops import mfu_report
-        from mmm.parallel.strategy import theoretical_state_bytes
-
         memory = {**(self.memory or engine.state_bytes()), **peak_memory(self.info.device)}
         per_rank = gather_objects(memory)
         marks = gather_objects(self.memory_marks)  # per rank: {"after_setup": {...}, "after_first_step": {...}}
@@ -628,7 +604,6 @@ class Run:
         summary_extra["state_bytes_theory"] = theory
         summary_extra["state_bytes_ratio_to_theory"] = worst / theory["total_bytes"]
         summary = self.hist.finalize(summary_extra, plots=plots)
-        from mmm.tracking import finish_run
 
         finish_run(self, summary, rate_key=rate_key)  # rank 0: summary table, report.md, trackers closed
         if self.info.is_main:

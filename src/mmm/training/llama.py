@@ -8,8 +8,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from mmm.cli import FLAGS, Flags, flag_problems, option, positive_int
-from mmm.data import DATASETS
+from mmm.data import DATASETS, data_vocab_size, dataset_problems, local_batches, make_dataset
 from mmm.errors import UsageError
+from mmm.models.llama import LlamaConfig, export_hf_llama, llama_config_from_hf, tp_problems
+from mmm.parallel.context import cp_problems, shard_sequence
+from mmm.parallel.pipeline import pipeline_problems
+from mmm.training import Run, StepSync, batch_problems, make_checkpointer, resume
 from mmm.training.config import Config, trainer_flags
 from mmm.training.evaluation import EvalConfig
 from mmm.training.schedule import ScheduleConfig
@@ -131,16 +135,10 @@ class LlamaTrainConfig(EvalConfig, ScheduleConfig):
     def model_config(self):
         """The model's shape: these fields (the vocabulary: ``vocab_size``, else the data's, else 256),
         or ``init_from``'s config.json."""
-        from mmm.models.llama import LlamaConfig
-
         if self.init_from:
-            from mmm.models.llama import llama_config_from_hf
-
             return llama_config_from_hf(self.init_from, seq_len=self.seq_len)
         vocab = self.vocab_size
         if vocab is None:
-            from mmm.data import data_vocab_size
-
             vocab = data_vocab_size(self.dataset, data_dir=self.data_dir, tokenizer=self.tokenizer)[0] or DEFAULT_VOCAB
         return LlamaConfig(
             dim=self.dim,
@@ -200,12 +198,6 @@ def command_line(doc: str = "") -> Flags:
 def problems(config: Config[LlamaTrainConfig], world_size: int) -> list[str]:
     """Every problem with this configuration on ``world_size`` ranks, at once (the planner asks this
     of each layout)."""
-    from mmm.data import dataset_problems
-    from mmm.models.llama import tp_problems
-    from mmm.parallel.context import cp_problems
-    from mmm.parallel.pipeline import pipeline_problems
-    from mmm.training import batch_problems
-
     train, par = config.train, config.parallel
     out = par.problems(world_size)  # degrees, strategy, compile, settings without a pipeline/FSDP
     out += train.problems(strategy=par.strategy)
@@ -264,9 +256,6 @@ def checkpoint_meta(config: Config[LlamaTrainConfig], cfg, mesh) -> dict:
 def loop_setup(config: Config[LlamaTrainConfig], info, outdir, startup, engine, cfg, mesh, dataset, log):
     """What both training loops start from: the checkpointer, the first step (after ``--resume``),
     this dp rank's batches from that step on, and the Run that records the steps."""
-    from mmm.data import local_batches
-    from mmm.training import Run, StepSync, make_checkpointer, resume
-
     opts = config.run
     meta = checkpoint_meta(config, cfg, mesh)
     ckpt = make_checkpointer(engine, directory=opts.checkpoint_dir, keep_last=opts.keep_last, meta=meta, log=log)
@@ -295,9 +284,6 @@ def loop_setup(config: Config[LlamaTrainConfig], info, outdir, startup, engine, 
 def heldout_batches(config: Config[LlamaTrainConfig], cfg, mesh, device) -> list:
     """This rank's part of the ``--eval-iters`` held-out global batches (the same ones at every
     evaluation; the data's ``val`` split), sharded over the sequence under context parallel."""
-    from mmm.data import local_batches, make_dataset
-    from mmm.parallel.context import shard_sequence
-
     train = config.train
     val = make_dataset(
         train.dataset, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, split="val", **train.data_options()
@@ -327,8 +313,6 @@ def export_hf(train: LlamaTrainConfig, engine, cfg, info, run, log) -> None:
         if info.is_main:
             log.info("--export-hf skipped: the run stopped early (%s); resume it to the last step", run.stopped_by)
         return
-
-    from mmm.models.llama import export_hf_llama
 
     pp_group = engine.pipeline.pp_group if engine.pipeline is not None else None
     tokenizer = (

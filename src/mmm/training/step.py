@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from mmm.dist import stop_flag
+
 
 def _local_scalar(loss: torch.Tensor) -> torch.Tensor:
     """The loss as a plain fp32 0-d tensor (a replicated DTensor's local value: no communication)."""
@@ -99,8 +101,6 @@ class StepSync:
     def reduce(self, loss: torch.Tensor, grad_square: torch.Tensor | None = None) -> Reduced:
         """All-reduce (sum) [loss share, non-finite, stop, ``grad_square`` share] over every rank."""
         import torch.distributed as dist
-
-        from mmm.dist import stop_flag
 
         value = _local_scalar(loss).to(self.device)
         share = value * self.weight if self.weight else torch.zeros((), device=self.device)
