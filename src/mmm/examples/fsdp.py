@@ -16,10 +16,29 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from mmm import dist
 from mmm.cli import flag_problems, option, override, positive_int
+from mmm.data.images import epoch_batches, load_digits_data, padded_shard
 from mmm.errors import UsageError
+from mmm.flops import counted_flops_per_sample
+from mmm.history import History
+from mmm.log import get_logger
+from mmm.models.cnn import DigitsCNN, log_softmax_nll
+from mmm.parallel import ParallelSpec, init_mesh, meta_init
+from mmm.parallel.strategy import build_engine
+from mmm.training import (
+    Run,
+    StepSync,
+    batch_problems,
+    make_checkpointer,
+    resume,
+    save_full_model,
+    start,
+    torchinfo_summary,
+    train_step,
+)
 from mmm.training.config import Config, RunConfig, trainer_flags
-from mmm.training.schedule import SCHEDULES, ScheduleConfig
+from mmm.training.schedule import SCHEDULES, ScheduleConfig, set_lr
 
 EXAMPLE = "fsdp"
 
@@ -142,8 +161,6 @@ def build_parser():
 
 def problems(config: Config[DigitsTrainConfig], world_size: int) -> list[str]:
     """Every problem with this configuration on ``world_size`` ranks, at once."""
-    from mmm.training import batch_problems
-
     train, par = config.train, config.parallel
     out = par.problems(world_size)
     if (par.tp, par.pp, par.cp) != (1, 1, 1):
@@ -155,8 +172,6 @@ def problems(config: Config[DigitsTrainConfig], world_size: int) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from mmm.training import start
-
     config = COMMAND_LINE.parse(argv)  # the flags, parsed once into typed configs
     info, outdir, startup = start(EXAMPLE, config, problems)
     return train(config, info, outdir, startup)
@@ -164,16 +179,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def train(config: Config[DigitsTrainConfig], info, outdir, startup) -> int:
     import torch
-
-    from mmm import dist
-    from mmm.data.images import epoch_batches, load_digits_data
-    from mmm.history import History
-    from mmm.log import get_logger
-    from mmm.models.cnn import DigitsCNN, log_softmax_nll
-    from mmm.parallel import ParallelSpec, init_mesh, meta_init
-    from mmm.parallel.strategy import build_engine
-    from mmm.training import Run, StepSync, make_checkpointer, resume, torchinfo_summary, train_step
-    from mmm.training.schedule import set_lr
 
     log = get_logger()
     what, how = config.train, config.parallel  # what to train, how to parallelise it (config.run: how to run)
@@ -335,8 +340,6 @@ def train(config: Config[DigitsTrainConfig], info, outdir, startup) -> int:
             break
     epochs.finalize(plots=not config.run.no_plots, print_plots=False, summary_file=None)
     if what.save_model:
-        from mmm.training import save_full_model
-
         save_full_model(engine, outdir / "model.pt", is_main=info.is_main)
     last_epoch = epochs.rows[-1] if epochs.rows else {}  # none when stopped inside the first epoch
     extra = {
@@ -350,7 +353,6 @@ def train(config: Config[DigitsTrainConfig], info, outdir, startup) -> int:
         "test_acc": last_epoch.get("test_acc"),
         "test_loss": last_epoch.get("test_loss"),
     }
-    from mmm.flops import counted_flops_per_sample
 
     flops = counted_flops_per_sample(lambda: DigitsCNN(img_size=data.img_size), (1, data.img_size, data.img_size))
     run.finish(
@@ -371,8 +373,6 @@ def evaluate(engine, split, *, batch: int, rank: int, world: int, group, device)
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-
-    from mmm.data.images import padded_shard
 
     idx, mask = padded_shard(len(split.labels), rank=rank, world=world)
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count

@@ -13,11 +13,22 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from mmm import dist
+from mmm.data import make_dataset
 from mmm.flops import llama_flops_per_token
+from mmm.log import get_logger
+from mmm.models.llama import Llama, apply_cp_llama, llama_tp_plan, load_hf_llama
+from mmm.parallel import ParallelSpec, describe_sharding, init_mesh, meta_init
+from mmm.parallel.context import shard_sequence
+from mmm.parallel.strategy import build_engine
+from mmm.parallel.tensor import loss_parallel_context
+from mmm.training import compiled_graphs, start, torchinfo_summary, train_step
 from mmm.training import llama as recipe
-from mmm.training import torchinfo_summary
 from mmm.training.config import Config
+from mmm.training.evaluation import perplexity
 from mmm.training.llama import MEASURE_STEP, LlamaTrainConfig, command_line, loop_setup
+from mmm.training.schedule import set_lr
+from mmm.training.step import evaluate
 
 EXAMPLE = "fsdp_tp"
 
@@ -27,8 +38,6 @@ def build_parser():
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from mmm.training import start
-
     config = command_line(__doc__).parse(argv)  # the flags, parsed once into typed configs
     info, outdir, startup = start(EXAMPLE, config, recipe.problems)
     return train(config, info, outdir, startup)
@@ -37,19 +46,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 def train(config: Config[LlamaTrainConfig], info, outdir, startup) -> int:
     import torch
     import torch.nn.functional as F
-
-    from mmm import dist
-    from mmm.data import make_dataset
-    from mmm.log import get_logger
-    from mmm.models.llama import Llama, apply_cp_llama, llama_tp_plan
-    from mmm.parallel import ParallelSpec, describe_sharding, init_mesh, meta_init
-    from mmm.parallel.context import shard_sequence
-    from mmm.parallel.strategy import build_engine
-    from mmm.parallel.tensor import loss_parallel_context
-    from mmm.training import compiled_graphs, train_step
-    from mmm.training.evaluation import perplexity
-    from mmm.training.schedule import set_lr
-    from mmm.training.step import evaluate
 
     log = get_logger()
     # what to train (model, data, batch, steps, lr schedule), how to parallelise it (mesh, strategy, pipeline, ...);
@@ -113,8 +109,6 @@ def train(config: Config[LlamaTrainConfig], info, outdir, startup) -> int:
     )
     del model
     if what.init_from:  # each rank reads only its shards from the safetensors files
-        from mmm.models.llama import load_hf_llama
-
         load_hf_llama(engine.unwrapped(), what.init_from)
         log.info("weights loaded from %s", what.init_from)
     if info.is_main:

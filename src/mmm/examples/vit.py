@@ -14,10 +14,29 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from mmm import dist
 from mmm.cli import FLAGS, flag_problems, option, override, positive_int
+from mmm.data.images import SyntheticImages
+from mmm.flops import counted_flops_per_sample
+from mmm.log import get_logger
+from mmm.models.vit import VIT_TP_PLAN, ViT, ViTConfig, vit_tp_problems
+from mmm.parallel import ParallelSpec, describe_sharding, init_mesh, meta_init
+from mmm.parallel.strategy import build_engine
+from mmm.training import (
+    Run,
+    StepSync,
+    batch_problems,
+    compiled_graphs,
+    make_checkpointer,
+    resume,
+    start,
+    torchinfo_summary,
+    train_step,
+)
 from mmm.training.config import Config, trainer_flags
 from mmm.training.evaluation import EvalConfig
-from mmm.training.schedule import ScheduleConfig
+from mmm.training.schedule import ScheduleConfig, set_lr
+from mmm.training.step import evaluate
 
 EXAMPLE = "vit"
 
@@ -57,8 +76,6 @@ class ViTTrainConfig(EvalConfig, ScheduleConfig):
     lr: float = override(ScheduleConfig, "lr", 1e-3)
 
     def model_config(self):
-        from mmm.models.vit import ViTConfig
-
         return ViTConfig(
             img_size=self.img_size,
             patch_size=self.patch_size,
@@ -89,9 +106,6 @@ def build_parser():
 
 def problems(config: Config[ViTTrainConfig], world_size: int) -> list[str]:
     """Every problem with this configuration on ``world_size`` ranks, at once."""
-    from mmm.models.vit import vit_tp_problems
-    from mmm.training import batch_problems
-
     train, par = config.train, config.parallel
     out = par.problems(world_size) + train.problems()
     if par.pp != 1 or par.cp != 1:
@@ -104,8 +118,6 @@ def problems(config: Config[ViTTrainConfig], world_size: int) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from mmm.training import start
-
     config = COMMAND_LINE.parse(argv)  # the flags, parsed once into typed configs
     info, outdir, startup = start(EXAMPLE, config, problems)
     return train(config, info, outdir, startup)
@@ -114,16 +126,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 def train(config: Config[ViTTrainConfig], info, outdir, startup) -> int:
     import torch
     import torch.nn.functional as F
-
-    from mmm import dist
-    from mmm.data.images import SyntheticImages
-    from mmm.log import get_logger
-    from mmm.models.vit import VIT_TP_PLAN, ViT
-    from mmm.parallel import ParallelSpec, describe_sharding, init_mesh, meta_init
-    from mmm.parallel.strategy import build_engine
-    from mmm.training import Run, StepSync, compiled_graphs, make_checkpointer, resume, torchinfo_summary, train_step
-    from mmm.training.schedule import set_lr
-    from mmm.training.step import evaluate
 
     log = get_logger()
     what, how = config.train, config.parallel  # what to train, how to parallelise it (config.run: how to run)
@@ -258,7 +260,6 @@ def train(config: Config[ViTTrainConfig], info, outdir, startup) -> int:
         "model": {**vars(cfg), "num_params": n_params},
         "global_batch": what.batch_size,
     }
-    from mmm.flops import counted_flops_per_sample
 
     flops = counted_flops_per_sample(lambda: ViT(cfg), (cfg.in_chans, cfg.img_size, cfg.img_size))
     run.finish(

@@ -41,6 +41,7 @@ from mmm.log import get_logger
 from mmm.parallel.activation_checkpoint import AC_MODES, wrap_block
 from mmm.parallel.fsdp import DTYPES, apply_ddp, apply_fsdp
 from mmm.parallel.mesh import Mesh, ParallelDims
+from mmm.parallel.meta import has_meta_params, materialize
 from mmm.parallel.tensor import apply_tp_plan, resolve_plan
 
 DP_MODES = ("fsdp", "hsdp", "ddp", "none")
@@ -225,8 +226,6 @@ def parallelize(
     materialised on ``device``: only this rank's shards, each parameter initialised from ``seed``
     and its name (:func:`mmm.parallel.meta.materialize`; ``init`` overrides the model's own
     initialisation)."""
-    from mmm.parallel.meta import has_meta_params, materialize
-
     spec = (spec or ParallelSpec()).replace(**options) if options else (spec or ParallelSpec())
     problems = compose_problems(spec, mesh.dims)
     on_meta = has_meta_params(model)

@@ -36,6 +36,7 @@ from mmm.dist.exits import RankZeroFailed, on_rank0
 from mmm.errors import RunError, UsageError
 from mmm.log import get_logger
 from mmm.parallel.checkpoint import crash_point
+from mmm.parallel.meta import canonical_name
 
 
 class Source:
@@ -121,8 +122,6 @@ def load_safetensors(
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
 
-    from mmm.parallel.meta import canonical_name
-
     path = Path(path)
     where = tensor_files(path)
     plan: dict[Path, list[tuple[torch.Tensor, Source, str]]] = {}
@@ -189,8 +188,6 @@ def export_safetensors(
     names must arrive. Returns ``out_dir`` on rank 0, None elsewhere."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
-
-    from mmm.parallel.meta import canonical_name
 
     out = Path(out_dir)
     if out.exists() and not out.is_dir():

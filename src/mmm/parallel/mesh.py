@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from mmm import dist as mdist
+from mmm.dist import data_seed
 from mmm.errors import UsageError
 from mmm.log import get_logger
 
@@ -316,8 +318,6 @@ class Mesh:
         samples of one process's batch) while TP and PP peers keep the same one. Returns the seed."""
         import torch
 
-        from mmm.dist import data_seed
-
         stream = data_seed(seed, self.coord("dp_cp"))
         torch.manual_seed(stream)  # seeds every device's generator too
         return stream
@@ -362,8 +362,6 @@ def init_mesh(
     :func:`mmm.dist.setup` if nobody has. Rank 0 logs the degrees; each rank logs its
     coordinate line (visible with ``LOG_FROM_ALL_RANKS=1``).
     """
-    from mmm import dist as mdist
-
     info = mdist.info()
     dims = ParallelDims(world_size=info.world_size, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp)
     from torch.distributed.device_mesh import init_device_mesh

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mmm.dist.device import return_freed_host_memory
 from mmm.errors import UsageError
 
 # wrapper modules that insert a name component: activation checkpointing, torch.compile
@@ -154,8 +155,6 @@ def materialize(
         )
     init_fn = initializer(model, init)
     if device.type == "cpu":  # a large model on host memory: have freed tensors returned at once
-        from mmm.dist.device import return_freed_host_memory
-
         return_freed_host_memory(sum(p.numel() * p.element_size() for p in params))
     saved = {(id(m), k): m._buffers[k] for m, k in _buffer_slots(model)}
     ties = [slots for _, _, slots in _owned(model).values() if len(slots) > 1]

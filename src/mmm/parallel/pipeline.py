@@ -37,7 +37,7 @@ from torch import nn
 from mmm.errors import API, Spelling, UsageError
 from mmm.parallel.compose import ParallelSpec, block_items, find_blocks, get_submodule, parallelize, shards_parameters
 from mmm.parallel.mesh import Mesh
-from mmm.parallel.tensor import loss_parallel_context
+from mmm.parallel.tensor import loss_parallel_context, resolve_plan
 
 # flag value -> torch.distributed.pipelining class name; multi: needs stages_per_rank >= 2
 SCHEDULES = {
@@ -409,8 +409,6 @@ def build_pipeline(
             "(an embedding module before the blocks)"
         )
     if spec.tp_plan:
-        from mmm.parallel.tensor import resolve_plan
-
         resolve_plan(model, spec.tp_plan)  # every pattern must name a module of the whole model
     tied = tied_across_stages(model, path)
     if tied:

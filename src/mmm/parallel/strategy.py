@@ -15,9 +15,12 @@ from torch import nn
 
 from mmm.errors import API, Spelling
 from mmm.parallel.compose import ParallelSpec, dp_problems, flat_dp_problems, parallelize, shards_parameters
+from mmm.parallel.grad_clip import clip_with_norm_, grad_norm_, square_share
 from mmm.parallel.mesh import Mesh, ParallelDims
+from mmm.parallel.pipeline import build_pipeline
 from mmm.parallel.zero import INSTALL_HINT, ZERO_STAGES, deepspeed_available, zero_config
 from mmm.parallel.zero import initialize as zero_initialize
+from mmm.parallel.zero_memory import zero_state_bytes
 
 TORCH_STRATEGIES = ("ddp", "fsdp", "hsdp")
 STRATEGIES = (*TORCH_STRATEGIES, *ZERO_STAGES)
@@ -182,8 +185,6 @@ class TorchEngine(Engine):
         step's one all-reduce instead of reductions of its own."""
         import torch.distributed as dist
 
-        from mmm.parallel.grad_clip import square_share
-
         world = dist.get_world_size() if dist.is_initialized() else 1
         pp = dist.get_world_size(self.pipeline.pp_group) if self.pipeline is not None else 1
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
@@ -193,8 +194,6 @@ class TorchEngine(Engine):
     def step(self, grad_square: torch.Tensor | None = None) -> None:
         """Clip (when ``max_grad_norm`` > 0) and step; ``grad_square``: the summed
         :meth:`grad_square_share` of every rank (else the norm is reduced here)."""
-        from mmm.parallel.grad_clip import clip_with_norm_, grad_norm_
-
         pipe = self.pipeline
         if grad_square is None:
             self.grad_norm = grad_norm_(
@@ -268,8 +267,6 @@ class DeepSpeedEngine(Engine):
         return self.ds.optimizer.param_groups
 
     def state_bytes(self) -> dict[str, int]:
-        from mmm.parallel.zero_memory import zero_state_bytes
-
         held = zero_state_bytes(self.ds)
         if self._grad_peak:  # the most held during the probed backward (see arm_memory_probe)
             held["grad_peak_bytes"] = max(self._grad_peak, held["grad_bytes"])
@@ -316,8 +313,6 @@ def build_engine(
         )
     spec = spec.replace(dp=strategy)
     if mesh.pp_enabled:
-        from mmm.parallel.pipeline import build_pipeline
-
         pipe = build_pipeline(model, mesh, spec, device=device, seed=seed, **(pipeline_args or {}))
         return TorchEngine(
             pipe.module,

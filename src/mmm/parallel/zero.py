@@ -16,6 +16,7 @@ from typing import Any
 
 from torch import nn
 
+from mmm import dist as mdist
 from mmm.errors import UsageError
 
 ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
@@ -104,7 +105,6 @@ def initialize(model: nn.Module, optimizer, *, config: dict[str, Any], device_ty
     backend = dist.get_backend() if dist.is_initialized() else "gloo"
     # DeepSpeed insists on LOCAL_RANK, which only torchrun and Open MPI set: give it ours (one
     # process, srun, Hydra, PALS)
-    from mmm import dist as mdist
 
     os.environ.setdefault("LOCAL_RANK", str(mdist.info().local_rank))
     deepspeed.init_distributed(dist_backend=backend)

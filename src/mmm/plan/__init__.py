@@ -46,8 +46,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from mmm.errors import UsageError
+from mmm.parallel.compose import shards_parameters
+from mmm.parallel.mesh import FLAT_VIEWS, ParallelDims
+from mmm.parallel.pipeline import stage_ids, stage_layer_ranges
+from mmm.parallel.strategy import STRATEGIES, state_bytes_per_param
 from mmm.training.config import Config, ParallelConfig, RunConfig
-from mmm.training.llama import LlamaTrainConfig
+from mmm.training.llama import LlamaTrainConfig, problems
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -130,10 +135,6 @@ def plan(
     its degrees and strategy are what varies. ``strategies``: the data-parallel strategies to consider
     (default all); ``fixed``: degrees to hold, e.g. ``{"tp": 2}``.
     """
-    from mmm.errors import UsageError
-    from mmm.parallel.strategy import STRATEGIES
-    from mmm.training.llama import problems
-
     if not isinstance(world, int) or world < 1:
         raise UsageError(f"--world {world} must be a positive number of ranks (e.g. --world 4)")
     config = config if config is not None else trainer_config(**overrides)
@@ -171,15 +172,11 @@ def plan(
 
 # --------------------------------------------------------------------------- the model's shapes
 def _dims(config: Config, world: int):
-    from mmm.parallel.mesh import ParallelDims
-
     return ParallelDims(world_size=world, **config.parallel.degrees)
 
 
 def _stage_blocks(config: Config[LlamaTrainConfig], dims) -> list[tuple[int, bool, bool]]:
     """(blocks, has embedding, has output) of every pipeline rank (its stages together)."""
-    from mmm.parallel.pipeline import stage_ids, stage_layer_ranges
-
     n_layers, par = config.train.n_layers, config.parallel
     if dims.pp == 1:
         return [(n_layers, True, True)]
@@ -206,8 +203,6 @@ def _rank_params(cfg, tp: int, blocks: int, first: bool, last: bool) -> tuple[fl
 
 def estimate_memory(config: Config[LlamaTrainConfig], world: int) -> dict[str, float]:
     """Per-rank bytes (busiest rank) of parameters, gradients, optimizer state and activations."""
-    from mmm.parallel.strategy import state_bytes_per_param
-
     cfg, dims, par, batch = config.train.model_config(), _dims(config, world), config.parallel, config.train.batch_size
     p, g, o = state_bytes_per_param(par.strategy, dims)
     c = DTYPE_BYTES[par.dtype]
@@ -246,8 +241,6 @@ def estimate_memory(config: Config[LlamaTrainConfig], world: int) -> dict[str, f
 def group_name(view: str, dims) -> str:
     """The name :meth:`mmm.parallel.Mesh.named_groups` gives the group of ``view`` (a flattened
     view over a single enabled axis is that axis)."""
-    from mmm.parallel.mesh import FLAT_VIEWS
-
     if view in FLAT_VIEWS:
         on = [a for a in FLAT_VIEWS[view] if getattr(dims, a) > 1]
         if len(on) == 1:
@@ -260,8 +253,6 @@ def group_name(view: str, dims) -> str:
 
 def estimate_comm(config: Config[LlamaTrainConfig], world: int) -> dict[str, float]:
     """Payload bytes per step by process group, for the busiest rank."""
-    from mmm.parallel.compose import shards_parameters
-
     cfg, dims, par = config.train.model_config(), _dims(config, world), config.parallel
     c = DTYPE_BYTES[par.dtype]
     b = config.train.batch_size // dims.dp
@@ -303,8 +294,6 @@ def estimate_comm(config: Config[LlamaTrainConfig], world: int) -> dict[str, flo
     if dims.cp > 1:
         add("cp", 8 * (dims.cp - 1) * blocks * t * cfg.n_kv_heads * cfg.head_dim / tp * c)  # k/v unexpanded
     if dims.pp > 1:  # per stage and neighbour: activations one way, their gradients back
-        from mmm.parallel.pipeline import stage_ids
-
         num_stages = dims.pp * par.stages_per_rank
         links = max(
             sum((i > 0) + (i < num_stages - 1) for i in stage_ids(r, dims.pp, par.stages_per_rank))
