@@ -195,11 +195,11 @@ def _serve_launch(folder: Path, expected: int, address: str) -> None:
             watch.done.set()  # launch is gone: nobody to tell
 
     watch = HostWatch(folder, expected, host=me, until_gone=True)
-    send({"host": me, "token": token, "t": time.time(), "expected": expected})  # launch takes out the skew
-    watch.on_batch = lambda b: send({"host": me, "batch": b, "seen": len(watch.rank_of), "blind": watch.blind})
-    watch.on_found = lambda n: send({"host": me, "seen": n})
+    send({"host": me, "token": token, "t": time.time()})  # the hello: who, and the clock launch takes out
+    watch.on_batch = lambda b: send({"batch": b, "seen": len(watch.rank_of), "blind": watch.blind})
+    watch.on_found = lambda n: send({"seen": n})
     watch.run()  # in this thread
-    send({"host": me, "seen": len(watch.rank_of), "blind": watch.blind, "done": True})
+    send({"seen": len(watch.rank_of), "blind": watch.blind})
     sock.close()
 
 
