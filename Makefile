@@ -32,7 +32,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 test: $(STAMP) test-deps lint
-	$(VENV)/bin/python -m pytest -q --durations=15
+	$(VENV)/bin/python -m pytest -q --durations=40
 
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m "not slow"

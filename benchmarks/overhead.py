@@ -1,13 +1,14 @@
 """mmm's overhead: the fsdp_tp trainer's step time against the same model and plan by hand.
 
-    python benchmarks/overhead.py                   # 4 ranks, tp=2 x dp=2, 30 steps, 3 pairs of runs
-    python benchmarks/overhead.py --tp 4 --repeats 5
+    python benchmarks/overhead.py                   # 4 ranks, tp=2 x dp=2, 40 steps, 3 pairs, under launch
+    python benchmarks/overhead.py --tp 4 --repeats 5 --launcher torchrun
 
-Runs, alternately under torchrun on the same ranks, `python -m mmm.examples.fsdp_tp` and
-benchmarks/raw_fsdp_tp.py (init_device_mesh + parallelize_module + fully_shard + a plain loop),
-same model, data, seed, weights and mesh. dt is measured the same way in both: the wall time of
-the whole loop iteration, from the end of one to the end of the next (everything the trainer does
-per step: data, forward, backward, gradient norm, its one packed all-reduce, optimizer step,
+Runs, alternately on the same ranks (``launch``: mpiexec where there is one; or torchrun),
+`python -m mmm.examples.fsdp_tp` and benchmarks/raw_fsdp_tp.py (init_device_mesh +
+parallelize_module + fully_shard + a plain loop of data, forward, backward and optimizer step
+only), same model, data, seed, weights and mesh. dt is measured the same way in both: the wall time
+of the whole loop iteration, from the end of one to the end of the next (everything the trainer
+does per step: data, forward, backward, gradient norm, its one packed all-reduce, optimizer step,
 History); the first --warmup steps are left out. Prints each pair, the median ratio
 mmm / raw (goal: <= 1.03), and the largest relative difference between their loss curves (the
 two must compute the same thing).
@@ -27,8 +28,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def torchrun(n: int, args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", *args]
+def ranks_command(launcher: str, n: int, args: list[str]) -> list[str]:
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", *args]
+    return [sys.executable, "-m", "mmm.launch", "-n", str(n), sys.executable, *args]
 
 
 def run(cmd: list[str]) -> None:
@@ -42,7 +45,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument(
+        "--launcher", choices=("launch", "torchrun"), default="launch", help="launch: mpiexec where there is one"
+    )
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
@@ -64,7 +70,8 @@ def main() -> None:
         for i in range(args.repeats):
             out = tmp / f"mmm{i}"
             run(
-                torchrun(
+                ranks_command(
+                    args.launcher,
                     args.ranks,
                     [
                         "-m",
@@ -83,7 +90,8 @@ def main() -> None:
             rows = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
             mmm = statistics.mean(r["dt"] for r in rows[args.warmup :])
             run(
-                torchrun(
+                ranks_command(
+                    args.launcher,
                     args.ranks,
                     [str(HERE / "raw_fsdp_tp.py"), "--tp", str(args.tp), *model, "--out", str(tmp / f"raw{i}.json")],
                 )
@@ -100,8 +108,8 @@ def main() -> None:
                 flush=True,
             )
     print(
-        f"\noverhead, {args.ranks} ranks (tp={args.tp} x dp={args.ranks // args.tp}), fsdp_tp default model, "
-        f"{args.steps} steps ({args.warmup} warmup), {os.cpu_count()} cores\n"
+        f"\noverhead, {args.ranks} ranks (tp={args.tp} x dp={args.ranks // args.tp}) under {args.launcher}, "
+        f"fsdp_tp default model, {args.steps} steps ({args.warmup} warmup), {os.cpu_count()} cores\n"
     )
     print("| | mmm dt (s) | raw torch dt (s) | mmm / raw |")
     print("|---|---|---|---|")

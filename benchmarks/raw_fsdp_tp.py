@@ -6,9 +6,10 @@ Same Llama, same data (mmm.data's synthetic batches for the same seed), same TP 
 plan with loss parallel, same FSDP2 units (each block resharded after forward, the root not), same
 AdamW, fp32, the same weights (built on meta and materialised by mmm.parallel.materialize, as the
 trainer does: setup is not what this measures). No mmm bootstrap, mesh, engine, History or logging
-in the loop: init_device_mesh, parallelize_module, fully_shard and a plain loop whose dt is, as the
-trainer's, the wall time of the whole iteration (data, forward, backward, optimizer step, the loss
-all-reduce and its read). Rank 0 writes every step's loss and dt to --out.
+in the loop: init_device_mesh, parallelize_module, fully_shard and a plain loop that does only data,
+forward, backward and the optimizer step; its dt is, as the trainer's, the wall time of the whole
+iteration. The losses stay on the device and are averaged over dp ranks after the loop (outside
+the timing). Rank 0 writes every step's loss and dt to --out.
 benchmarks/overhead.py runs it beside the trainer.
 """
 
@@ -51,6 +52,14 @@ def main() -> None:
     args = p.parse_args()
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    for ours, theirs in (
+        ("RANK", "OMPI_COMM_WORLD_RANK"),
+        ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"),
+        ("RANK", "PMI_RANK"),
+        ("WORLD_SIZE", "PMI_SIZE"),
+    ):
+        if ours not in os.environ and theirs in os.environ:  # under mpiexec (MASTER_ADDR/PORT from launch)
+            os.environ[ours] = os.environ[theirs]
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     dp = world // args.tp
@@ -114,12 +123,13 @@ def main() -> None:
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        value = loss.detach().full_tensor().reshape(1).clone()
-        dist.all_reduce(value, group=dp_group)
-        losses.append(value.item() / dp)
+        losses.append(loss.detach().to_local())  # a replicated DTensor's local value: no communication
         now = time.perf_counter()
         dts.append(now - t_prev)  # the whole iteration, as the trainer's dt
         t_prev = now
+    losses = torch.stack(losses).float()
+    dist.all_reduce(losses, group=dp_group)  # after the loop: the mean over dp ranks, as the trainer logs
+    losses = (losses / dp).tolist()
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump({"loss": losses, "dt": dts}, f)

@@ -9,7 +9,7 @@
   flag asks: every rank checks the import before training (:func:`tracker_problems`), so a missing
   one stops every rank alike (exit 2). A tracker that fails at run time is dropped with one warning;
   training and ``history.jsonl`` go on. Trackers are closed at the end of the run (with its
-  summary), and on a crash (``Run``'s context manager, else at exit).
+  summary), and on a crash (``Recorder``'s context manager, else at exit).
 - **Timings across ranks** (``--rank-timings``): :func:`gather_rank_timings`, an explicit
   all-gather of two numbers per rank on logging steps; see there.
 - **The closing report** (rank 0): the summary as a table (rich when ``MMM_RICH``/a terminal says
@@ -254,7 +254,7 @@ def tracker_summary(summary: Mapping[str, Any]) -> dict[str, float | int | str]:
 def gather_rank_timings(dt: float, *, device=None) -> dict[str, float | int]:
     """Every rank's ``dt`` for this step, and when it got here: an explicit all-gather of two numbers
     per rank over the whole job, so EVERY rank must call it, at the same step (``--rank-timings``
-    does, on logging steps, from :class:`mmm.training.Run`).
+    does, on logging steps, from :class:`mmm.training.recorder.Recorder`).
 
     Returns ``dt_min``, ``dt_max``, ``dt_mean`` over ranks, ``slowest_rank`` (the rank that finished
     the step last: the straggler) and ``dt_lag`` (how many seconds after the first one it did so).
@@ -476,7 +476,7 @@ def _plot_files(outdir: Path, metrics: Iterable[str]) -> list[Path]:
 
 
 def finish_run(run, summary: Mapping[str, Any], *, rate_key: str = "tps") -> None:
-    """The end of :meth:`mmm.training.Run.finish` on rank 0: the summary table, ``report.md``, and
+    """The end of :func:`mmm.training.summary.write_summary` on rank 0: the summary table, ``report.md``, and
     the trackers closed with the summary (other ranks: nothing)."""
     if not run.info.is_main:
         return

@@ -10,11 +10,11 @@ import time
 
 from mmm.dist import run_main
 from mmm.examples.fsdp_tp import main
-from mmm.training import Run
+from mmm.training.recorder import Recorder
 
 SLOW_RANK = int(os.environ["SLOW_RANK"])
 SLOW_SECONDS = float(os.environ["SLOW_SECONDS"])
-_end_step = Run.end_step
+_end_step = Recorder.end_step
 
 
 def end_step(self, step, *args, **kwargs):
@@ -23,7 +23,7 @@ def end_step(self, step, *args, **kwargs):
     return _end_step(self, step, *args, **kwargs)
 
 
-Run.end_step = end_step
+Recorder.end_step = end_step
 
 if __name__ == "__main__":
     run_main(main, prog="slow_rank.py")

@@ -166,6 +166,12 @@ def dataset_problems(
     return out
 
 
+def rank_rows(batch: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
+    """This data-parallel rank's part of a global batch: its rows [rank*b, (rank+1)*b), b = rows / ranks."""
+    local = batch.shape[0] // ranks
+    return batch[rank * local : (rank + 1) * local]
+
+
 def local_batches(
     dataset,
     *,

@@ -16,8 +16,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mmm import dist
 from mmm.cli import flag_problems, option, override, positive_int
+from mmm.data import rank_rows
 from mmm.data.images import epoch_batches, load_digits_data, padded_shard
 from mmm.errors import UsageError
 from mmm.flops import counted_flops_per_sample
@@ -26,19 +26,14 @@ from mmm.log import get_logger
 from mmm.models.cnn import DigitsCNN, log_softmax_nll
 from mmm.parallel import ParallelSpec, init_mesh, meta_init
 from mmm.parallel.strategy import build_engine
-from mmm.training import (
-    Run,
-    StepSync,
-    batch_problems,
-    make_checkpointer,
-    resume,
-    save_full_model,
-    start,
-    torchinfo_summary,
-    train_step,
-)
+from mmm.training.checkpoints import open_checkpoints, save_full_model
 from mmm.training.config import Config, RunConfig, trainer_flags
-from mmm.training.schedule import SCHEDULES, ScheduleConfig, set_lr
+from mmm.training.loop import fit
+from mmm.training.recorder import Recorder
+from mmm.training.schedule import SCHEDULES, ScheduleConfig
+from mmm.training.startup import batch_problems, start
+from mmm.training.step import StepSync
+from mmm.training.summary import torchinfo_summary, write_summary
 
 EXAMPLE = "fsdp"
 
@@ -224,9 +219,13 @@ def train(config: Config[DigitsTrainConfig], info, outdir, startup) -> int:
     startup.mark("parallelize")
 
     dp_group, dp_rank, dp = mesh.group("dp"), mesh.coord("dp"), mesh.dp
-    local = what.batch_size // dp
     per_epoch = len(epoch_batches(len(data.train.labels), global_batch=what.batch_size, seed=seed, epoch=1))
     per_epoch = min(per_epoch, what.steps_per_epoch or per_epoch)
+    total = what.epochs * per_epoch  # the epochs are steps: step s is batch (s - 1) % per_epoch of its epoch
+
+    def epoch_of(step: int) -> int:
+        return (step - 1) // per_epoch + 1
+
     meta = {
         "example": EXAMPLE,
         "model": {"type": "DigitsCNN", "img_size": data.img_size, "num_params": n_params},
@@ -237,14 +236,12 @@ def train(config: Config[DigitsTrainConfig], info, outdir, startup) -> int:
         "steps_per_epoch": per_epoch,
         "lr_schedule": {"kind": "epoch", "lr": what.lr, "gamma": what.decay}
         if what.per_epoch
-        else what.schedule(total_steps=what.epochs * per_epoch).as_dict(),
+        else what.schedule(total_steps=total).as_dict(),
     }
-    ckpt = make_checkpointer(
-        engine, directory=config.run.checkpoint_dir, keep_last=config.run.keep_last, meta=meta, log=log
+    checkpoints, start = open_checkpoints(
+        engine, config.run, meta=meta, startup=startup, log=log, extra_at=lambda step: {"epoch": epoch_of(step)}
     )
-    start = resume(ckpt, config.run.resume, startup)  # optimizer state carries the decayed learning rate
-    first_epoch, skip = (start - 1) // per_epoch + 1, (start - 1) % per_epoch
-    run = Run(
+    run = Recorder(
         EXAMPLE,
         info=info,
         outdir=outdir,
@@ -252,92 +249,85 @@ def train(config: Config[DigitsTrainConfig], info, outdir, startup) -> int:
         config=config,
         resume_step=start - 1,
         sync=StepSync.for_engine(engine, device=device),
+        last_good=checkpoints.last_good,
     )
-    epochs = History(
+    epochs = History(  # one record per epoch: mean training loss, test loss and accuracy
         outdir,
         write=info.is_main,
         warmup=0,
         name="epochs",
         step_key="epoch",
-        resume=first_epoch - 1 if start > 1 else None,
+        resume=epoch_of(start) - 1 if start > 1 else None,
     )
     train_x, train_y = data.train.images.to(device), data.train.labels.to(device)
-    step, stopping = start - 1, False
-    per_step_lr = None if what.per_epoch else what.schedule(total_steps=what.epochs * per_epoch)
-    dist.graceful_sigterm()
-    for epoch in range(first_epoch, what.epochs + 1):
-        t_epoch = time.perf_counter()
-        engine.train()
-        batches = epoch_batches(len(train_y), global_batch=what.batch_size, seed=seed, epoch=epoch)[:per_epoch]
-        run.restart_clock()  # the previous epoch's evaluation is not part of this epoch's first step
-        losses = []
-        for i, idx in enumerate(batches):
-            if epoch == first_epoch and i < skip:
-                continue  # done before the checkpoint this run resumed from
-            poison = run.begin_step(step + 1)
-            step += 1
-            if per_step_lr is not None:
-                set_lr(engine, per_step_lr(step))
-            mine = idx[dp_rank * local : (dp_rank + 1) * local].to(device)
-            end_of_epoch = i == len(batches) - 1
-            last = epoch == what.epochs and end_of_epoch
-            _, reduced, times = train_step(
-                engine,
-                train_x[mine],
-                train_y[mine],
-                log_softmax_nll,
-                sync=run.sync,
-                poison=poison,
-                skip_nonfinite=config.run.on_nonfinite == "skip",
-                after_backward=(lambda: run.capture_memory(engine)) if last else None,
-            )
-            # the epoch's mean training loss needs every step's loss: read each step at once (a small model)
-            loss_value, stopping = run.reduce_now(
-                step,
-                reduced,
-                times,
-                rates={"samples_per_s": what.batch_size},
-                grad_norm=engine.grad_norm,
-                checkpointer=ckpt,
-                lr=engine.param_groups[0]["lr"],
-            )
-            losses.append(loss_value)
-            if end_of_epoch:
-                break  # an epoch's last step is saved after its evaluation and learning-rate decay
-            if config.run.checkpoint_due(step, last=False, stopping=stopping):
-                ckpt.save(step, {"loss": loss_value, "epoch": epoch})
-            if stopping:
-                break
-        if stopping and not end_of_epoch:
-            break
-        test_loss, test_acc = evaluate(
+    order: dict[int, list] = {}  # the epoch's index batches: a permutation fixed by --seed and the epoch
+
+    def batch(step):  # this dp rank's rows of the step's global batch
+        epoch = epoch_of(step)
+        if epoch not in order:
+            order.clear()
+            order[epoch] = epoch_batches(len(train_y), global_batch=what.batch_size, seed=seed, epoch=epoch)
+        mine = rank_rows(order[epoch][(step - 1) % per_epoch], dp_rank, dp).to(device)
+        return train_x[mine], train_y[mine]
+
+    if what.per_epoch:  # --lr-schedule epoch: x --gamma after each epoch
+
+        def lr_at(step: int) -> float:
+            lr = what.lr
+            for _ in range(epoch_of(step) - 1):
+                lr *= what.decay
+            return lr
+
+    else:
+        lr_at = what.schedule(total_steps=total)
+
+    def test(step, last):  # after each epoch's last step: loss and accuracy on the whole test set
+        if step % per_epoch:
+            return {}
+        loss, acc = evaluate(
             engine, data.test, batch=what.test_batch_size, rank=dp_rank, world=dp, group=dp_group, device=device
         )
-        test_acc *= 100  # percent: 97.62, not 0.9762
-        finite = [x for x in losses if math.isfinite(x)]
+        return {"test_loss": loss, "test_acc": 100 * acc}  # percent: 97.62, not 0.9762
+
+    epoch_began = [time.perf_counter()]
+
+    def epoch_record(step):  # after each epoch's last step is recorded: the epoch's own record
+        if step % per_epoch:
+            return
+        epoch, now = epoch_of(step), time.perf_counter()
+        rows = run.hist.rows
+        losses = [r["loss"] for r in rows if step - per_epoch < r["iter"] <= step and math.isfinite(r["loss"])]
         rec = epochs.update(
             epoch,
-            dt=time.perf_counter() - t_epoch,
-            train_loss=sum(finite) / len(finite) if finite else math.nan,
-            test_loss=test_loss,
-            test_acc=test_acc,
-            lr=engine.param_groups[0]["lr"],
+            dt=now - epoch_began[0],
+            train_loss=sum(losses) / len(losses) if losses else math.nan,
+            test_loss=rows[-1]["test_loss"],
+            test_acc=rows[-1]["test_acc"],
+            lr=lr_at(step),
         )
+        epoch_began[0] = now
         log.info(
             "epoch=%d dt=%.2f train_loss=%.4f test_loss=%.4f test_acc=%.2f",
             epoch,
             rec["dt"],
             rec["train_loss"],
-            test_loss,
-            test_acc,
+            rec["test_loss"],
+            rec["test_acc"],
         )
-        if per_step_lr is None:  # --lr-schedule epoch
-            for group in engine.param_groups:
-                group["lr"] *= what.decay
-        if config.run.checkpoint_due(step, last=epoch == what.epochs, stopping=stopping):
-            ckpt.save(step, {"loss": losses[-1] if losses else None, "epoch": epoch})
-        if stopping:
-            break
+
+    fit(
+        engine,
+        run,
+        checkpoints,
+        steps=range(start, total + 1),
+        batch=batch,
+        loss_fn=log_softmax_nll,
+        rates={"samples_per_s": what.batch_size},
+        lr_at=lr_at,
+        evaluate=test,
+        after_step=epoch_record,
+        skip_nonfinite=config.run.on_nonfinite == "skip",
+    )
     epochs.finalize(plots=not config.run.no_plots, print_plots=False, summary_file=None)
     if what.save_model:
         save_full_model(engine, outdir / "model.pt", is_main=info.is_main)
@@ -355,7 +345,8 @@ def train(config: Config[DigitsTrainConfig], info, outdir, startup) -> int:
     }
 
     flops = counted_flops_per_sample(lambda: DigitsCNN(img_size=data.img_size), (1, data.img_size, data.img_size))
-    run.finish(
+    write_summary(
+        run,
         engine,
         extra,
         mesh=mesh,

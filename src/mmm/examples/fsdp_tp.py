@@ -10,7 +10,6 @@ Writes history.jsonl (live), history.nc, summary.json and plots/ to --outdir.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 from mmm import dist
@@ -21,14 +20,14 @@ from mmm.models.llama import Llama, apply_cp_llama, llama_tp_plan, load_hf_llama
 from mmm.parallel import ParallelSpec, describe_sharding, init_mesh, meta_init
 from mmm.parallel.context import shard_sequence
 from mmm.parallel.strategy import build_engine
-from mmm.parallel.tensor import loss_parallel_context
-from mmm.training import compiled_graphs, start, torchinfo_summary, train_step
 from mmm.training import llama as recipe
 from mmm.training.config import Config
 from mmm.training.evaluation import perplexity
 from mmm.training.llama import MEASURE_STEP, LlamaTrainConfig, command_line, loop_setup
-from mmm.training.schedule import set_lr
+from mmm.training.loop import fit
+from mmm.training.startup import start
 from mmm.training.step import evaluate
+from mmm.training.summary import compiled_graphs, torchinfo_summary, write_summary
 
 EXAMPLE = "fsdp_tp"
 
@@ -120,9 +119,7 @@ def train(config: Config[LlamaTrainConfig], info, outdir, startup) -> int:
     startup.mark("parallelize")
 
     # 4. the loop: each dp rank takes its slice of the global batch; cp ranks their sequence shards
-    ckpt, start, batches, run = loop_setup(config, info, outdir, startup, engine, cfg, mesh, dataset, log)
-    tokens_per_step = what.batch_size * cfg.seq_len
-    lr_at = what.schedule(total_steps=what.max_iters)  # the step's learning rate: warmup, decay
+    checkpoints, start, batches, run = loop_setup(config, info, outdir, startup, engine, cfg, mesh, dataset, log)
     heldout = recipe.heldout_batches(config, cfg, mesh, info.device) if what.eval_every else None
     if info.is_main:
         if mesh.cp_enabled:
@@ -143,50 +140,34 @@ def train(config: Config[LlamaTrainConfig], info, outdir, startup) -> int:
             how.dtype,
             outdir,
         )
-    dist.graceful_sigterm()
-    engine.train()
-    with run:  # leaving on an error, the step read late is still written
-        for step in range(start, what.max_iters + 1):
-            poison = run.begin_step(step)
-            lr = lr_at(step)
-            set_lr(engine, lr)
-            inputs, labels = next(batches)
-            if mesh.cp_enabled:
-                cp_rank = mesh.coord("cp")
-                inputs, labels = shard_sequence(inputs, cp_rank, mesh.cp), shard_sequence(labels, cp_rank, mesh.cp)
-            last = step == what.max_iters
-            with run.measuring(mesh, enabled=what.measure and step == MEASURE_STEP):
-                _, reduced, times = train_step(
-                    engine,
-                    inputs,
-                    labels,
-                    loss_fn,
-                    sync=run.sync,
-                    context=loss_parallel_context(mesh.tp_enabled),
-                    poison=poison,
-                    skip_nonfinite=config.run.on_nonfinite == "skip",
-                    after_backward=(lambda: run.capture_memory(engine)) if last else None,
-                )
-            val = {}
-            if what.eval_due(step, last=last):  # the held-out loss, left out of the step's dt
-                t_eval = time.perf_counter()
-                val_loss = evaluate(
-                    engine, heldout, loss_fn, sync=run.sync, context=lambda: loss_parallel_context(mesh.tp_enabled)
-                )
-                val = {"val_loss": val_loss, "val_ppl": perplexity(val_loss), "dt_eval": time.perf_counter() - t_eval}
-                run.exclude(val["dt_eval"])
-            if run.end_step(
-                step,
-                reduced,
-                times,
-                checkpointer=ckpt,
-                last=last,
-                rates={"tps": tokens_per_step},
-                grad_norm=engine.grad_norm,
-                lr=lr,
-                **val,
-            ):
-                break
+
+    def batch(step):  # this rank's rows of the step's global batch (and its sequence shard under cp)
+        inputs, labels = next(batches)
+        if mesh.cp_enabled:
+            cp_rank = mesh.coord("cp")
+            inputs, labels = shard_sequence(inputs, cp_rank, mesh.cp), shard_sequence(labels, cp_rank, mesh.cp)
+        return inputs, labels
+
+    def held_out(step, last):  # the held-out loss every --eval-every steps (left out of the step's dt)
+        if not what.eval_due(step, last=last):
+            return {}
+        val_loss = evaluate(engine, heldout, loss_fn, sync=run.sync)
+        return {"val_loss": val_loss, "val_ppl": perplexity(val_loss)}
+
+    fit(
+        engine,
+        run,
+        checkpoints,
+        steps=range(start, what.max_iters + 1),
+        batch=batch,
+        loss_fn=loss_fn,
+        rates={"tps": what.batch_size * cfg.seq_len},
+        lr_at=what.schedule(total_steps=what.max_iters),  # the step's learning rate: warmup, decay
+        evaluate=held_out,
+        skip_nonfinite=config.run.on_nonfinite == "skip",
+        measure_step=MEASURE_STEP if what.measure else None,
+        mesh=mesh,
+    )
 
     recipe.export_hf(what, engine, cfg, info, run, log)  # --export-hf DIR: a Hugging Face checkpoint
     extra = {
@@ -200,7 +181,7 @@ def train(config: Config[LlamaTrainConfig], info, outdir, startup) -> int:
         "dataset": dataset.name,
         "model": {**vars(cfg), "num_params": n_params},
         "global_batch": what.batch_size,
-        "tokens_per_step": tokens_per_step,
+        "tokens_per_step": what.batch_size * cfg.seq_len,
     }
     if engine.pipeline is not None:
         pipe = engine.pipeline
@@ -211,7 +192,8 @@ def train(config: Config[LlamaTrainConfig], info, outdir, startup) -> int:
             "stages_per_rank": len(pipe.stage_ids),
             "layer_ranges": pipe.layer_ranges,
         }
-    run.finish(
+    write_summary(
+        run,
         engine,
         extra,
         mesh=mesh,

@@ -10,33 +10,26 @@ is the GLOBAL batch; the same --seed and global batch give the same losses on an
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mmm import dist
 from mmm.cli import FLAGS, flag_problems, option, override, positive_int
+from mmm.data import rank_rows
 from mmm.data.images import SyntheticImages
 from mmm.flops import counted_flops_per_sample
 from mmm.log import get_logger
 from mmm.models.vit import VIT_TP_PLAN, ViT, ViTConfig, vit_tp_problems
 from mmm.parallel import ParallelSpec, describe_sharding, init_mesh, meta_init
 from mmm.parallel.strategy import build_engine
-from mmm.training import (
-    Run,
-    StepSync,
-    batch_problems,
-    compiled_graphs,
-    make_checkpointer,
-    resume,
-    start,
-    torchinfo_summary,
-    train_step,
-)
+from mmm.training.checkpoints import open_checkpoints
 from mmm.training.config import Config, trainer_flags
 from mmm.training.evaluation import EvalConfig
-from mmm.training.schedule import ScheduleConfig, set_lr
-from mmm.training.step import evaluate
+from mmm.training.loop import fit
+from mmm.training.recorder import Recorder
+from mmm.training.schedule import ScheduleConfig
+from mmm.training.startup import batch_problems, start
+from mmm.training.step import StepSync, evaluate
+from mmm.training.summary import compiled_graphs, torchinfo_summary, write_summary
 
 EXAMPLE = "vit"
 
@@ -159,7 +152,7 @@ def train(config: Config[ViTTrainConfig], info, outdir, startup) -> int:
         log.info("model after parallelisation (%s, %s):\n%s", how.strategy, mesh.dims, describe_sharding(engine.module))
     startup.mark("parallelize")
 
-    dp_rank, local = mesh.coord("dp"), what.batch_size // mesh.dp
+    dp_rank = mesh.coord("dp")
     meta = {
         "example": EXAMPLE,
         "model": dict(vars(cfg)),
@@ -169,11 +162,9 @@ def train(config: Config[ViTTrainConfig], info, outdir, startup) -> int:
         "global_batch": what.batch_size,
         "lr_schedule": what.schedule(total_steps=what.max_iters).as_dict(),
     }
-    ckpt = make_checkpointer(
-        engine, directory=config.run.checkpoint_dir, keep_last=config.run.keep_last, meta=meta, log=log
-    )
-    start = resume(ckpt, config.run.resume, startup)  # the first step: 1, or after the checkpoint --resume names
-    run = Run(
+    # the first step: 1, or after the checkpoint --resume names
+    checkpoints, start = open_checkpoints(engine, config.run, meta=meta, startup=startup, log=log)
+    run = Recorder(
         EXAMPLE,
         info=info,
         outdir=outdir,
@@ -181,6 +172,7 @@ def train(config: Config[ViTTrainConfig], info, outdir, startup) -> int:
         config=config,
         resume_step=start - 1,
         sync=StepSync.for_engine(engine, device=device),
+        last_good=checkpoints.last_good,
     )
     if info.is_main:
         log.info(
@@ -190,7 +182,7 @@ def train(config: Config[ViTTrainConfig], info, outdir, startup) -> int:
             what.batch_size,
             cfg.img_size,
             cfg.img_size,
-            local,
+            what.batch_size // mesh.dp,
             how.dtype,
             outdir,
         )
@@ -198,57 +190,28 @@ def train(config: Config[ViTTrainConfig], info, outdir, startup) -> int:
     def loss_fn(logits, labels):
         return F.cross_entropy(logits.float(), labels)
 
-    lr_at = what.schedule(total_steps=what.max_iters)  # the step's learning rate: warmup, decay
-    heldout = []  # this rank's part of the --eval-iters held-out global batches (the same ones each time)
-    for k in range(what.eval_iters if what.eval_every else 0):
-        x, y = data.global_batch(config.run.seed, k, what.batch_size, split="val")
-        heldout.append(
-            (
-                x[dp_rank * local : (dp_rank + 1) * local].to(device),
-                y[dp_rank * local : (dp_rank + 1) * local].to(device),
-            )
-        )
-    dist.graceful_sigterm()
-    engine.train()
-    with run:  # leaving on an error, the step read late is still written
-        for step in range(start, what.max_iters + 1):
-            poison = run.begin_step(step)
-            lr = lr_at(step)
-            set_lr(engine, lr)
-            images, labels = data.global_batch(config.run.seed, step, what.batch_size)
-            images = images[dp_rank * local : (dp_rank + 1) * local].to(device)
-            labels = labels[dp_rank * local : (dp_rank + 1) * local].to(device)
-            last = step == what.max_iters
-            _, reduced, times = train_step(
-                engine,
-                images,
-                labels,
-                loss_fn,
-                sync=run.sync,
-                poison=poison,
-                skip_nonfinite=config.run.on_nonfinite == "skip",
-                after_backward=(lambda: run.capture_memory(engine)) if last else None,
-            )
-            val = {}
-            if what.eval_due(step, last=last):  # the held-out loss, left out of the step's dt
-                t_eval = time.perf_counter()
-                val = {
-                    "val_loss": evaluate(engine, heldout, loss_fn, sync=run.sync),
-                    "dt_eval": time.perf_counter() - t_eval,
-                }
-                run.exclude(val["dt_eval"])
-            if run.end_step(
-                step,
-                reduced,
-                times,
-                checkpointer=ckpt,
-                last=last,
-                rates={"samples_per_s": what.batch_size},
-                grad_norm=engine.grad_norm,
-                lr=lr,
-                **val,
-            ):
-                break
+    def batch(step, split="train"):  # this dp rank's rows of the step's global batch
+        images, labels = data.global_batch(config.run.seed, step, what.batch_size, split=split)
+        return rank_rows(images, dp_rank, mesh.dp).to(device), rank_rows(labels, dp_rank, mesh.dp).to(device)
+
+    # this rank's part of the --eval-iters held-out global batches (the same ones each time)
+    heldout = [batch(k, split="val") for k in range(what.eval_iters if what.eval_every else 0)]
+
+    def held_out(step, last):  # the held-out loss every --eval-every steps (left out of the step's dt)
+        return {"val_loss": evaluate(engine, heldout, loss_fn, sync=run.sync)} if what.eval_due(step, last=last) else {}
+
+    fit(
+        engine,
+        run,
+        checkpoints,
+        steps=range(start, what.max_iters + 1),
+        batch=batch,
+        loss_fn=loss_fn,
+        rates={"samples_per_s": what.batch_size},
+        lr_at=what.schedule(total_steps=what.max_iters),  # the step's learning rate: warmup, decay
+        evaluate=held_out,
+        skip_nonfinite=config.run.on_nonfinite == "skip",
+    )
 
     extra = {
         "mesh": mesh.dims.degrees,
@@ -262,7 +225,8 @@ def train(config: Config[ViTTrainConfig], info, outdir, startup) -> int:
     }
 
     flops = counted_flops_per_sample(lambda: ViT(cfg), (cfg.in_chans, cfg.img_size, cfg.img_size))
-    run.finish(
+    write_summary(
+        run,
         engine,
         extra,
         mesh=mesh,

@@ -2,7 +2,9 @@
 
 ``ddp``, ``fsdp`` and ``hsdp`` are plain torch (DDP, FSDP2, FSDP2 on a 2-D mesh) with a torch
 optimizer; ``zero1/2/3`` run through DeepSpeed's engine. A trainer calls
-``engine(x)``, ``engine.backward(loss)``, ``engine.step()`` and never needs to know which.
+``engine.forward_backward(inputs, targets, loss_fn)`` and ``engine.step()`` (or ``engine(x)`` and
+``engine.backward(loss)`` itself) and never needs to know which strategy runs, nor whether a
+pipeline schedule runs forward and backward over microbatches (:class:`PipelineEngine`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from mmm.parallel.compose import ParallelSpec, dp_problems, flat_dp_problems, pa
 from mmm.parallel.grad_clip import clip_with_norm_, grad_norm_, square_share
 from mmm.parallel.mesh import Mesh, ParallelDims
 from mmm.parallel.pipeline import build_pipeline
+from mmm.parallel.tensor import loss_parallel_context
 from mmm.parallel.zero import INSTALL_HINT, ZERO_STAGES, deepspeed_available, zero_config
 from mmm.parallel.zero import initialize as zero_initialize
 from mmm.parallel.zero_memory import zero_state_bytes
@@ -116,11 +119,56 @@ class Engine:
 
     strategy: str
     module: nn.Module
-    pipeline = None  # a mmm.parallel.pipeline.Pipeline under PP: it runs forward and backward
+    pipeline = None  # a mmm.parallel.pipeline.Pipeline under PP (PipelineEngine): it runs forward and backward
     grad_norm: torch.Tensor | float | None = None  # a 0-d device tensor until read (float(...))
+    loss_parallel: bool = False  # the spec's loss parallel on a mesh with tp: the loss and its backward in it
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    def loss_context(self):
+        """The context the loss and its backward run in: ``loss_parallel()`` when TP shards the logits."""
+        return loss_parallel_context(self.loss_parallel)
+
+    def forward_backward(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        *,
+        mark: Callable[[], None] | None = None,
+        poison: bool = False,
+        probe_memory: bool = False,
+    ) -> torch.Tensor:
+        """Forward, loss and backward of this rank's batch; returns the loss. ``mark()`` is called
+        before the forward, after the loss and after the backward (the step's dtf/dtb);
+        ``poison`` makes the loss NaN (fault injection); ``probe_memory`` tracks the gradient bytes
+        held during this backward (:meth:`state_bytes`)."""
+        with self.loss_context():
+            if mark is not None:
+                mark()
+            loss = loss_fn(self(inputs), targets)
+            if poison:
+                loss = loss * float("nan")
+            if mark is not None:
+                mark()
+            if probe_memory:
+                self.arm_memory_probe()
+            self.backward(loss)
+            if mark is not None:
+                mark()
+        return loss
+
+    def evaluate_loss(
+        self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """The loss of one batch, forward only (call under ``torch.no_grad()`` with the model in eval mode)."""
+        with self.loss_context():
+            return loss_fn(self(inputs), targets)
+
+    def arm_memory_probe(self) -> None:
+        """Track the most gradient bytes held during the next backward (engines that free gradients
+        during backward; others hold them all at its end, where :meth:`state_bytes` counts them)."""
 
     def backward(self, loss: torch.Tensor) -> None:
         raise NotImplementedError
@@ -171,11 +219,6 @@ class TorchEngine(Engine):
         self.module, self.optimizer, self.strategy = module, optimizer, strategy
         self.max_grad_norm, self.pipeline = max_grad_norm, pipeline
 
-    def __call__(self, *args, **kwargs):
-        if self.pipeline is not None:
-            raise RuntimeError("under pipeline parallel the schedule runs the model: use engine.pipeline.step")
-        return self.module(*args, **kwargs)
-
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
@@ -218,6 +261,28 @@ class TorchEngine(Engine):
 
     def state_bytes(self) -> dict[str, int]:
         return state_bytes(self.module, self.optimizer)
+
+
+class PipelineEngine(TorchEngine):
+    """This rank's pipeline stages and their optimizer: the schedule runs forward and backward over
+    the microbatches (in the pipeline's own loss-parallel context), so a step has no dtf/dtb."""
+
+    def __init__(self, pipeline, optimizer: torch.optim.Optimizer, *, strategy: str, max_grad_norm: float = 0.0):
+        super().__init__(pipeline.module, optimizer, strategy=strategy, max_grad_norm=max_grad_norm, pipeline=pipeline)
+        self.loss_parallel = pipeline.loss_parallel
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError("under pipeline parallel the schedule runs the model: use engine.forward_backward")
+
+    def forward_backward(self, inputs, targets, loss_fn, *, mark=None, poison=False, probe_memory=False):
+        """The schedule's forward and backward over every microbatch (``loss_fn`` is the pipeline's,
+        given when it was built); the loss on the last stage's ranks, zero elsewhere. ``mark`` is
+        never called: forward and backward interleave."""
+        loss = self.pipeline.step(inputs, targets, share_loss=False)
+        return loss * float("nan") if poison else loss
+
+    def evaluate_loss(self, inputs, targets, loss_fn):
+        return self.pipeline.evaluate(inputs, targets)
 
 
 class DeepSpeedEngine(Engine):
@@ -308,18 +373,18 @@ def build_engine(
             **args,
         )
         optimizer = None if offload_optimizer else make_optimizer(model.parameters())
-        return DeepSpeedEngine(
+        engine = DeepSpeedEngine(
             zero_initialize(model, optimizer, config=cfg, device_type=device.type), strategy=strategy
         )
+        engine.loss_parallel = spec.loss_parallel and mesh.tp_enabled
+        return engine
     spec = spec.replace(dp=strategy)
     if mesh.pp_enabled:
         pipe = build_pipeline(model, mesh, spec, device=device, seed=seed, **(pipeline_args or {}))
-        return TorchEngine(
-            pipe.module,
-            make_optimizer(pipe.module.parameters()),
-            strategy=strategy,
-            max_grad_norm=max_grad_norm,
-            pipeline=pipe,
+        return PipelineEngine(
+            pipe, make_optimizer(pipe.module.parameters()), strategy=strategy, max_grad_norm=max_grad_norm
         )
     model = parallelize(model, mesh, spec, device=device, seed=seed)
-    return TorchEngine(model, make_optimizer(model.parameters()), strategy=strategy, max_grad_norm=max_grad_norm)
+    engine = TorchEngine(model, make_optimizer(model.parameters()), strategy=strategy, max_grad_norm=max_grad_norm)
+    engine.loss_parallel = spec.loss_parallel and mesh.tp_enabled
+    return engine

@@ -285,11 +285,6 @@ class RunConfig:
         """The trackers asked for, in a fixed order."""
         return [name for name in EXTRAS if getattr(self, name)]
 
-    def checkpoint_due(self, step: int, *, last: bool, stopping: bool) -> bool:
-        """Whether to save after ``step``: every ``checkpoint_every`` steps, the last step, a stop."""
-        every = self.checkpoint_every
-        return bool(self.checkpoint_dir) and (last or stopping or bool(every and step % every == 0))
-
     def problems(self, *, strategy: str = "fsdp") -> list[str]:
         """Every problem with these settings (a tracker whose package does not import is one: checked
         on every rank, so every rank stops alike)."""

@@ -13,10 +13,13 @@ from mmm.errors import UsageError
 from mmm.models.llama import LlamaConfig, export_hf_llama, llama_config_from_hf, tp_problems
 from mmm.parallel.context import cp_problems, shard_sequence
 from mmm.parallel.pipeline import pipeline_problems
-from mmm.training import Run, StepSync, batch_problems, make_checkpointer, resume
+from mmm.training.checkpoints import open_checkpoints
 from mmm.training.config import Config, trainer_flags
 from mmm.training.evaluation import EvalConfig
+from mmm.training.recorder import Recorder
 from mmm.training.schedule import ScheduleConfig
+from mmm.training.startup import batch_problems
+from mmm.training.step import StepSync
 
 EXAMPLE = "fsdp_tp"
 DEFAULT_VOCAB = 256  # bytes: the vocabulary when neither --vocab-size nor the data gives one
@@ -254,22 +257,21 @@ def checkpoint_meta(config: Config[LlamaTrainConfig], cfg, mesh) -> dict:
 
 
 def loop_setup(config: Config[LlamaTrainConfig], info, outdir, startup, engine, cfg, mesh, dataset, log):
-    """What both training loops start from: the checkpointer, the first step (after ``--resume``),
-    this dp rank's batches from that step on, and the Run that records the steps."""
-    opts = config.run
-    meta = checkpoint_meta(config, cfg, mesh)
-    ckpt = make_checkpointer(engine, directory=opts.checkpoint_dir, keep_last=opts.keep_last, meta=meta, log=log)
-    start = resume(ckpt, opts.resume, startup)
+    """What the training loop starts from: the checkpoint policy, the first step (after ``--resume``),
+    this dp rank's batches from that step on, and the Recorder of the steps."""
+    checkpoints, start = open_checkpoints(
+        engine, config.run, meta=checkpoint_meta(config, cfg, mesh), startup=startup, log=log
+    )
     batches = local_batches(
         dataset,
-        seed=opts.seed,
+        seed=config.run.seed,
         global_batch=config.train.batch_size,
         dp_rank=mesh.coord("dp"),
         dp_size=mesh.dp,
         start_step=start - 1,
         device=info.device,
     )
-    run = Run(
+    run = Recorder(
         EXAMPLE,
         info=info,
         outdir=outdir,
@@ -277,8 +279,9 @@ def loop_setup(config: Config[LlamaTrainConfig], info, outdir, startup, engine, 
         config=config,
         resume_step=start - 1,
         sync=StepSync.for_engine(engine, device=info.device),
+        last_good=checkpoints.last_good,
     )
-    return ckpt, start, batches, run
+    return checkpoints, start, batches, run
 
 
 def heldout_batches(config: Config[LlamaTrainConfig], cfg, mesh, device) -> list:

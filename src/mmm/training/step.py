@@ -12,7 +12,6 @@ device until then too.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from typing import Any
@@ -131,7 +130,9 @@ class _Timer:
             event.record()
             self.marks.append(event)
 
-    def seconds(self, i: int, j: int) -> float:
+    def seconds(self, i: int, j: int) -> float | None:
+        if len(self.marks) <= j:  # not marked: a pipeline schedule interleaves forward and backward
+            return None
         a, b = self.marks[i], self.marks[j]
         if self.kind is None:
             return b - a
@@ -143,12 +144,12 @@ class StepTimes:
     """``dtf`` (forward + loss) and ``dtb`` (backward) of a step, read when the step is recorded;
     None under pipeline parallel, whose schedule interleaves them."""
 
-    def __init__(self, timer: _Timer | None, skipped: bool | None) -> None:
+    def __init__(self, timer: _Timer, skipped: bool | None) -> None:
         self._timer, self.skipped = timer, skipped
 
     def as_dict(self) -> dict[str, float | None]:
         t = self._timer
-        out = {"dtf": t.seconds(0, 1) if t else None, "dtb": t.seconds(1, 2) if t else None}
+        out = {"dtf": t.seconds(0, 1), "dtb": t.seconds(1, 2)}
         if self.skipped is not None:
             out["skipped"] = int(self.skipped)
         return out
@@ -161,37 +162,24 @@ def train_step(
     loss_fn,
     *,
     sync: StepSync,
-    context=None,
     after_backward=None,
     poison: bool = False,
     skip_nonfinite: bool = False,
 ) -> tuple[torch.Tensor, Reduced, StepTimes]:
-    """Forward, loss, backward, the packed all-reduce (:class:`StepSync`), optimizer step; no host sync.
+    """Forward, loss, backward (the engine's :meth:`~mmm.parallel.strategy.Engine.forward_backward`:
+    under pipeline parallel its schedule, over the microbatches), the packed all-reduce
+    (:class:`StepSync`), optimizer step; no host sync.
 
     Returns the loss (this rank's), the step's :class:`Reduced` values and its :class:`StepTimes`.
-    Under pipeline parallel (``engine.pipeline``) the schedule runs forward and backward over the
-    microbatches. ``context`` wraps forward and backward (e.g. loss parallel); ``after_backward()``
-    runs before the optimizer step (gradients exist: the moment to measure memory); ``poison`` makes
-    the loss NaN (fault injection); ``skip_nonfinite`` skips the optimizer step when the loss is
-    non-finite on any rank (that reads the reduction at once: a host sync on every step).
+    ``after_backward()`` runs before the optimizer step (gradients exist: the moment to measure
+    memory); ``poison`` makes the loss NaN (fault injection); ``skip_nonfinite`` skips the optimizer
+    step when the loss is non-finite on any rank (that reads the reduction at once: a host sync on
+    every step).
     """
-    timer = None
-    if engine.pipeline is not None:  # it wraps its schedule in its own loss-parallel context (its spec's)
-        loss = engine.pipeline.step(inputs, targets, share_loss=False)
-        if poison:
-            loss = loss * float("nan")
-    else:
-        timer = _Timer(inputs.device)
-        with context if context is not None else contextlib.nullcontext():
-            timer.mark()
-            loss = loss_fn(engine(inputs), targets)
-            if poison:
-                loss = loss * float("nan")
-            timer.mark()
-            if after_backward is not None and hasattr(engine, "arm_memory_probe"):
-                engine.arm_memory_probe()
-            engine.backward(loss)
-            timer.mark()
+    timer = _Timer(inputs.device)
+    loss = engine.forward_backward(
+        inputs, targets, loss_fn, mark=timer.mark, poison=poison, probe_memory=after_backward is not None
+    )
     if after_backward is not None:
         after_backward()
     share = engine.grad_square_share()
@@ -205,21 +193,15 @@ def train_step(
 
 
 @torch.no_grad()
-def evaluate(engine, batches, loss_fn, *, sync: StepSync, context=None) -> float:
+def evaluate(engine, batches, loss_fn, *, sync: StepSync) -> float:
     """The mean loss over ``batches`` (an iterable of this rank's (inputs, targets), the same number on
     every rank) with the model in eval mode and no gradients, reduced over ranks like a training step's
-    loss (one all-reduce): the validation loss of the whole global batch, on every rank. ``context``:
-    a function returning the context each forward runs in (e.g. loss parallel), called per batch."""
+    loss (one all-reduce): the validation loss of the whole global batch, on every rank."""
     total, n = None, 0
     engine.eval()
     try:
         for inputs, targets in batches:
-            if engine.pipeline is not None:
-                loss = engine.pipeline.evaluate(inputs, targets)
-            else:
-                with context() if context is not None else contextlib.nullcontext():
-                    loss = loss_fn(engine(inputs), targets)
-            value = _local_scalar(loss)
+            value = _local_scalar(engine.evaluate_loss(inputs, targets, loss_fn))
             total = value if total is None else total + value
             n += 1
     finally:

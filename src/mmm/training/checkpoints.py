@@ -1,0 +1,113 @@
+"""A trainer's checkpoints: where they go, which step a run starts from, when one is due, and the
+last good one a stop can name (:class:`CheckpointPolicy`); the full model gathered into one file."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mmm import dist
+from mmm.log import get_logger
+from mmm.parallel.checkpoint import Checkpointer, latest_step, step_dir
+from mmm.training.startup import Startup, restart_attempt
+
+
+def make_checkpointer(engine, *, directory: str | None, keep_last: int = 0, meta: dict[str, Any], log=None):
+    """A :class:`mmm.parallel.checkpoint.Checkpointer` saving under ``directory`` (``--checkpoint-dir``;
+    None without one), keeping the ``keep_last`` newest (0: all)."""
+    if not directory:
+        return None
+
+    if hasattr(engine, "ds"):
+        return Checkpointer(directory, deepspeed_engine=engine.ds, meta=meta, keep_last=keep_last, log=log)
+    return Checkpointer(
+        directory, model=engine.module, optimizer=engine.optimizer, meta=meta, keep_last=keep_last, log=log
+    )
+
+
+def resume(checkpointer, which: str | None, startup: Startup | None = None) -> int:
+    """The first step to run: 1, or one past the checkpoint ``which`` names ('latest' or a step
+    number, ``--resume``; loading it is a startup phase of its own, ``resume``). A job relaunched by
+    ``launch --retries`` (``MMM_RESTART`` >= 1) resumes from the latest checkpoint, whatever ``which`` said."""
+    lineage = None
+    if checkpointer is not None and restart_attempt():
+        # the newest checkpoint this job saved; before its first save, where it started (a rollback to
+        # an earlier step must not continue the abandoned branch that is still on disk)
+        lineage = os.environ.get("MMM_RUN_STAMP") or None
+        which = which or "latest"
+        if dist.info().is_main:
+            get_logger().info(
+                "restart %d (launch --retries): resuming from this run's newest checkpoint in %s (else %s)",
+                restart_attempt(),
+                checkpointer.root,
+                which,
+            )
+    if checkpointer is None or not which:
+        return 1
+    saved = checkpointer.load(which, lineage=lineage)
+    if saved is None:
+        return 1
+    if startup is not None:
+        startup.mark("resume")
+    return int(saved["step"]) + 1
+
+
+class CheckpointPolicy:
+    """When a run saves (every ``checkpoint_every`` steps, the last step, a stop: ``RunConfig``'s
+    checkpoint settings) and what: the step, its loss and ``extra_at(step)`` in the checkpoint's
+    metadata. With no ``--checkpoint-dir`` (``checkpointer`` None) nothing is ever due."""
+
+    def __init__(self, checkpointer: Checkpointer | None, *, every: int = 0, extra_at=None) -> None:
+        self.checkpointer, self.every = checkpointer, every
+        self.extra_at: Callable[[int], dict[str, Any]] | None = extra_at
+
+    def periodic(self, step: int) -> bool:
+        """A save every ``every`` steps falls on ``step`` (its values are then read at once)."""
+        return self.checkpointer is not None and bool(self.every) and step % self.every == 0
+
+    def due(self, step: int, *, last: bool, stopping: bool) -> bool:
+        """Whether to save after ``step``: every ``every`` steps, the last step, a stop."""
+        return self.checkpointer is not None and (last or stopping or self.periodic(step))
+
+    def save(self, step: int, loss: float | None) -> None:
+        extra = self.extra_at(step) if self.extra_at is not None else {}
+        self.checkpointer.save(step, {"loss": loss, **extra})
+
+    def last_good(self) -> str:
+        """Where a stopped run can go back to, in words."""
+        if self.checkpointer is not None:
+            last = latest_step(self.checkpointer.root)
+            if last is not None:
+                return f"the last good checkpoint is {step_dir(self.checkpointer.root, last)} (--resume {last})"
+        return "no checkpoint was saved"
+
+
+def save_full_model(engine, path, *, is_main: bool) -> None:
+    """Gather the full (unsharded) weights and save them on rank 0."""
+    if engine.strategy.startswith("zero"):
+        state = (
+            engine.ds._zero3_consolidated_16bit_state_dict()
+            if engine.strategy == "zero3"
+            else engine.ds.module.state_dict()
+        )
+    else:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(engine.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if is_main:
+        tmp = path.with_name(f".{path.name}.tmp")
+        torch.save({k: v.detach().cpu() for k, v in state.items()}, tmp)
+        tmp.replace(path)
+
+
+def open_checkpoints(engine, options, *, meta: dict[str, Any], startup: Startup | None = None, extra_at=None, log=None):
+    """A run's :class:`CheckpointPolicy` from its ``RunConfig`` (``--checkpoint-dir``, ``--keep-last``,
+    ``--checkpoint-every``), and the first step to run (after ``--resume``, or a relaunch)."""
+    checkpointer = make_checkpointer(
+        engine, directory=options.checkpoint_dir, keep_last=options.keep_last, meta=meta, log=log
+    )
+    start = resume(checkpointer, options.resume, startup)
+    return CheckpointPolicy(checkpointer, every=options.checkpoint_every, extra_at=extra_at), start

@@ -1,0 +1,184 @@
+"""The start of every trainer: the distributed job set up, the banner, the config checked, the output
+folder picked (an earlier run's folders are never overwritten), and the startup clock from launch to
+the first finished step."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mmm import dist
+from mmm.dist import launch_time
+from mmm.errors import UsageError
+from mmm.log import get_logger
+from mmm.parallel.checkpoint import complete_steps
+
+if TYPE_CHECKING:  # pragma: no cover
+    from mmm.training.config import Config
+
+
+def process_start_time() -> float:
+    """Wall-clock time this process started (Linux /proc, 10 ms resolution), else now."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - age
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.time()
+
+
+class Startup:
+    """Phases from launch (``MMM_LAUNCH_TIME``, else process start) to the first finished step."""
+
+    def __init__(self) -> None:
+        self.process_start = process_start_time()
+        self.launch = launch_time() or self.process_start
+        self.marks: list[tuple[str, float]] = [("interpreter", self.process_start)]
+
+    def mark(self, phase: str) -> None:
+        """Record that ``phase`` just finished."""
+        self.marks.append((phase, time.time()))
+
+    def mark_setup(self, info) -> None:
+        """After :func:`mmm.dist.setup`: two phases, ``imports`` (flags, torch and the rest) and
+        ``process_group`` (its initialisation, a rendezvous of every rank)."""
+        now = time.time()
+        self.marks.append(("imports", now - info.timings.get("init_process_group_s", 0.0)))
+        self.marks.append(("process_group", now))
+
+    def phases(self) -> dict[str, float]:
+        out, prev = {}, self.launch
+        for name, t in self.marks:
+            out[f"{name}_s"] = max(0.0, t - prev)
+            prev = t
+        return out
+
+    @property
+    def total_s(self) -> float:
+        return self.marks[-1][1] - self.launch
+
+    def line(self) -> str:
+        parts = " ".join(f"{k[:-2]}={v:.2f}s" for k, v in self.phases().items())
+        return f"startup {self.total_s:.2f}s from launch to first finished step: {parts}"
+
+
+# --------------------------------------------------------------------------- start of a trainer
+def batch_problems(batch_size: int, dp: int) -> list[str]:
+    """The global batch must split evenly over the data-parallel ranks."""
+    if batch_size % dp == 0:
+        return []
+    return [
+        f"--batch-size {batch_size} is not divisible by {dp} data-parallel ranks; use a multiple of {dp} "
+        f"(e.g. {dp * max(1, round(batch_size / dp))})"
+    ]
+
+
+def start(example: str, config: Config, problems: Callable[[Config, int], list[str]]) -> tuple[Any, Path, Startup]:
+    """Set up the distributed job for a parsed ``config``, log the banner, check the config, pick the
+    output folder; returns (dist info, output folder, startup clock).
+
+    ``problems(config, world_size)``: every problem at once, raised as one UsageError.
+    """
+    startup = Startup()
+    info = dist.setup(seed=config.run.seed, timeout=config.run.timeout)
+    startup.mark_setup(info)
+    if info.is_main:
+        get_logger().info("%s", dist.banner(info))
+        if dropped_hosts():
+            get_logger().info(
+                "relaunched without host(s) %s: they did not answer after the failure (launch --drop-lost-hosts)",
+                ", ".join(dropped_hosts()),
+            )
+    found = problems(config, info.world_size)
+    if found:
+        raise UsageError("; ".join(found))
+    outdir = resolve_outdir(config.run.outdir, example)
+    keep_earlier_run(config.run, outdir, info)
+    return info, outdir, startup
+
+
+def earlier_run(run, outdir: Path) -> dict[str, str]:
+    """What an earlier run left where this one would write (flag -> what it holds), unless this run
+    continues it (``--resume``, or a relaunch by ``launch --retries``)."""
+    if restart_attempt():  # the same job, relaunched: it continues itself
+        return {}
+    found = {}
+    steps = complete_steps(Path(run.checkpoint_dir)) if run.checkpoint_dir else []
+    if run.resume is not None and steps:
+        return {}  # it continues that run (its history is kept up to the step it resumes)
+    if steps:
+        shown = ", ".join(map(str, steps[:5])) + (f", ... ({len(steps)} in all)" if len(steps) > 5 else "")
+        found["--checkpoint-dir"] = (
+            f"--checkpoint-dir {run.checkpoint_dir!r} holds the checkpoints of an earlier run (steps {shown})"
+        )
+    history = outdir / "history.jsonl"
+    if history.is_file() and history.stat().st_size > 0:
+        found["--outdir"] = f"--outdir {str(outdir)!r} holds the history of an earlier run ({history.name})"
+    return found
+
+
+def keep_earlier_run(run, outdir: Path, info) -> None:
+    """Never overwrite an earlier run by starting afresh in its folders (a resubmitted job script without
+    --resume would re-save its steps and prune its newest checkpoints first): refuse in one line, or with
+    ``--start-over`` move those folders aside (rank 0, before anyone writes; nothing is deleted)."""
+
+    def decide_and_move() -> dict[str, str]:  # rank 0 alone looks and moves; every rank learns the outcome
+        found = earlier_run(run, outdir)
+        if not found or not run.start_over:
+            return found
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        folders = [Path(run.checkpoint_dir)] if "--checkpoint-dir" in found else []
+        if "--outdir" in found and not any(outdir.resolve().is_relative_to(f.resolve()) for f in folders):
+            folders.append(outdir)
+        for folder in folders:
+            aside = folder.with_name(f"{folder.name}.old-{stamp}")
+            try:
+                os.replace(folder, aside)
+            except OSError as e:
+                raise UsageError(f"--start-over: cannot move {str(folder)!r} aside to {aside.name!r}: {e.strerror}")
+            get_logger().info("--start-over: the earlier run in %s is now %s", folder, aside)
+        return {}
+
+    found = dist.on_rank0(decide_and_move)
+    if found:
+        raise UsageError(
+            "; ".join(found.values()) + ": continue it with --resume, or begin again at step 1 with --start-over "
+            "(the earlier run is moved to <folder>.old-<UTC time>; nothing is deleted)"
+        )
+
+
+# --------------------------------------------------------------------------- output folder
+def resolve_outdir(outdir: str | os.PathLike | None, example: str) -> Path:
+    """``--outdir`` or ``outputs/<example>/<UTC timestamp>``; a path that is a file is an error."""
+    if outdir is None:
+        stamp = os.environ.get("MMM_RUN_STAMP") or datetime.datetime.now(datetime.timezone.utc).strftime(
+            "%Y%m%d-%H%M%S"
+        )
+        return Path("outputs") / example / stamp
+    path = Path(outdir)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--outdir {str(outdir)!r} is a file; pass a directory (it is created if missing)")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UsageError(f"--outdir {str(outdir)!r}: {str(parent)!r} is a file, not a directory")
+            if not os.access(parent, os.W_OK):
+                raise UsageError(f"--outdir {str(outdir)!r}: cannot write in {str(parent)!r}")
+            break
+    return path
+
+
+def dropped_hosts() -> list[str]:
+    """Hosts ``launch --drop-lost-hosts`` left out of this relaunch: they did not answer after a failure."""
+    return [h for h in os.environ.get("MMM_DROPPED_HOSTS", "").split(",") if h]
+
+
+def restart_attempt() -> int:
+    """Which relaunch of the job this is (``MMM_RESTART`` set by ``launch --retries``; 0: the first run)."""
+    raw = os.environ.get("MMM_RESTART", "")
+    return int(raw) if raw.isdigit() else 0
