@@ -20,6 +20,7 @@ from collections import defaultdict
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # c10d ops: (payload argument index, "out" when the payload is the output buffer)
@@ -79,7 +80,6 @@ class CommCounter(TorchDispatchMode):
         from torch.distributed.tensor import DTensor
 
         self._dtensor = DTensor
-        import torch.distributed as dist
 
         self._names: dict[str, str] = {}  # group name -> our name
         self._by_ranks: dict[tuple[int, ...], str] = {}  # a group we were not given is named by its ranks
@@ -93,8 +93,6 @@ class CommCounter(TorchDispatchMode):
         self.calls: dict[str, int] = defaultdict(int)
 
     def _group_of(self, args) -> str:
-        import torch.distributed as dist
-
         for a in args:
             if isinstance(a, torch.ScriptObject):
                 try:

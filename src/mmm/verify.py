@@ -24,6 +24,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+import torch.distributed as tdist
+import torch.nn.functional as F
+
 from mmm import dist
 from mmm.cli import ArgumentParser, Flags, option, override, positive_int
 from mmm.dist import current
@@ -111,15 +115,12 @@ def _logits(out):
 
 def lm_loss(logits, targets):
     """Next-token cross entropy (logits may be a model output with ``.logits``)."""
-    import torch.nn.functional as F
-
     logits = _logits(logits)
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
 
 def token_batches(vocab_size: int, seq_len: int, batch: int, seed: int = 0):
     """``step -> (inputs, targets)``: random tokens, the global batch a function of the step only."""
-    import torch
 
     def get(step: int):
         g = torch.Generator().manual_seed(seed * 1_000_003 + step)
@@ -149,9 +150,6 @@ def verify(
     ``spec``, on the global batches ``batch_fn(step)`` (each dp rank its slice), and compare the
     per-step loss and global gradient norm. Collective: call it on every rank. Every rank gets the
     same :class:`Verdict`."""
-    import torch
-    import torch.distributed as tdist
-
     spec = spec or ParallelSpec()
     problems = compose_problems(spec, mesh.dims)  # before the reference run, not after it
     if mesh.pp_enabled:
@@ -298,8 +296,6 @@ def _load(ref: str, what: str):
 
 def target(check: VerifyConfig):
     """(model factory, spec options, batch_fn, loss_fn) for what ``check`` names."""
-    import torch.nn.functional as F
-
     tokens = token_batches(check.vocab_size, check.seq_len, check.batch_size, check.seed)
     if check.model == "llama":
         cfg = LlamaConfig(
@@ -307,8 +303,6 @@ def target(check: VerifyConfig):
         )
         return (lambda: Llama(cfg)), {"tp_plan": llama_tp_plan(), "loss_parallel": True}, tokens, lm_loss
     if check.model == "vit":
-        import torch
-
         cfg = ViTConfig(img_size=16, patch_size=4, depth=4, num_heads=4, head_dim=8)
 
         def images(step):

@@ -21,6 +21,8 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
 from mmm.errors import ArgumentParser, UsageError
 
 PROG = "python -m mmm.data prepare"
@@ -81,8 +83,6 @@ def prepare(
     dtype: str = "auto",
 ) -> dict:
     """Tokenise ``inputs`` into ``out``/train.bin (+ val.bin) and meta.json; returns the meta."""
-    import numpy as np
-
     from mmm.data.tokens import encode_documents, get_tokenizer, token_dtype
 
     if not 0 <= val_fraction < 1:

@@ -26,6 +26,7 @@ import pickle
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -68,8 +69,6 @@ class TokenWindows:
     def global_batch(self, seed: int, step: int, batch: int, rows: slice = slice(None)) -> torch.Tensor:
         """Step ``step``'s global batch (``batch`` windows), or only its ``rows``: the starts are drawn
         for the whole batch, the tokens read for the rows asked."""
-        import numpy as np
-
         starts = torch.randint(0, len(self.tokens) - self.seq_len, (batch,), generator=_step_generator(seed, step))
         idx = starts[rows].numpy()[:, None] + np.arange(self.seq_len + 1)
         return torch.from_numpy(np.asarray(self.tokens[idx], dtype=np.int64))
@@ -159,8 +158,6 @@ def bin_file(data_dir: Path, split: str) -> tuple[Path, str]:
 
 def open_bin(path: Path, dtype: str):
     """A read-only numpy memmap of a token file (size checked against the dtype)."""
-    import numpy as np
-
     size, itemsize = path.stat().st_size, np.dtype(dtype).itemsize
     if size % itemsize:
         raise UsageError(
@@ -176,8 +173,6 @@ def check_guessed_dtype(tokens, path: Path, vocab_size: int) -> None:
     """A plain ``train.bin`` with no recorded dtype is read as nanoGPT's uint16; refuse where that guess
     would train on garbage: a vocabulary uint16 cannot hold, or data that looks like uint32 (read as
     uint16, every second value is the zero high half of a small uint32 id)."""
-    import numpy as np
-
     fix = (
         f'record its dtype in {path.parent / "meta.json"} ({{"dtype": "uint32"}} or {{"dtype": "uint16"}}) '
         f"or put it in the name ({path.stem}.uint32.bin)"
@@ -277,8 +272,6 @@ def token_dtype(vocab_size: int) -> str:
 
 def encode_documents(tokenizer, texts: list[str]):
     """One numpy array of the texts' tokens, each document followed by the end-of-text id."""
-    import numpy as np
-
     dtype = token_dtype(tokenizer.vocab_size)
     parts = []
     for ids in tokenizer.encode(texts):
@@ -327,8 +320,6 @@ def hf_token_array(
     """The token stream of a saved dataset's split: a text column tokenised (documents joined with
     the end-of-text id), or a pre-tokenised column (lists of ids, e.g. ``input_ids``) as it is.
     Returns (tokens, description)."""
-    import numpy as np
-
     data_dir = check_data_dir(data_dir, "hf")
     ds, key = _load_hf_split(data_dir, split)
     columns = list(ds.column_names)
@@ -411,8 +402,6 @@ def cached_hf_tokens(data_dir, *, split: str = "train", text_column: str | None 
     that rank 0 writes once (the other ranks wait, then memory-map it; a later job with the same data
     and tokenizer reuses it). A single process, or a rank that cannot see rank 0's file (a cache on a
     node-local disk), tokenises for itself."""
-    import numpy as np
-
     data_dir = check_data_dir(data_dir, "hf")
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if world == 1:

@@ -16,6 +16,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
 from mmm.cli import flag_problems, option, override, positive_int
 from mmm.data import rank_rows
 from mmm.data.images import epoch_batches, load_digits_data, padded_shard
@@ -173,8 +177,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def train(config: Config[DigitsTrainConfig], info, outdir, startup) -> int:
-    import torch
-
     log = get_logger()
     what, how = config.train, config.parallel  # what to train, how to parallelise it (config.run: how to run)
     seed = config.run.seed  # weights, data order, dropout
@@ -361,10 +363,6 @@ def train(config: Config[DigitsTrainConfig], info, outdir, startup) -> int:
 
 def evaluate(engine, split, *, batch: int, rank: int, world: int, group, device) -> tuple[float, float]:
     """Loss and accuracy (a fraction) over the whole test set: each rank a padded shard, sums reduced over ranks."""
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
     idx, mask = padded_shard(len(split.labels), rank=rank, world=world)
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
     engine.eval()

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+import torch.nn.functional as F
+
 from mmm import dist
 from mmm.data import make_dataset
 from mmm.flops import llama_flops_per_token
@@ -43,9 +46,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def train(config: Config[LlamaTrainConfig], info, outdir, startup) -> int:
-    import torch
-    import torch.nn.functional as F
-
     log = get_logger()
     # what to train (model, data, batch, steps, lr schedule), how to parallelise it (mesh, strategy, pipeline, ...);
     # config.run: seed, output, checkpoints, trackers (mmm.training.config)

@@ -13,6 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+import torch.nn.functional as F
+
 from mmm.cli import FLAGS, flag_problems, option, override, positive_int
 from mmm.data import rank_rows
 from mmm.data.images import SyntheticImages
@@ -117,9 +120,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def train(config: Config[ViTTrainConfig], info, outdir, startup) -> int:
-    import torch
-    import torch.nn.functional as F
-
     log = get_logger()
     what, how = config.train, config.parallel  # what to train, how to parallelise it (config.run: how to run)
     mesh = init_mesh(**how.degrees)  # dp_replicate x dp_shard x tp

@@ -6,13 +6,12 @@ from functools import partial
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 AC_MODES = ("none", "full", "selective")
 
 
 def _save_matmuls_policy():
-    from torch.utils.checkpoint import CheckpointPolicy
-
     aten = torch.ops.aten
     save = {
         aten.mm.default,
@@ -39,8 +38,6 @@ def wrap_block(block: nn.Module, mode: str) -> nn.Module:
     if mode == "full":
         return checkpoint_wrapper(block, preserve_rng_state=False)
     if mode == "selective":
-        from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
         return checkpoint_wrapper(
             block,
             preserve_rng_state=False,

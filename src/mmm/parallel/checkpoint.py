@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from mmm.dist.exits import all_ok, on_rank0, uninterrupted
 from mmm.errors import API, RunError, Spelling, UsageError
@@ -197,8 +198,6 @@ def crash_point(stage: str, step: int | None = None) -> None:
 
 
 def _barrier() -> None:
-    import torch.distributed as dist
-
     if dist.is_initialized():
         dist.barrier()
 
@@ -281,8 +280,6 @@ def wait_for_deletes(timeout_s: float | None = None) -> None:
 
 
 def _rank_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -495,8 +492,6 @@ class Checkpointer:
             else:
                 found[0] = ("error", missing_step(self.root, int(which), steps))
         if world > 1:
-            import torch.distributed as dist
-
             dist.broadcast_object_list(found, src=0)
         kind, value = found[0]
         if kind == "error":

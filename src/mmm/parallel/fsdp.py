@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
@@ -49,7 +50,5 @@ def apply_fsdp(
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, *, device: torch.device) -> nn.Module:
     """Classic DDP over the data-parallel group (1-D only: DDP does not compose with TP/DTensor)."""
-    from torch.nn.parallel import DistributedDataParallel
-
     device_ids = [device.index] if device.type in {"cuda", "xpu"} else None
     return DistributedDataParallel(model, process_group=dp_mesh.get_group(), device_ids=device_ids)

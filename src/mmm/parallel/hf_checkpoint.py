@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from mmm.dist.exits import RankZeroFailed, on_rank0
@@ -186,7 +187,6 @@ def export_safetensors(
     parameters to rank 0, one tensor at a time. Only rank 0 holds the whole model (on the host) and
     writes; ``dtype`` casts on the way (default: the parameters' own). Every tensor ``sources``
     names must arrive. Returns ``out_dir`` on rank 0, None elsewhere."""
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     out = Path(out_dir)

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from mmm.errors import API, Spelling, UsageError
@@ -313,8 +314,6 @@ class Pipeline:
         """Forward and backward over every microbatch; the mean loss over microbatches on every pipeline
         rank (``share_loss=False``: on the last stage's ranks only, zero elsewhere, with no collective:
         for a caller that reduces it with other values, as mmm's training step does)."""
-        import torch.distributed as dist
-
         losses: list = []
         with loss_parallel_context(self.loss_parallel):
             self.schedule.step(

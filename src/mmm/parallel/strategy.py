@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from mmm.errors import API, Spelling
@@ -226,8 +227,6 @@ class TorchEngine(Engine):
         """This rank's share of the squared global gradient norm (summed over every rank it is the
         square of the norm): :meth:`step` takes the sum back, so the norm rides on the training
         step's one all-reduce instead of reductions of its own."""
-        import torch.distributed as dist
-
         world = dist.get_world_size() if dist.is_initialized() else 1
         pp = dist.get_world_size(self.pipeline.pp_group) if self.pipeline is not None else 1
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]

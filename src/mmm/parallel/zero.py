@@ -14,6 +14,7 @@ import os
 import warnings
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 
 from mmm import dist as mdist
@@ -100,7 +101,6 @@ def initialize(model: nn.Module, optimizer, *, config: dict[str, Any], device_ty
     deepspeed = import_deepspeed()
     if device_type == "cpu":
         _skip_inference_shm_kernel(deepspeed)
-    import torch.distributed as dist
 
     backend = dist.get_backend() if dist.is_initialized() else "gloo"
     # DeepSpeed insists on LOCAL_RANK, which only torchrun and Open MPI set: give it ours (one

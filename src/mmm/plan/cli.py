@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mmm.cli import ArgumentParser, positive_int
-from mmm.errors import UsageError
+from mmm.errors import UsageError, print_error
+from mmm.history import atomic_write_text
+from mmm.parallel.strategy import STRATEGIES
 from mmm.plan import AXES, Combo, plan
 from mmm.training.config import Config
 from mmm.training.llama import LlamaTrainConfig, command_line
@@ -89,8 +91,6 @@ def parse_request(argv: Sequence[str] | None = None) -> PlanRequest:
 
 
 def _strategies(strategy: str | None, strategies: str | None) -> list[str] | None:
-    from mmm.parallel.strategy import STRATEGIES
-
     if strategy is not None and strategies is not None:
         raise UsageError("give --strategy (one) or --strategies (a list), not both")
     if strategy is not None:
@@ -172,15 +172,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if request.json_path == "-":
             print(text)
         else:
-            from mmm.history import atomic_write_text
-
             atomic_write_text(Path(request.json_path), text + "\n")
     return 0
 
 
 def cli() -> None:
-    from mmm.errors import print_error
-
     try:
         code = main()
     except UsageError as e:

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from mmm.dist import stop_flag
 
@@ -81,16 +82,12 @@ class StepSync:
     pipeline-parallel peers hold the same loss."""
 
     def __init__(self, *, device: torch.device, holds_loss: bool = True, loss_holders: int | None = None) -> None:
-        import torch.distributed as dist
-
         self.device = device
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.weight = 1.0 / (loss_holders or self.world) if holds_loss else 0.0
 
     @classmethod
     def for_engine(cls, engine, *, device: torch.device) -> StepSync:
-        import torch.distributed as dist
-
         pipe = getattr(engine, "pipeline", None)
         if pipe is None:
             return cls(device=device)
@@ -99,8 +96,6 @@ class StepSync:
 
     def reduce(self, loss: torch.Tensor, grad_square: torch.Tensor | None = None) -> Reduced:
         """All-reduce (sum) [loss share, non-finite, stop, ``grad_square`` share] over every rank."""
-        import torch.distributed as dist
-
         value = _local_scalar(loss).to(self.device)
         share = value * self.weight if self.weight else torch.zeros((), device=self.device)
         stop = torch.full((), float(stop_flag()), device=self.device)  # a fill: no copy from the host
