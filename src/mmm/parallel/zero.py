@@ -91,9 +91,10 @@ def _skip_inference_shm_kernel(deepspeed) -> None:
     through torch.distributed. Skip building it on CPU unless ``MMM_DS_SHM=1``."""
     if os.environ.get("MMM_DS_SHM") == "1":
         return
-    import deepspeed.comm.torch as ds_torch
-
-    ds_torch.build_shm_op = lambda: None
+    # by module name: the attribute deepspeed.comm.torch is the torch package itself (deepspeed.comm
+    # imports torch), so `import deepspeed.comm.torch as m` would patch torch, and the kernel still built
+    backend = importlib.import_module("deepspeed.comm.torch")
+    backend.build_shm_op = lambda: None
 
 
 def initialize(model: nn.Module, optimizer, *, config: dict[str, Any], device_type: str):
