@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -287,3 +288,27 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep("-", "fault campaign: fault / outcome / lost")
         for fault, outcome, lost in rows:
             terminalreporter.write_line(f"{fault:<{width}}  {outcome} / lost: {lost}")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _deepspeed_cpu_adam_built_in_the_background(request):
+    """``--offload-optimizer`` runs DeepSpeed's CPU Adam, JIT-compiled on first use (60-120 s on 2 cores,
+    then cached under ~/.cache/torch_extensions): when a test that offloads is collected, start that
+    build at session start, at the lowest CPU priority, so it overlaps the tests that leave a core idle
+    instead of holding up the test. The test still loads and runs the op itself (a build that failed
+    here is retried there, in the foreground)."""
+    wanted = any("offload" in item.name for item in request.session.items)
+    proc = None
+    if wanted and importlib.util.find_spec("deepspeed") is not None:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=clean_env(),
+            start_new_session=True,
+            preexec_fn=lambda: os.nice(19),
+        )
+    yield
+    if proc is not None and proc.poll() is None:
+        kill_group(proc)
