@@ -2,6 +2,9 @@
 VENV ?= .venv
 STAMP := $(VENV)/.mmm-installed
 NPROC ?= 4
+# pytest workers: tests wait on processes much of the time, so two share two cores well; tests that
+# use the machine's namespaces, Slurm or MPI environments run one at a time (tests/conftest.py)
+TEST_WORKERS ?= 2
 export OMP_NUM_THREADS ?= 1
 
 .PHONY: demo smoke test test-fast test-deps lint format venv clean
@@ -32,10 +35,10 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 test: $(STAMP) test-deps lint
-	$(VENV)/bin/python -m pytest -q --durations=40
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=40
 
 test-fast: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -m "not slow"
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow"
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

@@ -279,10 +279,30 @@ def slurm_on_two_hosts(two_hosts, tmp_path_factory):
         cluster.stop()
 
 
+_FAULT_ROWS: list[tuple[str, str, str]] = []
+
+# tests that share this machine's global resources (network namespaces and their /24, the Slurm
+# daemons' ports, the MPI environments built under .venvs/) run one at a time, on one xdist worker
+_ONE_AT_A_TIME = {"test_multihost.py", "test_slurm.py", "test_mpi_flavors.py"}
+_HOST_FIXTURES = {"two_hosts", "shared_dir", "slurm_cluster", "slurm_on_two_hosts"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        hosts = "hosts2" in item.name or _HOST_FIXTURES & set(getattr(item, "fixturenames", ()))
+        if item.path.name in _ONE_AT_A_TIME or hosts:
+            item.add_marker(pytest.mark.xdist_group("machine"))
+
+
+def pytest_runtest_logreport(report):
+    """Rows of the fault campaign's table, as each report arrives (from this process or an xdist worker)."""
+    if report.when == "call":
+        _FAULT_ROWS.extend(tuple(value) for name, value in report.user_properties if name == "fault_outcome")
+
+
 def pytest_terminal_summary(terminalreporter):
     """The fault campaign's table (tests/test_faults.py), after the run."""
-    faults = sys.modules.get("test_faults")
-    rows = getattr(faults, "OUTCOMES", [])
+    rows = _FAULT_ROWS
     if rows:
         width = max(len(f) for f, _, _ in rows)
         terminalreporter.write_sep("-", "fault campaign: fault / outcome / lost")
@@ -298,6 +318,7 @@ def _deepspeed_cpu_adam_built_in_the_background(request):
     instead of holding up the test. The test still loads and runs the op itself (a build that failed
     here is retried there, in the foreground)."""
     wanted = any("offload" in item.name for item in request.session.items)
+    wanted &= os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0"  # one build, not one per worker
     proc = None
     if wanted and importlib.util.find_spec("deepspeed") is not None:
         proc = subprocess.Popen(

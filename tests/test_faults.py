@@ -21,7 +21,15 @@ from mmm.parallel.checkpoint import Checkpointer, complete_steps, recover, step_
 
 TINY = "-m mmm.examples.fsdp_tp --dim 64 --n-layers 2 --seq-len 32 --batch-size 4 --no-plots".split()
 STEPS = 8
-OUTCOMES: list[tuple[str, str, str]] = []  # (fault, outcome, lost), printed by conftest at the end
+@pytest.fixture
+def outcome(record_property):
+    """Record a row of the campaign's table: it travels with the test's report (also from an xdist
+    worker) to conftest's summary at the end of the run."""
+
+    def add(fault: str, result: str, lost: str) -> None:
+        record_property("fault_outcome", [fault, result, lost])
+
+    return add
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +70,7 @@ def sound_steps(root) -> list[int]:
         ("history@5", 4),  # rank 0 dies half-way through writing step 5's line of history.jsonl
     ],
 )
-def test_a_kill_during_a_save_loses_nothing(reference, tmp_path, fault, resumes_at):
+def test_a_kill_during_a_save_loses_nothing(reference, tmp_path, fault, resumes_at, outcome):
     ck, out = tmp_path / "ck", tmp_path / "out"
     keep = "1" if "prune" in fault else "2"
     args = [*TINY, "--max-iters", str(STEPS), "--checkpoint-dir", str(ck), "--checkpoint-every", "2",
@@ -71,7 +79,7 @@ def test_a_kill_during_a_save_loses_nothing(reference, tmp_path, fault, resumes_
                 env=clean_env(MMM_SAVE_FAULT=fault, MMM_TIMEOUT="60"), timeout=180)  # fmt: skip
     sound = sound_steps(ck)
     lost = "nothing" if resumes_at in sound else f"step {resumes_at} (sound: {sound})"
-    OUTCOMES.append((f"kill {fault}", f"job died (rc {first.returncode}); complete after it: {sound}", lost))
+    outcome(f"kill {fault}", f"job died (rc {first.returncode}); complete after it: {sound}", lost)
     assert first.returncode != 0, first.output  # the fault fired
     assert sound[-1] == resumes_at, (sound, first.output)
     res = run(launch("--launcher", "local", "-n", "2", "python3", *args, "--resume"), timeout=180)
@@ -81,7 +89,7 @@ def test_a_kill_during_a_save_loses_nothing(reference, tmp_path, fault, resumes_
     assert complete_steps(ck)[-1] == STEPS
 
 
-def test_a_kill_between_the_renames_of_a_resave_loses_nothing(reference, tmp_path):
+def test_a_kill_between_the_renames_of_a_resave_loses_nothing(reference, tmp_path, outcome):
     """A run rolled back to step 2 saves step 4 again while the old step 4 is on disk; rank 0 dies
     between setting the old one aside and renaming the new one in. The old step 4 comes back, intact."""
     ck = tmp_path / "ck"
@@ -98,14 +106,14 @@ def test_a_kill_between_the_renames_of_a_resave_loses_nothing(reference, tmp_pat
     recover(ck)  # what the next save or resume does first
     restored = (step_dir(ck, 4) / "mmm.json").read_text() if step_dir(ck, 4).exists() else None
     lost = "nothing" if restored == old4 and 4 in sound_steps(ck) else "the old step 4"
-    OUTCOMES.append(("kill rename@4 (re-save)", "the old step 4 back in place after recover()", lost))
+    outcome("kill rename@4 (re-save)", "the old step 4 back in place after recover()", lost)
     assert restored == old4
     res = run(launch("--launcher", "local", "-n", "2", "python3", *args), timeout=180)
     assert res.returncode == 0 and resumed_steps(res.stdout) == [2], res.output
     same_run(jsonl(out / "history.jsonl", key=None), reference, first=3)
 
 
-def test_a_kill_during_an_export_leaves_the_earlier_export(tmp_path):
+def test_a_kill_during_an_export_leaves_the_earlier_export(tmp_path, outcome):
     hf = tmp_path / "hf"
     base = [sys.executable, *TINY, "--max-iters", "2", "--export-hf", str(hf)]
     res = run([*base, "--outdir", str(tmp_path / "a")], timeout=180)
@@ -113,14 +121,12 @@ def test_a_kill_during_an_export_leaves_the_earlier_export(tmp_path):
     before = {p.name: p.read_bytes() for p in hf.iterdir()}
     res = run([*base, "--seed", "7", "--outdir", str(tmp_path / "b")], env=clean_env(MMM_SAVE_FAULT="export"))
     after = {p.name: p.read_bytes() for p in hf.iterdir()}
-    OUTCOMES.append(
-        ("kill during --export-hf", f"job died (rc {res.returncode})", "nothing" if after == before else "DIR")
-    )
+    outcome("kill during --export-hf", f"job died (rc {res.returncode})", "nothing" if after == before else "DIR")
     assert res.returncode != 0, res.output
     assert after == before  # untouched: the new one never took its place
 
 
-def test_a_full_disk_stops_the_save_and_keeps_the_checkpoints_before(reference, tmp_path):
+def test_a_full_disk_stops_the_save_and_keeps_the_checkpoints_before(reference, tmp_path, outcome):
     """The checkpoint folder is a 3 MiB tmpfs (as root): step 2 (1.9 MiB) fits, step 4 does not. One line names the
     full disk; step 2 stays complete and loadable; with room again, the run resumes and finishes."""
     if shutil.which("mount") is None or subprocess.run(["id", "-u"], capture_output=True, text=True).stdout != "0\n":
@@ -140,12 +146,8 @@ def test_a_full_disk_stops_the_save_and_keeps_the_checkpoints_before(reference, 
         ), res.output[-3000:]
         assert "Traceback" not in res.output, res.output
         sound = sound_steps(ck)
-        OUTCOMES.append(
-            (
-                "full disk at step 4",
-                "one line; complete after it: " + str(sound),
-                "nothing" if sound == [2] else "step 2",
-            )
+        outcome(
+            "full disk at step 4", "one line; complete after it: " + str(sound), "nothing" if sound == [2] else "step 2"
         )
         assert sound == [2], sound
         subprocess.run(["mount", "-o", "remount,size=64m", str(ck)], check=True)
