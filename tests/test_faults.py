@@ -21,6 +21,8 @@ from mmm.parallel.checkpoint import Checkpointer, complete_steps, recover, step_
 
 TINY = "-m mmm.examples.fsdp_tp --dim 64 --n-layers 2 --seq-len 32 --batch-size 4 --no-plots".split()
 STEPS = 8
+
+
 @pytest.fixture
 def outcome(record_property):
     """Record a row of the campaign's table: it travels with the test's report (also from an xdist
