@@ -3,7 +3,8 @@ VENV ?= .venv
 STAMP := $(VENV)/.mmm-installed
 NPROC ?= 4
 # pytest workers: tests wait on processes much of the time, so two share two cores well; tests that
-# use the machine's namespaces, Slurm or MPI environments run one at a time (tests/conftest.py)
+# use the machine's namespaces, Slurm or MPI environments run one at a time (tests/conftest.py), and the
+# real Slurm's own tests run after the others, alone
 TEST_WORKERS ?= 2
 export OMP_NUM_THREADS ?= 1
 
@@ -35,7 +36,8 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 test: $(STAMP) test-deps lint
-	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=40
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not alone" --durations=40
+	$(VENV)/bin/python -m pytest -q -m alone --durations=5
 
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow"

@@ -41,6 +41,25 @@ _STRIP = (
 )
 
 
+# the tiny Llama most tests train: GQA (8 query / 4 kv heads, so the query and key shapes differ), 2 blocks,
+# dim 64: every TP split of the equivalence matrix is valid, and a step takes milliseconds
+TINY_LLAMA = {"dim": 64, "n-layers": 2, "n-heads": 8, "n-kv-heads": 4, "seq-len": 32, "batch-size": 8}
+
+
+def tiny_llama(*, plots: bool = False, **changes) -> list[str]:
+    """The tiny Llama's flags for mmm.examples.fsdp_tp, with ``changes`` (``max_iters=5``: underscores for
+    hyphens; None leaves a flag out) and ``--no-plots`` unless ``plots``."""
+    values = {**TINY_LLAMA, **{k.replace("_", "-"): v for k, v in changes.items()}}
+    flags = [x for k, v in values.items() if v is not None for x in (f"--{k}", str(v))]
+    return flags if plots else [*flags, "--no-plots"]
+
+
+# the tiny ViT and the short CNN run of the data-parallel tests
+TINY_VIT = ["-m", "mmm.examples.vit", "--max-iters", "5", "--depth", "2", "--num-heads", "4", "--head-dim", "8"]
+TINY_VIT += ["--img-size", "16", "--batch-size", "8", "--no-plots"]
+SHORT_CNN = ["-m", "mmm.examples.fsdp", "--epochs", "2", "--steps-per-epoch", "3", "--batch-size", "32", "--no-plots"]
+
+
 @dataclass
 class Result:
     returncode: int
@@ -287,8 +306,15 @@ _ONE_AT_A_TIME = {"test_multihost.py", "test_slurm.py", "test_mpi_flavors.py"}
 _HOST_FIXTURES = {"two_hosts", "shared_dir", "slurm_cluster", "slurm_on_two_hosts"}
 
 
+# run after the others, with no other test beside them (make test's second pytest run): a real Slurm's
+# steps meet at a port derived from the job id, and under a parallel run one collided (EADDRINUSE)
+ALONE = {"test_slurm.py"}
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        if item.path.name in ALONE:
+            item.add_marker(pytest.mark.alone)
         hosts = "hosts2" in item.name or _HOST_FIXTURES & set(getattr(item, "fixturenames", ()))
         if item.path.name in _ONE_AT_A_TIME or hosts:
             item.add_marker(pytest.mark.xdist_group("machine"))

@@ -13,24 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SCRIPTS, clean_env, launch, run
+from conftest import SCRIPTS, clean_env, launch, run, tiny_llama
 from mmm.parallel.checkpoint import Checkpointer, complete_steps, latest_step, step_dir, wait_for_deletes
 
-TINY = [
-    "-m",
-    "mmm.examples.fsdp_tp",
-    "--dim",
-    "64",
-    "--n-layers",
-    "2",
-    "--seq-len",
-    "32",
-    "--batch-size",
-    "4",
-    "--no-plots",
-    "--log-every",
-    "100",
-]
+TINY = ["-m", "mmm.examples.fsdp_tp", *tiny_llama(batch_size=4), "--log-every", "100"]
 
 
 def trainer(*args: str, timeout: float = 120):

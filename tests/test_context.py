@@ -5,32 +5,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_clean_user_error, launch, mpiexec, run
+from conftest import assert_clean_user_error, launch, mpiexec, run, tiny_llama
 from mmm.errors import UsageError
 from mmm.parallel.context import context_parallel, cp_problems, local_positions, shard_sequence
 
 MODULE = ["-m", "mmm.examples.fsdp_tp"]
-MODEL = [
-    "--dim",
-    "64",
-    "--n-layers",
-    "2",
-    "--n-heads",
-    "8",
-    "--n-kv-heads",
-    "4",
-    "--seq-len",
-    "32",
-    "--batch-size",
-    "8",
-    "--max-iters",
-    "6",
-    "--lr",
-    "3e-3",
-    "--seed",
-    "3",
-    "--no-plots",
-]
+MODEL = tiny_llama(max_iters=6, lr="3e-3", seed=3)
 RTOL = 1e-5
 
 

@@ -9,37 +9,12 @@ import sys
 import pytest
 import torch
 
-from conftest import assert_clean_user_error, clean_env, launch, run, torchrun
+from conftest import SHORT_CNN, TINY_VIT, assert_clean_user_error, clean_env, jsonl, launch, max_rel_diff, run, torchrun
 
 RTOL = 1e-5
 STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
-CNN = ["-m", "mmm.examples.fsdp", "--epochs", "2", "--steps-per-epoch", "3", "--batch-size", "32", "--no-plots"]
-VIT = [
-    "-m",
-    "mmm.examples.vit",
-    "--max-iters",
-    "5",
-    "--depth",
-    "2",
-    "--num-heads",
-    "4",
-    "--head-dim",
-    "8",
-    "--img-size",
-    "16",
-    "--batch-size",
-    "8",
-    "--no-plots",
-]
-
-
-def jsonl(path, key="loss"):
-    return [json.loads(line)[key] for line in path.read_text().splitlines()]
-
-
-def max_rel_diff(a, b):
-    assert len(a) == len(b) and a
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+CNN = SHORT_CNN
+VIT = TINY_VIT
 
 
 def _single(tmp_path_factory, args, name):

@@ -14,78 +14,32 @@ from dataclasses import dataclass
 
 import pytest
 
-from conftest import BIN, Result, env_of, jsonl, launch, max_rel_diff, mpi_env, pbs_job, run, torchrun
+from conftest import (
+    BIN,
+    SHORT_CNN,
+    TINY_VIT,
+    Result,
+    env_of,
+    jsonl,
+    launch,
+    max_rel_diff,
+    mpi_env,
+    pbs_job,
+    run,
+    tiny_llama,
+    torchrun,
+)
 
 RTOL = 1e-5
 
 # base configurations: the trainer and the flags every case of that base shares
 BASES = {
     # tiny but complete: GQA (8 query / 4 kv heads), every TP split in the matrix valid
-    "llama": [
-        "-m",
-        "mmm.examples.fsdp_tp",
-        "--dim",
-        "64",
-        "--n-layers",
-        "2",
-        "--n-heads",
-        "8",
-        "--n-kv-heads",
-        "4",
-        "--seq-len",
-        "32",
-        "--batch-size",
-        "8",
-        "--max-iters",
-        "5",
-        "--lr",
-        "3e-3",
-        "--seed",
-        "3",
-        "--no-plots",
-    ],
+    "llama": ["-m", "mmm.examples.fsdp_tp", *tiny_llama(max_iters=5, lr="3e-3", seed=3)],
     # 8 blocks: pipelines of 2, 4 and interleaved 2x2 / 4x2 stages
-    "llama8": [
-        "-m",
-        "mmm.examples.fsdp_tp",
-        "--dim",
-        "64",
-        "--n-layers",
-        "8",
-        "--n-heads",
-        "8",
-        "--n-kv-heads",
-        "4",
-        "--seq-len",
-        "32",
-        "--batch-size",
-        "8",
-        "--max-iters",
-        "5",
-        "--lr",
-        "3e-3",
-        "--seed",
-        "5",
-        "--no-plots",
-    ],
-    "vit": [
-        "-m",
-        "mmm.examples.vit",
-        "--max-iters",
-        "5",
-        "--depth",
-        "2",
-        "--num-heads",
-        "4",
-        "--head-dim",
-        "8",
-        "--img-size",
-        "16",
-        "--batch-size",
-        "8",
-        "--no-plots",
-    ],
-    "cnn": ["-m", "mmm.examples.fsdp", "--epochs", "2", "--steps-per-epoch", "3", "--batch-size", "32", "--no-plots"],
+    "llama8": ["-m", "mmm.examples.fsdp_tp", *tiny_llama(n_layers=8, max_iters=5, lr="3e-3", seed=5)],
+    "vit": TINY_VIT,
+    "cnn": SHORT_CNN,
 }
 
 

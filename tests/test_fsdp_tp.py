@@ -5,41 +5,16 @@ import sys
 
 import pytest
 
-from conftest import assert_clean_user_error, launch, run, torchrun
+from conftest import assert_clean_user_error, jsonl, launch, max_rel_diff, run, tiny_llama, torchrun
 
 # Tiny but complete: GQA (8 query / 4 kv heads), 2 blocks, every TP split in the matrix valid.
-MODEL = [
-    "--dim",
-    "64",
-    "--n-layers",
-    "2",
-    "--n-heads",
-    "8",
-    "--n-kv-heads",
-    "4",
-    "--seq-len",
-    "32",
-    "--batch-size",
-    "8",
-    "--max-iters",
-    "6",
-    "--lr",
-    "3e-3",
-    "--seed",
-    "3",
-    "--no-plots",
-]
+MODEL = tiny_llama(max_iters=6, lr="3e-3", seed=3)
 RTOL = 1e-5
 MODULE = ["-m", "mmm.examples.fsdp_tp"]
 
 
 def losses(outdir):
-    return [json.loads(line)["loss"] for line in (outdir / "history.jsonl").read_text().splitlines()]
-
-
-def max_rel_diff(a, b):
-    assert len(a) == len(b)
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    return jsonl(outdir / "history.jsonl")
 
 
 @pytest.fixture(scope="module")

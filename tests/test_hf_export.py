@@ -13,29 +13,13 @@ import sys
 
 import pytest
 
-from conftest import SCRIPTS, jsonl, launch, run
+from conftest import SCRIPTS, jsonl, launch, run, tiny_llama
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'mmm[hf]')")
 
 MODULE = ["-m", "mmm.examples.fsdp_tp"]
 # GQA (8 query / 4 kv heads) so that the query and key permutations differ in size
-TINY = [
-    "--dim",
-    "64",
-    "--n-layers",
-    "2",
-    "--n-heads",
-    "8",
-    "--n-kv-heads",
-    "4",
-    "--seq-len",
-    "32",
-    "--batch-size",
-    "8",
-    "--seed",
-    "3",
-    "--no-plots",
-]
+TINY = tiny_llama(seed=3)
 RTOL = 1e-5
 
 

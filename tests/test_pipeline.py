@@ -4,32 +4,21 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import assert_clean_user_error, jsonl, launch, max_rel_diff, run, run_ranks, single_process_run
+from conftest import (
+    assert_clean_user_error,
+    jsonl,
+    launch,
+    max_rel_diff,
+    run,
+    run_ranks,
+    single_process_run,
+    tiny_llama,
+)
 from mmm.models.llama import Llama, LlamaConfig
 from mmm.parallel.pipeline import outer_modules, pipeline_problems, split_model, stage_ids, stage_layer_ranges
 
 MODULE = ["-m", "mmm.examples.fsdp_tp"]
-MODEL = [
-    "--dim",
-    "64",
-    "--n-layers",
-    "8",
-    "--n-heads",
-    "8",
-    "--n-kv-heads",
-    "4",
-    "--seq-len",
-    "32",
-    "--batch-size",
-    "8",
-    "--max-iters",
-    "5",
-    "--lr",
-    "3e-3",
-    "--seed",
-    "5",
-    "--no-plots",
-]
+MODEL = tiny_llama(n_layers=8, max_iters=5, lr="3e-3", seed=5)
 RTOL = 1e-5
 
 

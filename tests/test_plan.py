@@ -59,9 +59,18 @@ def test_model_flags_change_validity_and_estimates():
     ],
 )
 def test_estimates_match_measured(tmp_path, label):
+    """The planner's estimates against the measured run, and the simulated ranks (python -m
+    mmm.plan.simulate: the real composition on a fake process group) against the real ranks, exactly."""
     combo = {c.label: c for c in plan(4, max_iters=2, measure=True)}[label]
     run_ranks(4, [*FSDP_TP, *combo.flags], tmp_path)
     s = json.loads((tmp_path / "summary.json").read_text())
+    sim_json = tmp_path / "simulated.json"
+    simulate = [sys.executable, "-m", "mmm.plan.simulate", "--world", "4", "--ranks", "0,1,2,3"]
+    sim = run([*simulate, "--json", str(sim_json), *FSDP_TP[2:], *combo.flags], timeout=180)
+    assert sim.returncode == 0, sim.output
+    keys = ("param_bytes", "grad_bytes", "optim_bytes", "total_bytes")
+    real = [{k: m[k] for k in keys} for m in s["memory_per_rank"]]
+    assert [{k: r[k] for k in keys} for r in json.loads(sim_json.read_text())] == real
     measured = s["measured_per_rank"]
     assert 0 < s["mfu"] < 1 and s["flops"]["peak_source"] == "calibrated", s["flops"]
     state = max(m["total_bytes"] for m in s["memory_per_rank"])
@@ -104,6 +113,20 @@ def test_cli_bad_input(flags, needles):
     assert res.returncode == 2
     assert_clean_user_error(res, *needles)
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, needles",
+    [
+        (["--world", "1024", "--tp", "16", "--n-heads", "8"], ["--n-heads 8 is not divisible by tp=16"]),
+        (["--world", "64", "--strategy", "zero2"], ["--strategy zero2 is not simulated"]),
+        (["--world", "8", "--ranks", "0,8"], ["--ranks '0,8'", "from 0 to 7"]),
+    ],
+)
+def test_simulate_bad_input(flags, needles):
+    """A layout that cannot start at 1,024 ranks fails in the simulation with the trainer's own line."""
+    res = run([sys.executable, "-m", "mmm.plan.simulate", *flags], timeout=120)
+    assert_clean_user_error(res, *needles)
 
 
 def test_flops_formula_matches_counted_flops():

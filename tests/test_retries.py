@@ -7,25 +7,9 @@ import json
 
 import pytest
 
-from conftest import clean_env, jsonl, launch, run
+from conftest import clean_env, jsonl, launch, run, tiny_llama
 
-TINY = [
-    "-m",
-    "mmm.examples.fsdp_tp",
-    "--dim",
-    "64",
-    "--n-layers",
-    "2",
-    "--seq-len",
-    "32",
-    "--batch-size",
-    "4",
-    "--no-plots",
-    "--log-every",
-    "100",
-    "--max-iters",
-    "8",
-]
+TINY = ["-m", "mmm.examples.fsdp_tp", *tiny_llama(batch_size=4), "--log-every", "100", "--max-iters", "8"]
 
 
 @pytest.mark.parametrize("launcher", ["local", "mpiexec"])

@@ -161,7 +161,7 @@ def setup(
         timings=timings,
     )
     timings["setup_s"] = time.perf_counter() - t0
-    if backend is not None and ranks.world_size > 1:
+    if backend not in (None, "fake") and ranks.world_size > 1:  # "fake": one simulated rank (mmm.plan)
         if os.environ.get("MMM_STACK_DIR"):
             liveness.set_stack_dir(os.environ["MMM_STACK_DIR"], ranks.rank)
         liveness.start_watcher(ranks.rank)

@@ -134,12 +134,14 @@ def materialize(
     model: nn.Module, *, device: torch.device | str, seed: int, init: Callable[[nn.Module], None] | None = None
 ) -> nn.Module:
     """Give a model built under :func:`meta_init` (and sharded, or not) real parameters on
-    ``device``: this rank's shards only, each initialised from ``seed`` and its name. Returns it."""
+    ``device``: this rank's shards only, each initialised from ``seed`` and its name. Returns it.
+    ``device="meta"`` leaves the sharded model on meta, shapes and placements exact but no memory
+    (a simulated rank, :mod:`mmm.plan.simulate`)."""
     from torch.distributed.tensor import DTensor
 
     device = torch.device(device)
     params = list(model.parameters())
-    if not any(p.is_meta for p in params):
+    if not any(p.is_meta for p in params) or device.type == "meta":
         return model
     real = [n for n, p in model.named_parameters() if not p.is_meta]
     if real:
