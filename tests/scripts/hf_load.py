@@ -5,6 +5,7 @@ launch -n 4 python tests/scripts/hf_load.py CKPT_DIR --tp 2 --hf-model   # into 
 """
 
 import argparse
+import sys
 
 import torch
 
@@ -31,7 +32,7 @@ def main(argv=None) -> int:
             model = LlamaForCausalLM(AutoConfig.from_pretrained(args.ckpt))
         model = parallelize(model, mesh, ParallelSpec(tp_plan=HF_LLAMA_TP_PLAN), device=info.device, seed=0)
         unused = load_safetensors(model, args.ckpt)
-        print(f"rank {info.rank}: unused {unused}", flush=True)
+        sys.stdout.write(f"rank {info.rank}: unused {unused}" + "\n")
     else:
         with meta_init():
             model = Llama(cfg)
@@ -46,7 +47,7 @@ def main(argv=None) -> int:
         ours = ours.full_tensor() if hasattr(ours, "full_tensor") else ours
         theirs = LlamaForCausalLM.from_pretrained(args.ckpt, torch_dtype=torch.float32).eval()(tokens).logits
     diff = (ours - theirs).abs().max().item()
-    print(f"rank {info.rank}: max abs diff {diff:.3g} (logits std {theirs.std().item():.3g})", flush=True)
+    sys.stdout.write(f"rank {info.rank}: max abs diff {diff:.3g} (logits std {theirs.std().item():.3g})" + "\n")
     return 0 if diff <= 1e-5 else 1
 
 

@@ -5,6 +5,7 @@ Prints "rank R: N parameters, M differ" and exits 1 when any differs.
 """
 
 import argparse
+import sys
 
 import torch
 
@@ -45,7 +46,7 @@ def main(argv=None) -> int:
     buffers = dict(model.named_buffers())
     if not torch.equal(buffers["rope"].cpu(), one.rope):
         differ.append("rope (buffer)")
-    print(f"rank {info.rank}: {len(expected)} parameters, {len(differ)} differ {differ[:3]}", flush=True)
+    sys.stdout.write(f"rank {info.rank}: {len(expected)} parameters, {len(differ)} differ {differ[:3]}" + "\n")
     return 1 if differ else 0
 
 
