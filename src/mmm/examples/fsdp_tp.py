@@ -19,8 +19,8 @@ from mmm import dist
 from mmm.data import make_dataset
 from mmm.flops import llama_flops_per_token
 from mmm.log import get_logger
-from mmm.models.llama import Llama, apply_cp_llama, llama_tp_plan, load_hf_llama
-from mmm.parallel import ParallelSpec, describe_sharding, init_mesh, meta_init
+from mmm.models.llama import Llama, apply_cp_llama, load_hf_llama
+from mmm.parallel import describe_sharding, init_mesh, meta_init
 from mmm.parallel.context import shard_sequence
 from mmm.parallel.strategy import build_engine
 from mmm.training import llama as recipe
@@ -73,15 +73,7 @@ def train(config: Config[LlamaTrainConfig], info, outdir, startup) -> int:
     #    for the whole model or for each pipeline stage; then materialise + initialise the shards
     if mesh.cp_enabled:
         apply_cp_llama(model, mesh["cp"], seq_len=cfg.seq_len)
-    spec = ParallelSpec(
-        tp_plan=llama_tp_plan(),
-        loss_parallel=True,
-        blocks="layers",
-        ac=how.ac,
-        compile=how.compile,
-        dtype=how.dtype,
-        reshard_after_forward=how.reshard,
-    )
+    spec = recipe.parallel_spec(how)  # TP plan (data) + loss parallel, blocks for AC/compile/FSDP
 
     def loss_fn(logits, labels):
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))

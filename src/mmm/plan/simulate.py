@@ -40,8 +40,8 @@ from mmm import dist as mdist
 from mmm.cli import ArgumentParser, positive_int
 from mmm.errors import UsageError, print_error
 from mmm.history import atomic_write_text
-from mmm.models.llama import Llama, apply_cp_llama, llama_tp_plan
-from mmm.parallel import ParallelSpec, init_mesh, meta_init, parallelize
+from mmm.models.llama import Llama, apply_cp_llama
+from mmm.parallel import init_mesh, meta_init, parallelize
 from mmm.parallel.pipeline import build_pipeline
 from mmm.training import llama as recipe
 from mmm.training.config import Config
@@ -132,15 +132,7 @@ def simulate_rank(config: Config[LlamaTrainConfig], *, world: int, rank: int, de
     t0 = time.perf_counter()
     if mesh.cp_enabled:
         apply_cp_llama(model, mesh["cp"], seq_len=cfg.seq_len)
-    spec = ParallelSpec(
-        tp_plan=llama_tp_plan(),
-        loss_parallel=True,
-        blocks="layers",
-        ac=how.ac,
-        dtype=how.dtype,
-        reshard_after_forward=how.reshard,
-        dp=how.strategy,
-    )
+    spec = recipe.parallel_spec(how).replace(dp=how.strategy, compile=False)  # the trainer's own
     meta = torch.device("meta")  # shard on meta and stay there: exact shapes, no memory
     if mesh.pp_enabled:
 

@@ -10,7 +10,8 @@ from pathlib import Path
 from mmm.cli import FLAGS, Flags, flag_problems, option, positive_int
 from mmm.data import DATASETS, data_vocab_size, dataset_problems, local_batches, make_dataset
 from mmm.errors import UsageError
-from mmm.models.llama import LlamaConfig, export_hf_llama, llama_config_from_hf, tp_problems
+from mmm.models.llama import LlamaConfig, export_hf_llama, llama_config_from_hf, llama_tp_plan, tp_problems
+from mmm.parallel.compose import ParallelSpec
 from mmm.parallel.context import cp_problems, shard_sequence
 from mmm.parallel.pipeline import pipeline_problems
 from mmm.training.checkpoints import open_checkpoints
@@ -254,6 +255,20 @@ def checkpoint_meta(config: Config[LlamaTrainConfig], cfg, mesh) -> dict:
         "dataset": train.dataset,
         "lr_schedule": train.schedule(total_steps=train.max_iters).as_dict(),
     }
+
+
+def parallel_spec(how) -> ParallelSpec:
+    """How the trainer parallelises its Llama (``how``: the ParallelConfig): TP + SP with loss parallel,
+    each block a unit of activation checkpointing, compile and FSDP; the strategy is build_engine's."""
+    return ParallelSpec(
+        tp_plan=llama_tp_plan(),
+        loss_parallel=True,
+        blocks="layers",
+        ac=how.ac,
+        compile=how.compile,
+        dtype=how.dtype,
+        reshard_after_forward=how.reshard,
+    )
 
 
 def loop_setup(config: Config[LlamaTrainConfig], info, outdir, startup, engine, cfg, mesh, dataset, log):
