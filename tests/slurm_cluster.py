@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mmm.dist import free_port
+
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd")
 CLIENTS = ("srun", "salloc", "sbatch", "sinfo", "squeue", "scancel", "scontrol")
 NODE_CPUS = 8
@@ -87,16 +89,10 @@ def _which(name: str) -> str:
 
 
 def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    ports: set[int] = set()
+    while len(ports) < n:  # below the ephemeral range, like launch's (mmm.dist.free_port)
+        ports.add(free_port())
+    return sorted(ports)
 
 
 def tail(path: Path, lines: int = 25) -> str:

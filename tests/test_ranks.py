@@ -1,8 +1,19 @@
 """Rank discovery, rendezvous and seeds from launcher environments (pure functions)."""
 
+import socket
+
 import pytest
 
-from mmm.dist import RankInfo, data_seed, derived_port, discover_ranks, parse_tasks_per_node, pick_device, rendezvous
+from mmm.dist import (
+    RankInfo,
+    data_seed,
+    derived_port,
+    discover_ranks,
+    free_port,
+    parse_tasks_per_node,
+    pick_device,
+    rendezvous,
+)
 from mmm.errors import UsageError
 
 
@@ -98,6 +109,17 @@ def test_rendezvous_slurm_first_node_and_a_port_all_ranks_agree_on():
     b = rendezvous(RankInfo(7, 8, 3, 4, "slurm"), env)
     assert a == b and a[0] == "gpu07" and 10000 <= a[1] < 30000
     assert a[1] == derived_port("4242.1")
+
+
+def test_a_chosen_port_is_free_and_below_the_ports_the_kernel_gives_to_connections():
+    # a port from the ephemeral range can be taken by any outgoing connection (gloo opens many)
+    # between launch choosing it and rank 0 binding it: EADDRINUSE under load
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert all(1024 <= p < low for p in ports) and len(ports) > 1
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("", p))  # free when chosen
 
 
 def test_rendezvous_single_node_mpi_without_mpi4py(monkeypatch):

@@ -3,22 +3,45 @@
 from __future__ import annotations
 
 import os
+import random
 import resource
 import socket
 import zlib
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 from mmm.dist.ranks import RankInfo, _mpi_comm, expand_nodelist
 from mmm.errors import UsageError
 
-if TYPE_CHECKING:  # pragma: no cover
-    pass
-
 
 # --------------------------------------------------------------------------- rendezvous
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; other systems use higher ranges
+
+
 def free_port() -> int:
-    """A TCP port free on this host right now."""
+    """A TCP port free on this host right now, chosen below the kernel's ephemeral range.
+
+    A port the kernel hands out for ``bind(0)`` comes from the range it also gives to every outgoing
+    connection, so in the seconds between choosing it and rank 0's store binding it, one of the many
+    connections gloo opens (this job's or another's on the same host) may take it, and rank 0 fails
+    with EADDRINUSE. Ports below that range are only ever taken by a program that asks for them.
+    """
+    top = _ephemeral_low()
+    bottom = max(1024, top - 12000)
+    pick = random.SystemRandom()
+    if top - bottom >= 1000:
+        for _ in range(64):
+            port = pick.randrange(bottom, top)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]
