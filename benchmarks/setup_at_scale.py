@@ -71,7 +71,16 @@ def main() -> None:
                     continue
                 out = Path(tmp) / f"{layout}-{world}.json"
                 batch = str(world)  # a sequence per rank: divisible by any dp
-                cmd = [sys.executable, "-m", "mmm.plan.simulate", "--world", str(world), "--json", str(out)]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "mmm.plan.simulate",
+                    "--world",
+                    str(world),
+                    "--no-step",
+                    "--json",
+                    str(out),
+                ]
                 cmd += ["--init-from", str(model), "--seq-len", "8192", "--batch-size", batch, *flags]
                 res = subprocess.run(cmd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
                 if res.returncode != 0:

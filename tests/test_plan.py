@@ -72,6 +72,14 @@ def test_estimates_match_measured(tmp_path, label):
     real = [{k: m[k] for k in keys} for m in s["memory_per_rank"]]
     assert [{k: r[k] for k in keys} for r in json.loads(sim_json.read_text())] == real
     measured = s["measured_per_rank"]
+    for real_rank, simulated in zip(measured, json.loads(sim_json.read_text()), strict=True):
+        step = simulated["step"]
+        if combo.degrees["pp"] > 1:
+            assert step is None and "the step is not simulated yet" in sim.stdout
+            continue  # the simulated step communicates what the real one did, call for call
+        assert (step["comm_bytes"], step["comm_calls"]) == (real_rank["comm_bytes"], real_rank["comm_calls"])
+        assert abs(step["activation_bytes"] / real_rank["activation_bytes"] - 1) < 0.02, (step, real_rank)
+        assert step["peak"]["total"] >= real_rank["activation_bytes"] + simulated["total_bytes"] * 0.75, step
     assert 0 < s["mfu"] < 1 and s["flops"]["peak_source"] == "calibrated", s["flops"]
     state = max(m["total_bytes"] for m in s["memory_per_rank"])
     assert abs(state / combo.memory["state_bytes"] - 1) <= STATE_TOL, (state, combo.memory)

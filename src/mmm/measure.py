@@ -145,8 +145,8 @@ class SavedActivations:
             local = t._local_tensor if hasattr(t, "_local_tensor") else t
             try:
                 storage = local.untyped_storage()
-                key = storage.data_ptr()
-                if key not in self._seen and key != 0:
+                key = storage._cdata  # the storage itself (a fake tensor's has no data pointer)
+                if key not in self._seen and storage.nbytes():
                     self._seen.add(key)
                     self.bytes += storage.nbytes()
             except (RuntimeError, NotImplementedError):

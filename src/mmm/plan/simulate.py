@@ -17,8 +17,17 @@ and last pipeline stage) are simulated. Every model and parallel flag of
 ``python -m mmm.examples.fsdp_tp`` is accepted; --init-from needs only the Hugging Face
 config.json (no weights are read).
 
-Not simulated yet: activations and communication per step (``python -m mmm.plan`` estimates them),
-and the ZeRO strategies (DeepSpeed needs real collectives to build its engine).
+Then, unless --no-step, the rank runs one training step on fake tensors (``FakeTensorMode``: shapes,
+dtypes and devices are tracked, no memory is used and nothing is computed): the trainer's own
+engine, forward, loss, backward, the packed all-reduce and the AdamW step. What the step issues is
+counted as ``--measure`` counts it in a real run (:mod:`mmm.measure`): payload bytes and calls of each
+collective by mesh axis, and the bytes autograd saves for backward; torch's ``MemTracker`` gives the
+rank's peak memory during the step (parameters, gradients, optimizer state, activations and
+temporaries, by kind). Communication equals a real run's byte for byte (tested). The ZeRO strategies
+are not simulated (DeepSpeed needs real collectives to build its engine); under ``--pp`` the ranks
+are set up but the step is not simulated yet (the stages exchange tensor shapes by value on the
+first step, and fake tensors hold none); ``--compile`` is not simulated (the step runs eager: a
+compiled step saves fewer activations).
 """
 
 from __future__ import annotations
@@ -40,12 +49,14 @@ from mmm import dist as mdist
 from mmm.cli import ArgumentParser, positive_int
 from mmm.errors import UsageError, print_error
 from mmm.history import atomic_write_text
+from mmm.measure import CommCounter, SavedActivations
 from mmm.models.llama import Llama, apply_cp_llama
-from mmm.parallel import init_mesh, meta_init, parallelize
-from mmm.parallel.pipeline import build_pipeline
+from mmm.parallel import init_mesh, meta_init
+from mmm.parallel.strategy import build_engine
 from mmm.training import llama as recipe
 from mmm.training.config import Config
 from mmm.training.llama import LlamaTrainConfig, command_line
+from mmm.training.step import StepSync, train_step
 
 MIB = 2**20
 
@@ -67,8 +78,13 @@ class RankReport:
     optim_bytes: int
     total_bytes: int
     setup_s: dict[str, float] = field(default_factory=dict)
-    """Seconds of mmm's setup on this rank: mesh, model (on meta), parallelize."""
+    """Seconds of mmm's setup on this rank: mesh, model (on meta), parallelize; and the simulated step."""
     peak_rss_bytes: int = 0
+    """Peak host memory of this process so far (the simulation's own cost, not the rank's)."""
+    step: dict | None = None
+    """The simulated step (None under --no-step): ``comm_bytes`` / ``comm_calls`` by mesh axis (as
+    summary.json's ``measured_per_rank``), ``activation_bytes`` saved for backward, and ``peak`` bytes
+    of the rank's device memory during the step, by kind (torch's MemTracker)."""
 
 
 def build_parser() -> ArgumentParser:
@@ -87,6 +103,12 @@ def build_parser() -> ArgumentParser:
     g.add_argument(
         "--devices-per-node", type=positive_int, default=8, help="ranks per host, for each rank's local rank [8]"
     )
+    g.add_argument(
+        "--no-step",
+        dest="step",
+        action="store_false",
+        help="only set the ranks up; skip the simulated training step (communication, activations, peak memory)",
+    )
     g.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="also write the reports as JSON")
     return p
 
@@ -96,7 +118,9 @@ def _local_bytes(t) -> int:
     return local.numel() * local.element_size()
 
 
-def simulate_rank(config: Config[LlamaTrainConfig], *, world: int, rank: int, devices_per_node: int = 8) -> RankReport:
+def simulate_rank(
+    config: Config[LlamaTrainConfig], *, world: int, rank: int, devices_per_node: int = 8, step: bool = True
+) -> RankReport:
     """Rank ``rank`` of a ``world``-rank job with ``config``, simulated in this process: it joins a fake
     process group of ``world`` ranks, which it leaves before returning (so the next rank can)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's test helper: load it only here
@@ -132,33 +156,43 @@ def simulate_rank(config: Config[LlamaTrainConfig], *, world: int, rank: int, de
     t0 = time.perf_counter()
     if mesh.cp_enabled:
         apply_cp_llama(model, mesh["cp"], seq_len=cfg.seq_len)
-    spec = recipe.parallel_spec(how).replace(dp=how.strategy, compile=False)  # the trainer's own
-    meta = torch.device("meta")  # shard on meta and stay there: exact shapes, no memory
-    if mesh.pp_enabled:
+    spec = recipe.parallel_spec(how).replace(compile=False)  # the trainer's own, run eager
 
-        def loss_fn(logits, labels):
-            return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+    def loss_fn(logits, labels):
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
 
-        module = build_pipeline(
-            model,
-            mesh,
-            spec,
-            device=meta,
-            seed=config.run.seed,
+    engine = build_engine(  # as the trainer builds it, but sharded on meta: exact shapes, no memory
+        model,
+        mesh,
+        spec,
+        strategy=how.strategy,
+        device=torch.device("meta"),
+        max_grad_norm=what.grad_clip,
+        make_optimizer=lambda params: torch.optim.AdamW(params, lr=what.lr, weight_decay=what.weight_decay),
+        global_batch=what.batch_size,
+        seed=config.run.seed,
+        pipeline_args=dict(
             loss_fn=loss_fn,
             microbatches=how.microbatches,
             schedule=how.pipeline_schedule,
             stages_per_rank=how.stages_per_rank,
             split_points=how.split_points,
-        ).module
-    else:
-        module = parallelize(model, mesh, spec, device=meta, seed=config.run.seed)
+        ),
+    )
+    del model
+    module = engine.module
     times["parallelize"] = time.perf_counter() - t0
     params = [p for p in module.parameters() if p.requires_grad]
     param_bytes = sum(_local_bytes(p) for p in module.parameters())
     grad_bytes = sum(_local_bytes(p) for p in params)  # fp32 gradients, shaped as the parameters
     optim_bytes = 2 * sum(_local_bytes(p) for p in params)  # AdamW: exp_avg and exp_avg_sq (fp32)
     coords = {axis: mesh.coord(axis) for axis in mesh.dims.enabled_axes()}
+    simulated = None
+    if step and engine.pipeline is None:  # pipeline stages exchange their shapes by value on the first step
+        t0 = time.perf_counter()
+        tokens = (what.batch_size // mesh.dp, cfg.seq_len // mesh.cp)
+        simulated = fake_step(engine, mesh, loss_fn, tokens)
+        times["step"] = time.perf_counter() - t0
     return RankReport(
         rank=rank,
         world=world,
@@ -171,7 +205,50 @@ def simulate_rank(config: Config[LlamaTrainConfig], *, world: int, rank: int, de
         total_bytes=param_bytes + grad_bytes + optim_bytes,
         setup_s=times,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        step=simulated,
     )
+
+
+def forget_meshes() -> None:
+    """Empty DTensor's caches of sharding decisions and redistribution plans. They are keyed by meshes,
+    and a mesh compares equal to the same-shaped mesh of the previous simulated rank, whose process
+    groups are gone: a cached plan would send the next rank's collectives to a group that no longer exists."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ dispatch's own
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    _gen_transform_infos.cache_clear()
+    MeshTopoInfo.build_from_mesh.cache_clear()
+
+
+def fake_step(engine, mesh, loss_fn, tokens: tuple[int, int]) -> dict:
+    """Two training steps of ``engine`` (sharded on meta) on fake tensors; of the second (the optimizer
+    state exists, as in every later step): what it communicates by mesh axis, what it saves for
+    backward, and its peak memory by kind. The engine's parameters become
+    fake tensors (no memory); it is not usable for real work afterwards."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    with FakeTensorMode(allow_non_fake_inputs=True):  # buffers (rotary tables) stay real: they are read only
+        engine.module.to_empty(device="cpu")
+        engine.train()
+        inputs = torch.zeros(tokens, dtype=torch.long)
+        sync = StepSync.for_engine(engine, device=torch.device("cpu"))
+        train_step(engine, inputs, inputs, loss_fn, sync=sync)  # the first step creates the AdamW state
+        tracker = MemTracker()
+        tracker.track_external(engine.module, engine.optimizer)
+        with tracker, CommCounter(mesh.named_groups()) as comm, SavedActivations() as saved:
+            train_step(engine, inputs, inputs, loss_fn, sync=sync)  # a steady step, as --measure watches step 2
+        peak = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+    kinds = {str(kind).rsplit(".", 1)[-1].lower(): int(n) for kind, n in peak.items() if str(kind) != "Total"}
+    return {
+        "comm_bytes": comm.result(),
+        "comm_calls": dict(sorted(comm.calls.items())),
+        "activation_bytes": saved.bytes,
+        "peak": {"total": int(peak.get("Total", 0)), **kinds},
+    }
 
 
 def _ranks(spec: str | None, world: int) -> list[int]:
@@ -203,6 +280,25 @@ def format_reports(reports: list[RankReport]) -> str:
             f"{s.get('mesh', 0):.2f} / {s.get('model', 0):.2f} / {s.get('parallelize', 0):.2f} s, "
             f"peak host {r.peak_rss_bytes / MIB:.0f} MiB"
         )
+    stepped = [r for r in reports if r.step is not None]
+    if stepped:
+        lines += ["", "one training step, simulated on fake tensors (payload bytes as --measure counts them):"]
+        lines.append(
+            f"{'rank':>6}  {'peak MiB':>9} {'(params':>8} {'act':>8} {'temp':>8} {'grad':>8} {'optim)':>8} "
+            f"{'saved act MiB':>13}  "
+            "communication by mesh axis: MiB (calls)"
+        )
+        for r in stepped:
+            peak = r.step["peak"]
+            comm = ", ".join(
+                f"{axis} {n / MIB:.1f} ({r.step['comm_calls'].get(axis, 0)})"
+                for axis, n in r.step["comm_bytes"].items()
+            )
+            lines.append(
+                f"{r.rank:>6}  {peak['total'] / MIB:>9.1f} "
+                + "".join(f"{peak.get(kind, 0) / MIB:>8.1f} " for kind in ("param", "act", "temp", "grad", "opt"))
+                + f"{r.step['activation_bytes'] / MIB:>13.1f}  {comm or '-'}   ({r.setup_s.get('step', 0):.1f} s)"
+            )
     return "\n".join(lines)
 
 
@@ -211,12 +307,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     config = command_line().parse(_trainer_argv(argv))  # the trainer's flags, typed and checked as it does
+    if config.parallel.compile and ns.step:
+        print("note: --compile is not simulated; the step runs eager (a compiled step saves fewer activations)")
+    if config.parallel.degrees.get("pp", 1) > 1 and ns.step:
+        print("note: under --pp the step is not simulated yet (the stages exchange shapes by value); setup only")
     reports = []
     for rank in _ranks(ns.ranks, ns.world):
         try:
-            reports.append(simulate_rank(config, world=ns.world, rank=rank, devices_per_node=ns.devices_per_node))
+            reports.append(
+                simulate_rank(config, world=ns.world, rank=rank, devices_per_node=ns.devices_per_node, step=ns.step)
+            )
         finally:
             mdist.teardown()
+            forget_meshes()
     print(format_reports(reports))
     if ns.json_path:
         atomic_write_text(Path(ns.json_path), json.dumps([asdict(r) for r in reports], indent=2) + "\n")
@@ -226,12 +329,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _trainer_argv(argv: list[str]) -> list[str]:
     """``argv`` without the simulation's own flags (and their values): the trainer's flags."""
     own = {"--world", "--ranks", "--devices-per-node", "--json"}
+    flags = {"--no-step"}
     out, skip = [], False
     for arg in argv:
         if skip:
             skip = False
             continue
         name = arg.split("=", 1)[0]
+        if name in flags:
+            continue
         if name in own:
             skip = "=" not in arg
             continue
