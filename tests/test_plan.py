@@ -128,6 +128,7 @@ def test_cli_bad_input(flags, needles):
     [
         (["--world", "1024", "--tp", "16", "--n-heads", "8"], ["--n-heads 8 is not divisible by tp=16"]),
         (["--world", "64", "--strategy", "zero2"], ["--strategy zero2 is not simulated"]),
+        (["--world", "64", "--strategy", "ddp"], ["--strategy ddp is not simulated", "fsdp or hsdp"]),
         (["--world", "8", "--ranks", "0,8"], ["--ranks '0,8'", "from 0 to 7"]),
     ],
 )

@@ -58,6 +58,18 @@ _FUNCOL = _FUNCOL_GATHER | {
 }
 
 
+def _kind(op: str) -> str:
+    for kind, words in (
+        ("all_gather", ("allgather", "all_gather")),
+        ("reduce_scatter", ("reduce_scatter",)),
+        ("all_reduce", ("allreduce", "all_reduce")),
+        ("p2p", ("send", "recv")),
+    ):
+        if any(w in op for w in words):
+            return kind
+    return "other"
+
+
 def _nbytes(obj: Any) -> int:
     if isinstance(obj, torch.Tensor):
         local = obj._local_tensor if hasattr(obj, "_local_tensor") else obj
@@ -91,6 +103,8 @@ class CommCounter(TorchDispatchMode):
             self._names.setdefault(dist.group.WORLD.group_name, "world")
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
+        self.by_kind: dict[tuple[str, str], int] = defaultdict(int)
+        """Payload bytes by (group, kind): all_gather, reduce_scatter, all_reduce, p2p or other."""
 
     def _group_of(self, args) -> str:
         for a in args:
@@ -116,8 +130,10 @@ class CommCounter(TorchDispatchMode):
         ns, name = func.namespace, func._schema.name.split("::")[-1]
         if ns == "c10d" and name in _C10D_PAYLOAD:
             group = self._group_of(args)
-            self.bytes[group] += _nbytes(args[_C10D_PAYLOAD[name]])
+            payload = _nbytes(args[_C10D_PAYLOAD[name]])
+            self.bytes[group] += payload
             self.calls[group] += 1
+            self.by_kind[(group, _kind(name))] += payload
         elif ns in ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd") and name in _FUNCOL:
             group = self._group_of(list(args) + list(kwargs.values()))
             payload = _nbytes(args[0])
@@ -125,6 +141,7 @@ class CommCounter(TorchDispatchMode):
                 payload *= next((a for a in args[1:] if isinstance(a, int)), 1)
             self.bytes[group] += payload
             self.calls[group] += 1
+            self.by_kind[(group, _kind(name))] += payload
         return func(*args, **kwargs)
 
     def result(self) -> dict[str, int]:

@@ -23,8 +23,8 @@ engine, forward, loss, backward, the packed all-reduce and the AdamW step. What 
 counted as ``--measure`` counts it in a real run (:mod:`mmm.measure`): payload bytes and calls of each
 collective by mesh axis, and the bytes autograd saves for backward; torch's ``MemTracker`` gives the
 rank's peak memory during the step (parameters, gradients, optimizer state, activations and
-temporaries, by kind). Communication equals a real run's byte for byte (tested). The ZeRO strategies
-are not simulated (DeepSpeed needs real collectives to build its engine); under ``--pp`` the ranks
+temporaries, by kind). Communication equals a real run's byte for byte (tested). DDP and the ZeRO
+strategies are not simulated (both need real collectives to wrap the model); under ``--pp`` the ranks
 are set up but the step is not simulated yet (the stages exchange tensor shapes by value on the
 first step, and fake tensors hold none); ``--compile`` is not simulated (the step runs eager: a
 compiled step saves fewer activations).
@@ -48,11 +48,14 @@ import torch.nn.functional as F
 from mmm import dist as mdist
 from mmm.cli import ArgumentParser, positive_int
 from mmm.errors import UsageError, print_error
+from mmm.flops import llama_flops_per_token
 from mmm.history import atomic_write_text
 from mmm.measure import CommCounter, SavedActivations
 from mmm.models.llama import Llama, apply_cp_llama
 from mmm.parallel import init_mesh, meta_init
 from mmm.parallel.strategy import build_engine
+from mmm.plan.hardware import Hardware, load_hardware
+from mmm.plan.predict import predict
 from mmm.training import llama as recipe
 from mmm.training.config import Config
 from mmm.training.llama import LlamaTrainConfig, command_line
@@ -85,6 +88,10 @@ class RankReport:
     """The simulated step (None under --no-step): ``comm_bytes`` / ``comm_calls`` by mesh axis (as
     summary.json's ``measured_per_rank``), ``activation_bytes`` saved for backward, and ``peak`` bytes
     of the rank's device memory during the step, by kind (torch's MemTracker)."""
+    axes: dict = field(default_factory=dict)
+    """Each process group the rank uses, by mesh axis: ``size`` and whether it ``crosses_nodes``."""
+    prediction: dict | None = None
+    """With --hardware: the step time, its parts and whether memory fits (:mod:`mmm.plan.predict`)."""
 
 
 def build_parser() -> ArgumentParser:
@@ -101,7 +108,17 @@ def build_parser() -> ArgumentParser:
         help="which ranks to simulate, comma-separated [0 and the last: the first and last pipeline stage]",
     )
     g.add_argument(
-        "--devices-per-node", type=positive_int, default=8, help="ranks per host, for each rank's local rank [8]"
+        "--devices-per-node",
+        type=positive_int,
+        default=None,
+        help="ranks per host: each rank's local rank, and which groups cross hosts [--hardware's, else 8]",
+    )
+    g.add_argument(
+        "--hardware",
+        default=None,
+        metavar="NAME|FILE",
+        help="predict the step time and whether memory fits on: h100, a100, pvc, mi250x, or a JSON file "
+        "(mmm.plan.hardware)",
     )
     g.add_argument(
         "--no-step",
@@ -119,17 +136,28 @@ def _local_bytes(t) -> int:
 
 
 def simulate_rank(
-    config: Config[LlamaTrainConfig], *, world: int, rank: int, devices_per_node: int = 8, step: bool = True
+    config: Config[LlamaTrainConfig],
+    *,
+    world: int,
+    rank: int,
+    devices_per_node: int = 8,
+    step: bool = True,
+    hardware: Hardware | None = None,
 ) -> RankReport:
     """Rank ``rank`` of a ``world``-rank job with ``config``, simulated in this process: it joins a fake
     process group of ``world`` ranks, which it leaves before returning (so the next rank can)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's test helper: load it only here
 
     what, how = config.train, config.parallel
-    if how.strategy.startswith("zero"):
+    if how.strategy.startswith("zero") or how.strategy == "ddp":
+        why = (
+            "DDP compares parameters across ranks with real collectives when it wraps the model"
+            if how.strategy == "ddp"
+            else "DeepSpeed needs real collectives to build its engine"
+        )
         raise UsageError(
-            f"--strategy {how.strategy} is not simulated (DeepSpeed needs real collectives to build its engine); "
-            "simulate fsdp, hsdp or ddp, or estimate it with python -m mmm.plan"
+            f"--strategy {how.strategy} is not simulated ({why}); simulate fsdp or hsdp, "
+            "or estimate it with python -m mmm.plan"
         )
     os.environ.update(
         RANK=str(rank),
@@ -184,15 +212,36 @@ def simulate_rank(
     times["parallelize"] = time.perf_counter() - t0
     params = [p for p in module.parameters() if p.requires_grad]
     param_bytes = sum(_local_bytes(p) for p in module.parameters())
-    grad_bytes = sum(_local_bytes(p) for p in params)  # fp32 gradients, shaped as the parameters
+    grad_bytes = sum(_local_bytes(p) for p in params)  # fp32 gradients, shaped as the parameters (at first)
     optim_bytes = 2 * sum(_local_bytes(p) for p in params)  # AdamW: exp_avg and exp_avg_sq (fp32)
     coords = {axis: mesh.coord(axis) for axis in mesh.dims.enabled_axes()}
+    axes = {"world": {"size": world, "crosses_nodes": world > devices_per_node}}
+    for name, group in mesh.named_groups().items():
+        ranks = dist.get_process_group_ranks(group)
+        axes[name] = {"size": len(ranks), "crosses_nodes": len({r // devices_per_node for r in ranks}) > 1}
     simulated = None
     if step and engine.pipeline is None:  # pipeline stages exchange their shapes by value on the first step
         t0 = time.perf_counter()
         tokens = (what.batch_size // mesh.dp, cfg.seq_len // mesh.cp)
         simulated = fake_step(engine, mesh, loss_fn, tokens)
+        # the gradients as the step made them: one may be placed otherwise than its parameter
+        param_bytes, grad_bytes, optim_bytes = simulated.pop("state_bytes").values()
         times["step"] = time.perf_counter() - t0
+    prediction = None
+    if simulated is not None and hardware is not None:
+        recompute = 4 / 3 if how.ac == "full" else 1.0
+        tokens_per_rank = what.batch_size * cfg.seq_len / world
+        prediction = predict(
+            simulated,
+            axes,
+            hardware,
+            flops=llama_flops_per_token(cfg) * tokens_per_rank,
+            recompute=recompute,
+            dtype=how.dtype,
+            n_layers=cfg.n_layers,
+            pp=mesh.pp,
+            microbatches=how.microbatches or 1,
+        ).as_dict()
     return RankReport(
         rank=rank,
         world=world,
@@ -206,6 +255,8 @@ def simulate_rank(
         setup_s=times,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         step=simulated,
+        axes=axes,
+        prediction=prediction,
     )
 
 
@@ -226,8 +277,9 @@ def forget_meshes() -> None:
 def fake_step(engine, mesh, loss_fn, tokens: tuple[int, int]) -> dict:
     """Two training steps of ``engine`` (sharded on meta) on fake tensors; of the second (the optimizer
     state exists, as in every later step): what it communicates by mesh axis, what it saves for
-    backward, and its peak memory by kind. The engine's parameters become
-    fake tensors (no memory); it is not usable for real work afterwards."""
+    backward, its peak memory by kind, and the parameter, gradient and optimizer bytes it holds
+    after backward (as the trainer reads them). The engine's parameters become fake tensors (no
+    memory); it is not usable for real work afterwards."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -239,15 +291,20 @@ def fake_step(engine, mesh, loss_fn, tokens: tuple[int, int]) -> dict:
         train_step(engine, inputs, inputs, loss_fn, sync=sync)  # the first step creates the AdamW state
         tracker = MemTracker()
         tracker.track_external(engine.module, engine.optimizer)
+        held: dict[str, int] = {}  # what the trainer's summary.json reads while the gradients exist
         with tracker, CommCounter(mesh.named_groups()) as comm, SavedActivations() as saved:
-            train_step(engine, inputs, inputs, loss_fn, sync=sync)  # a steady step, as --measure watches step 2
+            train_step(  # a steady step, as --measure watches step 2
+                engine, inputs, inputs, loss_fn, sync=sync, after_backward=lambda: held.update(engine.state_bytes())
+            )
         peak = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
     kinds = {str(kind).rsplit(".", 1)[-1].lower(): int(n) for kind, n in peak.items() if str(kind) != "Total"}
     return {
         "comm_bytes": comm.result(),
         "comm_calls": dict(sorted(comm.calls.items())),
+        "comm_by_kind": dict(sorted(comm.by_kind.items())),
         "activation_bytes": saved.bytes,
         "peak": {"total": int(peak.get("Total", 0)), **kinds},
+        "state_bytes": {k: held[k] for k in ("param_bytes", "grad_bytes", "optim_bytes")},
     }
 
 
@@ -299,6 +356,25 @@ def format_reports(reports: list[RankReport]) -> str:
                 + "".join(f"{peak.get(kind, 0) / MIB:>8.1f} " for kind in ("param", "act", "temp", "grad", "opt"))
                 + f"{r.step['activation_bytes'] / MIB:>13.1f}  {comm or '-'}   ({r.setup_s.get('step', 0):.1f} s)"
             )
+    predicted = [r for r in reports if r.prediction is not None]
+    if predicted:
+        hw = predicted[0].prediction["hardware"]
+        lines += ["", f"predicted on {hw} (mmm.plan.predict: the model and its assumptions):"]
+        for r in predicted:
+            p = r.prediction
+            parts = ", ".join(
+                f"{axis} {p['exposed_s'][axis] * 1e3:.1f} of {t * 1e3:.1f} ms"
+                f"{' (crosses nodes)' if p['crosses_nodes'][axis] else ''}"
+                for axis, t in p["comm_s"].items()
+            )
+            fit = "fits" if p["fits"] else "DOES NOT FIT"
+            bubble = f" + bubble {p['bubble_s'] * 1e3:.1f}" if p["bubble_s"] else ""
+            lines.append(
+                f"{r.rank:>6}  step {p['step_s'] * 1e3:.1f} ms = compute {p['compute_s'] * 1e3:.1f}{bubble}"
+                " + exposed communication "
+                f"({parts}); MFU {p['mfu']:.1%}; peak {p['peak_bytes'] / 2**30:.1f} of "
+                f"{p['memory_bytes'] / 2**30:.0f} GiB: {fit}"
+            )
     return "\n".join(lines)
 
 
@@ -311,24 +387,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("note: --compile is not simulated; the step runs eager (a compiled step saves fewer activations)")
     if config.parallel.degrees.get("pp", 1) > 1 and ns.step:
         print("note: under --pp the step is not simulated yet (the stages exchange shapes by value); setup only")
+    hardware = load_hardware(ns.hardware) if ns.hardware else None
+    if hardware is not None and not ns.step:
+        raise UsageError("--hardware predicts from the simulated step; drop --no-step")
+    per_node = ns.devices_per_node or (hardware.devices_per_node if hardware else 8)
     reports = []
     for rank in _ranks(ns.ranks, ns.world):
         try:
             reports.append(
-                simulate_rank(config, world=ns.world, rank=rank, devices_per_node=ns.devices_per_node, step=ns.step)
+                simulate_rank(
+                    config, world=ns.world, rank=rank, devices_per_node=per_node, step=ns.step, hardware=hardware
+                )
             )
         finally:
             mdist.teardown()
             forget_meshes()
     print(format_reports(reports))
     if ns.json_path:
-        atomic_write_text(Path(ns.json_path), json.dumps([asdict(r) for r in reports], indent=2) + "\n")
+        atomic_write_text(Path(ns.json_path), json.dumps([_jsonable(asdict(r)) for r in reports], indent=2) + "\n")
     return 0
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {(".".join(k) if isinstance(k, tuple) else k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
 
 
 def _trainer_argv(argv: list[str]) -> list[str]:
     """``argv`` without the simulation's own flags (and their values): the trainer's flags."""
-    own = {"--world", "--ranks", "--devices-per-node", "--json"}
+    own = {"--world", "--ranks", "--devices-per-node", "--json", "--hardware"}
     flags = {"--no-step"}
     out, skip = [], False
     for arg in argv:

@@ -1,0 +1,145 @@
+"""The hardware a plan is for, as data: presets with their sources, or a small JSON file of your own.
+
+    python -m mmm.plan.simulate --world 512 --tp 8 --hardware h100 ...
+    python -m mmm.plan.simulate --world 64 --hardware ./my_cluster.json ...
+
+A :class:`Hardware` is one kind of node: its devices (one rank each), their peak dense FLOP/s by
+dtype and memory, and two links: between devices of a node and between nodes, each as the bytes
+per second one device can send in one direction, with a latency per collective. A collective whose
+process group stays inside a node runs at the first, one whose group spans nodes at the second
+(its slowest link). A file of your own gives the same fields (see :data:`PRESETS` for examples;
+``peak_flops`` by dtype, bandwidths in GB/s)::
+
+    {"name": "my cluster", "devices_per_node": 4, "memory_gb": 96,
+     "peak_tflops": {"bf16": 989.4, "fp32": 66.9},
+     "intra_node_gbps": 450, "inter_node_gbps": 25, "latency_us": 10,
+     "matmul_efficiency": 0.6, "source": "vendor sheet + our all-reduce test"}
+
+Figures marked "assumed" in a preset's ``assumed`` list are not from its sources: set them from a
+measurement of your own.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mmm.errors import UsageError
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    devices_per_node: int
+    memory_bytes: float
+    """Memory of one device (one rank)."""
+    peak_flops: dict[str, float]
+    """Dense peak FLOP/s of one device, by compute dtype (bf16, fp32, ...)."""
+    intra_node_bps: float
+    """Bytes per second one device sends to another device of its node, one direction."""
+    inter_node_bps: float
+    """Bytes per second one device sends off its node (the node's network links over its devices)."""
+    latency_s: float
+    """Start-up time of one collective or send."""
+    source: str
+    assumed: tuple[str, ...] = field(default=())
+    matmul_efficiency: float = 0.6
+    """The fraction of peak a training step's kernels reach (an assumption in every preset: set it from a
+    measured single-device step)."""
+
+    def link_bps(self, crosses_nodes: bool) -> float:
+        return self.inter_node_bps if crosses_nodes else self.intra_node_bps
+
+    def peak(self, dtype: str) -> float:
+        if dtype in self.peak_flops:
+            return self.peak_flops[dtype]
+        raise UsageError(
+            f"--hardware {self.name!r} has no peak FLOP/s for dtype {dtype}; it has {', '.join(self.peak_flops)}"
+        )
+
+
+PRESETS: dict[str, Hardware] = {
+    "h100": Hardware(
+        name="h100",
+        devices_per_node=8,
+        memory_bytes=80 * GB,
+        peak_flops={"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 66.9e12},
+        intra_node_bps=450 * GB,  # NVLink 4: 900 GB/s both directions
+        inter_node_bps=50 * GB,  # 8 x 400 Gb/s InfiniBand NDR per node: one NIC per GPU
+        latency_s=10e-6,
+        source="NVIDIA H100 Tensor Core GPU datasheet (SXM5); NVIDIA DGX H100 user guide (8 x ConnectX-7)",
+        assumed=("latency_s", "matmul_efficiency"),
+    ),
+    "a100": Hardware(
+        name="a100",
+        devices_per_node=8,
+        memory_bytes=80 * GB,
+        peak_flops={"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+        intra_node_bps=300 * GB,  # NVLink 3: 600 GB/s both directions
+        inter_node_bps=25 * GB,  # 8 x 200 Gb/s InfiniBand HDR per node
+        latency_s=10e-6,
+        source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB); NVIDIA DGX A100 user guide (8 x ConnectX-6)",
+        assumed=("latency_s", "matmul_efficiency"),
+    ),
+    "pvc": Hardware(  # Aurora: one rank per stack (tile), 12 per node
+        name="pvc",
+        devices_per_node=12,
+        memory_bytes=64 * 2**30,  # 768 GiB of HBM2e per node
+        peak_flops={"bf16": 419.4e12, "fp16": 419.4e12, "fp32": 26.2e12},  # per stack, as mmm.flops
+        intra_node_bps=20 * GB,
+        inter_node_bps=200 * GB / 12,  # 8 Slingshot-11 NICs x 200 Gb/s per node, over 12 stacks
+        latency_s=20e-6,
+        source="ALCF Aurora machine overview (6 GPU Max 1550 x 2 stacks, 768 GiB HBM, 8 Slingshot-11 NICs per "
+        "node); Intel Data Center GPU Max 1550 product brief (838.9 TFLOP/s bf16 per GPU of 2 stacks)",
+        assumed=("intra_node_bps", "latency_s", "matmul_efficiency"),
+    ),
+    "mi250x": Hardware(  # Frontier: one rank per GCD, 8 per node
+        name="mi250x",
+        devices_per_node=8,
+        memory_bytes=64 * 2**30,
+        peak_flops={"bf16": 191.5e12, "fp16": 191.5e12, "fp32": 47.9e12},  # per GCD, as mmm.flops
+        intra_node_bps=50 * GB,  # Infinity Fabric between GCDs: 50-100 GB/s
+        inter_node_bps=100 * GB / 8,  # 4 Slingshot-11 NICs x 25 GB/s per node, over 8 GCDs
+        latency_s=20e-6,
+        source="OLCF Frontier user guide (4 MI250X = 8 GCDs, 4 x 25 GB/s NICs per node); AMD Instinct MI250X "
+        "datasheet (383 TFLOP/s bf16, 128 GB per package of 2 GCDs)",
+        assumed=("latency_s", "matmul_efficiency"),
+    ),
+}
+
+
+def load_hardware(spec: str) -> Hardware:
+    """A preset by name (``h100``, ``a100``, ``pvc``, ``mi250x``) or a JSON file (see the module doc)."""
+    if spec.lower() in PRESETS:
+        return PRESETS[spec.lower()]
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise UsageError(
+            f"--hardware {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a file; "
+            "give one of them, or a JSON file as in `python -m mmm.plan.simulate --help`"
+        )
+    try:
+        data = json.loads(path.read_text())
+        return Hardware(
+            name=str(data.get("name", path.stem)),
+            devices_per_node=int(data["devices_per_node"]),
+            memory_bytes=float(data["memory_gb"]) * GB,
+            peak_flops={k: float(v) * 1e12 for k, v in data["peak_tflops"].items()},
+            intra_node_bps=float(data["intra_node_gbps"]) * GB,
+            inter_node_bps=float(data["inter_node_gbps"]) * GB,
+            latency_s=float(data.get("latency_us", 10)) * 1e-6,
+            source=str(data.get("source", str(path))),
+            matmul_efficiency=float(data.get("matmul_efficiency", 0.6)),
+        )
+    except json.JSONDecodeError as err:
+        raise UsageError(f"--hardware {spec}: not valid JSON ({err.msg} at line {err.lineno})") from None
+    except KeyError as err:
+        raise UsageError(
+            f"--hardware {spec}: missing field {err.args[0]!r}; give devices_per_node, memory_gb, "
+            "peak_tflops, intra_node_gbps and inter_node_gbps"
+        ) from None
+    except (TypeError, ValueError, AttributeError) as err:
+        raise UsageError(f"--hardware {spec}: {err}; numbers are plain numbers, peak_tflops a dtype -> number map")

@@ -1,0 +1,100 @@
+"""A simulated rank's step time on given hardware: compute, communication by mesh axis, overlap.
+
+The model, stated so it can be checked (every term is in :class:`Prediction`):
+
+- **compute**: the rank's share of the model's training FLOPs (:func:`mmm.flops.llama_flops_per_token`
+  x the global batch's tokens / world; full activation checkpointing runs each block's forward
+  twice: x 4/3) at ``peak(dtype) x hardware.matmul_efficiency``. Under pipeline parallel the
+  schedule's bubble, ``(pp - 1) / (microbatches + pp - 1)`` of the step, is added.
+- **communication** of each mesh axis, from the simulated step's payloads by collective: a ring
+  all-gather or reduce-scatter moves ``(n-1)/n`` of its payload per rank, an all-reduce twice that,
+  a send its payload; at the intra-node bandwidth when the axis's group stays in one node, at the
+  inter-node one when it spans nodes; plus one latency per call.
+- **overlap**: FSDP / HSDP (the ``dp_*`` axes) prefetch the next block's parameters and reduce
+  gradients while computing, so only what exceeds the compute is exposed, and never less than one
+  block's share (the first all-gather and the last reduce-scatter wait). Tensor- and
+  context-parallel collectives sit on the critical path (TP's all-reduces and all-gathers are not
+  overlapped in eager PyTorch), and so does the step's own packed all-reduce.
+- **memory** fits when the simulated peak is under ``(1 - margin)`` of the device's memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from mmm.plan.hardware import Hardware
+
+RING = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n}
+RING["all_reduce"] = lambda n: 2 * (n - 1) / n
+OVERLAPPED = ("dp_shard", "dp_replicate", "dp", "dp_cp")
+MEMORY_MARGIN = 0.10
+
+
+@dataclass
+class Prediction:
+    hardware: str
+    step_s: float
+    compute_s: float
+    bubble_s: float
+    comm_s: dict[str, float]
+    """Time each mesh axis's collectives take, overlapped or not."""
+    exposed_s: dict[str, float]
+    """What of ``comm_s`` the step waits for."""
+    crosses_nodes: dict[str, bool]
+    mfu: float
+    """Model FLOPs of the step over (step time x the device's peak)."""
+    peak_bytes: int
+    memory_bytes: float
+    fits: bool
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def ring_factor(kind: str, n: int) -> float:
+    return RING[kind](n) if kind in RING and n > 1 else (0.0 if kind in RING else 1.0)
+
+
+def predict(
+    step: dict,
+    axes: dict[str, dict],
+    hw: Hardware,
+    *,
+    flops: float,
+    recompute: float = 1.0,
+    dtype: str,
+    n_layers: int,
+    pp: int = 1,
+    microbatches: int = 1,
+) -> Prediction:
+    """``step``: a simulated step (:func:`mmm.plan.simulate.fake_step`); ``axes``: each axis's group
+    ``size`` and whether it ``crosses_nodes``; ``flops``: the rank's model FLOPs of the step;
+    ``recompute``: the factor activation checkpointing adds to them (MFU counts the model's FLOPs only)."""
+    peak = hw.peak(dtype)
+    compute = flops * recompute / (peak * hw.matmul_efficiency)
+    bubble = compute * (pp - 1) / (microbatches) if pp > 1 else 0.0
+    comm: dict[str, float] = {}
+    for (axis, kind), payload in step["comm_by_kind"].items():
+        size = axes.get(axis, {}).get("size", 1)
+        link = hw.link_bps(axes.get(axis, {}).get("crosses_nodes", False))
+        comm[axis] = comm.get(axis, 0.0) + payload * ring_factor(kind, size) / link
+    for axis, calls in step["comm_calls"].items():
+        comm[axis] = comm.get(axis, 0.0) + calls * hw.latency_s
+    exposed = {}
+    for axis, t in comm.items():
+        exposed[axis] = max(t - compute, t / max(n_layers, 1)) if axis in OVERLAPPED else t
+    step_s = compute + bubble + sum(exposed.values())
+    peak_bytes = int(step["peak"]["total"])
+    return Prediction(
+        hardware=hw.name,
+        step_s=step_s,
+        compute_s=compute,
+        bubble_s=bubble,
+        comm_s=comm,
+        exposed_s=exposed,
+        crosses_nodes={a: bool(axes.get(a, {}).get("crosses_nodes", False)) for a in comm},
+        mfu=flops / (step_s * peak),
+        peak_bytes=peak_bytes,
+        memory_bytes=hw.memory_bytes,
+        fits=peak_bytes <= (1 - MEMORY_MARGIN) * hw.memory_bytes,
+    )
