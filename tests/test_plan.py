@@ -130,6 +130,8 @@ def test_cli_bad_input(flags, needles):
         (["--world", "64", "--strategy", "zero2"], ["--strategy zero2 is not simulated"]),
         (["--world", "64", "--strategy", "ddp"], ["--strategy ddp is not simulated", "fsdp or hsdp"]),
         (["--world", "8", "--ranks", "0,8"], ["--ranks '0,8'", "from 0 to 7"]),
+        (["--world", "8", "--hardware", "tpu9"], ["--hardware 'tpu9'", "h100"]),
+        (["--world", "8", "--hardware", "h100", "--no-step"], ["drop --no-step"]),
     ],
 )
 def test_simulate_bad_input(flags, needles):
@@ -239,3 +241,80 @@ def test_sweep_bad_input(flags, needles, tmp_path):
     res = run([sys.executable, "benchmarks/sweep.py", *flags, "--out", str(tmp_path)], timeout=60)
     assert res.returncode == 2
     assert_clean_user_error(res, *needles)
+
+
+# --------------------------------------------------------------------------- hardware and predicted step time
+def test_hardware_presets_and_a_file_of_your_own(tmp_path):
+    from mmm.errors import UsageError
+    from mmm.plan.hardware import PRESETS, load_hardware
+
+    for name, hw in PRESETS.items():
+        assert load_hardware(name.upper()) is hw and hw.source and hw.peak("bf16") > hw.peak("fp32") > 0
+        assert hw.intra_node_bps > 0 and hw.inter_node_bps > 0 and hw.memory_bytes > 32e9
+    mine = tmp_path / "cluster.json"
+    mine.write_text(
+        json.dumps(
+            {
+                "name": "ours",
+                "devices_per_node": 4,
+                "memory_gb": 96,
+                "peak_tflops": {"bf16": 500},
+                "intra_node_gbps": 400,
+                "inter_node_gbps": 25,
+            }
+        )
+    )
+    hw = load_hardware(str(mine))
+    assert (hw.name, hw.devices_per_node, hw.peak("bf16"), hw.inter_node_bps) == ("ours", 4, 500e12, 25e9)
+    with pytest.raises(UsageError, match="no peak FLOP/s for dtype fp32"):
+        hw.peak("fp32")
+    mine.write_text('{"devices_per_node": 4}')
+    with pytest.raises(UsageError, match="missing field 'memory_gb'"):
+        load_hardware(str(mine))
+    with pytest.raises(UsageError, match="neither a preset"):
+        load_hardware(str(tmp_path / "nope.json"))
+
+
+def test_predicted_step_time_adds_up_and_follows_the_links():
+    from mmm.plan.hardware import PRESETS
+    from mmm.plan.predict import predict
+
+    hw = PRESETS["h100"]
+    gib = 2**30
+    step = {
+        "comm_by_kind": {("dp_shard", "all_gather"): 32 * gib, ("dp_shard", "reduce_scatter"): 32 * gib},
+        "comm_calls": {"dp_shard": 100, "tp": 200},
+        "peak": {"total": 40 * gib},
+    }
+    step["comm_by_kind"][("tp", "all_reduce")] = 8 * gib
+    inside = {"dp_shard": {"size": 8, "crosses_nodes": False}, "tp": {"size": 8, "crosses_nodes": False}}
+    across = {**inside, "dp_shard": {"size": 64, "crosses_nodes": True}}
+    kw = dict(flops=1e15, dtype="bf16", n_layers=32)
+    a, b = predict(step, inside, hw, **kw), predict(step, across, hw, **kw)
+    for p in (a, b):
+        assert abs(p.step_s - (p.compute_s + p.bubble_s + sum(p.exposed_s.values()))) < 1e-12
+        assert p.exposed_s["tp"] == p.comm_s["tp"]  # TP is on the critical path
+        assert p.exposed_s["dp_shard"] < p.comm_s["dp_shard"]  # FSDP overlaps with compute
+        assert p.fits and 0 < p.mfu < hw.matmul_efficiency
+    assert b.comm_s["dp_shard"] > 8 * a.comm_s["dp_shard"]  # 50 GB/s between nodes, 450 inside one
+    assert abs(a.compute_s - 1e15 / (989.4e12 * hw.matmul_efficiency)) < 1e-9
+    tp = 8 * gib * 2 * 7 / 8 / hw.intra_node_bps + 200 * hw.latency_s  # a ring all-reduce moves 2(n-1)/n
+    assert abs(a.comm_s["tp"] - tp) < 1e-9
+    too_big = predict({**step, "peak": {"total": 79 * gib}}, inside, hw, **kw)
+    assert not too_big.fits  # 10% margin under 80 GB
+    slower = predict(step, inside, hw, flops=1e15, recompute=4 / 3, dtype="bf16", n_layers=32)
+    assert slower.compute_s > a.compute_s and slower.mfu < a.mfu
+
+
+def test_simulate_predicts_on_hardware(tmp_path):
+    out = tmp_path / "sim.json"
+    flags = ["--world", "16", "--tp", "2", "--max-iters", "2", "--hardware", "a100", "--devices-per-node", "4"]
+    res = run([sys.executable, "-m", "mmm.plan.simulate", *flags, "--json", str(out)], timeout=180)
+    assert res.returncode == 0, res.output
+    assert "predicted on a100" in res.stdout
+    for r in json.loads(out.read_text()):
+        assert r["axes"]["tp"] == {"size": 2, "crosses_nodes": False}
+        assert r["axes"]["dp_shard"] == {"size": 8, "crosses_nodes": True}  # 8 ranks, 2 apart, 4 per node
+        p = r["prediction"]
+        assert p["hardware"] == "a100" and p["fits"] is True and p["step_s"] > p["compute_s"] > 0
+        assert set(p["comm_s"]) == set(r["step"]["comm_bytes"])

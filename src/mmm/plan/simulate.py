@@ -3,6 +3,7 @@
     python -m mmm.plan.simulate --world 512 --tp 8 --init-from ~/models/Llama-3.1-8B   # config.json is enough
     python -m mmm.plan.simulate --world 16384 --tp 8 --dp-replicate 64 --strategy hsdp --dim 4096 ...
     python -m mmm.plan.simulate --world 8 --pp 2 --tp 2 --ranks 0,7 --json sim.json
+    python -m mmm.plan.simulate --world 64 --init-from ~/models/Llama-3.1-8B --dtype bf16 --hardware h100
 
 Each simulated rank joins, in this process and one after another, a fake process group of --world
 ranks (collectives return at once, nothing is sent). It runs the trainer's own checks, the real
@@ -27,7 +28,9 @@ temporaries, by kind). Communication equals a real run's byte for byte (tested).
 strategies are not simulated (both need real collectives to wrap the model); under ``--pp`` the ranks
 are set up but the step is not simulated yet (the stages exchange tensor shapes by value on the
 first step, and fake tensors hold none); ``--compile`` is not simulated (the step runs eager: a
-compiled step saves fewer activations).
+compiled step saves fewer activations). With ``--hardware`` (a preset or a JSON file,
+:mod:`mmm.plan.hardware`) each rank's step time, MFU and whether its peak fits are predicted from
+the simulated step (:mod:`mmm.plan.predict` states the model).
 """
 
 from __future__ import annotations
