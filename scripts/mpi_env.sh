@@ -16,6 +16,9 @@ case "$NAME" in
   *) echo "mpi_env: unknown MPI '$NAME'; choose mpich or impi" >&2; exit 2 ;;
 esac
 STAMP="$DIR/.mmm-mpi-env"
+mkdir -p "$(dirname "$DIR")"
+exec 9>"$DIR.lock"  # one build at a time (pytest workers may ask at once); the others wait, then reuse it
+flock 9
 if [ -f "$STAMP" ] && [ -x "$DIR/bin/mpiexec" ]; then
   echo "$DIR"; exit 0
 fi
@@ -23,8 +26,10 @@ BASE_SITE=$("$BASE/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()
   echo "mpi_env: no base venv at $BASE (run 'make venv' first)" >&2; exit 1; }
 BASE_PY=$("$BASE/bin/python" -c 'import sys; print(sys._base_executable)')
 rm -rf "$DIR"
-"$BASE_PY" -m venv "$DIR" >&2
-if ! "$DIR/bin/python" -m pip install -q --disable-pip-version-check "$PKG" mpi4py >"$DIR.log" 2>&1; then
+# no pip of its own (ensurepip failed now and then under load): the main venv's pip installs into it
+"$BASE_PY" -m venv --without-pip "$DIR" >&2
+if ! "$BASE/bin/python" -m pip --python "$DIR/bin/python" install -q --disable-pip-version-check "$PKG" mpi4py \
+  >"$DIR.log" 2>&1; then
   echo "mpi_env: pip install $PKG mpi4py failed: $(grep -v '^WARNING' "$DIR.log" | tail -n 1)" >&2
   exit 1
 fi
