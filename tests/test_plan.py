@@ -73,13 +73,14 @@ def test_estimates_match_measured(tmp_path, label):
     assert [{k: r[k] for k in keys} for r in json.loads(sim_json.read_text())] == real
     measured = s["measured_per_rank"]
     for real_rank, simulated in zip(measured, json.loads(sim_json.read_text()), strict=True):
-        step = simulated["step"]
-        if combo.degrees["pp"] > 1:
-            assert step is None and "the step is not simulated yet" in sim.stdout
-            continue  # the simulated step communicates what the real one did, call for call
+        step = simulated["step"]  # the simulated step communicates what the real one did, call for call
         assert (step["comm_bytes"], step["comm_calls"]) == (real_rank["comm_bytes"], real_rank["comm_calls"])
         assert abs(step["activation_bytes"] / real_rank["activation_bytes"] - 1) < 0.02, (step, real_rank)
-        assert step["peak"]["total"] >= real_rank["activation_bytes"] + simulated["total_bytes"] * 0.75, step
+        assert (
+            step["peak"]["total"] > step["peak"]["before_step"] >= simulated["param_bytes"] + simulated["optim_bytes"]
+        )
+        if combo.degrees["pp"] == 1:  # under pp the saved bytes are summed over microbatches, not all alive at once
+            assert step["peak"]["total"] >= real_rank["activation_bytes"] + simulated["total_bytes"] * 0.75, step
     assert 0 < s["mfu"] < 1 and s["flops"]["peak_source"] == "calibrated", s["flops"]
     state = max(m["total_bytes"] for m in s["memory_per_rank"])
     assert abs(state / combo.memory["state_bytes"] - 1) <= STATE_TOL, (state, combo.memory)
@@ -318,3 +319,54 @@ def test_simulate_predicts_on_hardware(tmp_path):
         p = r["prediction"]
         assert p["hardware"] == "a100" and p["fits"] is True and p["step_s"] > p["compute_s"] > 0
         assert set(p["comm_s"]) == set(r["step"]["comm_bytes"])
+
+
+def _hardware_file(path, memory_gb=1.0):
+    path.write_text(
+        json.dumps(
+            {
+                "name": "two per node",
+                "devices_per_node": 2,
+                "memory_gb": memory_gb,
+                "peak_tflops": {"fp32": 0.05},
+                "intra_node_gbps": 2,
+                "inter_node_gbps": 0.5,
+                "latency_us": 50,
+                "matmul_efficiency": 0.3,
+            }
+        )
+    )
+    return str(path)
+
+
+def test_pick_ranks_the_layouts_and_holds_the_given_degrees(tmp_path):
+    hw, out = _hardware_file(tmp_path / "hw.json"), tmp_path / "ranked.json"
+    pick = [sys.executable, "-m", "mmm.plan.simulate", "--world", "4", "--max-iters", "2", "--pick"]
+    res = run([*pick, "--hardware", hw, "--tp", "2", "--json", str(out)], timeout=300)
+    assert res.returncode == 0, res.output
+    rows = json.loads(out.read_text())
+    assert {r["label"] for r in rows} == {"pp1-dpr1-dps2-cp1-tp2-fsdp", "pp1-dpr1-dps1-cp2-tp2-fsdp"}
+    assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows) and all(r["fits"] for r in rows)
+    assert f"pick: {' '.join(rows[0]['flags'])}" in res.stdout and "ranked by predicted step time" in res.stdout
+    for r in rows:  # the reason names what the step waits for: compute and TP's collectives
+        assert "compute" in r["why"] and "tp " in r["why"]
+    tiny = _hardware_file(tmp_path / "tiny.json", memory_gb=1e-5)
+    res = run([*pick, "--hardware", tiny, "--tp", "2", "--cp", "2"], timeout=300)
+    assert res.returncode == 0, res.output
+    assert "DOES NOT FIT" in res.stdout and "pick: none; no layout fits in memory" in res.stdout
+    res = run([*pick, "--hardware", hw, "--strategy", "zero2"], timeout=60)
+    assert_clean_user_error(res, "--pick: --strategy zero2 is not simulated")
+
+
+def test_calibrate_measures_this_machine_for_the_simulator(tmp_path):
+    hw = tmp_path / "cpu.json"
+    model = ["--dim", "64", "--n-layers", "2", "--n-heads", "4", "--seq-len", "32", "--batch-size", "4"]
+    res = run([sys.executable, "-m", "mmm.plan.calibrate", "--ranks", "2", "--out", str(hw), *model], timeout=180)
+    assert res.returncode == 0, res.output
+    found = json.loads(hw.read_text())
+    assert found["devices_per_node"] == 2 and found["peak_tflops"]["fp32"] > 0
+    assert 0 < found["matmul_efficiency"] < 1 and found["intra_node_gbps"] > 0 and found["latency_us"] > 0
+    res = run(
+        [sys.executable, "-m", "mmm.plan.simulate", "--world", "2", "--hardware", str(hw), "--max-iters", "2", *model]
+    )
+    assert res.returncode == 0 and "predicted on this machine" in res.stdout, res.output

@@ -276,3 +276,21 @@ class Flags:
 
     def parse(self, argv: Sequence[str] | None = None) -> Any:
         return self.configs(self.parser().parse_args(argv))
+
+
+def without_flags(argv: Sequence[str], valued: Collection[str], bare: Collection[str] = ()) -> list[str]:
+    """``argv`` without the ``valued`` flags (and their values, ``--f v`` or ``--f=v``) and the ``bare``
+    ones: what a wrapping command passes on to the command it wraps."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in bare:
+            continue
+        if name in valued:
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return out

@@ -16,11 +16,13 @@ trainers use them on one warmup step (``--measure``) and never in timed steps.
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # c10d ops: (payload argument index, "out" when the payload is the output buffer)
@@ -166,6 +168,8 @@ class SavedActivations:
                 if key not in self._seen and storage.nbytes():
                     self._seen.add(key)
                     self.bytes += storage.nbytes()
+                    # once freed (a microbatch's backward done), a new storage may take its place and key
+                    weakref.finalize(storage, self._seen.discard, key)
             except (RuntimeError, NotImplementedError):
                 self.bytes += _nbytes(local)
         return t
@@ -177,3 +181,49 @@ class SavedActivations:
 
     def __exit__(self, *exc) -> None:
         self._ctx.__exit__(*exc)
+
+
+class PeakMemory(TorchDispatchMode):
+    """``with PeakMemory(existing) as m: step()`` then ``m.peak``: the most bytes of tensor storage alive
+    at once while it was active, counting the storages of ``existing`` (parameters, optimizer state,
+    inputs: what is alive before) once, and every storage an op makes until it is freed. It sees local
+    tensors (a DTensor's shards) and fake tensors alike, so it gives a simulated rank's peak memory; it
+    counts no allocator rounding, workspace or fragmentation."""
+
+    def __init__(self, existing: list[torch.Tensor] = ()) -> None:
+        super().__init__()
+        from torch.distributed.tensor import DTensor
+
+        self._dtensor = DTensor
+        self._alive: set[int] = set()
+        self.live = self.peak = 0
+        for t in existing:
+            self._track(t, new=False)
+        self.start = self.peak = self.live
+
+    def _track(self, t, new: bool = True) -> None:
+        if not isinstance(t, torch.Tensor):
+            return
+        local = t._local_tensor if isinstance(t, self._dtensor) else t
+        storage = local.untyped_storage()
+        key = storage._cdata
+        if key in self._alive:
+            return
+        self._alive.add(key)
+        n = storage.nbytes()
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, key, n)  # the storage's Python object lives as long as it does
+
+    def _free(self, key: int, n: int) -> None:
+        if key in self._alive:
+            self._alive.discard(key)
+            self.live -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, self._dtensor) for t in types):
+            return NotImplemented  # count the local ops DTensor turns this one into
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            self._track(t)
+        return out

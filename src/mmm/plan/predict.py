@@ -10,7 +10,7 @@ The model, stated so it can be checked (every term is in :class:`Prediction`):
   all-gather or reduce-scatter moves ``(n-1)/n`` of its payload per rank, an all-reduce twice that,
   a send its payload; at the intra-node bandwidth when the axis's group stays in one node, at the
   inter-node one when it spans nodes; plus one latency per call.
-- **overlap**: FSDP / HSDP (the ``dp_*`` axes) prefetch the next block's parameters and reduce
+- **overlap**: FSDP / HSDP (the ``dp*`` groups, flattened ones included) prefetch the next block's parameters and reduce
   gradients while computing, so only what exceeds the compute is exposed, and never less than one
   block's share (the first all-gather and the last reduce-scatter wait). Tensor- and
   context-parallel collectives sit on the critical path (TP's all-reduces and all-gathers are not
@@ -26,7 +26,6 @@ from mmm.plan.hardware import Hardware
 
 RING = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n}
 RING["all_reduce"] = lambda n: 2 * (n - 1) / n
-OVERLAPPED = ("dp_shard", "dp_replicate", "dp", "dp_cp")
 MEMORY_MARGIN = 0.10
 
 
@@ -82,7 +81,8 @@ def predict(
         comm[axis] = comm.get(axis, 0.0) + calls * hw.latency_s
     exposed = {}
     for axis, t in comm.items():
-        exposed[axis] = max(t - compute, t / max(n_layers, 1)) if axis in OVERLAPPED else t
+        # the data-parallel groups (dp_shard, dp_replicate, and the flattened dp, dp_shard_cp...) carry FSDP's traffic
+        exposed[axis] = max(t - compute, t / max(n_layers, 1)) if axis.startswith("dp") else t
     step_s = compute + bubble + sum(exposed.values())
     peak_bytes = int(step["peak"]["total"])
     return Prediction(

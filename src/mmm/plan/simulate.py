@@ -22,13 +22,14 @@ Then, unless --no-step, the rank runs one training step on fake tensors (``FakeT
 dtypes and devices are tracked, no memory is used and nothing is computed): the trainer's own
 engine, forward, loss, backward, the packed all-reduce and the AdamW step. What the step issues is
 counted as ``--measure`` counts it in a real run (:mod:`mmm.measure`): payload bytes and calls of each
-collective by mesh axis, and the bytes autograd saves for backward; torch's ``MemTracker`` gives the
-rank's peak memory during the step (parameters, gradients, optimizer state, activations and
-temporaries, by kind). Communication equals a real run's byte for byte (tested). DDP and the ZeRO
-strategies are not simulated (both need real collectives to wrap the model); under ``--pp`` the ranks
-are set up but the step is not simulated yet (the stages exchange tensor shapes by value on the
-first step, and fake tensors hold none); ``--compile`` is not simulated (the step runs eager: a
-compiled step saves fewer activations). With ``--hardware`` (a preset or a JSON file,
+collective by mesh axis, and the bytes autograd saves for backward; and the rank's peak memory
+during the step: the most bytes of tensor storage alive at once, parameters, optimizer state,
+gradients, activations, gathered parameters and temporaries (``mmm.measure.PeakMemory``).
+Communication equals a real run's byte for byte (tested). Under ``--pp`` a stage's first step trades
+tensor shapes with its neighbours by value: the ranks of the stages it needs are simulated first and
+their messages kept (:func:`simulate_ranks`). DDP and the ZeRO strategies are not simulated (both
+need real collectives to wrap the model), nor ``--compile`` (the step runs eager: a compiled step
+saves fewer activations). With ``--hardware`` (a preset or a JSON file,
 :mod:`mmm.plan.hardware`) each rank's step time, MFU and whether its peak fits are predicted from
 the simulated step (:mod:`mmm.plan.predict` states the model).
 """
@@ -41,7 +42,7 @@ import resource
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -49,14 +50,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mmm import dist as mdist
-from mmm.cli import ArgumentParser, positive_int
+from mmm.cli import ArgumentParser, positive_int, without_flags
 from mmm.errors import UsageError, print_error
 from mmm.flops import llama_flops_per_token
 from mmm.history import atomic_write_text
-from mmm.measure import CommCounter, SavedActivations
+from mmm.measure import CommCounter, PeakMemory, SavedActivations
 from mmm.models.llama import Llama, apply_cp_llama
 from mmm.parallel import init_mesh, meta_init
 from mmm.parallel.strategy import build_engine
+from mmm.plan import AXES, Combo, plan
 from mmm.plan.hardware import Hardware, load_hardware
 from mmm.plan.predict import predict
 from mmm.training import llama as recipe
@@ -89,8 +91,8 @@ class RankReport:
     """Peak host memory of this process so far (the simulation's own cost, not the rank's)."""
     step: dict | None = None
     """The simulated step (None under --no-step): ``comm_bytes`` / ``comm_calls`` by mesh axis (as
-    summary.json's ``measured_per_rank``), ``activation_bytes`` saved for backward, and ``peak`` bytes
-    of the rank's device memory during the step, by kind (torch's MemTracker)."""
+    summary.json's ``measured_per_rank``), ``activation_bytes`` saved for backward, and ``peak``: the
+    ``total`` bytes of tensors alive at once during the step, and those alive ``before_step``."""
     axes: dict = field(default_factory=dict)
     """Each process group the rank uses, by mesh axis: ``size`` and whether it ``crosses_nodes``."""
     prediction: dict | None = None
@@ -129,7 +131,16 @@ def build_parser() -> ArgumentParser:
         action="store_false",
         help="only set the ranks up; skip the simulated training step (communication, activations, peak memory)",
     )
+    g.add_argument(
+        "--pick",
+        action="store_true",
+        help="with --hardware: simulate every layout of --world ranks the simulator can run (fsdp/hsdp, no pp; "
+        "mesh flags given hold their value), rank them by predicted step time among those that fit, explain "
+        "the best few and print the pick's flags",
+    )
     g.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="also write the reports as JSON")
+    # given or not: --pick holds what is given
+    p.set_defaults(tp=None, pp=None, cp=None, dp_replicate=None, dp_shard=None, strategy=None)
     return p
 
 
@@ -146,6 +157,7 @@ def simulate_rank(
     devices_per_node: int = 8,
     step: bool = True,
     hardware: Hardware | None = None,
+    mailbox: dict | None = None,
 ) -> RankReport:
     """Rank ``rank`` of a ``world``-rank job with ``config``, simulated in this process: it joins a fake
     process group of ``world`` ranks, which it leaves before returning (so the next rank can)."""
@@ -223,10 +235,10 @@ def simulate_rank(
         ranks = dist.get_process_group_ranks(group)
         axes[name] = {"size": len(ranks), "crosses_nodes": len({r // devices_per_node for r in ranks}) > 1}
     simulated = None
-    if step and engine.pipeline is None:  # pipeline stages exchange their shapes by value on the first step
+    if step:
         t0 = time.perf_counter()
         tokens = (what.batch_size // mesh.dp, cfg.seq_len // mesh.cp)
-        simulated = fake_step(engine, mesh, loss_fn, tokens)
+        simulated = fake_step(engine, mesh, loss_fn, tokens, mailbox=mailbox if mailbox is not None else {})
         # the gradients as the step made them: one may be placed otherwise than its parameter
         param_bytes, grad_bytes, optim_bytes = simulated.pop("state_bytes").values()
         times["step"] = time.perf_counter() - t0
@@ -263,6 +275,34 @@ def simulate_rank(
     )
 
 
+def simulate_ranks(config: Config[LlamaTrainConfig], *, world: int, ranks: Sequence[int], **kwargs) -> list[RankReport]:
+    """:func:`simulate_rank` for each of ``ranks``, in this process one after another. Under pipeline
+    parallel a stage's first step needs its neighbours' shapes: a rank whose neighbour has not been
+    simulated yet waits while a rank of that stage (the same coordinates on the other axes: the same
+    shapes) is simulated first, and is then simulated again."""
+    mailbox: dict = {}
+    pp = config.parallel.degrees.get("pp", 1)
+    stride = world // pp  # pp is the outermost mesh axis
+    budget = [4 * pp * max(1, config.parallel.stages_per_rank) + len(ranks)]
+
+    def one(rank: int, waiting: tuple[int, ...] = ()) -> RankReport:
+        while True:
+            budget[0] -= 1
+            if budget[0] < 0:
+                raise RuntimeError(f"pipeline stages of rank {rank} never received their neighbours' shapes")
+            try:
+                return simulate_rank(config, world=world, rank=rank, mailbox=mailbox, **kwargs)
+            except MissingMessage as missing:
+                sender = (missing.src_stage % pp) * stride + rank % stride
+            finally:
+                mdist.teardown()
+                forget_meshes()
+            if sender not in waiting:  # what it sends before it waits in turn is kept in the mailbox
+                one(sender, (*waiting, rank))
+
+    return [one(rank) for rank in ranks]
+
+
 def forget_meshes() -> None:
     """Empty DTensor's caches of sharding decisions and redistribution plans. They are keyed by meshes,
     and a mesh compares equal to the same-shaped mesh of the previous simulated rank, whose process
@@ -277,36 +317,78 @@ def forget_meshes() -> None:
     MeshTopoInfo.build_from_mesh.cache_clear()
 
 
-def fake_step(engine, mesh, loss_fn, tokens: tuple[int, int]) -> dict:
+class MissingMessage(Exception):
+    """A simulated pipeline stage waits for a message (tensor shapes) from a stage not simulated yet."""
+
+    def __init__(self, src_stage: int) -> None:
+        super().__init__(f"stage {src_stage}'s shapes are not known yet")
+        self.src_stage = src_stage
+
+
+def _pipeline_by_mail(pipeline, mailbox: dict) -> None:
+    """Let a pipeline's stages run their first step on fake tensors. On it they agree by vote whether
+    shapes are static and trade their output and gradient shapes with their neighbours, by value
+    (``.item()``), which fake tensors do not have: here each stage takes its own vote (mmm builds every
+    stage alike) and the shapes travel through ``mailbox`` (``(from stage, to stage) -> message``), which
+    outlives a simulated rank, so that ranks simulated later read what earlier ones sent. A stage whose
+    message is missing raises :class:`MissingMessage` (simulate the sender first). Neither exchange
+    belongs to the steady step that is counted."""
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    schedule = pipeline.schedule
+    stages = list(getattr(schedule, "_stages", None) or [schedule._stage])
+    cpu = torch.device("cpu")
+    pipeline.device = cpu
+    for stage in stages:
+        stage.device = cpu
+
+        def send(meta, dst_stage, stage=stage):
+            mailbox[(stage.stage_index, dst_stage)] = meta
+
+        def recv(src_stage, stage=stage):
+            if (src_stage, stage.stage_index) not in mailbox:
+                raise MissingMessage(src_stage)
+            return mailbox[(src_stage, stage.stage_index)]
+
+        stage._send_meta, stage._recv_meta = send, recv
+
+    def vote(stages, has_backward, p2p_done=False):
+        for stage in stages:
+            dynamic = InferenceMode.needs_dynamic(stage._user_meta, has_backward)
+            stage._inference_mode = InferenceMode.DYNAMIC if dynamic else InferenceMode.STATIC
+
+    schedule._warmup_p2p = vote
+
+
+def fake_step(engine, mesh, loss_fn, tokens: tuple[int, int], mailbox: dict | None = None) -> dict:
     """Two training steps of ``engine`` (sharded on meta) on fake tensors; of the second (the optimizer
     state exists, as in every later step): what it communicates by mesh axis, what it saves for
-    backward, its peak memory by kind, and the parameter, gradient and optimizer bytes it holds
+    backward, its peak memory, and the parameter, gradient and optimizer bytes it holds
     after backward (as the trainer reads them). The engine's parameters become fake tensors (no
     memory); it is not usable for real work afterwards."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
 
+    if engine.pipeline is not None:
+        _pipeline_by_mail(engine.pipeline, {} if mailbox is None else mailbox)
     with FakeTensorMode(allow_non_fake_inputs=True):  # buffers (rotary tables) stay real: they are read only
         engine.module.to_empty(device="cpu")
         engine.train()
         inputs = torch.zeros(tokens, dtype=torch.long)
         sync = StepSync.for_engine(engine, device=torch.device("cpu"))
         train_step(engine, inputs, inputs, loss_fn, sync=sync)  # the first step creates the AdamW state
-        tracker = MemTracker()
-        tracker.track_external(engine.module, engine.optimizer)
+        existing = [*engine.module.parameters(), *engine.module.buffers(), inputs]
+        existing += [v for state in engine.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
         held: dict[str, int] = {}  # what the trainer's summary.json reads while the gradients exist
-        with tracker, CommCounter(mesh.named_groups()) as comm, SavedActivations() as saved:
+        with PeakMemory(existing) as memory, CommCounter(mesh.named_groups()) as comm, SavedActivations() as saved:
             train_step(  # a steady step, as --measure watches step 2
                 engine, inputs, inputs, loss_fn, sync=sync, after_backward=lambda: held.update(engine.state_bytes())
             )
-        peak = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
-    kinds = {str(kind).rsplit(".", 1)[-1].lower(): int(n) for kind, n in peak.items() if str(kind) != "Total"}
     return {
         "comm_bytes": comm.result(),
         "comm_calls": dict(sorted(comm.calls.items())),
         "comm_by_kind": dict(sorted(comm.by_kind.items())),
         "activation_bytes": saved.bytes,
-        "peak": {"total": int(peak.get("Total", 0)), **kinds},
+        "peak": {"total": memory.peak, "before_step": memory.start},
         "state_bytes": {k: held[k] for k in ("param_bytes", "grad_bytes", "optim_bytes")},
     }
 
@@ -322,6 +404,79 @@ def _ranks(spec: str | None, world: int) -> list[int]:
     if bad or not ranks:
         raise UsageError(f"--ranks {spec!r}: ranks go from 0 to {world - 1} for --world {world}")
     return ranks
+
+
+@dataclass
+class Ranked:
+    """A layout and its simulated ranks, ranked by :func:`rank_layouts`."""
+
+    combo: Combo
+    reports: list[RankReport]
+
+    @property
+    def step_s(self) -> float:
+        return max(r.prediction["step_s"] for r in self.reports)
+
+    @property
+    def fits(self) -> bool:
+        return all(r.prediction["fits"] for r in self.reports)
+
+    def why(self) -> str:
+        """The slowest rank's step time, split into its parts."""
+        p = max((r.prediction for r in self.reports), key=lambda p: p["step_s"])
+        parts = [f"compute {p['compute_s'] * 1e3:.1f} ms"]
+        parts += [
+            f"{axis} {t * 1e3:.1f} ms{' across nodes' if p['crosses_nodes'][axis] else ''}"
+            for axis, t in p["exposed_s"].items()
+            if t >= 0.005 * p["step_s"]
+        ]
+        peak = max(r.prediction["peak_bytes"] for r in self.reports)
+        return f"{' + '.join(parts)}; peak {peak / 2**30:.2f} of {p['memory_bytes'] / 2**30:.0f} GiB"
+
+
+def rank_layouts(
+    config: Config[LlamaTrainConfig],
+    world: int,
+    hardware: Hardware,
+    *,
+    devices_per_node: int | None = None,
+    fixed: dict[str, int] | None = None,
+    strategies: Sequence[str] = ("fsdp", "hsdp"),
+) -> list[Ranked]:
+    """Every valid layout of ``world`` ranks that the simulator runs (fsdp or hsdp, no pipeline), each
+    simulated (its first and last rank, one step) and predicted on ``hardware``; fastest first, the
+    ones whose memory does not fit last. ``fixed``: degrees to hold."""
+    per_node = devices_per_node or hardware.devices_per_node
+    combos = [c for c in plan(world, config, strategies=list(strategies), fixed=fixed) if c.valid]
+    combos = [c for c in combos if c.degrees["pp"] == 1]
+    if not combos:
+        raise UsageError(
+            f"no fsdp or hsdp layout of {world} ranks without pp is valid for this model; see python -m mmm.plan"
+        )
+    out = []
+    for combo in combos:
+        trial = replace(config, parallel=replace(config.parallel, **combo.degrees, strategy=combo.strategy))
+        ranks = sorted({0, world - 1})
+        reports = simulate_ranks(trial, world=world, ranks=ranks, devices_per_node=per_node, hardware=hardware)
+        out.append(Ranked(combo, reports))
+    out.sort(key=lambda r: (not r.fits, r.step_s))
+    return out
+
+
+def format_ranking(ranked: list[Ranked], hardware: Hardware, top: int = 5) -> str:
+    lines = [f"{len(ranked)} layouts simulated, ranked by predicted step time on {hardware.name}:"]
+    best = ranked[0].step_s
+    for i, r in enumerate(ranked[:top], 1):
+        fit = "" if r.fits else "  DOES NOT FIT"
+        lines.append(f"{i:>3}. {r.combo.label:<28} {r.step_s * 1e3:9.1f} ms  {r.step_s / best:5.2f}x  {r.why()}{fit}")
+    if len(ranked) > top:
+        lines.append(f"     ... {len(ranked) - top} more (--json has them all)")
+    pick = ranked[0]
+    if pick.fits:
+        lines.append(f"pick: {' '.join(pick.combo.flags)}")
+    else:
+        lines.append("pick: none; no layout fits in memory (try --ac full, a smaller --batch-size, or more ranks)")
+    return "\n".join(lines)
 
 
 def format_reports(reports: list[RankReport]) -> str:
@@ -344,8 +499,7 @@ def format_reports(reports: list[RankReport]) -> str:
     if stepped:
         lines += ["", "one training step, simulated on fake tensors (payload bytes as --measure counts them):"]
         lines.append(
-            f"{'rank':>6}  {'peak MiB':>9} {'(params':>8} {'act':>8} {'temp':>8} {'grad':>8} {'optim)':>8} "
-            f"{'saved act MiB':>13}  "
+            f"{'rank':>6}  {'peak MiB':>9} {'(before step)':>13} {'saved act MiB':>13}  "
             "communication by mesh axis: MiB (calls)"
         )
         for r in stepped:
@@ -355,9 +509,8 @@ def format_reports(reports: list[RankReport]) -> str:
                 for axis, n in r.step["comm_bytes"].items()
             )
             lines.append(
-                f"{r.rank:>6}  {peak['total'] / MIB:>9.1f} "
-                + "".join(f"{peak.get(kind, 0) / MIB:>8.1f} " for kind in ("param", "act", "temp", "grad", "opt"))
-                + f"{r.step['activation_bytes'] / MIB:>13.1f}  {comm or '-'}   ({r.setup_s.get('step', 0):.1f} s)"
+                f"{r.rank:>6}  {peak['total'] / MIB:>9.1f} {peak['before_step'] / MIB:>13.1f} "
+                f"{r.step['activation_bytes'] / MIB:>13.1f}  {comm or '-'}   ({r.setup_s.get('step', 0):.1f} s)"
             )
     predicted = [r for r in reports if r.prediction is not None]
     if predicted:
@@ -385,26 +538,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     ns = parser.parse_args(argv)
-    config = command_line().parse(_trainer_argv(argv))  # the trainer's flags, typed and checked as it does
+    own = {"--world", "--ranks", "--devices-per-node", "--json", "--hardware"}
+    # the trainer's flags, typed and checked as the trainer does
+    config = command_line().parse(without_flags(argv, own, {"--no-step", "--pick"}))
     if config.parallel.compile and ns.step:
         print("note: --compile is not simulated; the step runs eager (a compiled step saves fewer activations)")
-    if config.parallel.degrees.get("pp", 1) > 1 and ns.step:
-        print("note: under --pp the step is not simulated yet (the stages exchange shapes by value); setup only")
     hardware = load_hardware(ns.hardware) if ns.hardware else None
     if hardware is not None and not ns.step:
         raise UsageError("--hardware predicts from the simulated step; drop --no-step")
     per_node = ns.devices_per_node or (hardware.devices_per_node if hardware else 8)
-    reports = []
-    for rank in _ranks(ns.ranks, ns.world):
-        try:
-            reports.append(
-                simulate_rank(
-                    config, world=ns.world, rank=rank, devices_per_node=per_node, step=ns.step, hardware=hardware
-                )
-            )
-        finally:
-            mdist.teardown()
-            forget_meshes()
+    if ns.pick:
+        if hardware is None:
+            raise UsageError("--pick ranks layouts by predicted step time: give --hardware (a preset or a file)")
+        if ns.ranks:
+            raise UsageError("--pick simulates the first and last rank of each layout; drop --ranks")
+        fixed = {axis: getattr(ns, axis) for axis in AXES if getattr(ns, axis) is not None}
+        if fixed.get("pp", 1) > 1:
+            raise UsageError(f"--pick: --pp {fixed['pp']} is not simulated yet; pick among layouts without pp")
+        strategies = [ns.strategy] if ns.strategy else ["fsdp", "hsdp"]
+        if ns.strategy and ns.strategy not in ("fsdp", "hsdp"):
+            raise UsageError(f"--pick: --strategy {ns.strategy} is not simulated; give fsdp or hsdp, or leave it out")
+        ranked = rank_layouts(config, ns.world, hardware, devices_per_node=per_node, fixed=fixed, strategies=strategies)
+        print(format_ranking(ranked, hardware))
+        if ns.json_path:
+            rows = [
+                {"label": r.combo.label, "flags": r.combo.flags, "step_s": r.step_s, "fits": r.fits, "why": r.why()}
+                | {"ranks": [_jsonable(asdict(x)) for x in r.reports]}
+                for r in ranked
+            ]
+            atomic_write_text(Path(ns.json_path), json.dumps(rows, indent=2) + "\n")
+        return 0
+    ranks = _ranks(ns.ranks, ns.world)
+    reports = simulate_ranks(
+        config, world=ns.world, ranks=ranks, devices_per_node=per_node, step=ns.step, hardware=hardware
+    )
     print(format_reports(reports))
     if ns.json_path:
         atomic_write_text(Path(ns.json_path), json.dumps([_jsonable(asdict(r)) for r in reports], indent=2) + "\n")
@@ -417,25 +584,6 @@ def _jsonable(obj):
     if isinstance(obj, (list, tuple)):
         return [_jsonable(v) for v in obj]
     return obj
-
-
-def _trainer_argv(argv: list[str]) -> list[str]:
-    """``argv`` without the simulation's own flags (and their values): the trainer's flags."""
-    own = {"--world", "--ranks", "--devices-per-node", "--json", "--hardware"}
-    flags = {"--no-step"}
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-            continue
-        name = arg.split("=", 1)[0]
-        if name in flags:
-            continue
-        if name in own:
-            skip = "=" not in arg
-            continue
-        out.append(arg)
-    return out
 
 
 def cli() -> None:

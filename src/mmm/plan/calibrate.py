@@ -1,0 +1,145 @@
+"""Measure this machine as a hardware file for ``python -m mmm.plan.simulate --hardware``.
+
+    python -m mmm.plan.calibrate --ranks 4 --out cpu.json [fsdp_tp model flags]
+    python -m mmm.plan.simulate --world 4 --hardware cpu.json --tp 2 ...
+
+Starts ``--ranks`` ranks here with ``launch`` (gloo), all at once so that they share the cores as a
+job of that many ranks does, and measures on every rank:
+
+- peak FLOP/s: repeated fp32 matmuls (``mmm.flops.calibrate_cpu``, as the trainer's MFU uses);
+- the step's efficiency: forward, backward and AdamW of the model the flags describe, one per rank
+  with no collectives, on ``--batch-size / --ranks`` sequences: its model FLOPs over (its time x the
+  peak), the ``matmul_efficiency`` of the file;
+- bandwidth: a ring all-gather of a 16 MiB result, bytes each rank moves per second;
+- latency: the time of a one-number all-reduce.
+
+The slowest rank's figures are written (``devices_per_node`` = ``--ranks``: one node).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mmm import dist as mdist
+from mmm.cli import ArgumentParser, positive_int, without_flags
+from mmm.errors import UsageError, print_error
+from mmm.flops import calibrate_cpu, llama_flops_per_token
+from mmm.history import atomic_write_text
+from mmm.models.llama import Llama
+from mmm.training.llama import command_line
+
+
+def build_parser() -> ArgumentParser:
+    p = command_line().parser()
+    p.prog = "python -m mmm.plan.calibrate"
+    p.description = __doc__.split("\n\n")[0]
+    p.epilog = __doc__.split("\n\n", 2)[2]
+    g = p.add_argument_group("calibration")
+    g.add_argument("--ranks", type=positive_int, default=4, help="ranks to start here, as the job will [4]")
+    g.add_argument("--out", required=True, metavar="PATH", help="the hardware file to write (JSON)")
+    g.add_argument("--probe", action="store_true", help="(internal) the measuring rank")
+    return p
+
+
+def _timed(fn, repeat: int) -> float:
+    fn()  # warm up
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - t0) / repeat
+
+
+def probe(config, out: Path) -> None:
+    """One rank's measurements (under ``launch``); rank 0 writes the file."""
+    info = mdist.setup(seed=0)
+    world = info.world_size
+    dist.barrier()
+    peak = calibrate_cpu("fp32", seconds=1.0)
+    cfg = config.train.model_config()
+    torch.manual_seed(0)
+    model = Llama(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rows = max(1, config.train.batch_size // world)
+    tokens = torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len))
+
+    def train_step() -> None:
+        loss = F.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.flatten(0, 1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    dist.barrier()
+    step_s = _timed(train_step, 5)
+    efficiency = llama_flops_per_token(cfg) * rows * cfg.seq_len / (step_s * peak)
+    part = torch.zeros(4 * 2**20 // world)  # 16 MiB gathered
+    whole = torch.empty(part.numel() * world)
+    dist.barrier()
+    gather_s = _timed(lambda: dist.all_gather_into_tensor(whole, part), 5)
+    moved = whole.numel() * 4 * (world - 1) / world  # what a ring moves per rank
+    one = torch.zeros(1)
+    dist.barrier()
+    latency_s = _timed(lambda: dist.all_reduce(one), 50)
+    found = mdist.gather_objects((peak, efficiency, moved / gather_s if world > 1 else float("inf"), latency_s))
+    if info.rank == 0:
+        peak_min = min(f[0] for f in found)
+        hw = {
+            "name": f"this machine ({os.cpu_count()} cores, {world} ranks)",
+            "devices_per_node": world,
+            "memory_gb": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world / 1e9,
+            "peak_tflops": {"fp32": peak_min / 1e12},
+            "intra_node_gbps": min(f[2] for f in found) / 1e9,
+            "inter_node_gbps": min(f[2] for f in found) / 1e9,
+            "latency_us": max(f[3] for f in found) * 1e6,
+            "matmul_efficiency": min(f[1] for f in found),
+            "source": f"python -m mmm.plan.calibrate --ranks {world}, {time.strftime('%Y-%m-%d %H:%M')}",
+            "model": {"dim": cfg.dim, "n_layers": cfg.n_layers, "seq_len": cfg.seq_len, "rows_per_rank": rows},
+        }
+        atomic_write_text(out, json.dumps(hw, indent=2) + "\n")
+    mdist.teardown()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ns = build_parser().parse_args(argv)
+    out = Path(ns.out).expanduser()
+    trainer_argv = without_flags(argv, {"--ranks", "--out"}, {"--probe"})
+    config = command_line().parse(trainer_argv)
+    if ns.probe:
+        probe(config, out)
+        return 0
+    if not out.parent.is_dir():
+        raise UsageError(f"--out {ns.out}: folder {out.parent} does not exist")
+    launch = str(Path(sys.executable).parent / "launch")
+    cmd = [launch, "-q", "-n", str(ns.ranks), sys.executable, "-m", "mmm.plan.calibrate", "--probe"]
+    cmd += ["--out", str(out), *trainer_argv]
+    res = subprocess.run(cmd, stdin=subprocess.DEVNULL)
+    if res.returncode != 0:
+        return res.returncode
+    hw = json.loads(out.read_text())
+    print(
+        f"{out}: {hw['name']}: {hw['peak_tflops']['fp32'] * 1e3:.1f} GFLOP/s fp32 per rank, step efficiency "
+        f"{hw['matmul_efficiency']:.2f}, {hw['intra_node_gbps']:.2f} GB/s per rank, latency {hw['latency_us']:.0f} us"
+    )
+    return 0
+
+
+def cli() -> None:
+    try:
+        sys.exit(main())
+    except UsageError as e:
+        print_error(str(e), prog="python -m mmm.plan.calibrate")
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    cli()
