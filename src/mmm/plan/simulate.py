@@ -134,7 +134,7 @@ def build_parser() -> ArgumentParser:
     g.add_argument(
         "--pick",
         action="store_true",
-        help="with --hardware: simulate every layout of --world ranks the simulator can run (fsdp/hsdp, no pp; "
+        help="with --hardware: simulate every layout of --world ranks the simulator can run (fsdp/hsdp; "
         "mesh flags given hold their value), rank them by predicted step time among those that fit, explain "
         "the best few and print the pick's flags",
     )
@@ -255,7 +255,7 @@ def simulate_rank(
             dtype=how.dtype,
             n_layers=cfg.n_layers,
             pp=mesh.pp,
-            microbatches=how.microbatches or 1,
+            microbatches=how.microbatches or mesh.pp,  # the trainer's default
         ).as_dict()
     return RankReport(
         rank=rank,
@@ -425,6 +425,8 @@ class Ranked:
         """The slowest rank's step time, split into its parts."""
         p = max((r.prediction for r in self.reports), key=lambda p: p["step_s"])
         parts = [f"compute {p['compute_s'] * 1e3:.1f} ms"]
+        if p["bubble_s"]:
+            parts.append(f"pipeline bubble {p['bubble_s'] * 1e3:.1f} ms")
         parts += [
             f"{axis} {t * 1e3:.1f} ms{' across nodes' if p['crosses_nodes'][axis] else ''}"
             for axis, t in p["exposed_s"].items()
@@ -443,16 +445,13 @@ def rank_layouts(
     fixed: dict[str, int] | None = None,
     strategies: Sequence[str] = ("fsdp", "hsdp"),
 ) -> list[Ranked]:
-    """Every valid layout of ``world`` ranks that the simulator runs (fsdp or hsdp, no pipeline), each
-    simulated (its first and last rank, one step) and predicted on ``hardware``; fastest first, the
-    ones whose memory does not fit last. ``fixed``: degrees to hold."""
+    """Every valid layout of ``world`` ranks that the simulator runs (fsdp or hsdp), each simulated (its
+    first and last rank, one step) and predicted on ``hardware``; fastest first, the ones whose memory
+    does not fit last. ``fixed``: degrees to hold."""
     per_node = devices_per_node or hardware.devices_per_node
     combos = [c for c in plan(world, config, strategies=list(strategies), fixed=fixed) if c.valid]
-    combos = [c for c in combos if c.degrees["pp"] == 1]
     if not combos:
-        raise UsageError(
-            f"no fsdp or hsdp layout of {world} ranks without pp is valid for this model; see python -m mmm.plan"
-        )
+        raise UsageError(f"no fsdp or hsdp layout of {world} ranks is valid for this model; see python -m mmm.plan")
     out = []
     for combo in combos:
         trial = replace(config, parallel=replace(config.parallel, **combo.degrees, strategy=combo.strategy))
@@ -553,8 +552,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ns.ranks:
             raise UsageError("--pick simulates the first and last rank of each layout; drop --ranks")
         fixed = {axis: getattr(ns, axis) for axis in AXES if getattr(ns, axis) is not None}
-        if fixed.get("pp", 1) > 1:
-            raise UsageError(f"--pick: --pp {fixed['pp']} is not simulated yet; pick among layouts without pp")
         strategies = [ns.strategy] if ns.strategy else ["fsdp", "hsdp"]
         if ns.strategy and ns.strategy not in ("fsdp", "hsdp"):
             raise UsageError(f"--pick: --strategy {ns.strategy} is not simulated; give fsdp or hsdp, or leave it out")
