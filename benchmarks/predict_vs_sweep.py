@@ -56,23 +56,28 @@ def main() -> None:
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--max-iters", type=int, default=12, help="steps of each real run [12]")
+    p.add_argument(
+        "--reuse", action="store_true", help="keep OUT's calibration and sweep when there (re-rank and compare only)"
+    )
     args, model = p.parse_known_args()
     model = model or MODEL
     root = args.out or Path(tempfile.mkdtemp(prefix="mmm-predict-vs-sweep-"))
     root.mkdir(parents=True, exist_ok=True)
     py = sys.executable
     hw = root / "cpu.json"
-    run([py, "-m", "mmm.plan.calibrate", "--ranks", str(args.world), "--out", str(hw), *model])
+    if not (args.reuse and hw.exists()):
+        run([py, "-m", "mmm.plan.calibrate", "--ranks", str(args.world), "--out", str(hw), *model])
     picked = root / "ranked.json"
     sim = [py, "-m", "mmm.plan.simulate", "--world", str(args.world), "--hardware", str(hw), "--pick"]
     run([*sim, "--json", str(picked), *model])
     ranked = json.loads(picked.read_text())
     combos = ",".join(r["label"] for r in ranked)
     sweep = root / "sweep"
-    run(
-        [py, "benchmarks/sweep.py", "--world", str(args.world), "--combos", combos, "--out", str(sweep)]
-        + ["--max-iters", str(args.max_iters), *model]
-    )
+    if not (args.reuse and (sweep / "results.nc").exists()):
+        run(
+            [py, "benchmarks/sweep.py", "--world", str(args.world), "--combos", combos, "--out", str(sweep)]
+            + ["--max-iters", str(args.max_iters), *model]
+        )
     import xarray as xr
 
     ds = xr.open_dataset(sweep / "results.nc")

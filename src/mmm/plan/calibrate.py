@@ -101,6 +101,7 @@ def probe(config, out: Path) -> None:
             "inter_node_gbps": min(f[2] for f in found) / 1e9,
             "latency_us": max(f[3] for f in found) * 1e6,
             "matmul_efficiency": min(f[1] for f in found),
+            "cores_per_node": len(os.sched_getaffinity(0)),
             "source": f"python -m mmm.plan.calibrate --ranks {world}, {time.strftime('%Y-%m-%d %H:%M')}",
             "model": {"dim": cfg.dim, "n_layers": cfg.n_layers, "seq_len": cfg.seq_len, "rows_per_rank": rows},
         }

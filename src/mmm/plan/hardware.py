@@ -15,6 +15,8 @@ process group stays inside a node runs at the first, one whose group spans nodes
      "intra_node_gbps": 450, "inter_node_gbps": 25, "latency_us": 10,
      "matmul_efficiency": 0.6, "source": "vendor sheet + our all-reduce test"}
 
+(``cores_per_node``: only where CPU ranks share a node's cores, see :class:`Hardware`.)
+
 Figures marked "assumed" in a preset's ``assumed`` list are not from its sources: set them from a
 measurement of your own.
 """
@@ -49,6 +51,9 @@ class Hardware:
     matmul_efficiency: float = 0.6
     """The fraction of peak a training step's kernels reach (an assumption in every preset: set it from a
     measured single-device step)."""
+    cores_per_node: int = 0
+    """Where ranks share a node's cores (CPU ranks, more of them than cores): the cores. 0: every device
+    computes on its own (GPUs)."""
 
     def link_bps(self, crosses_nodes: bool) -> float:
         return self.inter_node_bps if crosses_nodes else self.intra_node_bps
@@ -133,6 +138,7 @@ def load_hardware(spec: str) -> Hardware:
             latency_s=float(data.get("latency_us", 10)) * 1e-6,
             source=str(data.get("source", str(path))),
             matmul_efficiency=float(data.get("matmul_efficiency", 0.6)),
+            cores_per_node=int(data.get("cores_per_node", 0)),
         )
     except json.JSONDecodeError as err:
         raise UsageError(f"--hardware {spec}: not valid JSON ({err.msg} at line {err.lineno})") from None

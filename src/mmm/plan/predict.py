@@ -5,7 +5,9 @@ The model, stated so it can be checked (every term is in :class:`Prediction`):
 - **compute**: the rank's share of the model's training FLOPs (:func:`mmm.flops.llama_flops_per_token`
   x the global batch's tokens / world; full activation checkpointing runs each block's forward
   twice: x 4/3) at ``peak(dtype) x hardware.matmul_efficiency``. Under pipeline parallel the
-  schedule's bubble, ``(pp - 1) / (microbatches + pp - 1)`` of the step, is added.
+  schedule's bubble, ``(pp - 1) / (microbatches + pp - 1)`` of the step, is added; where ranks share a
+  node's cores (``hardware.cores_per_node``), an idle rank's share goes to the busy ones and the
+  bubble costs only what the critical path at a whole core's rate exceeds the shared work.
 - **communication** of each mesh axis, from the simulated step's payloads by collective: a ring
   all-gather or reduce-scatter moves ``(n-1)/n`` of its payload per rank, an all-reduce twice that,
   a send its payload; at the intra-node bandwidth when the axis's group stays in one node, at the
@@ -71,7 +73,13 @@ def predict(
     ``recompute``: the factor activation checkpointing adds to them (MFU counts the model's FLOPs only)."""
     peak = hw.peak(dtype)
     compute = flops * recompute / (peak * hw.matmul_efficiency)
-    bubble = compute * (pp - 1) / (microbatches) if pp > 1 else 0.0
+    bubble = compute * (pp - 1) / microbatches if pp > 1 else 0.0
+    if bubble and hw.cores_per_node and hw.devices_per_node > hw.cores_per_node:
+        # ranks share the cores (``compute`` is at the shared rate): a rank idle in the bubble leaves its
+        # share to the busy ones, so the step is the longer of the shared work and the critical path at
+        # the rate of a rank with the cores to itself
+        share = hw.cores_per_node / hw.devices_per_node
+        bubble = max(0.0, (compute + bubble) * share - compute)
     comm: dict[str, float] = {}
     for (axis, kind), payload in step["comm_by_kind"].items():
         size = axes.get(axis, {}).get("size", 1)
