@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 
 import pytest
 
-from conftest import assert_clean_user_error, run, run_ranks
+from conftest import assert_clean_user_error, launch, run, run_ranks, tiny_llama
 from mmm.plan import plan
 
 FSDP_TP = ["-m", "mmm.examples.fsdp_tp", "--max-iters", "2", "--measure", "--no-plots"]
@@ -305,6 +306,14 @@ def test_predicted_step_time_adds_up_and_follows_the_links():
     assert not too_big.fits  # 10% margin under 80 GB
     slower = predict(step, inside, hw, flops=1e15, recompute=4 / 3, dtype="bf16", n_layers=32)
     assert slower.compute_s > a.compute_s and slower.mfu < a.mfu
+    # a pipeline's bubble: (pp - 1) / microbatches of the compute on devices of their own; where 4 ranks
+    # share 2 cores, an idle rank's share goes to the others and a short bubble costs nothing
+    piped = predict(step, inside, hw, **kw, pp=2, microbatches=2)
+    assert abs(piped.bubble_s - a.compute_s / 2) < 1e-12
+    shared = replace(hw, devices_per_node=4, cores_per_node=2)
+    assert predict(step, inside, shared, **kw, pp=2, microbatches=2).bubble_s == 0
+    long = predict(step, inside, shared, **kw, pp=4, microbatches=1)  # critical path 4x at 2x the rate
+    assert abs(long.bubble_s - a.compute_s) < 1e-9
 
 
 def test_simulate_predicts_on_hardware(tmp_path):
@@ -345,7 +354,8 @@ def test_pick_ranks_the_layouts_and_holds_the_given_degrees(tmp_path):
     res = run([*pick, "--hardware", hw, "--tp", "2", "--json", str(out)], timeout=300)
     assert res.returncode == 0, res.output
     rows = json.loads(out.read_text())
-    assert {r["label"] for r in rows} == {"pp1-dpr1-dps2-cp1-tp2-fsdp", "pp1-dpr1-dps1-cp2-tp2-fsdp"}
+    labels = {"pp1-dpr1-dps2-cp1-tp2-fsdp", "pp1-dpr1-dps1-cp2-tp2-fsdp", "pp2-dpr1-dps1-cp1-tp2-fsdp"}
+    assert {r["label"] for r in rows} == labels  # every layout with tp=2, the pipeline's too
     assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows) and all(r["fits"] for r in rows)
     assert f"pick: {' '.join(rows[0]['flags'])}" in res.stdout and "ranked by predicted step time" in res.stdout
     for r in rows:  # the reason names what the step waits for: compute and TP's collectives
@@ -370,3 +380,21 @@ def test_calibrate_measures_this_machine_for_the_simulator(tmp_path):
         [sys.executable, "-m", "mmm.plan.simulate", "--world", "2", "--hardware", str(hw), "--max-iters", "2", *model]
     )
     assert res.returncode == 0 and "predicted on this machine" in res.stdout, res.output
+
+
+def test_the_trainer_takes_the_planners_pick(tmp_path):
+    """--pick-layout: rank 0 asks the planner, every rank trains on its pick, the log and summary.json say why."""
+    hw = _hardware_file(tmp_path / "hw.json")
+    args = ["-m", "mmm.examples.fsdp_tp", *tiny_llama(max_iters=2), "--tp", "2", "--pick-layout", hw]
+    res = run_ranks(4, args, tmp_path / "out")
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    pick = s["layout_pick"]
+    assert pick["hardware"] == "two per node" and pick["degrees"]["tp"] == 2  # the given --tp held
+    assert s["mesh"] == {k: v for k, v in pick["degrees"].items()} and s["strategy"] == pick["strategy"]
+    assert [r["step_s"] for r in pick["ranked"]] == sorted(r["step_s"] for r in pick["ranked"])
+    assert f"layout: the planner picked {pick['label']} of {pick['layouts']} on two per node" in res.output
+    tiny = _hardware_file(tmp_path / "tiny.json", memory_gb=1e-5)
+    small = [*args[:-1], tiny, "--outdir", str(tmp_path / "z")]
+    res = run(launch("-n", "2", "python3", *small), timeout=120)
+    assert_clean_user_error(res, f"--pick-layout {tiny}: no layout of 2 ranks fits in 0 GiB per device")
+    assert not (tmp_path / "z" / "history.jsonl").exists()

@@ -51,7 +51,7 @@ from mmm.dist.exits import (  # noqa: F401
     uninterrupted,
 )
 from mmm.dist.liveness import dump_stacks, set_stack_dir, silent_ranks, stack_dir  # noqa: F401
-from mmm.dist.ranks import RankInfo, discover_ranks, expand_nodelist, parse_tasks_per_node  # noqa: F401
+from mmm.dist.ranks import RankInfo, discover_ranks, expand_nodelist, parse_tasks_per_node, without_launcher_vars  # noqa: F401
 from mmm.dist.rendezvous import derived_port, free_port, rendezvous  # noqa: F401
 from mmm.dist.state import (  # noqa: F401
     DATA_SEED_STRIDE,

@@ -49,6 +49,18 @@ _ENV_SOURCES: tuple[tuple[str, str, str, str, tuple[str, ...]], ...] = (
     ("pals", "PALS_RANKID", "PMI_SIZE", "PALS_LOCAL_RANKID", ("PALS_LOCAL_SIZE", "PMI_LOCAL_SIZE")),
     ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", ("MPI_LOCALNRANKS",)),
 )
+# Prefixes and names of what launchers put in a rank's environment (see without_launcher_vars)
+_LAUNCHER_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "PALS_", "SLURM_", "HYDI_", "HYDRA_", "MPI_", "I_MPI_", "TORCHELASTIC_")
+_LAUNCHER_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+
+
+def without_launcher_vars(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``env`` (this process's) without the variables a launcher gave this rank: for a helper process a
+    rank starts, which must not take itself for a rank of the job (or talk to its MPI)."""
+    env = os.environ if env is None else env
+    return {k: v for k, v in env.items() if not (k.startswith(_LAUNCHER_PREFIXES) or k in _LAUNCHER_NAMES)}
+
+
 # Variables that say "an MPI launcher started me" without giving the world size.
 _MPI_HINTS = ("PMIX_RANK", "PMI_FD", "PMI_RANK", "PALS_RANKID", "HYDI_CONTROL_FD", "MPI_LOCALRANKID")
 

@@ -10,19 +10,23 @@ Writes history.jsonl (live), history.nc, summary.json and plots/ to --outdir.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from mmm import dist
 from mmm.data import make_dataset
+from mmm.errors import UsageError
 from mmm.flops import llama_flops_per_token
 from mmm.log import get_logger
 from mmm.models.llama import Llama, apply_cp_llama, load_hf_llama
 from mmm.parallel import describe_sharding, init_mesh, meta_init
 from mmm.parallel.context import shard_sequence
 from mmm.parallel.strategy import build_engine
+from mmm.plan.pick import planners_pick
 from mmm.training import llama as recipe
 from mmm.training.config import Config
 from mmm.training.evaluation import perplexity
@@ -40,12 +44,49 @@ def build_parser():
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     config = command_line(__doc__).parse(argv)  # the flags, parsed once into typed configs
     info, outdir, startup = start(EXAMPLE, config, recipe.problems)
-    return train(config, info, outdir, startup)
+    pick = None
+    if config.train.pick_layout:  # --pick-layout HARDWARE: the planner's layout for this world and hardware
+        config, pick = take_pick(config, argv, info)
+    return train(config, info, outdir, startup, pick)
 
 
-def train(config: Config[LlamaTrainConfig], info, outdir, startup) -> int:
+def take_pick(config: Config[LlamaTrainConfig], argv: list[str], info) -> tuple[Config[LlamaTrainConfig], dict]:
+    """Rank 0 asks the planner (mmm.plan.pick); every rank takes its layout."""
+    found: list = [None]
+    if info.is_main:
+        try:
+            found = [planners_pick(argv, info.world_size, config.train.pick_layout)]
+        except UsageError as e:
+            found = [str(e)]
+    if torch.distributed.is_initialized() and info.world_size > 1:
+        torch.distributed.broadcast_object_list(found, src=0)
+    if isinstance(found[0], str):
+        raise UsageError(found[0])
+    pick = found[0]
+    config = replace(config, parallel=replace(config.parallel, **pick["degrees"], strategy=pick["strategy"]))
+    problems = recipe.problems(config, info.world_size)
+    if problems:
+        raise RuntimeError(f"the planner picked {pick['label']}, which the trainer refuses: {'; '.join(problems)}")
+    if info.is_main:
+        log = get_logger()
+        log.info(
+            "layout: the planner picked %s of %d on %s in %.0f s: predicted step %.1f ms (%s)",
+            pick["label"],
+            pick["layouts"],
+            pick["hardware"],
+            pick["seconds"],
+            pick["predicted_step_s"] * 1e3,
+            pick["why"],
+        )
+        for i, r in enumerate(pick["ranked"][1:], 2):
+            log.info("layout: #%d %s, predicted %.1f ms (%s)", i, r["label"], r["step_s"] * 1e3, r["why"])
+    return config, pick
+
+
+def train(config: Config[LlamaTrainConfig], info, outdir, startup, pick: dict | None = None) -> int:
     log = get_logger()
     # what to train (model, data, batch, steps, lr schedule), how to parallelise it (mesh, strategy, pipeline, ...);
     # config.run: seed, output, checkpoints, trackers (mmm.training.config)
@@ -175,6 +216,8 @@ def train(config: Config[LlamaTrainConfig], info, outdir, startup) -> int:
         "global_batch": what.batch_size,
         "tokens_per_step": what.batch_size * cfg.seq_len,
     }
+    if pick is not None:
+        extra["layout_pick"] = pick  # --pick-layout: what the planner picked, predicted, and why
     if engine.pipeline is not None:
         pipe = engine.pipeline
         extra["pipeline"] = {

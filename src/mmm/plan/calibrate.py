@@ -106,7 +106,6 @@ def probe(config, out: Path) -> None:
             "model": {"dim": cfg.dim, "n_layers": cfg.n_layers, "seq_len": cfg.seq_len, "rows_per_rank": rows},
         }
         atomic_write_text(out, json.dumps(hw, indent=2) + "\n")
-    mdist.teardown()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -115,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(ns.out).expanduser()
     trainer_argv = without_flags(argv, {"--ranks", "--out"}, {"--probe"})
     config = command_line().parse(trainer_argv)
-    if ns.probe:
+    if ns.probe:  # a rank under launch: run_main (cli) tears the job down cleanly on every rank
         probe(config, out)
         return 0
     if not out.parent.is_dir():
@@ -135,6 +134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def cli() -> None:
+    if "--probe" in sys.argv[1:]:
+        mdist.run_main(main, prog="python -m mmm.plan.calibrate")
     try:
         sys.exit(main())
     except UsageError as e:

@@ -123,8 +123,8 @@ def load_hardware(spec: str) -> Hardware:
     path = Path(spec).expanduser()
     if not path.is_file():
         raise UsageError(
-            f"--hardware {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a file; "
-            "give one of them, or a JSON file as in `python -m mmm.plan.simulate --help`"
+            f"--hardware {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a file; give a preset, or a "
+            "JSON file (python -m mmm.plan.calibrate writes one for this machine; its fields: docs/planning.md)"
         )
     try:
         data = json.loads(path.read_text())

@@ -540,6 +540,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     own = {"--world", "--ranks", "--devices-per-node", "--json", "--hardware"}
     # the trainer's flags, typed and checked as the trainer does
     config = command_line().parse(without_flags(argv, own, {"--no-step", "--pick"}))
+    if config.train.pick_layout:
+        raise UsageError("--pick-layout is the trainer's; here use --pick --hardware HARDWARE")
     if config.parallel.compile and ns.step:
         print("note: --compile is not simulated; the step runs eager (a compiled step saves fewer activations)")
     hardware = load_hardware(ns.hardware) if ns.hardware else None
@@ -559,7 +561,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(format_ranking(ranked, hardware))
         if ns.json_path:
             rows = [
-                {"label": r.combo.label, "flags": r.combo.flags, "step_s": r.step_s, "fits": r.fits, "why": r.why()}
+                {"label": r.combo.label, "degrees": r.combo.degrees, "strategy": r.combo.strategy}
+                | {"flags": r.combo.flags, "step_s": r.step_s, "fits": r.fits, "why": r.why()}
                 | {"ranks": [_jsonable(asdict(x)) for x in r.reports]}
                 for r in ranked
             ]
