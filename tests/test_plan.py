@@ -134,6 +134,8 @@ def test_cli_bad_input(flags, needles):
         (["--world", "8", "--ranks", "0,8"], ["--ranks '0,8'", "from 0 to 7"]),
         (["--world", "8", "--hardware", "tpu9"], ["--hardware 'tpu9'", "h100"]),
         (["--world", "8", "--hardware", "h100", "--no-step"], ["drop --no-step"]),
+        (["--world", "8", "--compile"], ["--compile is not simulated"]),
+        (["--world", "8", "--pick-layout", "h100"], ["--pick-layout is the trainer's"]),
     ],
 )
 def test_simulate_bad_input(flags, needles):
@@ -275,6 +277,21 @@ def test_hardware_presets_and_a_file_of_your_own(tmp_path):
         load_hardware(str(mine))
     with pytest.raises(UsageError, match="neither a preset"):
         load_hardware(str(tmp_path / "nope.json"))
+    good = json.loads(json.dumps({"devices_per_node": 4, "memory_gb": 96, "peak_tflops": {"bf16": 500}}))
+    good |= {"intra_node_gbps": 400, "inter_node_gbps": 25}
+    for change, needle in [
+        ({"devices_per_node": 0}, "devices_per_node 0 must be a positive number"),
+        ({"inter_node_gbps": -1}, "inter_node_gbps -1 must be a positive number"),
+        ({"matmul_eficiency": 0.5}, "unknown field 'matmul_eficiency'"),
+        ({"matmul_efficiency": 60}, "at most 1"),
+        ({"peak_tflops": 500}, "peak_tflops is a map"),
+    ]:
+        mine.write_text(json.dumps({**good, **change}))
+        with pytest.raises(UsageError, match=needle):
+            load_hardware(str(mine))
+    mine.write_text("[1, 2]")
+    with pytest.raises(UsageError, match="give a JSON object"):
+        load_hardware(str(mine))
 
 
 def test_predicted_step_time_adds_up_and_follows_the_links():
@@ -380,21 +397,57 @@ def test_calibrate_measures_this_machine_for_the_simulator(tmp_path):
         [sys.executable, "-m", "mmm.plan.simulate", "--world", "2", "--hardware", str(hw), "--max-iters", "2", *model]
     )
     assert res.returncode == 0 and "predicted on this machine" in res.stdout, res.output
+    calibrate = [sys.executable, "-m", "mmm.plan.calibrate", "--out", str(hw), *model]
+    for flags, needle in [
+        (["--ranks", "2", "--tp", "2", "--dtype", "bf16"], "--tp, --dtype: calibration measures the machine"),
+        (["--ranks", "1"], "--ranks 1: bandwidth needs at least 2 ranks"),
+    ]:
+        assert_clean_user_error(run([*calibrate, *flags], timeout=60), needle)
 
 
 def test_the_trainer_takes_the_planners_pick(tmp_path):
     """--pick-layout: rank 0 asks the planner, every rank trains on its pick, the log and summary.json say why."""
     hw = _hardware_file(tmp_path / "hw.json")
-    args = ["-m", "mmm.examples.fsdp_tp", *tiny_llama(max_iters=2), "--tp", "2", "--pick-layout", hw]
+    # --strategy hsdp alone is refused (it needs --dp-replicate > 1): the run trains only on a pick's layout
+    args = ["-m", "mmm.examples.fsdp_tp", *tiny_llama(max_iters=2), "--strategy", "hsdp", "--pick-layout", hw]
     res = run_ranks(4, args, tmp_path / "out")
     s = json.loads((tmp_path / "out" / "summary.json").read_text())
     pick = s["layout_pick"]
-    assert pick["hardware"] == "two per node" and pick["degrees"]["tp"] == 2  # the given --tp held
-    assert s["mesh"] == {k: v for k, v in pick["degrees"].items()} and s["strategy"] == pick["strategy"]
+    assert pick["hardware"] == "two per node" and pick["strategy"] == "hsdp"  # the given --strategy held
+    assert s["mesh"] == pick["degrees"] and s["strategy"] == "hsdp" and s["mesh"]["dp_replicate"] >= 2
     assert [r["step_s"] for r in pick["ranked"]] == sorted(r["step_s"] for r in pick["ranked"])
     assert f"layout: the planner picked {pick['label']} of {pick['layouts']} on two per node" in res.output
     tiny = _hardware_file(tmp_path / "tiny.json", memory_gb=1e-5)
-    small = [*args[:-1], tiny, "--outdir", str(tmp_path / "z")]
+    small = [
+        "-m",
+        "mmm.examples.fsdp_tp",
+        *tiny_llama(max_iters=2),
+        "--pick-layout",
+        tiny,
+        "--outdir",
+        str(tmp_path / "z"),
+    ]
     res = run(launch("-n", "2", "python3", *small), timeout=120)
     assert_clean_user_error(res, f"--pick-layout {tiny}: no layout of 2 ranks fits in 0 GiB per device")
     assert not (tmp_path / "z" / "history.jsonl").exists()
+
+
+def test_interleaved_pipeline_stages_are_simulated(tmp_path):
+    """With 2 stages per rank, each pipeline rank waits on the other for its stages' shapes (a cycle the
+    simulator breaks by retrying the rank it waits for); both ranks' steps are simulated."""
+    out = tmp_path / "sim.json"
+    flags = ["--world", "4", "--pp", "2", "--stages-per-rank", "2", "--pp-schedule", "interleaved-1f1b"]
+    res = run([sys.executable, "-m", "mmm.plan.simulate", *flags, "--max-iters", "2", "--json", str(out)], timeout=180)
+    assert res.returncode == 0, res.output
+    ranks = json.loads(out.read_text())
+    assert [r["rank"] for r in ranks] == [0, 3] and all(r["coords"]["pp"] == r["rank"] // 2 for r in ranks)
+    for r in ranks:  # 2 stages x 2 microbatches, activations forward and gradients back, over the pp group
+        assert r["step"]["comm_calls"]["pp"] == 12 and r["step"]["comm_bytes"]["pp"] > 0
+
+
+def test_a_helper_of_a_rank_carries_no_launcher_variables():
+    from mmm.dist import without_launcher_vars
+
+    env = {"OMPI_COMM_WORLD_RANK": "3", "PMI_RANK": "1", "SLURM_PROCID": "2", "RANK": "0", "MASTER_PORT": "1"}
+    env |= {"MMM_WATCH": "h:1", "MMM_PID_DIR": "/x", "PATH": "/bin", "MMM_LOG_LEVEL": "INFO", "HOME": "/root"}
+    assert without_launcher_vars(env) == {"PATH": "/bin", "MMM_LOG_LEVEL": "INFO", "HOME": "/root"}

@@ -115,6 +115,8 @@ def test_a_chosen_port_is_free_and_below_the_ports_the_kernel_gives_to_connectio
     # a port from the ephemeral range can be taken by any outgoing connection (gloo opens many)
     # between launch choosing it and rank 0 binding it: EADDRINUSE under load
     low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    if low < 2024:
+        pytest.skip(f"the ephemeral range starts at {low}: too low to choose below it")
     ports = {free_port() for _ in range(20)}
     assert all(1024 <= p < low for p in ports) and len(ports) > 1
     for p in ports:

@@ -46,9 +46,11 @@ def build_parser():
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     config = command_line(__doc__).parse(argv)  # the flags, parsed once into typed configs
-    info, outdir, startup = start(EXAMPLE, config, recipe.problems)
+    picking = bool(config.train.pick_layout)  # --pick-layout HARDWARE: the planner's layout for this world
+    # with a pick to come, the layout's checks wait for it (take_pick); the rest are checked at once
+    info, outdir, startup = start(EXAMPLE, config, recipe.layout_free_problems if picking else recipe.problems)
     pick = None
-    if config.train.pick_layout:  # --pick-layout HARDWARE: the planner's layout for this world and hardware
+    if picking:
         config, pick = take_pick(config, argv, info)
     return train(config, info, outdir, startup, pick)
 
@@ -56,15 +58,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 def take_pick(config: Config[LlamaTrainConfig], argv: list[str], info) -> tuple[Config[LlamaTrainConfig], dict]:
     """Rank 0 asks the planner (mmm.plan.pick); every rank takes its layout."""
     found: list = [None]
+    failure: BaseException | None = None
     if info.is_main:
         try:
-            found = [planners_pick(argv, info.world_size, config.train.pick_layout)]
+            found = [
+                planners_pick(argv, info.world_size, config.train.pick_layout, devices_per_node=info.local_world_size)
+            ]
         except UsageError as e:
-            found = [str(e)]
+            found = [("usage", str(e))]
+        except Exception as e:  # a bug: rank 0 keeps its traceback, the others must not wait for a pick
+            failure, found = e, [("failed", f"rank 0's planner failed: {type(e).__name__}: {e}")]
     if torch.distributed.is_initialized() and info.world_size > 1:
         torch.distributed.broadcast_object_list(found, src=0)
-    if isinstance(found[0], str):
-        raise UsageError(found[0])
+    if failure is not None:
+        raise failure
+    if isinstance(found[0], tuple):
+        kind, message = found[0]
+        raise UsageError(message) if kind == "usage" else RuntimeError(message)
     pick = found[0]
     config = replace(config, parallel=replace(config.parallel, **pick["degrees"], strategy=pick["strategy"]))
     problems = recipe.problems(config, info.world_size)

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -89,7 +90,7 @@ def probe(config, out: Path) -> None:
     one = torch.zeros(1)
     dist.barrier()
     latency_s = _timed(lambda: dist.all_reduce(one), 50)
-    found = mdist.gather_objects((peak, efficiency, moved / gather_s if world > 1 else float("inf"), latency_s))
+    found = mdist.gather_objects((peak, efficiency, moved / gather_s, latency_s))
     if info.rank == 0:
         peak_min = min(f[0] for f in found)
         hw = {
@@ -114,11 +115,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(ns.out).expanduser()
     trainer_argv = without_flags(argv, {"--ranks", "--out"}, {"--probe"})
     config = command_line().parse(trainer_argv)
+    _refuse_layout_flags(config)
     if ns.probe:  # a rank under launch: run_main (cli) tears the job down cleanly on every rank
         probe(config, out)
         return 0
     if not out.parent.is_dir():
         raise UsageError(f"--out {ns.out}: folder {out.parent} does not exist")
+    if out.is_dir():
+        raise UsageError(f"--out {ns.out} is a folder; give the path of the JSON file to write")
+    if ns.ranks < 2:
+        raise UsageError(f"--ranks {ns.ranks}: bandwidth needs at least 2 ranks; give the ranks per node of your job")
     launch = str(Path(sys.executable).parent / "launch")
     cmd = [launch, "-q", "-n", str(ns.ranks), sys.executable, "-m", "mmm.plan.calibrate", "--probe"]
     cmd += ["--out", str(out), *trainer_argv]
@@ -131,6 +137,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{hw['matmul_efficiency']:.2f}, {hw['intra_node_gbps']:.2f} GB/s per rank, latency {hw['latency_us']:.0f} us"
     )
     return 0
+
+
+def _refuse_layout_flags(config) -> None:
+    """Calibration measures the machine with the model's shape and batch, fp32, one model per rank: a
+    layout or run flag would change nothing, so it is refused rather than ignored."""
+    default = type(config.parallel)()
+    changed = [
+        f"--{f.name.replace('_', '-')}"
+        for f in fields(config.parallel)
+        if getattr(config.parallel, f.name) != getattr(default, f.name)
+    ]
+    if config.train.pick_layout:
+        changed.append("--pick-layout")
+    if changed:
+        raise UsageError(
+            f"{', '.join(changed)}: calibration measures the machine (fp32 matmuls, one model per rank, gloo), "
+            "not a layout; drop them (give only the model's shape and --batch-size)"
+        )
 
 
 def cli() -> None:

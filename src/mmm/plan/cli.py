@@ -79,6 +79,11 @@ def parse_request(argv: Sequence[str] | None = None) -> PlanRequest:
     ns = build_parser().parse_args(argv)
     # the trainer's config for the rest; its degrees and strategy are placeholders the planner varies
     config = command_line().configs(argparse.Namespace(**{**vars(ns), **{a: 1 for a in AXES}, "strategy": "fsdp"}))
+    if config.train.pick_layout:
+        raise UsageError(
+            "--pick-layout is the trainer's; to rank layouts on hardware use "
+            "python -m mmm.plan.simulate --pick --hardware HARDWARE"
+        )
     return PlanRequest(
         world=ns.world,
         config=config,

@@ -8,7 +8,7 @@ dtype and memory, and two links: between devices of a node and between nodes, ea
 per second one device can send in one direction, with a latency per collective. A collective whose
 process group stays inside a node runs at the first, one whose group spans nodes at the second
 (its slowest link). A file of your own gives the same fields (see :data:`PRESETS` for examples;
-``peak_flops`` by dtype, bandwidths in GB/s)::
+``peak_tflops`` by dtype, bandwidths in GB/s, memory in GB of 10^9 bytes)::
 
     {"name": "my cluster", "devices_per_node": 4, "memory_gb": 96,
      "peak_tflops": {"bf16": 989.4, "fp32": 66.9},
@@ -30,6 +30,10 @@ from pathlib import Path
 from mmm.errors import UsageError
 
 GB = 1e9
+GIB = 2**30
+REQUIRED = ("devices_per_node", "memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps")
+# a calibrated file also says what it measured with (model)
+FILE_FIELDS = {*REQUIRED, "name", "latency_us", "matmul_efficiency", "cores_per_node", "source", "model"}
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,7 @@ PRESETS: dict[str, Hardware] = {
     "h100": Hardware(
         name="h100",
         devices_per_node=8,
-        memory_bytes=80 * GB,
+        memory_bytes=80 * GIB,  # as the device reports it (HBM3, "80GB")
         peak_flops={"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 66.9e12},
         intra_node_bps=450 * GB,  # NVLink 4: 900 GB/s both directions
         inter_node_bps=50 * GB,  # 8 x 400 Gb/s InfiniBand NDR per node: one NIC per GPU
@@ -81,7 +85,7 @@ PRESETS: dict[str, Hardware] = {
     "a100": Hardware(
         name="a100",
         devices_per_node=8,
-        memory_bytes=80 * GB,
+        memory_bytes=80 * GIB,
         peak_flops={"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
         intra_node_bps=300 * GB,  # NVLink 3: 600 GB/s both directions
         inter_node_bps=25 * GB,  # 8 x 200 Gb/s InfiniBand HDR per node
@@ -92,7 +96,7 @@ PRESETS: dict[str, Hardware] = {
     "pvc": Hardware(  # Aurora: one rank per stack (tile), 12 per node
         name="pvc",
         devices_per_node=12,
-        memory_bytes=64 * 2**30,  # 768 GiB of HBM2e per node
+        memory_bytes=64 * GIB,  # 768 GiB of HBM2e per node, 12 stacks
         peak_flops={"bf16": 419.4e12, "fp16": 419.4e12, "fp32": 26.2e12},  # per stack, as mmm.flops
         intra_node_bps=20 * GB,
         inter_node_bps=200 * GB / 12,  # 8 Slingshot-11 NICs x 200 Gb/s per node, over 12 stacks
@@ -104,14 +108,14 @@ PRESETS: dict[str, Hardware] = {
     "mi250x": Hardware(  # Frontier: one rank per GCD, 8 per node
         name="mi250x",
         devices_per_node=8,
-        memory_bytes=64 * 2**30,
+        memory_bytes=64 * GIB,  # 128 GB (GiB) of HBM2e per package of 2 GCDs
         peak_flops={"bf16": 191.5e12, "fp16": 191.5e12, "fp32": 47.9e12},  # per GCD, as mmm.flops
         intra_node_bps=50 * GB,  # Infinity Fabric between GCDs: 50-100 GB/s
         inter_node_bps=100 * GB / 8,  # 4 Slingshot-11 NICs x 25 GB/s per node, over 8 GCDs
         latency_s=20e-6,
         source="OLCF Frontier user guide (4 MI250X = 8 GCDs, 4 x 25 GB/s NICs per node); AMD Instinct MI250X "
         "datasheet (383 TFLOP/s bf16, 128 GB per package of 2 GCDs)",
-        assumed=("latency_s", "matmul_efficiency"),
+        assumed=("intra_node_bps", "latency_s", "matmul_efficiency"),  # 50-100 GB/s between GCDs: the low end
     ),
 }
 
@@ -128,24 +132,41 @@ def load_hardware(spec: str) -> Hardware:
         )
     try:
         data = json.loads(path.read_text())
-        return Hardware(
-            name=str(data.get("name", path.stem)),
-            devices_per_node=int(data["devices_per_node"]),
-            memory_bytes=float(data["memory_gb"]) * GB,
-            peak_flops={k: float(v) * 1e12 for k, v in data["peak_tflops"].items()},
-            intra_node_bps=float(data["intra_node_gbps"]) * GB,
-            inter_node_bps=float(data["inter_node_gbps"]) * GB,
-            latency_s=float(data.get("latency_us", 10)) * 1e-6,
-            source=str(data.get("source", str(path))),
-            matmul_efficiency=float(data.get("matmul_efficiency", 0.6)),
-            cores_per_node=int(data.get("cores_per_node", 0)),
-        )
+    except OSError as err:
+        raise UsageError(f"--hardware {spec}: cannot read it ({err.strerror})") from None
     except json.JSONDecodeError as err:
         raise UsageError(f"--hardware {spec}: not valid JSON ({err.msg} at line {err.lineno})") from None
-    except KeyError as err:
+    if not isinstance(data, dict):
+        raise UsageError(f"--hardware {spec}: give a JSON object of fields, not a {type(data).__name__}")
+    unknown = sorted(set(data) - FILE_FIELDS)
+    if unknown:
         raise UsageError(
-            f"--hardware {spec}: missing field {err.args[0]!r}; give devices_per_node, memory_gb, "
-            "peak_tflops, intra_node_gbps and inter_node_gbps"
-        ) from None
-    except (TypeError, ValueError, AttributeError) as err:
-        raise UsageError(f"--hardware {spec}: {err}; numbers are plain numbers, peak_tflops a dtype -> number map")
+            f"--hardware {spec}: unknown field {unknown[0]!r}; the fields are {', '.join(sorted(FILE_FIELDS))}"
+        )
+    missing = [k for k in REQUIRED if k not in data]
+    if missing:
+        raise UsageError(f"--hardware {spec}: missing field {missing[0]!r}; give {', '.join(REQUIRED)}")
+    peaks = data["peak_tflops"]
+    if not isinstance(peaks, dict) or not peaks:
+        raise UsageError(f'--hardware {spec}: peak_tflops is a map of dtype to TFLOP/s, e.g. {{"bf16": 989.4}}')
+
+    def positive(name, value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise UsageError(f"--hardware {spec}: {name} {value!r} must be a positive number")
+        return float(value)
+
+    efficiency = positive("matmul_efficiency", data.get("matmul_efficiency", 0.6))
+    if efficiency > 1:
+        raise UsageError(f"--hardware {spec}: matmul_efficiency {efficiency} is a fraction of peak, at most 1")
+    return Hardware(
+        name=str(data.get("name", path.stem)),
+        devices_per_node=int(positive("devices_per_node", data["devices_per_node"])),
+        memory_bytes=positive("memory_gb", data["memory_gb"]) * GB,
+        peak_flops={k: positive(f"peak_tflops[{k!r}]", v) * 1e12 for k, v in peaks.items()},
+        intra_node_bps=positive("intra_node_gbps", data["intra_node_gbps"]) * GB,
+        inter_node_bps=positive("inter_node_gbps", data["inter_node_gbps"]) * GB,
+        latency_s=positive("latency_us", data.get("latency_us", 10)) * 1e-6,
+        source=str(data.get("source", str(path))),
+        matmul_efficiency=efficiency,
+        cores_per_node=int(data.get("cores_per_node", 0)) if data.get("cores_per_node") else 0,
+    )

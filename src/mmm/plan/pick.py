@@ -24,11 +24,12 @@ from mmm.plan.hardware import load_hardware
 FLAG = "--pick-layout"
 
 
-def planners_pick(argv: Sequence[str], world: int, hardware: str) -> dict:
+def planners_pick(argv: Sequence[str], world: int, hardware: str, *, devices_per_node: int | None = None) -> dict:
     """Rank the layouts of ``world`` ranks for the trainer flags ``argv`` on ``hardware`` and return the
     pick: ``label``, ``degrees``, ``strategy``, ``flags``, ``predicted_step_s``, ``why``, ``hardware``,
     ``ranked`` (the best five) and ``seconds`` (the planner's own time). A pick that cannot be made is
-    a :class:`UsageError` naming ``--pick-layout``."""
+    a :class:`UsageError` naming ``--pick-layout``. ``devices_per_node``: the job's ranks per host (which
+    groups cross hosts follows from it), else the hardware's."""
     try:
         hw = load_hardware(hardware)
     except UsageError as e:
@@ -38,6 +39,8 @@ def planners_pick(argv: Sequence[str], world: int, hardware: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="mmm-pick-") as tmp:
         out = Path(tmp) / "ranked.json"
         cmd = [sys.executable, "-m", "mmm.plan.simulate", "--world", str(world), "--pick", "--hardware", hardware]
+        if devices_per_node:
+            cmd += ["--devices-per-node", str(devices_per_node)]
         cmd += ["--json", str(out), *trainer]
         env = {**without_launcher_vars(), "MMM_LOG_LEVEL": "WARNING", "MMM_RICH": "0"}
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)

@@ -67,18 +67,23 @@ def predict(
     n_layers: int,
     pp: int = 1,
     microbatches: int = 1,
+    stages_per_rank: int = 1,
+    ranks_per_node: int | None = None,
 ) -> Prediction:
     """``step``: a simulated step (:func:`mmm.plan.simulate.fake_step`); ``axes``: each axis's group
     ``size`` and whether it ``crosses_nodes``; ``flops``: the rank's model FLOPs of the step;
-    ``recompute``: the factor activation checkpointing adds to them (MFU counts the model's FLOPs only)."""
+    ``recompute``: the factor activation checkpointing adds to them (MFU counts the model's FLOPs only);
+    ``n_layers``: the blocks this rank holds; ``ranks_per_node``: the job's (default: the hardware's)."""
     peak = hw.peak(dtype)
     compute = flops * recompute / (peak * hw.matmul_efficiency)
-    bubble = compute * (pp - 1) / microbatches if pp > 1 else 0.0
-    if bubble and hw.cores_per_node and hw.devices_per_node > hw.cores_per_node:
+    # an interleaved schedule (several stages per rank) divides the bubble by the stages each rank holds
+    bubble = compute * (pp - 1) / (microbatches * stages_per_rank) if pp > 1 else 0.0
+    per_node = ranks_per_node or hw.devices_per_node
+    if bubble and hw.cores_per_node and per_node > hw.cores_per_node:
         # ranks share the cores (``compute`` is at the shared rate): a rank idle in the bubble leaves its
         # share to the busy ones, so the step is the longer of the shared work and the critical path at
         # the rate of a rank with the cores to itself
-        share = hw.cores_per_node / hw.devices_per_node
+        share = hw.cores_per_node / per_node
         bubble = max(0.0, (compute + bubble) * share - compute)
     comm: dict[str, float] = {}
     for (axis, kind), payload in step["comm_by_kind"].items():
@@ -87,10 +92,15 @@ def predict(
         comm[axis] = comm.get(axis, 0.0) + payload * ring_factor(kind, size) / link
     for axis, calls in step["comm_calls"].items():
         comm[axis] = comm.get(axis, 0.0) + calls * hw.latency_s
-    exposed = {}
-    for axis, t in comm.items():
-        # the data-parallel groups (dp_shard, dp_replicate, and the flattened dp, dp_shard_cp...) carry FSDP's traffic
-        exposed[axis] = max(t - compute, t / max(n_layers, 1)) if axis.startswith("dp") else t
+    # the data-parallel groups (dp_shard, dp_replicate, the flattened dp, dp_shard_cp...) carry FSDP's
+    # traffic: together they hide behind the one compute, all but one block's share; each axis is
+    # charged its part of what shows
+    exposed = {axis: t for axis, t in comm.items() if not axis.startswith("dp")}
+    dp_total = sum(t for axis, t in comm.items() if axis.startswith("dp"))
+    if dp_total:
+        shown = max(dp_total - compute, dp_total / max(n_layers, 1))
+        exposed.update({axis: t / dp_total * shown for axis, t in comm.items() if axis.startswith("dp")})
+    exposed = {axis: exposed[axis] for axis in comm}  # in comm's order
     step_s = compute + bubble + sum(exposed.values())
     peak_bytes = int(step["peak"]["total"])
     return Prediction(

@@ -54,6 +54,7 @@ from mmm.cli import ArgumentParser, positive_int, without_flags
 from mmm.errors import UsageError, print_error
 from mmm.flops import llama_flops_per_token
 from mmm.history import atomic_write_text
+from mmm.log import get_logger
 from mmm.measure import CommCounter, PeakMemory, SavedActivations
 from mmm.models.llama import Llama, apply_cp_llama
 from mmm.parallel import init_mesh, meta_init
@@ -253,9 +254,11 @@ def simulate_rank(
             flops=llama_flops_per_token(cfg) * tokens_per_rank,
             recompute=recompute,
             dtype=how.dtype,
-            n_layers=cfg.n_layers,
+            n_layers=max(1, cfg.n_layers // mesh.pp),  # the blocks this rank holds
             pp=mesh.pp,
             microbatches=how.microbatches or mesh.pp,  # the trainer's default
+            stages_per_rank=how.stages_per_rank,
+            ranks_per_node=devices_per_node,
         ).as_dict()
     return RankReport(
         rank=rank,
@@ -283,7 +286,11 @@ def simulate_ranks(config: Config[LlamaTrainConfig], *, world: int, ranks: Seque
     mailbox: dict = {}
     pp = config.parallel.degrees.get("pp", 1)
     stride = world // pp  # pp is the outermost mesh axis
-    budget = [4 * pp * max(1, config.parallel.stages_per_rank) + len(ranks)]
+    budget = [8 * pp * max(1, config.parallel.stages_per_rank) + len(ranks)]
+
+    class Back(Exception):  # a rank up the chain is the one waited for: it tries again with what arrived
+        def __init__(self, rank: int) -> None:
+            self.rank = rank
 
     def one(rank: int, waiting: tuple[int, ...] = ()) -> RankReport:
         while True:
@@ -297,8 +304,15 @@ def simulate_ranks(config: Config[LlamaTrainConfig], *, world: int, ranks: Seque
             finally:
                 mdist.teardown()
                 forget_meshes()
-            if sender not in waiting:  # what it sends before it waits in turn is kept in the mailbox
+            # what this rank sent before it waited is in the mailbox; with several stages per rank the
+            # sender may itself be waiting for this rank further up the chain: it tries again first
+            if sender in waiting:
+                raise Back(sender)
+            try:
                 one(sender, (*waiting, rank))
+            except Back as back:
+                if back.rank != rank:
+                    raise
 
     return [one(rank) for rank in ranks]
 
@@ -456,8 +470,14 @@ def rank_layouts(
     for combo in combos:
         trial = replace(config, parallel=replace(config.parallel, **combo.degrees, strategy=combo.strategy))
         ranks = sorted({0, world - 1})
-        reports = simulate_ranks(trial, world=world, ranks=ranks, devices_per_node=per_node, hardware=hardware)
+        try:
+            reports = simulate_ranks(trial, world=world, ranks=ranks, devices_per_node=per_node, hardware=hardware)
+        except UsageError as e:  # refused once built (the planner's checks passed): out of the ranking, said why
+            get_logger().warning("%s left out of the ranking: %s", combo.label, e)
+            continue
         out.append(Ranked(combo, reports))
+    if not out:
+        raise UsageError(f"none of the {len(combos)} layouts of {world} ranks could be simulated (see the warnings)")
     out.sort(key=lambda r: (not r.fits, r.step_s))
     return out
 
@@ -543,7 +563,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config.train.pick_layout:
         raise UsageError("--pick-layout is the trainer's; here use --pick --hardware HARDWARE")
     if config.parallel.compile and ns.step:
-        print("note: --compile is not simulated; the step runs eager (a compiled step saves fewer activations)")
+        raise UsageError(
+            "--compile is not simulated (the step runs eager, and a compiled step saves fewer activations); "
+            "drop it for an eager estimate (an upper bound on activations), or add --no-step"
+        )
     hardware = load_hardware(ns.hardware) if ns.hardware else None
     if hardware is not None and not ns.step:
         raise UsageError("--hardware predicts from the simulated step; drop --no-step")

@@ -249,6 +249,20 @@ def problems(config: Config[LlamaTrainConfig], world_size: int) -> list[str]:
     return out
 
 
+def layout_free_problems(config: Config[LlamaTrainConfig], world_size: int) -> list[str]:
+    """The problems of :func:`problems` that do not depend on the mesh (for a run whose layout is still
+    to be picked, ``--pick-layout``; the layout's own are checked once it is)."""
+    train = config.train
+    out = train.problems(strategy=config.parallel.strategy)
+    try:
+        cfg = train.model_config()
+    except UsageError as err:
+        return out + [str(err)]
+    out += cfg.problems()
+    out += dataset_problems(train.dataset, vocab_size=cfg.vocab_size, **train.data_options())
+    return out + config.run.problems(strategy=config.parallel.strategy)
+
+
 def _is_file(path: str) -> bool:
     return Path(path).is_file()
 
