@@ -4,7 +4,7 @@
 
 1. calibrates this machine for --world ranks (``python -m mmm.plan.calibrate``: matmul FLOP/s, a
    training step's efficiency, gloo bandwidth and latency);
-2. ranks every layout the simulator runs (fsdp/hsdp, no pp) by predicted step time on that file
+2. ranks every layout the simulator runs (fsdp/hsdp, pipelines included) by predicted step time on that file
    (``python -m mmm.plan.simulate --pick``);
 3. runs each of them for real (``benchmarks/sweep.py``: one ``launch`` run per layout, mean step time);
 4. prints predicted against measured per layout, the Spearman rank correlation, and the measured
