@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 
 from mmm import dist
 from mmm.data import make_dataset
@@ -25,7 +24,6 @@ from mmm.log import get_logger
 from mmm.models.llama import Llama, apply_cp_llama, load_hf_llama
 from mmm.parallel import describe_sharding, init_mesh, meta_init
 from mmm.parallel.context import shard_sequence
-from mmm.parallel.strategy import build_engine
 from mmm.plan.pick import planners_pick
 from mmm.training import llama as recipe
 from mmm.training.config import Config
@@ -124,31 +122,9 @@ def train(config: Config[LlamaTrainConfig], info, outdir, startup, pick: dict | 
     #    for the whole model or for each pipeline stage; then materialise + initialise the shards
     if mesh.cp_enabled:
         apply_cp_llama(model, mesh["cp"], seq_len=cfg.seq_len)
-    spec = recipe.parallel_spec(how)  # TP plan (data) + loss parallel, blocks for AC/compile/FSDP
-
-    def loss_fn(logits, labels):
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
-
-    engine = build_engine(
-        model,
-        mesh,
-        spec,
-        strategy=how.strategy,
-        device=info.device,
-        max_grad_norm=what.grad_clip,
-        make_optimizer=lambda params: torch.optim.AdamW(params, lr=what.lr, weight_decay=what.weight_decay),
-        global_batch=what.batch_size,
-        optimizer_args={"lr": what.lr, "weight_decay": what.weight_decay},
-        offload_optimizer=how.offload_optimizer,
-        seed=config.run.seed,
-        pipeline_args=dict(
-            loss_fn=loss_fn,
-            microbatches=how.microbatches,
-            schedule=how.pipeline_schedule,
-            stages_per_rank=how.stages_per_rank,
-            split_points=how.split_points,
-        ),
-    )
+    # the spec (recipe.parallel_spec): TP plan (data) + loss parallel, blocks for AC/compile/FSDP; the
+    # strategy, AdamW, clipping and the pipeline from the flags (recipe.make_engine calls build_engine)
+    engine = recipe.make_engine(model, mesh, config, device=info.device)
     del model
     if what.init_from:  # each rank reads only its shards from the safetensors files
         load_hf_llama(engine.unwrapped(), what.init_from)
@@ -194,7 +170,7 @@ def train(config: Config[LlamaTrainConfig], info, outdir, startup, pick: dict | 
     def held_out(step, last):  # the held-out loss every --eval-every steps (left out of the step's dt)
         if not what.eval_due(step, last=last):
             return {}
-        val_loss = evaluate(engine, heldout, loss_fn, sync=run.sync)
+        val_loss = evaluate(engine, heldout, recipe.loss_fn, sync=run.sync)
         return {"val_loss": val_loss, "val_ppl": perplexity(val_loss)}
 
     fit(
@@ -203,7 +179,7 @@ def train(config: Config[LlamaTrainConfig], info, outdir, startup, pick: dict | 
         checkpoints,
         steps=range(start, what.max_iters + 1),
         batch=batch,
-        loss_fn=loss_fn,
+        loss_fn=recipe.loss_fn,
         rates={"tps": what.batch_size * cfg.seq_len},
         lr_at=what.schedule(total_steps=what.max_iters),  # the step's learning rate: warmup, decay
         evaluate=held_out,

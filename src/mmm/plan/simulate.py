@@ -47,7 +47,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from mmm import dist as mdist
 from mmm.cli import ArgumentParser, positive_int, without_flags
@@ -58,7 +57,6 @@ from mmm.log import get_logger
 from mmm.measure import CommCounter, PeakMemory, SavedActivations
 from mmm.models.llama import Llama, apply_cp_llama
 from mmm.parallel import init_mesh, meta_init
-from mmm.parallel.strategy import build_engine
 from mmm.plan import AXES, Combo, plan
 from mmm.plan.hardware import Hardware, load_hardware
 from mmm.plan.predict import predict
@@ -201,28 +199,8 @@ def simulate_rank(
     if mesh.cp_enabled:
         apply_cp_llama(model, mesh["cp"], seq_len=cfg.seq_len)
     spec = recipe.parallel_spec(how).replace(compile=False)  # the trainer's own, run eager
-
-    def loss_fn(logits, labels):
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
-
-    engine = build_engine(  # as the trainer builds it, but sharded on meta: exact shapes, no memory
-        model,
-        mesh,
-        spec,
-        strategy=how.strategy,
-        device=torch.device("meta"),
-        max_grad_norm=what.grad_clip,
-        make_optimizer=lambda params: torch.optim.AdamW(params, lr=what.lr, weight_decay=what.weight_decay),
-        global_batch=what.batch_size,
-        seed=config.run.seed,
-        pipeline_args=dict(
-            loss_fn=loss_fn,
-            microbatches=how.microbatches,
-            schedule=how.pipeline_schedule,
-            stages_per_rank=how.stages_per_rank,
-            split_points=how.split_points,
-        ),
-    )
+    # the trainer's engine, sharded on meta: exact shapes, no memory
+    engine = recipe.make_engine(model, mesh, config, device=torch.device("meta"), spec=spec)
     del model
     module = engine.module
     times["parallelize"] = time.perf_counter() - t0
@@ -239,7 +217,7 @@ def simulate_rank(
     if step:
         t0 = time.perf_counter()
         tokens = (what.batch_size // mesh.dp, cfg.seq_len // mesh.cp)
-        simulated = fake_step(engine, mesh, loss_fn, tokens, mailbox=mailbox if mailbox is not None else {})
+        simulated = fake_step(engine, mesh, recipe.loss_fn, tokens, mailbox=mailbox if mailbox is not None else {})
         # the gradients as the step made them: one may be placed otherwise than its parameter
         param_bytes, grad_bytes, optim_bytes = simulated.pop("state_bytes").values()
         times["step"] = time.perf_counter() - t0

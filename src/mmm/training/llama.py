@@ -7,6 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+
 from mmm.cli import FLAGS, Flags, flag_problems, option, positive_int
 from mmm.data import DATASETS, data_vocab_size, dataset_problems, local_batches, make_dataset
 from mmm.errors import UsageError
@@ -14,6 +17,7 @@ from mmm.models.llama import LlamaConfig, export_hf_llama, llama_config_from_hf,
 from mmm.parallel.compose import ParallelSpec
 from mmm.parallel.context import cp_problems, shard_sequence
 from mmm.parallel.pipeline import pipeline_problems
+from mmm.parallel.strategy import Engine, build_engine
 from mmm.training.checkpoints import open_checkpoints
 from mmm.training.config import Config, trainer_flags
 from mmm.training.evaluation import EvalConfig
@@ -293,6 +297,38 @@ def parallel_spec(how) -> ParallelSpec:
         compile=how.compile,
         dtype=how.dtype,
         reshard_after_forward=how.reshard,
+    )
+
+
+def loss_fn(logits, labels):
+    """The trainer's loss: cross-entropy over every token, in fp32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+def make_engine(model, mesh, config: Config[LlamaTrainConfig], *, device, spec: ParallelSpec | None = None) -> Engine:
+    """The trainer's engine for ``model`` (on meta): ``spec`` (default :func:`parallel_spec`) over ``mesh``,
+    the strategy, AdamW, clipping and the pipeline as the flags say; the shards are materialised on
+    ``device`` (``meta`` keeps them there: a simulated rank, :mod:`mmm.plan.simulate`)."""
+    what, how = config.train, config.parallel
+    return build_engine(
+        model,
+        mesh,
+        spec or parallel_spec(how),
+        strategy=how.strategy,
+        device=device,
+        max_grad_norm=what.grad_clip,
+        make_optimizer=lambda params: torch.optim.AdamW(params, lr=what.lr, weight_decay=what.weight_decay),
+        global_batch=what.batch_size,
+        optimizer_args={"lr": what.lr, "weight_decay": what.weight_decay},
+        offload_optimizer=how.offload_optimizer,
+        seed=config.run.seed,
+        pipeline_args=dict(
+            loss_fn=loss_fn,
+            microbatches=how.microbatches,
+            schedule=how.pipeline_schedule,
+            stages_per_rank=how.stages_per_rank,
+            split_points=how.split_points,
+        ),
     )
 
 
