@@ -281,13 +281,22 @@ def _param_device(model: nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
+def _tensor_device_type(args, kwargs) -> str:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a.device.type
+    return "cpu"
+
+
 def autocast_forward(model: nn.Module, dtype: torch.dtype, *, device_type: str) -> nn.Module:
     """Run ``model.forward`` under ``torch.autocast(dtype)`` (parameters stay fp32); names unchanged."""
     forward = model.forward
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
-        with torch.autocast(device_type, dtype=dtype):
+        # a model parallelized on meta (the planner's) runs where its inputs are
+        where = device_type if device_type != "meta" else _tensor_device_type(args, kwargs)
+        with torch.autocast(where, dtype=dtype):
             return forward(*args, **kwargs)
 
     model.forward = run

@@ -363,7 +363,12 @@ def fake_step(engine, mesh, loss_fn, tokens: tuple[int, int], mailbox: dict | No
     if engine.pipeline is not None:
         _pipeline_by_mail(engine.pipeline, {} if mailbox is None else mailbox)
     with FakeTensorMode(allow_non_fake_inputs=True):  # buffers (rotary tables) stay real: they are read only
+        names = {id(p): name for name, p in engine.module.named_parameters()}
         engine.module.to_empty(device="cpu")
+        # plain (not FSDP-managed) parameters come back as new objects: the optimizer must step those
+        now = dict(engine.module.named_parameters())
+        for group in engine.optimizer.param_groups:
+            group["params"] = [now[names[id(p)]] if id(p) in names else p for p in group["params"]]
         engine.train()
         inputs = torch.zeros(tokens, dtype=torch.long)
         sync = StepSync.for_engine(engine, device=torch.device("cpu"))

@@ -1,0 +1,107 @@
+"""The fsdp_tp trainer's one-device bf16 step written as a plain torch loop, and where its time goes.
+
+    python benchmarks/raw_one_gpu.py --dim 1024 --n-layers 12 --n-heads 16 --vocab-size 32000 --seq-len 1024
+
+The same Llama and synthetic batches as ``python -m mmm.examples.fsdp_tp`` on one rank with the same
+flags, fp32 parameters, the forward under ``torch.autocast(bf16)`` (what the trainer does without
+FSDP), the loss in fp32, AdamW: forward, backward, optimizer step and nothing else. Prints the mean
+step over ``--iters`` steps after ``--warmup`` (device synchronised before and after: the device's
+pace, not the host's), then a profile of ``--profile`` steps: the kernels that take the most device
+time and the share of the step the device is busy (a low share: the host launching kernels is the
+limit). benchmarks/one_gpu.py measures the trainer on the same model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from mmm.data import local_batches, make_dataset
+from mmm.models.llama import Llama, LlamaConfig
+from mmm.parallel import materialize, meta_init
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dim", type=int, default=1024)
+    p.add_argument("--n-layers", type=int, default=12)
+    p.add_argument("--n-heads", type=int, default=16)
+    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--profile", type=int, default=3, help="steps profiled after the timed ones (0: none)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    cfg = LlamaConfig(
+        dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, vocab_size=args.vocab_size, seq_len=args.seq_len
+    )
+    with meta_init():
+        model = Llama(cfg)
+    materialize(model, device=device, seed=args.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    data = make_dataset("synthetic", vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
+    batches = local_batches(data, seed=args.seed, global_batch=args.batch_size, dp_rank=0, dp_size=1, device=device)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+
+    def step():
+        inputs, labels = next(batches)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    for _ in range(args.warmup):
+        step()
+    sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    losses = [step() for _ in range(args.iters)]
+    sync()
+    mean = (time.perf_counter() - t0) / args.iters
+    row = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else device.type,
+        "dtype": args.dtype,
+        "step_s": mean,
+        "peak_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
+        "last_loss": losses[-1].item(),
+    }
+    print(json.dumps(row), flush=True)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(args.profile):
+                step()
+            sync()
+            wall = time.perf_counter() - t0
+        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.self_device_time_total for e in events) / 1e6  # microseconds to seconds
+        print(f"device busy {busy / wall:.0%} of {wall / args.profile * 1e3:.1f} ms per profiled step")
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
+        row |= {"device_busy_share": busy / wall}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(row, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
