@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import assert_clean_user_error, jsonl, launch, run
+from conftest import assert_clean_user_error, jsonl, launch, run, tiny_llama
 from mmm.errors import UsageError
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -333,7 +333,7 @@ def test_one_small_all_reduce_per_step(tmp_path, flags):
 def test_steps_read_late_are_all_recorded_in_order(tmp_path):
     """With --log-every 4 most steps are read one step late: every step is still in history.jsonl, in
     order, and the same values as a run that reads every step at once."""
-    common = ["-m", "mmm.examples.fsdp_tp", "--pp", "2", "--max-iters", "7", "--no-plots"]
+    common = ["-m", "mmm.examples.fsdp_tp", "--pp", "2", *tiny_llama(max_iters=7)]
     late = run(
         launch("-n", "2", "python3", *common, "--log-every", "4", "--outdir", str(tmp_path / "late")), timeout=180
     )
