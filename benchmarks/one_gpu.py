@@ -45,10 +45,20 @@ def run(cmd: list[str], env: dict) -> tuple[float, str]:
     return time.perf_counter() - t, p.stdout
 
 
-def measure(name: str, common: list[str], hardware: str, tmp: Path, env: dict) -> dict:
+def measure(name: str, job: list[str], steps: list[str], hardware: str, tmp: Path, env: dict) -> dict:
     """One trainer run's numbers from its summary.json, and (eager runs) the planner's prediction."""
     out = tmp / name
-    trainer = [sys.executable, "-m", "mmm.examples.fsdp_tp", *common, *RUNS[name], "--outdir", str(out), "--no-plots"]
+    trainer = [
+        sys.executable,
+        "-m",
+        "mmm.examples.fsdp_tp",
+        *job,
+        *RUNS[name],
+        *steps,
+        "--outdir",
+        str(out),
+        "--no-plots",
+    ]
     wall, _ = run(trainer, env)
     summary = json.loads(next(out.rglob("summary.json")).read_text())
     mem = summary["memory_per_rank"][0]
@@ -69,7 +79,7 @@ def measure(name: str, common: list[str], hardware: str, tmp: Path, env: dict) -
     if "--compile" not in RUNS[name]:  # the planner simulates the eager step
         sim = tmp / f"{name}.sim.json"
         planner = [sys.executable, "-m", "mmm.plan.simulate", "--world", "1", "--hardware", hardware]
-        run([*planner, *common, *RUNS[name], "--json", str(sim)], env)
+        run([*planner, *job, *RUNS[name], "--json", str(sim)], env)
         p = json.loads(sim.read_text())[0]["prediction"]
         row |= {"predicted_step_s": p["step_s"], "predicted_peak_bytes": p["peak_bytes"]}
     return row
@@ -85,13 +95,14 @@ def main() -> int:
     ap.add_argument("--only", default=None, help="comma-separated subset of " + ",".join(RUNS))
     ns = ap.parse_args()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    common = [*ns.model.split(), "--batch-size", str(ns.batch_size), "--max-iters", str(ns.iters), "--warmup", "5"]
+    job = [*ns.model.split(), "--batch-size", str(ns.batch_size)]  # what the planner simulates
+    steps = ["--max-iters", str(ns.iters), "--warmup", "5"]
     rows: list[dict] = []
     names = ns.only.split(",") if ns.only else list(RUNS)
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             try:
-                rows.append(measure(name, common, ns.hardware, Path(tmp), env))
+                rows.append(measure(name, job, steps, ns.hardware, Path(tmp), env))
             except Failed as e:  # the other runs still say something
                 print(f"{name}: {e}", file=sys.stderr)
                 continue

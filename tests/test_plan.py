@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from conftest import assert_clean_user_error, launch, run, run_ranks, tiny_llama
+from conftest import SCRIPTS, assert_clean_user_error, launch, run, run_ranks, tiny_llama
 from mmm.plan import plan
 
 FSDP_TP = ["-m", "mmm.examples.fsdp_tp", "--max-iters", "2", "--measure", "--no-plots"]
@@ -136,6 +136,7 @@ def test_cli_bad_input(flags, needles):
         (["--world", "8", "--hardware", "h100", "--no-step"], ["drop --no-step"]),
         (["--world", "8", "--compile"], ["--compile is not simulated"]),
         (["--world", "8", "--pick-layout", "h100"], ["--pick-layout is the trainer's"]),
+        (["--world", "8", "--hard", "h100"], ["unrecognized arguments: --hard h100"]),  # no abbreviations
     ],
 )
 def test_simulate_bad_input(flags, needles):
@@ -339,6 +340,7 @@ def test_simulate_predicts_on_hardware(tmp_path):
     res = run([sys.executable, "-m", "mmm.plan.simulate", *flags, "--json", str(out)], timeout=180)
     assert res.returncode == 0, res.output
     assert "predicted on a100" in res.stdout
+    assert "note: --max-iters shapes the run, not its step: not simulated" in res.stderr  # said, not ignored
     for r in json.loads(out.read_text()):
         assert r["axes"]["tp"] == {"size": 2, "crosses_nodes": False}
         assert r["axes"]["dp_shard"] == {"size": 8, "crosses_nodes": True}  # 8 ranks, 2 apart, 4 per node
@@ -469,3 +471,21 @@ def test_without_fsdp_bf16_and_the_optimizer_state_are_simulated(tmp_path, layou
         assert rank["optim_bytes"] == 2 * rank["param_bytes"] > 0, rank
         assert rank["step"]["peak"]["before_step"] >= rank["param_bytes"] + rank["optim_bytes"], rank
     assert 0 < saved["bf16"] < 0.85 * saved["fp32"], saved  # fp32 beside: norms, the loss's log-softmax
+
+
+def test_a_layout_simulated_by_blocks_equals_the_whole_model():
+    """--pick simulates each layout at three and four blocks per stage and carries what grows per block
+    on to the model's count: the same state, communication, activations, peak and step time as the
+    whole model simulated (HSDP with full AC; a pipeline of 2 stages with TP)."""
+    layouts = [
+        "4 --dp-replicate 2 --strategy hsdp --ac full --n-layers 6",
+        "4 --pp 2 --tp 2 --n-layers 10",
+    ]
+    res = run([sys.executable, str(SCRIPTS / "by_blocks.py"), *layouts], timeout=300)
+    assert res.returncode == 0, res.output
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 2 * len(layouts) and all(r["extrapolated"] for r in rows), res.stdout
+    for r in rows:
+        whole, blocks = r["whole"], r["blocks"]
+        assert abs(blocks.pop("step_s") / whole.pop("step_s") - 1) < 1e-9, r
+        assert blocks == whole, r

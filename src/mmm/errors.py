@@ -72,7 +72,13 @@ API = Spelling()
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag as a single line (usage is one `--help` away)."""
+    """argparse that reports a bad flag as a single line (usage is one `--help` away), and takes only
+    whole flag names: an abbreviation (``--hard`` for ``--hardware``) would slip past commands that pass
+    their flags on to another (``mmm.cli.without_flags``), and a later flag could change its meaning."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # type: ignore[override]
         raise UsageError(f"{message} (see {self.prog} --help)")

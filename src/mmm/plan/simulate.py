@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from mmm import dist as mdist
-from mmm.cli import ArgumentParser, positive_int, without_flags
+from mmm.cli import ArgumentParser, flag_fields, positive_int, without_flags
 from mmm.errors import UsageError, print_error
 from mmm.flops import llama_flops_per_token
 from mmm.history import atomic_write_text
@@ -157,6 +157,7 @@ def simulate_rank(
     step: bool = True,
     hardware: Hardware | None = None,
     mailbox: dict | None = None,
+    n_layers: int | None = None,
 ) -> RankReport:
     """Rank ``rank`` of a ``world``-rank job with ``config``, simulated in this process: it joins a fake
     process group of ``world`` ranks, which it leaves before returning (so the next rank can)."""
@@ -191,6 +192,8 @@ def simulate_rank(
     times["mesh"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     cfg = what.model_config()
+    if n_layers is not None:  # a model of fewer blocks (simulate_by_blocks), checked above at full size
+        cfg = replace(cfg, n_layers=n_layers)
     with meta_init():
         model = Llama(cfg)
     num_params = sum(p.numel() for p in model.parameters())
@@ -223,21 +226,7 @@ def simulate_rank(
         times["step"] = time.perf_counter() - t0
     prediction = None
     if simulated is not None and hardware is not None:
-        recompute = 4 / 3 if how.ac == "full" else 1.0
-        tokens_per_rank = what.batch_size * cfg.seq_len / world
-        prediction = predict(
-            simulated,
-            axes,
-            hardware,
-            flops=llama_flops_per_token(cfg) * tokens_per_rank,
-            recompute=recompute,
-            dtype=how.dtype,
-            n_layers=max(1, cfg.n_layers // mesh.pp),  # the blocks this rank holds
-            pp=mesh.pp,
-            microbatches=how.microbatches or mesh.pp,  # the trainer's default
-            stages_per_rank=how.stages_per_rank,
-            ranks_per_node=devices_per_node,
-        ).as_dict()
+        prediction = predict_rank(simulated, axes, config, cfg, world, hardware, devices_per_node)
     return RankReport(
         rank=rank,
         world=world,
@@ -254,6 +243,82 @@ def simulate_rank(
         axes=axes,
         prediction=prediction,
     )
+
+
+def predict_rank(step: dict, axes: dict, config, cfg, world: int, hardware: Hardware, devices_per_node: int) -> dict:
+    """The step time of a simulated rank of ``config`` (model shape ``cfg``) on ``hardware``."""
+    what, how = config.train, config.parallel
+    pp = how.degrees.get("pp", 1)
+    return predict(
+        step,
+        axes,
+        hardware,
+        flops=llama_flops_per_token(cfg) * what.batch_size * cfg.seq_len / world,
+        recompute=4 / 3 if how.ac == "full" else 1.0,
+        dtype=how.dtype,
+        n_layers=max(1, cfg.n_layers // pp),  # the blocks this rank holds
+        pp=pp,
+        microbatches=how.microbatches or pp,  # the trainer's default
+        stages_per_rank=how.stages_per_rank,
+        ranks_per_node=devices_per_node,
+    ).as_dict()
+
+
+def simulate_by_blocks(
+    config: Config[LlamaTrainConfig],
+    *,
+    world: int,
+    ranks: Sequence[int],
+    devices_per_node: int = 8,
+    hardware: Hardware | None = None,
+) -> list[RankReport]:
+    """:func:`simulate_ranks` for a model of many identical blocks, at a fraction of the cost: each rank
+    is simulated holding three blocks per pipeline stage and holding four, and what grows with the blocks
+    (state, communication bytes and calls, saved activations, peak memory: each a fixed part plus one
+    part per block) is carried on to the real count. Equal to simulating the whole model: measured, the
+    peak grows by the same bytes per block from the third block on (activation checkpointing's first
+    blocks differ), the rest from the first; tested. The model's checks run at its full size first. A
+    model of at most four blocks per stage, or with --split-points, is simulated whole."""
+    cfg = config.train.model_config()
+    how = config.parallel
+    chunks = how.degrees.get("pp", 1) * max(1, how.stages_per_rank)  # pipeline stages in all
+    blocks = cfg.n_layers // chunks if cfg.n_layers % chunks == 0 else 0
+    if blocks <= 4 or how.split_points:
+        return simulate_ranks(config, world=world, ranks=ranks, devices_per_node=devices_per_node, hardware=hardware)
+    found = recipe.problems(config, world)
+    if found:
+        raise UsageError("; ".join(found))
+    one, two = (
+        simulate_ranks(config, world=world, ranks=ranks, devices_per_node=devices_per_node, n_layers=k * chunks)
+        for k in (3, 4)
+    )
+    out = []
+    for a, b in zip(one, two, strict=True):
+
+        def grow(x, y):  # the fixed part plus (blocks) times the part per block
+            if isinstance(x, dict):
+                return {k: grow(x[k], y[k]) for k in x}
+            return x + (blocks - 3) * (y - x)
+
+        step = None
+        if a.step is not None:
+            step = {k: grow(a.step[k], b.step[k]) for k in ("comm_bytes", "comm_calls", "comm_by_kind")}
+            step |= {"activation_bytes": grow(a.step["activation_bytes"], b.step["activation_bytes"])}
+            step |= {"peak": grow(a.step["peak"], b.step["peak"]), "extrapolated_from_blocks": [3, 4]}
+        state = {k: grow(getattr(a, k), getattr(b, k)) for k in ("param_bytes", "grad_bytes", "optim_bytes")}
+        report = replace(
+            b,
+            num_params=cfg.num_params(),
+            local_params=grow(a.local_params, b.local_params),
+            total_bytes=sum(state.values()),
+            step=step,
+            setup_s={k: a.setup_s.get(k, 0.0) + v for k, v in b.setup_s.items()},
+            **state,
+        )
+        if step is not None and hardware is not None:
+            report.prediction = predict_rank(step, b.axes, config, cfg, world, hardware, devices_per_node)
+        out.append(report)
+    return out
 
 
 def simulate_ranks(config: Config[LlamaTrainConfig], *, world: int, ranks: Sequence[int], **kwargs) -> list[RankReport]:
@@ -443,8 +508,8 @@ def rank_layouts(
     strategies: Sequence[str] = ("fsdp", "hsdp"),
 ) -> list[Ranked]:
     """Every valid layout of ``world`` ranks that the simulator runs (fsdp or hsdp), each simulated (its
-    first and last rank, one step) and predicted on ``hardware``; fastest first, the ones whose memory
-    does not fit last. ``fixed``: degrees to hold."""
+    first and last rank, one step, :func:`simulate_by_blocks`) and predicted on ``hardware``; fastest
+    first, the ones whose memory does not fit last. ``fixed``: degrees to hold."""
     per_node = devices_per_node or hardware.devices_per_node
     combos = [c for c in plan(world, config, strategies=list(strategies), fixed=fixed) if c.valid]
     if not combos:
@@ -454,7 +519,7 @@ def rank_layouts(
         trial = replace(config, parallel=replace(config.parallel, **combo.degrees, strategy=combo.strategy))
         ranks = sorted({0, world - 1})
         try:
-            reports = simulate_ranks(trial, world=world, ranks=ranks, devices_per_node=per_node, hardware=hardware)
+            reports = simulate_by_blocks(trial, world=world, ranks=ranks, devices_per_node=per_node, hardware=hardware)
         except UsageError as e:  # refused once built (the planner's checks passed): out of the ranking, said why
             get_logger().warning("%s left out of the ranking: %s", combo.label, e)
             continue
@@ -550,6 +615,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--compile is not simulated (the step runs eager, and a compiled step saves fewer activations); "
             "drop it for an eager estimate (an upper bound on activations), or add --no-step"
         )
+    unused = run_only_flags(config)
+    if unused:  # the trainer's command line is welcome here; say what of it a simulated step leaves out
+        print(
+            f"python -m mmm.plan.simulate: note: {', '.join(unused)} {'shape' if len(unused) > 1 else 'shapes'} "
+            "the run, not its step: not simulated",
+            file=sys.stderr,
+        )
     hardware = load_hardware(ns.hardware) if ns.hardware else None
     if hardware is not None and not ns.step:
         raise UsageError("--hardware predicts from the simulated step; drop --no-step")
@@ -582,6 +654,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.json_path:
         atomic_write_text(Path(ns.json_path), json.dumps([_jsonable(asdict(r)) for r in reports], indent=2) + "\n")
     return 0
+
+
+# trainer flags that decide what a run writes, reads back or watches, not what one step holds or sends
+RUN_ONLY = {"eval_every", "eval_iters", "export_hf", "measure", "max_iters", "lr_schedule", "warmup_steps"}
+RUN_ONLY |= {"min_lr", "lr_decay_steps", "seed"}
+
+
+def run_only_flags(config: Config) -> list[str]:
+    """The flags given (not at their default) that a simulated step does not use."""
+    given = []
+    for section, names in ((config.train, RUN_ONLY), (config.run, None)):
+        for f in flag_fields(type(section)):
+            if (names is None or f.name in names) and getattr(section, f.name) != f.default:
+                given.append(f.metadata["flags"][0])
+    return given
 
 
 def _jsonable(obj):

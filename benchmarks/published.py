@@ -1,0 +1,124 @@
+"""The planner on published runs: what it predicts for torchtitan's measured Llama 3.1 layouts.
+
+    python benchmarks/published.py [--rows 8b-8,70b-256] [--out published.json]
+
+For each row of torchtitan's docs/performance.md (commit eaea6f6, runs of 2024-12: H100 96 GB HBM2e
+at 500 W, 8 per host, 400 Gb/s per GPU between hosts) this simulates the same model shape, layout,
+batch, sequence length and activation checkpointing with ``python -m mmm.plan.simulate --hardware
+h100`` (bf16, eager) and prints the predicted tokens/s per GPU and peak memory beside the published
+ones. The models are given as Hugging Face ``config.json`` files written here (the public shapes of
+Llama 3.1 8B, 70B and 405B; the 3.1 rope scaling is left out: mmm's Llama has plain rotary
+embeddings, and it changes no shape, FLOP or byte). A sanity check, not a proof: torchtitan's 70B and
+405B rows also use torch.compile, Float8 matmuls and async TP, which the prediction does not model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SHAPES = {  # hidden, layers, heads, kv heads, intermediate (vocabulary 128,256 for all)
+    "8b": (4096, 32, 32, 8, 14336),
+    "70b": (8192, 80, 64, 8, 28672),
+    "405b": (16384, 126, 128, 8, 53248),
+}
+
+# (row, model, world, trainer flags, published TPS/GPU, published memory GiB, what else the run had)
+ROWS = [
+    ("8b-8", "8b", 8, ["--batch-size", "16", "--ac", "selective"], 5762, 82.4, "eager"),
+    ("8b-128", "8b", 128, ["--batch-size", "256", "--ac", "selective"], 5605, 67.0, "eager"),
+    ("70b-256", "70b", 256, ["--tp", "8", "--batch-size", "512", "--ac", "full"], 829, 71.9, "compile + Float8"),
+    (
+        "405b-512",
+        "405b",
+        512,
+        ["--pp", "8", "--tp", "8", "--batch-size", "256", "--microbatches", "32", "--ac", "full"],
+        100,
+        82.5,
+        "compile + Float8 + async TP, 1F1B",
+    ),
+]
+
+
+def write_config(root: Path, name: str) -> Path:
+    hidden, layers, heads, kv, ffn = SHAPES[name]
+    folder = root / f"llama-3.1-{name}"
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "intermediate_size": ffn,
+        "vocab_size": 128256,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default=None, help="comma-separated subset of " + ",".join(r[0] for r in ROWS))
+    ap.add_argument("--hardware", default="h100", help="the planner's preset or file [h100]")
+    ap.add_argument("--out", default=None, help="also write the rows as JSON")
+    ns = ap.parse_args()
+    rows = [r for r in ROWS if ns.rows is None or r[0] in ns.rows.split(",")]
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, model, world, flags, tps, mem, extra in rows:
+            folder = write_config(Path(tmp), model)
+            sim = Path(tmp) / f"{name}.json"
+            cmd = [sys.executable, "-m", "mmm.plan.simulate", "--world", str(world), "--hardware", ns.hardware]
+            cmd += ["--init-from", str(folder), "--seq-len", "8192", "--dtype", "bf16", *flags, "--json", str(sim)]
+            t0 = time.perf_counter()
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            seconds = time.perf_counter() - t0
+            if res.returncode:
+                print(res.stdout[-2000:], res.stderr[-3000:], sep="\n", file=sys.stderr)
+                return 1
+            ranks = json.loads(sim.read_text())
+            batch = int(flags[flags.index("--batch-size") + 1])
+            step = max(r["prediction"]["step_s"] for r in ranks)
+            row = {
+                "row": name,
+                "world": world,
+                "flags": flags,
+                "published_tps_per_gpu": tps,
+                "published_memory_gib": mem,
+                "published_with": extra,
+                "predicted_step_s": step,
+                "predicted_tps_per_gpu": batch * 8192 / world / step,
+                "predicted_peak_gib": max(r["prediction"]["peak_bytes"] for r in ranks) / 2**30,
+                "predicted_mfu": min(r["prediction"]["mfu"] for r in ranks),
+                "simulated_s": seconds,
+            }
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    print(
+        f"\n{'run':<10}{'GPUs':>6}  {'TPS/GPU published':>18}{'predicted':>11}{'ratio':>7}"
+        f"  {'GiB published':>14}{'predicted':>11}  {'MFU pred':>9}  published with"
+    )
+    for r in results:
+        print(
+            f"{r['row']:<10}{r['world']:>6}  {r['published_tps_per_gpu']:>18,}{r['predicted_tps_per_gpu']:>11,.0f}"
+            f"{r['predicted_tps_per_gpu'] / r['published_tps_per_gpu']:>7.2f}  {r['published_memory_gib']:>14.1f}"
+            f"{r['predicted_peak_gib']:>11.1f}  {r['predicted_mfu']:>9.1%}  {r['published_with']}"
+        )
+    if ns.out:
+        Path(ns.out).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
