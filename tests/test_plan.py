@@ -379,10 +379,14 @@ def test_pick_ranks_the_layouts_and_holds_the_given_degrees(tmp_path):
     assert f"pick: {' '.join(rows[0]['flags'])}" in res.stdout and "ranked by predicted step time" in res.stdout
     for r in rows:  # the reason names what the step waits for: compute and TP's collectives
         assert "compute" in r["why"] and "tp " in r["why"]
-    tiny = _hardware_file(tmp_path / "tiny.json", memory_gb=1e-5)
-    res = run([*pick, "--hardware", tiny, "--tp", "2", "--cp", "2"], timeout=300)
+    small = _hardware_file(tmp_path / "small.json", memory_gb=0.03)  # the state fits, the step's peak not
+    res = run([*pick, "--hardware", small, "--tp", "2", "--cp", "2"], timeout=300)
     assert res.returncode == 0, res.output
     assert "DOES NOT FIT" in res.stdout and "pick: none; no layout fits in memory" in res.stdout
+    tiny = _hardware_file(tmp_path / "tiny.json", memory_gb=1e-5)  # not even the state: nothing simulated
+    res = run([*pick, "--hardware", tiny, "--tp", "2"], timeout=300)
+    assert_clean_user_error(res, "no layout of 4 ranks fits in 0 GiB per device: the model's state alone does not")
+    assert "3 of 3 layouts left out unsimulated" in res.stderr, res.stderr
     res = run([*pick, "--hardware", hw, "--strategy", "zero2"], timeout=60)
     assert_clean_user_error(res, "--pick: --strategy zero2 is not simulated")
 
@@ -477,10 +481,7 @@ def test_a_layout_simulated_by_blocks_equals_the_whole_model():
     """--pick simulates each layout at three and four blocks per stage and carries what grows per block
     on to the model's count: the same state, communication, activations, peak and step time as the
     whole model simulated (HSDP with full AC; a pipeline of 2 stages with TP)."""
-    layouts = [
-        "4 --dp-replicate 2 --strategy hsdp --ac full --n-layers 6",
-        "4 --pp 2 --tp 2 --n-layers 10",
-    ]
+    layouts = ["4 --dp-replicate 2 --strategy hsdp --ac full --n-layers 6", "4 --pp 2 --tp 2 --n-layers 10"]
     res = run([sys.executable, str(SCRIPTS / "by_blocks.py"), *layouts], timeout=300)
     assert res.returncode == 0, res.output
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]

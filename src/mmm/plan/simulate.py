@@ -56,10 +56,11 @@ from mmm.history import atomic_write_text
 from mmm.log import get_logger
 from mmm.measure import CommCounter, PeakMemory, SavedActivations
 from mmm.models.llama import Llama, apply_cp_llama
-from mmm.parallel import init_mesh, meta_init
+from mmm.parallel import ParallelDims, init_mesh, meta_init
+from mmm.parallel.strategy import state_bytes_per_param
 from mmm.plan import AXES, Combo, plan
 from mmm.plan.hardware import Hardware, load_hardware
-from mmm.plan.predict import predict
+from mmm.plan.predict import MEMORY_MARGIN, predict
 from mmm.training import llama as recipe
 from mmm.training.config import Config
 from mmm.training.llama import LlamaTrainConfig, command_line
@@ -498,6 +499,15 @@ class Ranked:
         return f"{' + '.join(parts)}; peak {peak / 2**30:.2f} of {p['memory_bytes'] / 2**30:.0f} GiB"
 
 
+def state_floor(config: Config[LlamaTrainConfig], world: int, combo: Combo) -> float:
+    """Bytes of parameters, gradients and AdamW state a rank of ``combo`` holds at least: its share of
+    the blocks (the trainer's accounting, :func:`mmm.parallel.strategy.state_bytes_per_param`)."""
+    cfg = config.train.model_config()
+    dims = ParallelDims(world, **combo.degrees)
+    blocks = cfg.num_params(embedding=False) - cfg.dim - cfg.vocab_size * cfg.dim  # less final norm + output
+    return sum(state_bytes_per_param(combo.strategy, dims)) * blocks / (dims.tp * dims.pp)
+
+
 def rank_layouts(
     config: Config[LlamaTrainConfig],
     world: int,
@@ -508,16 +518,41 @@ def rank_layouts(
     strategies: Sequence[str] = ("fsdp", "hsdp"),
 ) -> list[Ranked]:
     """Every valid layout of ``world`` ranks that the simulator runs (fsdp or hsdp), each simulated (its
-    first and last rank, one step, :func:`simulate_by_blocks`) and predicted on ``hardware``; fastest
+    first and last pipeline stage, one step, :func:`simulate_by_blocks`) and predicted on ``hardware``; fastest
     first, the ones whose memory does not fit last. ``fixed``: degrees to hold."""
     per_node = devices_per_node or hardware.devices_per_node
     combos = [c for c in plan(world, config, strategies=list(strategies), fixed=fixed) if c.valid]
     if not combos:
         raise UsageError(f"no fsdp or hsdp layout of {world} ranks is valid for this model; see python -m mmm.plan")
+    # a layout whose state alone cannot fit is not simulated: its rank's share of the blocks' parameters,
+    # gradients and AdamW state (the embedding and output left out: a floor) against the usable memory
+    usable = (1 - MEMORY_MARGIN) * hardware.memory_bytes
+    floors = {c.label: state_floor(config, world, c) for c in combos}
+    over = [c for c in combos if floors[c.label] > usable]
+    if over:
+        worst = min(over, key=lambda c: floors[c.label])
+        get_logger().warning(
+            "%d of %d layouts left out unsimulated: their parameters, gradients and AdamW state alone exceed "
+            "%.0f GiB of %.0f per device (the closest, %s: %.1f GiB)",
+            len(over),
+            len(combos),
+            usable / 2**30,
+            hardware.memory_bytes / 2**30,
+            worst.label,
+            floors[worst.label] / 2**30,
+        )
+        combos = [c for c in combos if floors[c.label] <= usable]
+        if not combos:
+            raise UsageError(
+                f"no layout of {world} ranks fits in {hardware.memory_bytes / 2**30:.0f} GiB per device: the model's "
+                "state alone does not (more ranks, or a device with more memory)"
+            )
     out = []
     for combo in combos:
         trial = replace(config, parallel=replace(config.parallel, **combo.degrees, strategy=combo.strategy))
-        ranks = sorted({0, world - 1})
+        # the first and last pipeline stage; without a pipeline rank 0 alone (every rank alike, and
+        # FSDP's first shards are the largest when a dimension does not split evenly)
+        ranks = sorted({0, world - 1}) if combo.degrees["pp"] > 1 else [0]
         try:
             reports = simulate_by_blocks(trial, world=world, ranks=ranks, devices_per_node=per_node, hardware=hardware)
         except UsageError as e:  # refused once built (the planner's checks passed): out of the ranking, said why
