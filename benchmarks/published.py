@@ -37,7 +37,8 @@ ROWS = [
         "405b-512",
         "405b",
         512,
-        ["--pp", "8", "--tp", "8", "--batch-size", "256", "--microbatches", "32", "--ac", "full"],
+        ["--pp", "8", "--tp", "8", "--batch-size", "256", "--microbatches", "32", "--ac", "full"]
+        + ["--split-points", "16,32,48,64,80,96,112"],  # 126 blocks: 7 stages of 16, the last of 14
         100,
         82.5,
         "compile + Float8 + async TP, 1F1B",

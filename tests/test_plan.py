@@ -490,3 +490,19 @@ def test_a_layout_simulated_by_blocks_equals_the_whole_model():
         whole, blocks = r["whole"], r["blocks"]
         assert abs(blocks.pop("step_s") / whole.pop("step_s") - 1) < 1e-9, r
         assert blocks == whole, r
+
+
+def test_shapes_derived_on_global_fake_tensors_are_not_a_ranks_memory(tmp_path):
+    """Under TP the loss runs in loss_parallel(), whose handlers derive output shapes by running the op
+    on fake tensors of the global shape (the whole vocabulary). No rank holds those: the simulated peak
+    stays under 5 copies of this rank's fp32 logits shard (the loss holds about 4: logits, log-softmax
+    and their gradients); counting the derivation's whole-vocabulary tensors made it 5.4 (found on
+    Llama-3-70B, whose phantom logits were 62 GiB of a 142 GiB peak)."""
+    out = tmp_path / "sim.json"
+    flags = ["--world", "2", "--tp", "2", "--dim", "64", "--n-heads", "4", "--n-layers", "1"]
+    flags += ["--vocab-size", "32768", "--seq-len", "1024", "--batch-size", "1", "--ranks", "0"]
+    res = run([sys.executable, "-m", "mmm.plan.simulate", *flags, "--json", str(out)], timeout=120)
+    assert res.returncode == 0, res.output
+    peak = json.loads(out.read_text())[0]["step"]["peak"]["total"]
+    shard = 1024 * 32768 // 2 * 4  # this rank's fp32 logits: 1,024 tokens x half the vocabulary
+    assert 4 * shard < peak < 5 * shard, peak / shard

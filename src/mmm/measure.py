@@ -196,10 +196,38 @@ class PeakMemory(TorchDispatchMode):
 
         self._dtensor = DTensor
         self._alive: set[int] = set()
+        self._shadow = 0  # > 0 while DTensor derives an op's output shape on global-shape fake tensors
         self.live = self.peak = 0
         for t in existing:
             self._track(t, new=False)
         self.start = self.peak = self.live
+
+    def __enter__(self):
+        # DTensor (loss_parallel's handlers among others) finds an op's output shape by running it on
+        # fake tensors of the global shape, in the fake mode active here: under the simulator's those
+        # look like this rank's own tensors (a whole vocabulary's fp32 logits, 62 GiB for Llama-3-70B
+        # at 131k tokens per rank). They hold no memory on a real rank: not counted.
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        self._propagator = ShardingPropagator
+        self._derive = ShardingPropagator.__dict__.get("_propagate_tensor_meta_non_cached")
+        if self._derive is not None:
+            derive, mode = self._derive, self
+
+            def shadowed(*args, **kwargs):
+                mode._shadow += 1
+                try:
+                    return derive(*args, **kwargs)
+                finally:
+                    mode._shadow -= 1
+
+            ShardingPropagator._propagate_tensor_meta_non_cached = shadowed
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self._derive is not None:
+            self._propagator._propagate_tensor_meta_non_cached = self._derive
+        return super().__exit__(*exc)
 
     def _track(self, t, new: bool = True) -> None:
         if not isinstance(t, torch.Tensor):
@@ -224,6 +252,7 @@ class PeakMemory(TorchDispatchMode):
         if any(issubclass(t, self._dtensor) for t in types):
             return NotImplemented  # count the local ops DTensor turns this one into
         out = func(*args, **(kwargs or {}))
-        for t in pytree.tree_leaves(out):
-            self._track(t)
+        if not self._shadow:
+            for t in pytree.tree_leaves(out):
+                self._track(t)
         return out
