@@ -281,11 +281,9 @@ def _param_device(model: nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
-def _tensor_device_type(args, kwargs) -> str:
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.Tensor):
-            return a.device.type
-    return "cpu"
+def _tensor_device_type(values) -> str:
+    """The device type of the first tensor among ``values`` (cpu if none)."""
+    return next((v.device.type for v in values if isinstance(v, torch.Tensor)), "cpu")
 
 
 def autocast_forward(model: nn.Module, dtype: torch.dtype, *, device_type: str) -> nn.Module:
@@ -295,7 +293,7 @@ def autocast_forward(model: nn.Module, dtype: torch.dtype, *, device_type: str) 
     @functools.wraps(forward)
     def run(*args, **kwargs):
         # a model parallelized on meta (the planner's) runs where its inputs are
-        where = device_type if device_type != "meta" else _tensor_device_type(args, kwargs)
+        where = device_type if device_type != "meta" else _tensor_device_type((*args, *kwargs.values()))
         with torch.autocast(where, dtype=dtype):
             return forward(*args, **kwargs)
 

@@ -293,14 +293,14 @@ def simulate_by_blocks(
         simulate_ranks(config, world=world, ranks=ranks, devices_per_node=devices_per_node, n_layers=k * chunks)
         for k in (3, 4)
     )
+
+    def grow(x, y):  # the fixed part plus (blocks) times the part per block, from 3 and 4 blocks
+        if isinstance(x, dict):
+            return {k: grow(x[k], y[k]) for k in x}
+        return x + (blocks - 3) * (y - x)
+
     out = []
     for a, b in zip(one, two, strict=True):
-
-        def grow(x, y):  # the fixed part plus (blocks) times the part per block
-            if isinstance(x, dict):
-                return {k: grow(x[k], y[k]) for k in x}
-            return x + (blocks - 3) * (y - x)
-
         step = None
         if a.step is not None:
             step = {k: grow(a.step[k], b.step[k]) for k in ("comm_bytes", "comm_calls", "comm_by_kind")}
