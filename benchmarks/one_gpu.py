@@ -80,8 +80,11 @@ def measure(name: str, job: list[str], steps: list[str], hardware: str, tmp: Pat
         sim = tmp / f"{name}.sim.json"
         planner = [sys.executable, "-m", "mmm.plan.simulate", "--world", "1", "--hardware", hardware]
         run([*planner, *job, *RUNS[name], "--json", str(sim)], env)
-        p = json.loads(sim.read_text())[0]["prediction"]
+        rank = json.loads(sim.read_text())[0]
+        p = rank["prediction"]
         row |= {"predicted_step_s": p["step_s"], "predicted_peak_bytes": p["peak_bytes"]}
+        row |= {"predicted_matmul_s": p["matmul_s"], "predicted_memory_s": p["memory_s"]}
+        row |= {"simulated_memory_bytes": rank["step"]["memory_bytes"]}
     return row
 
 

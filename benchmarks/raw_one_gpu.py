@@ -24,6 +24,17 @@ from mmm.data import local_batches, make_dataset
 from mmm.models.llama import Llama, LlamaConfig
 from mmm.parallel import materialize, meta_init
 
+MATMUL_KERNELS = ("gemm", "cutlass", "nvjet", "xmma", "cublas", "sm90_", "sm80_", "ampere_", "hopper_")
+ATTENTION_KERNELS = ("flash", "fmha", "attention", "attn")
+
+
+def kernel_kind(name: str) -> str:
+    """A device kernel's kind by its name: a matrix multiply (cuBLAS, CUTLASS), fused attention, or other."""
+    low = name.lower()
+    if any(k in low for k in ATTENTION_KERNELS):
+        return "attention"
+    return "matmul" if any(k in low for k in MATMUL_KERNELS) else "other"
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -97,7 +108,15 @@ def main() -> None:
         busy = sum(e.self_device_time_total for e in events) / 1e6  # microseconds to seconds
         print(f"device busy {busy / wall:.0%} of {wall / args.profile * 1e3:.1f} ms per profiled step")
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
-        row |= {"device_busy_share": busy / wall}
+        split = {"matmul": 0.0, "attention": 0.0, "other": 0.0}  # device seconds per step by kind of kernel
+        for e in events:
+            split[kernel_kind(e.key)] += e.self_device_time_total / 1e6 / args.profile
+        print(
+            "device time per step by kernel: "
+            + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in split.items())
+            + " (other: elementwise, norms, softmax, casts, copies, the optimizer: memory-bound)"
+        )
+        row |= {"device_busy_share": busy / wall, "device_s_by_kernel": split}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(row, f, indent=2)

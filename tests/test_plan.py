@@ -255,7 +255,7 @@ def test_hardware_presets_and_a_file_of_your_own(tmp_path):
 
     for name, hw in PRESETS.items():
         assert load_hardware(name.upper()) is hw and hw.source and hw.peak("bf16") > hw.peak("fp32") > 0
-        assert hw.intra_node_bps > 0 and hw.inter_node_bps > 0 and hw.memory_bytes > 32e9
+        assert hw.intra_node_bps > 0 and hw.inter_node_bps > 0 and hw.memory_bytes > 32e9 and hw.memory_bps > 1e12
     mine = tmp_path / "cluster.json"
     mine.write_text(
         json.dumps(
@@ -271,6 +271,9 @@ def test_hardware_presets_and_a_file_of_your_own(tmp_path):
     )
     hw = load_hardware(str(mine))
     assert (hw.name, hw.devices_per_node, hw.peak("bf16"), hw.inter_node_bps) == ("ours", 4, 500e12, 25e9)
+    assert hw.memory_bps == 0  # not given: memory-bound ops are not counted apart
+    mine.write_text(json.dumps({**json.loads(mine.read_text()), "memory_bandwidth_gbps": 2000}))
+    assert load_hardware(str(mine)).memory_bps == 2000e9
     with pytest.raises(UsageError, match="no peak FLOP/s for dtype fp32"):
         hw.peak("fp32")
     mine.write_text('{"devices_per_node": 4}')
@@ -285,6 +288,8 @@ def test_hardware_presets_and_a_file_of_your_own(tmp_path):
         ({"inter_node_gbps": -1}, "inter_node_gbps -1 must be a positive number"),
         ({"matmul_eficiency": 0.5}, "unknown field 'matmul_eficiency'"),
         ({"matmul_efficiency": 60}, "at most 1"),
+        ({"memory_efficiency": 1.5}, "memory_efficiency 1.5 is a fraction of peak, at most 1"),
+        ({"memory_bandwidth_gbps": 0}, "memory_bandwidth_gbps 0 must be a positive number"),
         ({"peak_tflops": 500}, "peak_tflops is a map"),
     ]:
         mine.write_text(json.dumps({**good, **change}))
@@ -332,6 +337,36 @@ def test_predicted_step_time_adds_up_and_follows_the_links():
     assert predict(step, inside, shared, **kw, pp=2, microbatches=2).bubble_s == 0
     long = predict(step, inside, shared, **kw, pp=4, microbatches=1)  # critical path 4x at 2x the rate
     assert abs(long.bubble_s - a.compute_s) < 1e-9
+    # memory-bound ops: their bytes at the device memory's pace, after the matmuls (eager kernels run in turn)
+    moved = predict({**step, "memory_bytes": 100 * gib}, inside, hw, **kw)
+    assert moved.memory_s == 100 * gib / (hw.memory_bps * hw.memory_efficiency) and moved.matmul_s == a.matmul_s
+    assert moved.compute_s == moved.matmul_s + moved.memory_s and moved.step_s > a.step_s + moved.memory_s * 0.99
+    calibrated = replace(hw, memory_bps=0.0)  # a calibrated file's efficiency measured the whole step
+    assert predict({**step, "memory_bytes": 100 * gib}, inside, calibrated, **kw).memory_s == 0
+
+
+def test_device_work_counts_matmul_flops_and_the_bytes_other_ops_move():
+    """The simulated step's device work, op by op: a matrix multiply counts 2 m n k FLOPs; any other op
+    that computes counts the bytes it reads and writes (an in-place op its tensor twice, a foreach op
+    each tensor of its lists, a copy its source and its destination once); views and allocations nothing."""
+    import torch
+
+    from mmm.measure import DeviceWork
+
+    x, a, b, bias = torch.randn(1000), torch.randn(8, 16), torch.randn(16, 4), torch.randn(4)
+    with DeviceWork() as w:
+        y = x * 2 + 1  # two ops, each reads 4,000 bytes and writes 4,000
+        a @ b  # 2 x 8 x 16 x 4 FLOPs
+        torch.addmm(bias, a, b)  # the same, and its bias is no traffic of a memory-bound op
+        torch.bmm(a.view(2, 4, 16), b.expand(2, 16, 4))  # views: no bytes
+        x.add_(1)  # reads x, writes x
+        torch._foreach_mul_([x, y], 0.5)  # reads and writes both
+        torch.empty(10**6)  # an allocation moves nothing
+        y.copy_(x)  # reads x, writes y
+        x.to(torch.bfloat16)  # reads 4,000 bytes, writes 2,000
+    assert w.matmul_flops == 3 * 2 * 8 * 16 * 4
+    moved = {"mul": 8000, "add": 8000, "add_": 8000, "_foreach_mul_": 16000, "copy_": 8000, "_to_copy": 6000}
+    assert dict(w.bytes_by_op) == moved and w.memory_bytes == sum(moved.values())
 
 
 def test_simulate_predicts_on_hardware(tmp_path):
@@ -346,6 +381,7 @@ def test_simulate_predicts_on_hardware(tmp_path):
         assert r["axes"]["dp_shard"] == {"size": 8, "crosses_nodes": True}  # 8 ranks, 2 apart, 4 per node
         p = r["prediction"]
         assert p["hardware"] == "a100" and p["fits"] is True and p["step_s"] > p["compute_s"] > 0
+        assert r["step"]["memory_bytes"] > 0 and p["memory_s"] > 0 and p["compute_s"] == p["matmul_s"] + p["memory_s"]
         assert set(p["comm_s"]) == set(r["step"]["comm_bytes"])
 
 

@@ -9,6 +9,9 @@
   (parameters excluded): the activation memory of a step without activation checkpointing.
   Checkpointed regions save through their own hooks and are not seen, so under ``--ac`` this counts
   only what lies outside the checkpointed blocks.
+* :class:`PeakMemory` follows every storage the local ops make and free: the step's peak memory.
+* :class:`DeviceWork` counts the matrix multiplies' FLOPs and the bytes every other op reads and
+  writes: the work of an eager step's compute-bound and memory-bound kernels.
 
 Both see every op through a Python dispatch mode or hook, so they slow the step they watch: the
 trainers use them on one warmup step (``--measure``) and never in timed steps.
@@ -183,30 +186,21 @@ class SavedActivations:
         self._ctx.__exit__(*exc)
 
 
-class PeakMemory(TorchDispatchMode):
-    """``with PeakMemory(existing) as m: step()`` then ``m.peak``: the most bytes of tensor storage alive
-    at once while it was active, counting the storages of ``existing`` (parameters, optimizer state,
-    inputs: what is alive before) once, and every storage an op makes until it is freed. It sees local
-    tensors (a DTensor's shards) and fake tensors alike, so it gives a simulated rank's peak memory; it
-    counts no allocator rounding, workspace or fragmentation."""
+class _LocalOps(TorchDispatchMode):
+    """A dispatch mode that sees the local ops a rank runs: a DTensor op is left to DTensor, which turns
+    it into local ops and collectives; the ops DTensor runs to derive an op's output shape, on fake
+    tensors of the global shape, are passed through unseen (:meth:`seen` is False). Under the
+    simulator's fake mode those look like this rank's own tensors (a whole vocabulary's fp32 logits,
+    62 GiB for Llama-3-70B at 131k tokens per rank), but a real rank never runs them."""
 
-    def __init__(self, existing: list[torch.Tensor] = ()) -> None:
+    def __init__(self) -> None:
         super().__init__()
         from torch.distributed.tensor import DTensor
 
         self._dtensor = DTensor
-        self._alive: set[int] = set()
         self._shadow = 0  # > 0 while DTensor derives an op's output shape on global-shape fake tensors
-        self.live = self.peak = 0
-        for t in existing:
-            self._track(t, new=False)
-        self.start = self.peak = self.live
 
     def __enter__(self):
-        # DTensor (loss_parallel's handlers among others) finds an op's output shape by running it on
-        # fake tensors of the global shape, in the fake mode active here: under the simulator's those
-        # look like this rank's own tensors (a whole vocabulary's fp32 logits, 62 GiB for Llama-3-70B
-        # at 131k tokens per rank). They hold no memory on a real rank: not counted.
         from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
         self._propagator = ShardingPropagator
@@ -229,6 +223,37 @@ class PeakMemory(TorchDispatchMode):
             self._propagator._propagate_tensor_meta_non_cached = self._derive
         return super().__exit__(*exc)
 
+    @property
+    def seen(self) -> bool:
+        return not self._shadow
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, self._dtensor) for t in types):
+            return NotImplemented  # count the local ops DTensor turns this one into
+        out = func(*args, **(kwargs or {}))
+        if self.seen:
+            self.local_op(func, args, kwargs or {}, out)
+        return out
+
+    def local_op(self, func, args, kwargs, out) -> None:
+        raise NotImplementedError
+
+
+class PeakMemory(_LocalOps):
+    """``with PeakMemory(existing) as m: step()`` then ``m.peak``: the most bytes of tensor storage alive
+    at once while it was active, counting the storages of ``existing`` (parameters, optimizer state,
+    inputs: what is alive before) once, and every storage an op makes until it is freed. It sees local
+    tensors (a DTensor's shards) and fake tensors alike, so it gives a simulated rank's peak memory; it
+    counts no allocator rounding, workspace or fragmentation."""
+
+    def __init__(self, existing: list[torch.Tensor] = ()) -> None:
+        super().__init__()
+        self._alive: set[int] = set()
+        self.live = self.peak = 0
+        for t in existing:
+            self._track(t, new=False)
+        self.start = self.peak = self.live
+
     def _track(self, t, new: bool = True) -> None:
         if not isinstance(t, torch.Tensor):
             return
@@ -248,11 +273,57 @@ class PeakMemory(TorchDispatchMode):
             self._alive.discard(key)
             self.live -= n
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, self._dtensor) for t in types):
-            return NotImplemented  # count the local ops DTensor turns this one into
-        out = func(*args, **(kwargs or {}))
-        if not self._shadow:
-            for t in pytree.tree_leaves(out):
-                self._track(t)
-        return out
+    def local_op(self, func, args, kwargs, out) -> None:
+        for t in pytree.tree_leaves(out):
+            self._track(t)
+
+
+_ATEN_MATMUL = {"mm", "addmm", "bmm", "baddbmm"}  # (bias,) a, b
+# attention kernels: compute-bound where they are fused (flash, memory-efficient, cuDNN): their FLOPs
+# are in the model's count, their bytes are not memory traffic of the step's own
+_ATTENTION_PREFIX = ("_scaled_dot_product_", "_flash_attention", "_efficient_attention", "_cudnn_attention")
+# ops that move no bytes: allocation without a fill, and metadata
+_NO_TRAFFIC = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like", "_unsafe_view", "detach"}
+_NO_TRAFFIC |= {"lift_fresh", "set_", "resize_", "_local_scalar_dense"}
+
+
+class DeviceWork(_LocalOps):
+    """``with DeviceWork() as w: step()`` then ``w.matmul_flops`` and ``w.memory_bytes``: what the local
+    ops of a rank's step ask of its device. Matrix multiplies (and fused attention) count their FLOPs
+    (``2 m n k``); every other op that computes (elementwise, norms, softmax, casts, copies, the
+    optimizer's updates, embedding lookups) counts the bytes it reads and writes: the traffic an eager
+    step's memory-bound kernels move through device memory. Views and allocations move nothing;
+    collectives are :class:`CommCounter`'s. Under ``torch.compile`` fused kernels move less."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.matmul_flops = 0
+        self.memory_bytes = 0
+        self.bytes_by_op: dict[str, int] = defaultdict(int)
+
+    def local_op(self, func, args, kwargs, out) -> None:
+        if isinstance(func, torch._ops.HigherOrderOperator) or func.namespace != "aten":
+            return  # collectives (c10d), and what the ops inside a higher-order op count themselves
+        name = func._schema.name.split("::")[-1]
+        if name in _ATEN_MATMUL:
+            a, b = (args[1], args[2]) if name.startswith(("add", "badd")) else (args[0], args[1])
+            self.matmul_flops += 2 * a.numel() * b.shape[-1]
+            return
+        if name.startswith(_ATTENTION_PREFIX) or name in _NO_TRAFFIC or func.is_view:
+            return
+        read = {id(t): _local_bytes(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        written = {id(t): _local_bytes(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)}
+        for i, arg in enumerate(func._schema.arguments):  # in place: the tensors it writes (foreach ops return None)
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
+                written |= {id(t): _local_bytes(t) for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)}
+        if name in ("copy_", "fill_", "zero_", "normal_", "uniform_"):  # writes its destination, never reads it
+            read.pop(id(args[0]), None)
+        n = sum(read.values()) + sum(written.values())
+        self.memory_bytes += n
+        self.bytes_by_op[name] += n
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t._local_tensor if hasattr(t, "_local_tensor") else t
+    return local.numel() * local.element_size()

@@ -13,7 +13,8 @@ process group stays inside a node runs at the first, one whose group spans nodes
     {"name": "my cluster", "devices_per_node": 4, "memory_gb": 96,
      "peak_tflops": {"bf16": 989.4, "fp32": 66.9},
      "intra_node_gbps": 450, "inter_node_gbps": 25, "latency_us": 10,
-     "matmul_efficiency": 0.6, "source": "vendor sheet + our all-reduce test"}
+     "matmul_efficiency": 0.6, "memory_bandwidth_gbps": 3350, "memory_efficiency": 0.6,
+     "source": "vendor sheet + our all-reduce test"}
 
 (``cores_per_node``: only where CPU ranks share a node's cores, see :class:`Hardware`.)
 
@@ -34,6 +35,7 @@ GIB = 2**30
 REQUIRED = ("devices_per_node", "memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps")
 # a calibrated file also says what it measured with (model)
 FILE_FIELDS = {*REQUIRED, "name", "latency_us", "matmul_efficiency", "cores_per_node", "source", "model"}
+FILE_FIELDS |= {"memory_bandwidth_gbps", "memory_efficiency"}
 
 
 @dataclass(frozen=True)
@@ -53,8 +55,15 @@ class Hardware:
     source: str
     assumed: tuple[str, ...] = field(default=())
     matmul_efficiency: float = 0.6
-    """The fraction of peak a training step's kernels reach (an assumption in every preset: set it from a
-    measured single-device step)."""
+    """The fraction of peak a step's matrix multiplies and attention reach (measured on an H200 for the h100
+    and h200 presets, assumed in the others: set it from a single-device step's profile,
+    ``benchmarks/raw_one_gpu.py``). Where ``memory_bps`` is 0 (a calibrated file), the whole step's."""
+    memory_bps: float = 0.0
+    """Bytes per second of the device's own memory (HBM): the pace of an eager step's memory-bound kernels
+    (elementwise ops, norms, casts, the optimizer), which move bytes rather than multiply matrices. 0: not
+    counted apart; a calibrated file's ``matmul_efficiency`` measured the whole step and holds them."""
+    memory_efficiency: float = 0.6
+    """The fraction of ``memory_bps`` those kernels reach (0.59-0.63 measured on an H200, bf16 and fp32)."""
     cores_per_node: int = 0
     """Where ranks share a node's cores (CPU ranks, more of them than cores): the cores. 0: every device
     computes on its own (GPUs)."""
@@ -79,8 +88,25 @@ PRESETS: dict[str, Hardware] = {
         intra_node_bps=450 * GB,  # NVLink 4: 900 GB/s both directions
         inter_node_bps=50 * GB,  # 8 x 400 Gb/s InfiniBand NDR per node: one NIC per GPU
         latency_s=10e-6,
-        source="NVIDIA H100 Tensor Core GPU datasheet (SXM5); NVIDIA DGX H100 user guide (8 x ConnectX-7)",
-        assumed=("latency_s", "matmul_efficiency"),
+        source="NVIDIA H100 Tensor Core GPU datasheet (SXM5); NVIDIA DGX H100 user guide (8 x ConnectX-7); "
+        "efficiencies measured on one H200 (docs/benchmarks.md#one-gpu)",
+        assumed=("latency_s",),
+        matmul_efficiency=0.75,  # H200, Llama dim 1,024: 0.73 bf16, 0.76 fp32 (larger matmuls reach more)
+        memory_bps=3350 * GB,  # HBM3
+    ),
+    "h200": Hardware(
+        name="h200",
+        devices_per_node=8,
+        memory_bytes=150_109_880_320,  # as the device reports it (HBM3e, "141GB")
+        peak_flops={"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 66.9e12},  # as the H100 SXM5
+        intra_node_bps=450 * GB,  # NVLink 4: 900 GB/s both directions
+        inter_node_bps=50 * GB,  # 8 x 400 Gb/s InfiniBand NDR per node: one NIC per GPU
+        latency_s=10e-6,
+        source="NVIDIA H200 Tensor Core GPU datasheet (SXM); NVIDIA DGX H200 user guide (8 x ConnectX-7); "
+        "efficiencies measured on one H200 (docs/benchmarks.md#one-gpu)",
+        assumed=("latency_s",),
+        matmul_efficiency=0.75,  # H200, Llama dim 1,024: 0.73 bf16, 0.76 fp32 (larger matmuls reach more)
+        memory_bps=4800 * GB,  # HBM3e
     ),
     "a100": Hardware(
         name="a100",
@@ -91,7 +117,8 @@ PRESETS: dict[str, Hardware] = {
         inter_node_bps=25 * GB,  # 8 x 200 Gb/s InfiniBand HDR per node
         latency_s=10e-6,
         source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB); NVIDIA DGX A100 user guide (8 x ConnectX-6)",
-        assumed=("latency_s", "matmul_efficiency"),
+        assumed=("latency_s", "matmul_efficiency", "memory_efficiency"),
+        memory_bps=2039 * GB,  # HBM2e
     ),
     "pvc": Hardware(  # Aurora: one rank per stack (tile), 12 per node
         name="pvc",
@@ -102,8 +129,9 @@ PRESETS: dict[str, Hardware] = {
         inter_node_bps=200 * GB / 12,  # 8 Slingshot-11 NICs x 200 Gb/s per node, over 12 stacks
         latency_s=20e-6,
         source="ALCF Aurora machine overview (6 GPU Max 1550 x 2 stacks, 768 GiB HBM, 8 Slingshot-11 NICs per "
-        "node); Intel Data Center GPU Max 1550 product brief (838.9 TFLOP/s bf16 per GPU of 2 stacks)",
-        assumed=("intra_node_bps", "latency_s", "matmul_efficiency"),
+        "node); Intel Data Center GPU Max 1550 product brief (838.9 TFLOP/s bf16, 3.2768 TB/s per GPU of 2 stacks)",
+        assumed=("intra_node_bps", "latency_s", "matmul_efficiency", "memory_efficiency"),
+        memory_bps=3276.8 * GB / 2,  # HBM2e, per stack
     ),
     "mi250x": Hardware(  # Frontier: one rank per GCD, 8 per node
         name="mi250x",
@@ -114,14 +142,20 @@ PRESETS: dict[str, Hardware] = {
         inter_node_bps=100 * GB / 8,  # 4 Slingshot-11 NICs x 25 GB/s per node, over 8 GCDs
         latency_s=20e-6,
         source="OLCF Frontier user guide (4 MI250X = 8 GCDs, 4 x 25 GB/s NICs per node); AMD Instinct MI250X "
-        "datasheet (383 TFLOP/s bf16, 128 GB per package of 2 GCDs)",
-        assumed=("intra_node_bps", "latency_s", "matmul_efficiency"),  # 50-100 GB/s between GCDs: the low end
+        "datasheet (383 TFLOP/s bf16, 128 GB and 3.2768 TB/s per package of 2 GCDs)",
+        assumed=(
+            "intra_node_bps",
+            "latency_s",
+            "matmul_efficiency",
+            "memory_efficiency",
+        ),  # 50-100 GB/s between GCDs: the low end
+        memory_bps=3276.8 * GB / 2,  # HBM2e, per GCD
     ),
 }
 
 
 def load_hardware(spec: str) -> Hardware:
-    """A preset by name (``h100``, ``a100``, ``pvc``, ``mi250x``) or a JSON file (see the module doc)."""
+    """A preset by name (``h100``, ``h200``, ``a100``, ``pvc``, ``mi250x``) or a JSON file (see the module doc)."""
     if spec.lower() in PRESETS:
         return PRESETS[spec.lower()]
     path = Path(spec).expanduser()
@@ -155,9 +189,12 @@ def load_hardware(spec: str) -> Hardware:
             raise UsageError(f"--hardware {spec}: {name} {value!r} must be a positive number")
         return float(value)
 
-    efficiency = positive("matmul_efficiency", data.get("matmul_efficiency", 0.6))
-    if efficiency > 1:
-        raise UsageError(f"--hardware {spec}: matmul_efficiency {efficiency} is a fraction of peak, at most 1")
+    efficiency = {}
+    for name, default in (("matmul_efficiency", 0.6), ("memory_efficiency", 0.6)):
+        efficiency[name] = positive(name, data.get(name, default))
+        if efficiency[name] > 1:
+            raise UsageError(f"--hardware {spec}: {name} {efficiency[name]} is a fraction of peak, at most 1")
+    bandwidth = data.get("memory_bandwidth_gbps")
     return Hardware(
         name=str(data.get("name", path.stem)),
         devices_per_node=int(positive("devices_per_node", data["devices_per_node"])),
@@ -167,6 +204,8 @@ def load_hardware(spec: str) -> Hardware:
         inter_node_bps=positive("inter_node_gbps", data["inter_node_gbps"]) * GB,
         latency_s=positive("latency_us", data.get("latency_us", 10)) * 1e-6,
         source=str(data.get("source", str(path))),
-        matmul_efficiency=efficiency,
+        matmul_efficiency=efficiency["matmul_efficiency"],
+        memory_bps=positive("memory_bandwidth_gbps", bandwidth) * GB if bandwidth is not None else 0.0,
+        memory_efficiency=efficiency["memory_efficiency"],
         cores_per_node=int(data.get("cores_per_node", 0)) if data.get("cores_per_node") else 0,
     )

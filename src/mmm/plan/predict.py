@@ -4,7 +4,10 @@ The model, stated so it can be checked (every term is in :class:`Prediction`):
 
 - **compute**: the rank's share of the model's training FLOPs (:func:`mmm.flops.llama_flops_per_token`
   x the global batch's tokens / world; full activation checkpointing runs each block's forward
-  twice: x 4/3) at ``peak(dtype) x hardware.matmul_efficiency``. Under pipeline parallel the
+  twice: x 4/3) at ``peak(dtype) x hardware.matmul_efficiency``, plus the bytes the simulated step's
+  memory-bound ops read and write (:class:`mmm.measure.DeviceWork`: elementwise ops, norms, softmax,
+  casts, the optimizer; recomputation included) at ``hardware.memory_bps x memory_efficiency``: eager
+  kernels run one after another. Under pipeline parallel the
   schedule's bubble, ``(pp - 1) / (microbatches + pp - 1)`` of the step, is added; where ranks share a
   node's cores (``hardware.cores_per_node``), an idle rank's share goes to the busy ones and the
   bubble costs only what the critical path at a whole core's rate exceeds the shared work.
@@ -36,6 +39,10 @@ class Prediction:
     hardware: str
     step_s: float
     compute_s: float
+    """``matmul_s + memory_s``."""
+    matmul_s: float
+    memory_s: float
+    """The memory-bound ops' time (0 where the hardware gives no ``memory_bps``)."""
     bubble_s: float
     comm_s: dict[str, float]
     """Time each mesh axis's collectives take, overlapped or not."""
@@ -75,7 +82,9 @@ def predict(
     ``recompute``: the factor activation checkpointing adds to them (MFU counts the model's FLOPs only);
     ``n_layers``: the blocks this rank holds; ``ranks_per_node``: the job's (default: the hardware's)."""
     peak = hw.peak(dtype)
-    compute = flops * recompute / (peak * hw.matmul_efficiency)
+    matmul = flops * recompute / (peak * hw.matmul_efficiency)
+    memory = step.get("memory_bytes", 0) / (hw.memory_bps * hw.memory_efficiency) if hw.memory_bps else 0.0
+    compute = matmul + memory
     # an interleaved schedule (several stages per rank) divides the bubble by the stages each rank holds
     bubble = compute * (pp - 1) / (microbatches * stages_per_rank) if pp > 1 else 0.0
     per_node = ranks_per_node or hw.devices_per_node
@@ -107,6 +116,8 @@ def predict(
         hardware=hw.name,
         step_s=step_s,
         compute_s=compute,
+        matmul_s=matmul,
+        memory_s=memory,
         bubble_s=bubble,
         comm_s=comm,
         exposed_s=exposed,

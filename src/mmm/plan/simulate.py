@@ -54,7 +54,7 @@ from mmm.errors import UsageError, print_error
 from mmm.flops import llama_flops_per_token
 from mmm.history import atomic_write_text
 from mmm.log import get_logger
-from mmm.measure import CommCounter, PeakMemory, SavedActivations
+from mmm.measure import CommCounter, DeviceWork, PeakMemory, SavedActivations
 from mmm.models.llama import Llama, apply_cp_llama
 from mmm.parallel import ParallelDims, init_mesh, meta_init
 from mmm.parallel.strategy import state_bytes_per_param
@@ -122,7 +122,7 @@ def build_parser() -> ArgumentParser:
         "--hardware",
         default=None,
         metavar="NAME|FILE",
-        help="predict the step time and whether memory fits on: h100, a100, pvc, mi250x, or a JSON file "
+        help="predict the step time and whether memory fits on: h100, h200, a100, pvc, mi250x, or a JSON file "
         "(mmm.plan.hardware)",
     )
     g.add_argument(
@@ -304,7 +304,7 @@ def simulate_by_blocks(
         step = None
         if a.step is not None:
             step = {k: grow(a.step[k], b.step[k]) for k in ("comm_bytes", "comm_calls", "comm_by_kind")}
-            step |= {"activation_bytes": grow(a.step["activation_bytes"], b.step["activation_bytes"])}
+            step |= {k: grow(a.step[k], b.step[k]) for k in ("activation_bytes", "matmul_flops", "memory_bytes")}
             step |= {"peak": grow(a.step["peak"], b.step["peak"]), "extrapolated_from_blocks": [3, 4]}
         state = {k: grow(getattr(a, k), getattr(b, k)) for k in ("param_bytes", "grad_bytes", "optim_bytes")}
         report = replace(
@@ -442,7 +442,12 @@ def fake_step(engine, mesh, loss_fn, tokens: tuple[int, int], mailbox: dict | No
         existing = [*engine.module.parameters(), *engine.module.buffers(), inputs]
         existing += [v for state in engine.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
         held: dict[str, int] = {}  # what the trainer's summary.json reads while the gradients exist
-        with PeakMemory(existing) as memory, CommCounter(mesh.named_groups()) as comm, SavedActivations() as saved:
+        with (
+            PeakMemory(existing) as memory,
+            CommCounter(mesh.named_groups()) as comm,
+            SavedActivations() as saved,
+            DeviceWork() as work,
+        ):
             train_step(  # a steady step, as --measure watches step 2
                 engine, inputs, inputs, loss_fn, sync=sync, after_backward=lambda: held.update(engine.state_bytes())
             )
@@ -451,6 +456,8 @@ def fake_step(engine, mesh, loss_fn, tokens: tuple[int, int], mailbox: dict | No
         "comm_calls": dict(sorted(comm.calls.items())),
         "comm_by_kind": dict(sorted(comm.by_kind.items())),
         "activation_bytes": saved.bytes,
+        "matmul_flops": work.matmul_flops,
+        "memory_bytes": work.memory_bytes,
         "peak": {"total": memory.peak, "before_step": memory.start},
         "state_bytes": {k: held[k] for k in ("param_bytes", "grad_bytes", "optim_bytes")},
     }
@@ -488,6 +495,8 @@ class Ranked:
         """The slowest rank's step time, split into its parts."""
         p = max((r.prediction for r in self.reports), key=lambda p: p["step_s"])
         parts = [f"compute {p['compute_s'] * 1e3:.1f} ms"]
+        if p["memory_s"]:
+            parts[0] += f" (memory-bound ops {p['memory_s'] * 1e3:.1f})"
         if p["bubble_s"]:
             parts.append(f"pipeline bubble {p['bubble_s'] * 1e3:.1f} ms")
         parts += [
@@ -627,8 +636,11 @@ def format_reports(reports: list[RankReport]) -> str:
             )
             fit = "fits" if p["fits"] else "DOES NOT FIT"
             bubble = f" + bubble {p['bubble_s'] * 1e3:.1f}" if p["bubble_s"] else ""
+            memory = (
+                f" (matmul {p['matmul_s'] * 1e3:.1f} + memory-bound {p['memory_s'] * 1e3:.1f})" if p["memory_s"] else ""
+            )
             lines.append(
-                f"{r.rank:>6}  step {p['step_s'] * 1e3:.1f} ms = compute {p['compute_s'] * 1e3:.1f}{bubble}"
+                f"{r.rank:>6}  step {p['step_s'] * 1e3:.1f} ms = compute {p['compute_s'] * 1e3:.1f}{memory}{bubble}"
                 " + exposed communication "
                 f"({parts}); MFU {p['mfu']:.1%}; peak {p['peak_bytes'] / 2**30:.1f} of "
                 f"{p['memory_bytes'] / 2**30:.0f} GiB: {fit}"

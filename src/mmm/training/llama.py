@@ -144,7 +144,7 @@ class LlamaTrainConfig(EvalConfig, ScheduleConfig):
         metavar="HARDWARE",
         group="mesh",
         help="take the planner's layout for this job's world: rank 0 simulates every fsdp/hsdp layout "
-        "(python -m mmm.plan.simulate --pick) and predicts its step on HARDWARE (h100, a100, pvc, mi250x, or "
+        "(python -m mmm.plan.simulate --pick) and predicts its step on HARDWARE (h100, h200, a100, pvc, mi250x, or "
         "a JSON file such as python -m mmm.plan.calibrate writes); mesh flags and --strategy given hold; "
         "the pick and its reasons go to the log and summary.json",
     )
