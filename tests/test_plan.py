@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from conftest import SCRIPTS, assert_clean_user_error, launch, run, run_ranks, tiny_llama
+from conftest import SCRIPTS, assert_clean_user_error, calibrated_env, launch, run, run_ranks, tiny_llama
 from mmm.plan import plan
 
 FSDP_TP = ["-m", "mmm.examples.fsdp_tp", "--max-iters", "2", "--measure", "--no-plots"]
@@ -63,7 +63,7 @@ def test_estimates_match_measured(tmp_path, label):
     """The planner's estimates against the measured run, and the simulated ranks (python -m
     mmm.plan.simulate: the real composition on a fake process group) against the real ranks, exactly."""
     combo = {c.label: c for c in plan(4, max_iters=2, measure=True)}[label]
-    run_ranks(4, [*FSDP_TP, *combo.flags], tmp_path)
+    run_ranks(4, [*FSDP_TP, *combo.flags], tmp_path, env=calibrated_env())  # the MFU's peak measured here
     s = json.loads((tmp_path / "summary.json").read_text())
     sim_json = tmp_path / "simulated.json"
     simulate = [sys.executable, "-m", "mmm.plan.simulate", "--world", "4", "--ranks", "0,1,2,3"]
@@ -406,9 +406,9 @@ def _hardware_file(path, memory_gb=1.0):
 def test_pick_ranks_the_layouts_and_holds_the_given_degrees(tmp_path):
     hw, out = _hardware_file(tmp_path / "hw.json"), tmp_path / "ranked.json"
     pick = [sys.executable, "-m", "mmm.plan.simulate", "--world", "4", "--max-iters", "2", "--pick"]
-    res = run([*pick, "--hardware", hw, "--tp", "2", "--json", str(out)], timeout=300)
+    res = run([*pick, "--hardware", hw, "--tp", "2", "--json", str(out), "--jobs", "2"], timeout=300)
     assert res.returncode == 0, res.output
-    rows = json.loads(out.read_text())
+    rows = json.loads(out.read_text())  # two processes simulated the three layouts
     labels = {"pp1-dpr1-dps2-cp1-tp2-fsdp", "pp1-dpr1-dps1-cp2-tp2-fsdp", "pp2-dpr1-dps1-cp1-tp2-fsdp"}
     assert {r["label"] for r in rows} == labels  # every layout with tp=2, the pipeline's too
     assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows) and all(r["fits"] for r in rows)
@@ -425,6 +425,8 @@ def test_pick_ranks_the_layouts_and_holds_the_given_degrees(tmp_path):
     assert "3 of 3 layouts left out unsimulated" in res.stderr, res.stderr
     res = run([*pick, "--hardware", hw, "--strategy", "zero2"], timeout=60)
     assert_clean_user_error(res, "--pick: --strategy zero2 is not simulated")
+    res = run([*pick[:-1], "--jobs", "2"], timeout=60)
+    assert_clean_user_error(res, "--jobs 2 sets how many layouts --pick simulates at once; without --pick drop it")
 
 
 def test_calibrate_measures_this_machine_for_the_simulator(tmp_path):

@@ -37,11 +37,13 @@ the simulated step (:mod:`mmm.plan.predict` states the model).
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import resource
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -137,6 +139,14 @@ def build_parser() -> ArgumentParser:
         help="with --hardware: simulate every layout of --world ranks the simulator can run (fsdp/hsdp; "
         "mesh flags given hold their value), rank them by predicted step time among those that fit, explain "
         "the best few and print the pick's flags",
+    )
+    g.add_argument(
+        "--jobs",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="with --pick: layouts simulated at once, each in a process of its own [the cores this process may "
+        "use, once the first layout took over 5 s; else 1]",
     )
     g.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="also write the reports as JSON")
     # given or not: --pick holds what is given
@@ -517,6 +527,23 @@ def state_floor(config: Config[LlamaTrainConfig], world: int, combo: Combo) -> f
     return sum(state_bytes_per_param(combo.strategy, dims)) * blocks / (dims.tp * dims.pp)
 
 
+PARALLEL_AFTER_S = 5.0
+"""A layout that takes longer to simulate than this has the rest simulated at once (a process starts in ~2 s)."""
+
+
+def _simulate_layout(task) -> tuple[list[RankReport] | None, str | None]:
+    """One layout of :func:`rank_layouts`: its reports, or why the simulator refused it."""
+    config, combo, world, per_node, hardware = task
+    trial = replace(config, parallel=replace(config.parallel, **combo.degrees, strategy=combo.strategy))
+    # the first and last pipeline stage; without a pipeline rank 0 alone (every rank alike, and
+    # FSDP's first shards are the largest when a dimension does not split evenly)
+    ranks = sorted({0, world - 1}) if combo.degrees["pp"] > 1 else [0]
+    try:
+        return simulate_by_blocks(trial, world=world, ranks=ranks, devices_per_node=per_node, hardware=hardware), None
+    except UsageError as e:
+        return None, str(e)
+
+
 def rank_layouts(
     config: Config[LlamaTrainConfig],
     world: int,
@@ -525,10 +552,13 @@ def rank_layouts(
     devices_per_node: int | None = None,
     fixed: dict[str, int] | None = None,
     strategies: Sequence[str] = ("fsdp", "hsdp"),
+    jobs: int | None = None,
 ) -> list[Ranked]:
     """Every valid layout of ``world`` ranks that the simulator runs (fsdp or hsdp), each simulated (its
     first and last pipeline stage, one step, :func:`simulate_by_blocks`) and predicted on ``hardware``; fastest
-    first, the ones whose memory does not fit last. ``fixed``: degrees to hold."""
+    first, the ones whose memory does not fit last. ``fixed``: degrees to hold. ``jobs``: layouts simulated
+    at once, each in a process of its own (1: one after another, in this process; None: the first here,
+    and the rest on every core this process may use if it took more than :data:`PARALLEL_AFTER_S`)."""
     per_node = devices_per_node or hardware.devices_per_node
     combos = [c for c in plan(world, config, strategies=list(strategies), fixed=fixed) if c.valid]
     if not combos:
@@ -556,18 +586,24 @@ def rank_layouts(
                 f"no layout of {world} ranks fits in {hardware.memory_bytes / 2**30:.0f} GiB per device: the model's "
                 "state alone does not (more ranks, or a device with more memory)"
             )
+    tasks = [(config, combo, world, per_node, hardware) for combo in combos]
+    results = []
+    if jobs is None:  # the first layout here; the others at once if it took longer than starting processes
+        t0 = time.perf_counter()
+        results.append(_simulate_layout(tasks[0]))
+        jobs = len(os.sched_getaffinity(0)) if time.perf_counter() - t0 > PARALLEL_AFTER_S else 1
+    rest = tasks[len(results) :]
+    if min(jobs, len(rest)) > 1:  # fresh interpreters: each simulation sets up a process group of its own
+        with ProcessPoolExecutor(min(jobs, len(rest)), mp_context=multiprocessing.get_context("spawn")) as pool:
+            results += pool.map(_simulate_layout, rest)
+    else:
+        results += [_simulate_layout(task) for task in rest]
     out = []
-    for combo in combos:
-        trial = replace(config, parallel=replace(config.parallel, **combo.degrees, strategy=combo.strategy))
-        # the first and last pipeline stage; without a pipeline rank 0 alone (every rank alike, and
-        # FSDP's first shards are the largest when a dimension does not split evenly)
-        ranks = sorted({0, world - 1}) if combo.degrees["pp"] > 1 else [0]
-        try:
-            reports = simulate_by_blocks(trial, world=world, ranks=ranks, devices_per_node=per_node, hardware=hardware)
-        except UsageError as e:  # refused once built (the planner's checks passed): out of the ranking, said why
-            get_logger().warning("%s left out of the ranking: %s", combo.label, e)
-            continue
-        out.append(Ranked(combo, reports))
+    for combo, (reports, refused) in zip(combos, results, strict=True):
+        if refused:  # refused once built (the planner's checks passed): out of the ranking, said why
+            get_logger().warning("%s left out of the ranking: %s", combo.label, refused)
+        else:
+            out.append(Ranked(combo, reports))
     if not out:
         raise UsageError(f"none of the {len(combos)} layouts of {world} ranks could be simulated (see the warnings)")
     out.sort(key=lambda r: (not r.fits, r.step_s))
@@ -652,7 +688,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     ns = parser.parse_args(argv)
-    own = {"--world", "--ranks", "--devices-per-node", "--json", "--hardware"}
+    own = {"--world", "--ranks", "--devices-per-node", "--json", "--hardware", "--jobs"}
     # the trainer's flags, typed and checked as the trainer does
     config = command_line().parse(without_flags(argv, own, {"--no-step", "--pick"}))
     if config.train.pick_layout:
@@ -682,7 +718,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         strategies = [ns.strategy] if ns.strategy else ["fsdp", "hsdp"]
         if ns.strategy and ns.strategy not in ("fsdp", "hsdp"):
             raise UsageError(f"--pick: --strategy {ns.strategy} is not simulated; give fsdp or hsdp, or leave it out")
-        ranked = rank_layouts(config, ns.world, hardware, devices_per_node=per_node, fixed=fixed, strategies=strategies)
+        ranked = rank_layouts(
+            config, ns.world, hardware, devices_per_node=per_node, fixed=fixed, strategies=strategies, jobs=ns.jobs
+        )
         print(format_ranking(ranked, hardware))
         if ns.json_path:
             rows = [
@@ -693,6 +731,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             ]
             atomic_write_text(Path(ns.json_path), json.dumps(rows, indent=2) + "\n")
         return 0
+    if ns.jobs:
+        raise UsageError(f"--jobs {ns.jobs} sets how many layouts --pick simulates at once; without --pick drop it")
     ranks = _ranks(ns.ranks, ns.world)
     reports = simulate_ranks(
         config, world=ns.world, ranks=ranks, devices_per_node=per_node, step=ns.step, hardware=hardware
