@@ -265,9 +265,10 @@ def test_bad_checkpoint_flags_are_one_line(tmp_path):
 # --------------------------------------------------------------------------- memory
 @pytest.mark.slow
 def test_no_rank_holds_the_whole_model(tmp_path):
-    """8 ranks, FSDP, one step of a 304M-parameter Llama (1.13 GiB of fp32 weights), built on meta:
-    every rank's peak resident memory stays below the whole model's fp32 bytes, and grows by less
-    than 0.75x of them over a tiny model's run (params + grads + AdamW sharded 8 ways: 0.5x)."""
+    """8 ranks, FSDP, one step of a 254M-parameter Llama (0.95 GiB of fp32 weights), built on meta:
+    every rank's peak resident memory stays below the whole model's fp32 bytes (measured 0.87x of them),
+    and grows by less than 0.75x of them over a tiny model's run (params + grads + AdamW sharded 8
+    ways: 0.5x)."""
     res = run(
         [
             sys.executable,
@@ -275,7 +276,7 @@ def test_no_rank_holds_the_whole_model(tmp_path):
             "--ranks",
             "8",
             "--n-layers",
-            "24",
+            "20",
             "--outdir",
             str(tmp_path),
         ],
@@ -283,7 +284,7 @@ def test_no_rank_holds_the_whole_model(tmp_path):
     )
     assert res.returncode == 0, res.output
     data = json.loads((tmp_path / "memory.json").read_text())
-    assert data["num_params"] > 300e6
+    assert data["num_params"] > 250e6
     assert data["worst_growth_ratio"] < 0.75, res.stdout
     for mark in data["big"]["after_first_step"]:
         assert mark["peak_rss_bytes"] < data["whole_bytes"], res.stdout
