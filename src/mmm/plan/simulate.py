@@ -401,7 +401,13 @@ def _pipeline_by_mail(pipeline, mailbox: dict) -> None:
     outlives a simulated rank, so that ranks simulated later read what earlier ones sent. A stage whose
     message is missing raises :class:`MissingMessage` (simulate the sender first). Neither exchange
     belongs to the steady step that is counted."""
-    from torch.distributed.pipelining._utils import InferenceMode
+    try:
+        from torch.distributed.pipelining._utils import InferenceMode
+    except ImportError:  # the stages' shape exchange of another PyTorch
+        raise UsageError(
+            f"simulating a pipeline needs the stage shape exchange of PyTorch 2.13 (torch.distributed.pipelining's "
+            f"InferenceMode); this is PyTorch {torch.__version__}: simulate without --pp, or with PyTorch 2.13"
+        ) from None
 
     schedule = pipeline.schedule
     stages = list(getattr(schedule, "_stages", None) or [schedule._stage])
