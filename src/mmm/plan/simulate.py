@@ -592,24 +592,29 @@ def rank_layouts(
                 f"no layout of {world} ranks fits in {hardware.memory_bytes / 2**30:.0f} GiB per device: the model's "
                 "state alone does not (more ranks, or a device with more memory)"
             )
+    # the simulated step's ops grow with the ring attention's steps and the pipeline's stages: the
+    # cheapest layout first (it decides whether to use more processes), the rest longest first
+    combos = sorted(combos, key=lambda c: c.degrees["cp"] * c.degrees["pp"])
     tasks = [(config, combo, world, per_node, hardware) for combo in combos]
     results = []
     if jobs is None:  # the first layout here; the others at once if it took longer than starting processes
         t0 = time.perf_counter()
         results.append(_simulate_layout(tasks[0]))
         jobs = len(os.sched_getaffinity(0)) if time.perf_counter() - t0 > PARALLEL_AFTER_S else 1
-    rest = tasks[len(results) :]
+    rest = tasks[len(results) :][::-1]
     if min(jobs, len(rest)) > 1:  # fresh interpreters: each simulation sets up a process group of its own
         with ProcessPoolExecutor(min(jobs, len(rest)), mp_context=multiprocessing.get_context("spawn")) as pool:
             results += pool.map(_simulate_layout, rest)
     else:
         results += [_simulate_layout(task) for task in rest]
-    out = []
-    for combo, (reports, refused) in zip(combos, results, strict=True):
+    out, refused_by_reason = [], {}
+    for (_, combo, *_), (reports, refused) in zip([*tasks[: len(tasks) - len(rest)], *rest], results, strict=True):
         if refused:  # refused once built (the planner's checks passed): out of the ranking, said why
-            get_logger().warning("%s left out of the ranking: %s", combo.label, refused)
+            refused_by_reason.setdefault(refused, []).append(combo.label)
         else:
             out.append(Ranked(combo, reports))
+    for reason, labels in refused_by_reason.items():  # one line per reason
+        get_logger().warning("%s left out of the ranking: %s", ", ".join(labels), reason)
     if not out:
         raise UsageError(f"none of the {len(combos)} layouts of {world} ranks could be simulated (see the warnings)")
     out.sort(key=lambda r: (not r.fits, r.step_s))
