@@ -324,6 +324,22 @@ _HOST_FIXTURES = {"two_hosts", "shared_dir", "slurm_cluster", "slurm_on_two_host
 ALONE = {"test_slurm.py"}
 
 
+# a module whose tests read a run its own module- or session-scoped fixture makes (a reference run, a
+# trained model to export) sends those tests to one worker, so that the run is made once, not once per
+# worker (hf_export's and schedule_eval's took 50 and 41 s on each of two); not the equivalence matrix,
+# whose 44 layouts would load one worker with a third of the suite for 4 short reference runs
+_SHARED_RUNS_SPREAD = {"test_equivalence.py"}
+
+
+def _reads_a_shared_run(item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in info.name2fixturedefs.values() if info else ():
+        for fixture in defs:
+            if fixture.scope in ("module", "session") and fixture.baseid.split("::")[0].endswith(item.path.name):
+                return True
+    return False
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in ALONE:
@@ -331,6 +347,8 @@ def pytest_collection_modifyitems(config, items):
         hosts = "hosts2" in item.name or _HOST_FIXTURES & set(getattr(item, "fixturenames", ()))
         if item.path.name in _ONE_AT_A_TIME or hosts:
             item.add_marker(pytest.mark.xdist_group("machine"))
+        elif item.path.name not in _SHARED_RUNS_SPREAD and _reads_a_shared_run(item):
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
 
 
 def pytest_runtest_logreport(report):
