@@ -537,6 +537,10 @@ PARALLEL_AFTER_S = 5.0
 """A layout that takes longer to simulate than this has the rest simulated at once (a process starts in ~2 s)."""
 
 
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def _simulate_layout(task) -> tuple[list[RankReport] | None, str | None]:
     """One layout of :func:`rank_layouts`: its reports, or why the simulator refused it."""
     config, combo, world, per_node, hardware = task
@@ -600,7 +604,7 @@ def rank_layouts(
     if jobs is None:  # the first layout here; the others at once if it took longer than starting processes
         t0 = time.perf_counter()
         results.append(_simulate_layout(tasks[0]))
-        jobs = len(os.sched_getaffinity(0)) if time.perf_counter() - t0 > PARALLEL_AFTER_S else 1
+        jobs = _usable_cores() if time.perf_counter() - t0 > PARALLEL_AFTER_S else 1
     rest = tasks[len(results) :][::-1]
     if min(jobs, len(rest)) > 1:  # fresh interpreters: each simulation sets up a process group of its own
         with ProcessPoolExecutor(min(jobs, len(rest)), mp_context=multiprocessing.get_context("spawn")) as pool:
