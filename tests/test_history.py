@@ -100,3 +100,33 @@ def test_hooks_see_every_record_as_it_is_made():
     h.hooks.append(lambda rec: seen.append(("second", rec["iter"])))
     h.update({"loss": 1.0}, step=2)
     assert seen == [{"iter": 1, "loss": 2.0}, {"iter": 2, "loss": 1.0}, ("second", 2)]
+
+
+def test_history_nc_is_the_file_xarray_writes_written_without_xarray(tmp_path):
+    """finalize writes history.nc with h5netcdf directly: the same dataset as xarray's own to_netcdf
+    (values, a missing value, the coordinate, attributes of every kind), and xarray is not imported."""
+    code = f"""
+import sys, math
+from mmm.history import History
+h = History({str(tmp_path)!r}, warmup=1)
+for i in range(1, 6):
+    h.update(i, loss=1.0 / i, dt=0.01 * i)
+h.update(6, loss=0.1)  # dt missing on the last step
+h.finalize({{"world_size": 4, "strategy": "fsdp", "compile": False, "mfu": None, "mesh": {{"tp": 2}}}}, plots=False)
+assert "xarray" not in sys.modules, "finalize imported xarray"
+print("ok")
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout + res.stderr
+    import xarray as xr
+
+    h = History(None)
+    for row in (json.loads(x) for x in (tmp_path / "history.jsonl").read_text().splitlines()):
+        h.update(row.pop("iter"), **row)
+    attrs = json.loads((tmp_path / "summary.json").read_text())
+    attrs.pop("stats")
+    h.to_dataset(attrs).to_netcdf(tmp_path / "by_xarray.nc", engine="h5netcdf")
+    with xr.open_dataset(tmp_path / "history.nc") as ours, xr.open_dataset(tmp_path / "by_xarray.nc") as theirs:
+        assert ours.identical(theirs), (ours, theirs)
+        assert math.isnan(float(ours["dt"].values[-1])) and ours.attrs["mesh"] == '{"tp": 2}'
+        assert ours["iter"].dtype == theirs["iter"].dtype and list(ours.data_vars) == list(theirs.data_vars)
