@@ -340,6 +340,7 @@ def _reads_a_shared_run(item) -> bool:
     return False
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups to schedule by
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in ALONE:
@@ -349,6 +350,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("machine"))
         elif item.path.name not in _SHARED_RUNS_SPREAD and _reads_a_shared_run(item):
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
+
+
+def pytest_configure(config):
+    """pytest 9 keeps a node's id where pytest-xdist 3.8 writes a test's group: under ``--dist loadgroup`` the
+    groups above would silently not hold (measured: shared runs made twice, machine-wide tests side by side)."""
+    if config.getoption("dist", "no") != "loadgroup":
+        return
+    import xdist
+
+    xdist_version = tuple(int(x) for x in xdist.__version__.split(".")[:2])
+    if int(pytest.__version__.split(".")[0]) >= 9 and xdist_version <= (3, 8):
+        raise pytest.UsageError(
+            f"pytest {pytest.__version__} with pytest-xdist {xdist.__version__} does not keep --dist loadgroup's "
+            "groups: install pyproject.toml's dev extra (pip install -e '.[dev]': pytest < 9)"
+        )
 
 
 def pytest_runtest_logreport(report):

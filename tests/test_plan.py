@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from dataclasses import replace
 
@@ -408,13 +409,25 @@ def test_pick_ranks_the_layouts_and_holds_the_given_degrees(tmp_path):
     pick = [sys.executable, "-m", "mmm.plan.simulate", "--world", "4", "--max-iters", "2", "--pick"]
     res = run([*pick, "--hardware", hw, "--tp", "2", "--json", str(out), "--jobs", "2"], timeout=300)
     assert res.returncode == 0, res.output
-    rows = json.loads(out.read_text())  # two processes simulated the three layouts
-    labels = {"pp1-dpr1-dps2-cp1-tp2-fsdp", "pp1-dpr1-dps1-cp2-tp2-fsdp", "pp2-dpr1-dps1-cp1-tp2-fsdp"}
-    assert {r["label"] for r in rows} == labels  # every layout with tp=2, the pipeline's too
+    rows = json.loads(out.read_text())  # two processes simulated the layouts
+    labels = {"pp1-dpr1-dps2-cp1-tp2-fsdp", "pp1-dpr1-dps1-cp2-tp2-fsdp"}
+    assert {r["label"] for r in rows} == labels  # every layout with tp=2 but the pipeline's, which cannot win:
+    floor = 1.5 * rows[0]["ranks"][0]["prediction"]["matmul_s"]  # its bubble over the same matmuls (2 microbatches)
+    assert floor > rows[0]["step_s"]
+    said = re.search(
+        r"1 of 1 layouts with a pipeline not simulated: their bubble over the matrix multiplies alone "
+        r"\(pp2-dpr1-dps1-cp1-tp2-fsdp: ([0-9.]+) ms\) exceeds the best step without one",
+        res.output,
+    )
+    assert said and abs(float(said.group(1)) - floor * 1e3) < 0.1, res.output
     assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows) and all(r["fits"] for r in rows)
     assert f"pick: {' '.join(rows[0]['flags'])}" in res.stdout and "ranked by predicted step time" in res.stdout
     for r in rows:  # the reason names what the step waits for: compute and TP's collectives
         assert "compute" in r["why"] and "tp " in r["why"]
+    res = run([*pick, "--hardware", hw, "--pp", "2", "--tp", "2", "--json", str(out)], timeout=300)
+    assert res.returncode == 0, res.output  # a pipeline given: simulated, its bubble in the reason
+    (row,) = json.loads(out.read_text())
+    assert row["label"] == "pp2-dpr1-dps1-cp1-tp2-fsdp" and "pipeline bubble" in row["why"], row
     small = _hardware_file(tmp_path / "small.json", memory_gb=0.03)  # the state fits, the step's peak not
     res = run([*pick, "--hardware", small, "--tp", "2", "--cp", "2"], timeout=300)
     assert res.returncode == 0, res.output
@@ -422,7 +435,7 @@ def test_pick_ranks_the_layouts_and_holds_the_given_degrees(tmp_path):
     tiny = _hardware_file(tmp_path / "tiny.json", memory_gb=1e-5)  # not even the state: nothing simulated
     res = run([*pick, "--hardware", tiny, "--tp", "2"], timeout=300)
     assert_clean_user_error(res, "no layout of 4 ranks fits in 0 GiB per device: the model's state alone does not")
-    assert "3 of 3 layouts left out unsimulated" in res.stderr, res.stderr
+    assert "3 of 3 layouts left out unsimulated" in res.output, res.output
     res = run([*pick, "--hardware", hw, "--strategy", "zero2"], timeout=60)
     assert_clean_user_error(res, "--pick: --strategy zero2 is not simulated")
     res = run([*pick[:-1], "--jobs", "2"], timeout=60)

@@ -63,6 +63,41 @@ def ring_factor(kind: str, n: int) -> float:
     return RING[kind](n) if kind in RING and n > 1 else (0.0 if kind in RING else 1.0)
 
 
+def pipeline_bubble(
+    compute: float, hw: Hardware, *, pp: int, microbatches: int, stages_per_rank: int, ranks_per_node: int | None
+) -> float:
+    """The time a pipeline's ranks wait, on top of ``compute``, in a step (never less for more ``compute``)."""
+    # an interleaved schedule (several stages per rank) divides the bubble by the stages each rank holds
+    bubble = compute * (pp - 1) / (microbatches * stages_per_rank) if pp > 1 else 0.0
+    per_node = ranks_per_node or hw.devices_per_node
+    if bubble and hw.cores_per_node and per_node > hw.cores_per_node:
+        # ranks share the cores (``compute`` is at the shared rate): a rank idle in the bubble leaves its
+        # share to the busy ones, so the step is the longer of the shared work and the critical path at
+        # the rate of a rank with the cores to itself
+        share = hw.cores_per_node / per_node
+        bubble = max(0.0, (compute + bubble) * share - compute)
+    return bubble
+
+
+def step_floor(
+    hw: Hardware,
+    *,
+    flops: float,
+    recompute: float = 1.0,
+    dtype: str,
+    pp: int = 1,
+    microbatches: int = 1,
+    stages_per_rank: int = 1,
+    ranks_per_node: int | None = None,
+) -> float:
+    """What :func:`predict`'s step time cannot go under, known before a step is simulated: the matrix
+    multiplies and the pipeline's bubble over them (memory-bound ops and communication only add)."""
+    matmul = flops * recompute / (hw.peak(dtype) * hw.matmul_efficiency)
+    return matmul + pipeline_bubble(
+        matmul, hw, pp=pp, microbatches=microbatches, stages_per_rank=stages_per_rank, ranks_per_node=ranks_per_node
+    )
+
+
 def predict(
     step: dict,
     axes: dict[str, dict],
@@ -85,15 +120,9 @@ def predict(
     matmul = flops * recompute / (peak * hw.matmul_efficiency)
     memory = step.get("memory_bytes", 0) / (hw.memory_bps * hw.memory_efficiency) if hw.memory_bps else 0.0
     compute = matmul + memory
-    # an interleaved schedule (several stages per rank) divides the bubble by the stages each rank holds
-    bubble = compute * (pp - 1) / (microbatches * stages_per_rank) if pp > 1 else 0.0
-    per_node = ranks_per_node or hw.devices_per_node
-    if bubble and hw.cores_per_node and per_node > hw.cores_per_node:
-        # ranks share the cores (``compute`` is at the shared rate): a rank idle in the bubble leaves its
-        # share to the busy ones, so the step is the longer of the shared work and the critical path at
-        # the rate of a rank with the cores to itself
-        share = hw.cores_per_node / per_node
-        bubble = max(0.0, (compute + bubble) * share - compute)
+    bubble = pipeline_bubble(
+        compute, hw, pp=pp, microbatches=microbatches, stages_per_rank=stages_per_rank, ranks_per_node=ranks_per_node
+    )
     comm: dict[str, float] = {}
     for (axis, kind), payload in step["comm_by_kind"].items():
         size = axes.get(axis, {}).get("size", 1)

@@ -37,6 +37,7 @@ the simulated step (:mod:`mmm.plan.predict` states the model).
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing
 import os
 import resource
@@ -55,14 +56,14 @@ from mmm.cli import ArgumentParser, flag_fields, positive_int, without_flags
 from mmm.errors import UsageError, print_error
 from mmm.flops import llama_flops_per_token
 from mmm.history import atomic_write_text
-from mmm.log import get_logger
+from mmm.log import configure, get_logger
 from mmm.measure import CommCounter, DeviceWork, PeakMemory, SavedActivations
 from mmm.models.llama import Llama, apply_cp_llama
 from mmm.parallel import ParallelDims, init_mesh, meta_init
 from mmm.parallel.strategy import state_bytes_per_param
 from mmm.plan import AXES, Combo, plan
 from mmm.plan.hardware import Hardware, load_hardware
-from mmm.plan.predict import MEMORY_MARGIN, predict
+from mmm.plan.predict import MEMORY_MARGIN, predict, step_floor
 from mmm.training import llama as recipe
 from mmm.training.config import Config
 from mmm.training.llama import LlamaTrainConfig, command_line
@@ -256,23 +257,25 @@ def simulate_rank(
     )
 
 
-def predict_rank(step: dict, axes: dict, config, cfg, world: int, hardware: Hardware, devices_per_node: int) -> dict:
-    """The step time of a simulated rank of ``config`` (model shape ``cfg``) on ``hardware``."""
+def _step_terms(config, cfg, world: int) -> dict:
+    """What :func:`mmm.plan.predict.predict` takes of a layout besides its simulated step."""
     what, how = config.train, config.parallel
     pp = how.degrees.get("pp", 1)
-    return predict(
-        step,
-        axes,
-        hardware,
+    return dict(
         flops=llama_flops_per_token(cfg) * what.batch_size * cfg.seq_len / world,
         recompute=4 / 3 if how.ac == "full" else 1.0,
         dtype=how.dtype,
-        n_layers=max(1, cfg.n_layers // pp),  # the blocks this rank holds
         pp=pp,
         microbatches=how.microbatches or pp,  # the trainer's default
         stages_per_rank=how.stages_per_rank,
-        ranks_per_node=devices_per_node,
-    ).as_dict()
+    )
+
+
+def predict_rank(step: dict, axes: dict, config, cfg, world: int, hardware: Hardware, devices_per_node: int) -> dict:
+    """The step time of a simulated rank of ``config`` (model shape ``cfg``) on ``hardware``."""
+    terms = _step_terms(config, cfg, world)
+    n_layers = max(1, cfg.n_layers // terms["pp"])  # the blocks this rank holds
+    return predict(step, axes, hardware, **terms, n_layers=n_layers, ranks_per_node=devices_per_node).as_dict()
 
 
 def simulate_by_blocks(
@@ -554,6 +557,27 @@ def _simulate_layout(task) -> tuple[list[RankReport] | None, str | None]:
         return None, str(e)
 
 
+def _simulate_layouts(combos, config, world: int, per_node: int, hardware, jobs: int | None):
+    """Each of ``combos`` simulated (:func:`_simulate_layout`), paired with its result; and the ``jobs``
+    used (``None``: decided here, by how long the first, cheapest layout took)."""
+    # the simulated step's ops grow with the ring attention's steps and the pipeline's stages: the
+    # cheapest layout first (it decides whether to use more processes), the rest longest first
+    combos = sorted(combos, key=lambda c: c.degrees["cp"] * c.degrees["pp"])
+    tasks = [(config, combo, world, per_node, hardware) for combo in combos]
+    first = []
+    if jobs is None and tasks:  # the first layout here; the others at once if it took longer than starting processes
+        t0 = time.perf_counter()
+        first = [(combos[0], _simulate_layout(tasks[0]))]
+        jobs = _usable_cores() if time.perf_counter() - t0 > PARALLEL_AFTER_S else 1
+    rest = tasks[len(first) :][::-1]
+    if min(jobs or 1, len(rest)) > 1:  # fresh interpreters: each simulation sets up a process group of its own
+        with ProcessPoolExecutor(min(jobs, len(rest)), mp_context=multiprocessing.get_context("spawn")) as pool:
+            results = list(pool.map(_simulate_layout, rest))
+    else:
+        results = [_simulate_layout(task) for task in rest]
+    return first + [(task[1], result) for task, result in zip(rest, results, strict=True)], jobs
+
+
 def rank_layouts(
     config: Config[LlamaTrainConfig],
     world: int,
@@ -566,9 +590,12 @@ def rank_layouts(
 ) -> list[Ranked]:
     """Every valid layout of ``world`` ranks that the simulator runs (fsdp or hsdp), each simulated (its
     first and last pipeline stage, one step, :func:`simulate_by_blocks`) and predicted on ``hardware``; fastest
-    first, the ones whose memory does not fit last. ``fixed``: degrees to hold. ``jobs``: layouts simulated
-    at once, each in a process of its own (1: one after another, in this process; None: the first here,
-    and the rest on every core this process may use if it took more than :data:`PARALLEL_AFTER_S`)."""
+    first, the ones whose memory does not fit last. A layout with a pipeline whose bubble over the matrix
+    multiplies alone (:func:`mmm.plan.predict.step_floor`) is no faster than the best layout without one
+    is left out unsimulated (one log line): it cannot be the pick. ``fixed``: degrees to hold. ``jobs``:
+    layouts simulated at once, each in a process of its own (1: one after another, in this process; None:
+    the first here, and the rest on every core this process may use if it took more than
+    :data:`PARALLEL_AFTER_S`)."""
     per_node = devices_per_node or hardware.devices_per_node
     combos = [c for c in plan(world, config, strategies=list(strategies), fixed=fixed) if c.valid]
     if not combos:
@@ -596,23 +623,31 @@ def rank_layouts(
                 f"no layout of {world} ranks fits in {hardware.memory_bytes / 2**30:.0f} GiB per device: the model's "
                 "state alone does not (more ranks, or a device with more memory)"
             )
-    # the simulated step's ops grow with the ring attention's steps and the pipeline's stages: the
-    # cheapest layout first (it decides whether to use more processes), the rest longest first
-    combos = sorted(combos, key=lambda c: c.degrees["cp"] * c.degrees["pp"])
-    tasks = [(config, combo, world, per_node, hardware) for combo in combos]
-    results = []
-    if jobs is None:  # the first layout here; the others at once if it took longer than starting processes
-        t0 = time.perf_counter()
-        results.append(_simulate_layout(tasks[0]))
-        jobs = _usable_cores() if time.perf_counter() - t0 > PARALLEL_AFTER_S else 1
-    rest = tasks[len(results) :][::-1]
-    if min(jobs, len(rest)) > 1:  # fresh interpreters: each simulation sets up a process group of its own
-        with ProcessPoolExecutor(min(jobs, len(rest)), mp_context=multiprocessing.get_context("spawn")) as pool:
-            results += pool.map(_simulate_layout, rest)
-    else:
-        results += [_simulate_layout(task) for task in rest]
+    # layouts without a pipeline first; then the pipelines whose bubble over the matmuls alone (a floor
+    # under their step, known unsimulated) does not already make them slower than the best of those
+    cfg = config.train.model_config()
+
+    def floor(combo) -> float:
+        trial = replace(config, parallel=replace(config.parallel, **combo.degrees, strategy=combo.strategy))
+        return step_floor(hardware, **_step_terms(trial, cfg, world), ranks_per_node=per_node)
+
+    done, jobs = _simulate_layouts([c for c in combos if c.degrees["pp"] == 1], config, world, per_node, hardware, jobs)
+    best = min((r.step_s for r in (Ranked(c, rep) for c, (rep, _) in done if rep) if r.fits), default=math.inf)
+    piped = [c for c in combos if c.degrees["pp"] > 1]
+    slower = [c for c in piped if floor(c) >= best]
+    if slower:
+        get_logger().info(
+            "%d of %d layouts with a pipeline not simulated: their bubble over the matrix multiplies alone "
+            "(%s: %.1f ms) exceeds the best step without one (%.1f ms)",
+            len(slower),
+            len(piped),
+            min(slower, key=floor).label,
+            floor(min(slower, key=floor)) * 1e3,
+            best * 1e3,
+        )
+    more, _ = _simulate_layouts([c for c in piped if c not in slower], config, world, per_node, hardware, jobs)
     out, refused_by_reason = [], {}
-    for (_, combo, *_), (reports, refused) in zip([*tasks[: len(tasks) - len(rest)], *rest], results, strict=True):
+    for combo, (reports, refused) in [*done, *more]:
         if refused:  # refused once built (the planner's checks passed): out of the ranking, said why
             refused_by_reason.setdefault(refused, []).append(combo.label)
         else:
@@ -701,6 +736,7 @@ def format_reports(reports: list[RankReport]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    configure()  # this process's own lines (--pick's), before any simulated rank sets up its own
     parser = build_parser()
     ns = parser.parse_args(argv)
     own = {"--world", "--ranks", "--devices-per-node", "--json", "--hardware", "--jobs"}
