@@ -235,7 +235,7 @@ class _LocalOps(TorchDispatchMode):
             self.local_op(func, args, kwargs or {}, out)
         return out
 
-    def local_op(self, func, args, kwargs, out) -> None:
+    def local_op(self, func, inputs, kwargs, out) -> None:
         raise NotImplementedError
 
 
@@ -273,7 +273,7 @@ class PeakMemory(_LocalOps):
             self._alive.discard(key)
             self.live -= n
 
-    def local_op(self, func, args, kwargs, out) -> None:
+    def local_op(self, func, inputs, kwargs, out) -> None:
         for t in pytree.tree_leaves(out):
             self._track(t)
 
@@ -301,24 +301,24 @@ class DeviceWork(_LocalOps):
         self.memory_bytes = 0
         self.bytes_by_op: dict[str, int] = defaultdict(int)
 
-    def local_op(self, func, args, kwargs, out) -> None:
+    def local_op(self, func, inputs, kwargs, out) -> None:
         if isinstance(func, torch._ops.HigherOrderOperator) or func.namespace != "aten":
             return  # collectives (c10d), and what the ops inside a higher-order op count themselves
         name = func._schema.name.split("::")[-1]
         if name in _ATEN_MATMUL:
-            a, b = (args[1], args[2]) if name.startswith(("add", "badd")) else (args[0], args[1])
+            a, b = (inputs[1], inputs[2]) if name.startswith(("add", "badd")) else (inputs[0], inputs[1])
             self.matmul_flops += 2 * a.numel() * b.shape[-1]
             return
         if name.startswith(_ATTENTION_PREFIX) or name in _NO_TRAFFIC or func.is_view:
             return
-        read = {id(t): _local_bytes(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        read = {id(t): _local_bytes(t) for t in pytree.tree_leaves((inputs, kwargs)) if isinstance(t, torch.Tensor)}
         written = {id(t): _local_bytes(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)}
         for i, arg in enumerate(func._schema.arguments):  # in place: the tensors it writes (foreach ops return None)
             if arg.alias_info is not None and arg.alias_info.is_write:
-                value = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
+                value = kwargs.get(arg.name) if arg.kwarg_only or i >= len(inputs) else inputs[i]
                 written |= {id(t): _local_bytes(t) for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)}
         if name in ("copy_", "fill_", "zero_", "normal_", "uniform_"):  # writes its destination, never reads it
-            read.pop(id(args[0]), None)
+            read.pop(id(inputs[0]), None)
         n = sum(read.values()) + sum(written.values())
         self.memory_bytes += n
         self.bytes_by_op[name] += n

@@ -25,7 +25,7 @@ measurement of your own.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mmm.errors import UsageError
@@ -94,20 +94,6 @@ PRESETS: dict[str, Hardware] = {
         matmul_efficiency=0.75,  # H200, Llama dim 1,024: 0.73 bf16, 0.76 fp32 (larger matmuls reach more)
         memory_bps=3350 * GB,  # HBM3
     ),
-    "h200": Hardware(
-        name="h200",
-        devices_per_node=8,
-        memory_bytes=150_109_880_320,  # as the device reports it (HBM3e, "141GB")
-        peak_flops={"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 66.9e12},  # as the H100 SXM5
-        intra_node_bps=450 * GB,  # NVLink 4: 900 GB/s both directions
-        inter_node_bps=50 * GB,  # 8 x 400 Gb/s InfiniBand NDR per node: one NIC per GPU
-        latency_s=10e-6,
-        source="NVIDIA H200 Tensor Core GPU datasheet (SXM); NVIDIA DGX H200 user guide (8 x ConnectX-7); "
-        "efficiencies measured on one H200 (docs/benchmarks.md#one-gpu)",
-        assumed=("latency_s",),
-        matmul_efficiency=0.75,  # H200, Llama dim 1,024: 0.73 bf16, 0.76 fp32 (larger matmuls reach more)
-        memory_bps=4800 * GB,  # HBM3e
-    ),
     "a100": Hardware(
         name="a100",
         devices_per_node=8,
@@ -152,6 +138,17 @@ PRESETS: dict[str, Hardware] = {
         memory_bps=3276.8 * GB / 2,  # HBM2e, per GCD
     ),
 }
+
+
+# the H200: an H100 SXM5's compute and links with more and faster memory
+PRESETS["h200"] = replace(
+    PRESETS["h100"],
+    name="h200",
+    memory_bytes=150_109_880_320,  # as the device reports it (HBM3e, "141GB")
+    memory_bps=4800 * GB,  # HBM3e
+    source="NVIDIA H200 Tensor Core GPU datasheet (SXM); NVIDIA DGX H200 user guide (8 x ConnectX-7); "
+    "efficiencies measured on one H200 (docs/benchmarks.md#one-gpu)",
+)
 
 
 def load_hardware(spec: str) -> Hardware:
