@@ -79,6 +79,13 @@ def pipeline_bubble(
     return bubble
 
 
+def axis_time(hw: Hardware, by_kind: dict[str, float], calls: int, *, size: int, crosses_nodes: bool) -> float:
+    """Time one mesh axis's collectives take: payload bytes by collective kind (a ring's share of
+    each), at the link its group crosses, plus one latency per call."""
+    link = hw.link_bps(crosses_nodes)
+    return sum(payload * ring_factor(kind, size) / link for kind, payload in by_kind.items()) + calls * hw.latency_s
+
+
 def step_floor(
     hw: Hardware,
     *,
@@ -89,13 +96,19 @@ def step_floor(
     microbatches: int = 1,
     stages_per_rank: int = 1,
     ranks_per_node: int | None = None,
+    memory_bytes: float = 0.0,
+    exposed_s: float = 0.0,
 ) -> float:
-    """What :func:`predict`'s step time cannot go under, known before a step is simulated: the matrix
-    multiplies and the pipeline's bubble over them (memory-bound ops and communication only add)."""
+    """What :func:`predict`'s step time cannot go under, known before the step is simulated: the matrix
+    multiplies, plus ``memory_bytes`` that the step's memory-bound ops move at least, the pipeline's
+    bubble over both, and ``exposed_s`` of communication the step waits for at least (what else the
+    step does only adds)."""
     matmul = flops * recompute / (hw.peak(dtype) * hw.matmul_efficiency)
-    return matmul + pipeline_bubble(
-        matmul, hw, pp=pp, microbatches=microbatches, stages_per_rank=stages_per_rank, ranks_per_node=ranks_per_node
+    compute = matmul + (memory_bytes / (hw.memory_bps * hw.memory_efficiency) if hw.memory_bps else 0.0)
+    bubble = pipeline_bubble(
+        compute, hw, pp=pp, microbatches=microbatches, stages_per_rank=stages_per_rank, ranks_per_node=ranks_per_node
     )
+    return compute + bubble + exposed_s
 
 
 def predict(
@@ -123,13 +136,19 @@ def predict(
     bubble = pipeline_bubble(
         compute, hw, pp=pp, microbatches=microbatches, stages_per_rank=stages_per_rank, ranks_per_node=ranks_per_node
     )
-    comm: dict[str, float] = {}
+    by_axis: dict[str, dict[str, float]] = {}
     for (axis, kind), payload in step["comm_by_kind"].items():
-        size = axes.get(axis, {}).get("size", 1)
-        link = hw.link_bps(axes.get(axis, {}).get("crosses_nodes", False))
-        comm[axis] = comm.get(axis, 0.0) + payload * ring_factor(kind, size) / link
-    for axis, calls in step["comm_calls"].items():
-        comm[axis] = comm.get(axis, 0.0) + calls * hw.latency_s
+        by_axis.setdefault(axis, {})[kind] = payload
+    comm: dict[str, float] = {}
+    for axis in dict.fromkeys([*by_axis, *step["comm_calls"]]):
+        group = axes.get(axis, {})
+        comm[axis] = axis_time(
+            hw,
+            by_axis.get(axis, {}),
+            step["comm_calls"].get(axis, 0),
+            size=group.get("size", 1),
+            crosses_nodes=group.get("crosses_nodes", False),
+        )
     # the data-parallel groups (dp_shard, dp_replicate, the flattened dp, dp_shard_cp...) carry FSDP's
     # traffic: together they hide behind the one compute, all but one block's share; each axis is
     # charged its part of what shows

@@ -60,10 +60,13 @@ from mmm.log import configure, get_logger
 from mmm.measure import CommCounter, DeviceWork, PeakMemory, SavedActivations
 from mmm.models.llama import Llama, apply_cp_llama
 from mmm.parallel import ParallelDims, init_mesh, meta_init
+from mmm.parallel.context import ring_attention
+from mmm.parallel.pipeline import stage_layer_ranges
 from mmm.parallel.strategy import state_bytes_per_param
+from mmm.parallel.tensor import loss_parallel_context
 from mmm.plan import AXES, Combo, plan
 from mmm.plan.hardware import Hardware, load_hardware
-from mmm.plan.predict import MEMORY_MARGIN, predict, step_floor
+from mmm.plan.predict import MEMORY_MARGIN, axis_time, predict, step_floor
 from mmm.training import llama as recipe
 from mmm.training.config import Config
 from mmm.training.llama import LlamaTrainConfig, command_line
@@ -339,8 +342,10 @@ def simulate_ranks(config: Config[LlamaTrainConfig], *, world: int, ranks: Seque
     """:func:`simulate_rank` for each of ``ranks``, in this process one after another. Under pipeline
     parallel a stage's first step needs its neighbours' shapes: a rank whose neighbour has not been
     simulated yet waits while a rank of that stage (the same coordinates on the other axes: the same
-    shapes) is simulated first, and is then simulated again."""
+    shapes) is simulated first, and is then simulated again. A rank so simulated is not simulated twice
+    when it is one of ``ranks`` too."""
     mailbox: dict = {}
+    done: dict[int, RankReport] = {}
     pp = config.parallel.degrees.get("pp", 1)
     stride = world // pp  # pp is the outermost mesh axis
     budget = [8 * pp * max(1, config.parallel.stages_per_rank) + len(ranks)]
@@ -355,7 +360,8 @@ def simulate_ranks(config: Config[LlamaTrainConfig], *, world: int, ranks: Seque
             if budget[0] < 0:
                 raise RuntimeError(f"pipeline stages of rank {rank} never received their neighbours' shapes")
             try:
-                return simulate_rank(config, world=world, rank=rank, mailbox=mailbox, **kwargs)
+                done[rank] = simulate_rank(config, world=world, rank=rank, mailbox=mailbox, **kwargs)
+                return done[rank]
             except MissingMessage as missing:
                 sender = (missing.src_stage % pp) * stride + rank % stride
             finally:
@@ -371,7 +377,7 @@ def simulate_ranks(config: Config[LlamaTrainConfig], *, world: int, ranks: Seque
                 if back.rank != rank:
                     raise
 
-    return [one(rank) for rank in ranks]
+    return [done[rank] if rank in done else one(rank) for rank in ranks]
 
 
 def forget_meshes() -> None:
@@ -437,10 +443,26 @@ def _pipeline_by_mail(pipeline, mailbox: dict) -> None:
     schedule._warmup_p2p = vote
 
 
+def _pipeline_shapes(pipeline, inputs, targets) -> None:
+    """What a pipeline's first step does before its first microbatch: its stages infer their
+    inputs', outputs' and gradients' shapes (running a microbatch's forward and backward on them)
+    and trade them with their neighbours. Done here, before the step that is counted, so that
+    the counted step is a steady one, as every step after the first."""
+    schedule = pipeline.schedule
+    n = pipeline.microbatches
+    args = (inputs[: len(inputs) // n],) if pipeline.has_first else ()
+    target = targets[: len(targets) // n] if pipeline.has_last else None
+    init = getattr(schedule, "_initialize_stages", None) or schedule._initialize_stage
+    for stage in getattr(schedule, "_stages", None) or [schedule._stage]:
+        stage.has_backward = True
+    with loss_parallel_context(pipeline.loss_parallel):
+        init(args, {}, target)
+
+
 def fake_step(engine, mesh, loss_fn, tokens: tuple[int, int], mailbox: dict | None = None) -> dict:
-    """Two training steps of ``engine`` (sharded on meta) on fake tensors; of the second (the optimizer
-    state exists, as in every later step): what it communicates by mesh axis, what it saves for
-    backward, its peak memory, and the parameter, gradient and optimizer bytes it holds
+    """A training step of ``engine`` (sharded on meta) on fake tensors, as every step after the first
+    (the optimizer state exists: :func:`_optimizer_state`): what it communicates by mesh axis, what it
+    saves for backward, its peak memory, and the parameter, gradient and optimizer bytes it holds
     after backward (as the trainer reads them). The engine's parameters become fake tensors (no
     memory); it is not usable for real work afterwards."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -457,7 +479,9 @@ def fake_step(engine, mesh, loss_fn, tokens: tuple[int, int], mailbox: dict | No
         engine.train()
         inputs = torch.zeros(tokens, dtype=torch.long)
         sync = StepSync.for_engine(engine, device=torch.device("cpu"))
-        train_step(engine, inputs, inputs, loss_fn, sync=sync)  # the first step creates the AdamW state
+        _optimizer_state(engine.optimizer)  # what a first step leaves: the AdamW state
+        if engine.pipeline is not None:  # and, under a pipeline, the shapes its stages traded
+            _pipeline_shapes(engine.pipeline, inputs, inputs)
         existing = [*engine.module.parameters(), *engine.module.buffers(), inputs]
         existing += [v for state in engine.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
         held: dict[str, int] = {}  # what the trainer's summary.json reads while the gradients exist
@@ -480,6 +504,18 @@ def fake_step(engine, mesh, loss_fn, tokens: tuple[int, int], mailbox: dict | No
         "peak": {"total": memory.peak, "before_step": memory.start},
         "state_bytes": {k: held[k] for k in ("param_bytes", "grad_bytes", "optim_bytes")},
     }
+
+
+def _optimizer_state(optimizer) -> None:
+    """Create ``optimizer``'s state as its first step does (AdamW makes its moments there), by one step
+    on zero gradients shaped as the parameters (on fake tensors: no arithmetic). A simulated step then
+    runs as every step after the first: it holds the state throughout. (A whole first training step
+    did the same, at the cost of a second simulated forward and backward.)"""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _ranks(spec: str | None, world: int) -> list[int]:
@@ -536,8 +572,9 @@ def state_floor(config: Config[LlamaTrainConfig], world: int, combo: Combo) -> f
     return sum(state_bytes_per_param(combo.strategy, dims)) * blocks / (dims.tp * dims.pp)
 
 
-PARALLEL_AFTER_S = 5.0
-"""A layout that takes longer to simulate than this has the rest simulated at once (a process starts in ~2 s)."""
+PARALLEL_AFTER_S = 10.0
+"""When the other layouts, at the pace of the first (the cheapest), would take longer than this to
+simulate one after another, they are simulated at once (a process starts in ~2 s)."""
 
 
 def _usable_cores() -> int:
@@ -548,9 +585,10 @@ def _simulate_layout(task) -> tuple[list[RankReport] | None, str | None]:
     """One layout of :func:`rank_layouts`: its reports, or why the simulator refused it."""
     config, combo, world, per_node, hardware = task
     trial = replace(config, parallel=replace(config.parallel, **combo.degrees, strategy=combo.strategy))
-    # the first and last pipeline stage; without a pipeline rank 0 alone (every rank alike, and
-    # FSDP's first shards are the largest when a dimension does not split evenly)
-    ranks = sorted({0, world - 1}) if combo.degrees["pp"] > 1 else [0]
+    # rank 0 (FSDP's first shards are the largest when a dimension does not split evenly); under a
+    # pipeline also the rank of the same coordinates in the last stage (rank 0's first step waits for
+    # its shapes: it is simulated first, once)
+    ranks = [0, world - world // combo.degrees["pp"]] if combo.degrees["pp"] > 1 else [0]
     try:
         return simulate_by_blocks(trial, world=world, ranks=ranks, devices_per_node=per_node, hardware=hardware), None
     except UsageError as e:
@@ -565,10 +603,10 @@ def _simulate_layouts(combos, config, world: int, per_node: int, hardware, jobs:
     combos = sorted(combos, key=lambda c: c.degrees["cp"] * c.degrees["pp"])
     tasks = [(config, combo, world, per_node, hardware) for combo in combos]
     first = []
-    if jobs is None and tasks:  # the first layout here; the others at once if it took longer than starting processes
+    if jobs is None and tasks:  # the first layout here; the others at once if they take longer than starting processes
         t0 = time.perf_counter()
         first = [(combos[0], _simulate_layout(tasks[0]))]
-        jobs = _usable_cores() if time.perf_counter() - t0 > PARALLEL_AFTER_S else 1
+        jobs = _usable_cores() if (time.perf_counter() - t0) * (len(tasks) - 1) > PARALLEL_AFTER_S else 1
     rest = tasks[len(first) :][::-1]
     if min(jobs or 1, len(rest)) > 1:  # fresh interpreters: each simulation sets up a process group of its own
         with ProcessPoolExecutor(min(jobs, len(rest)), mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -576,6 +614,86 @@ def _simulate_layouts(combos, config, world: int, per_node: int, hardware, jobs:
     else:
         results = [_simulate_layout(task) for task in rest]
     return first + [(task[1], result) for task, result in zip(rest, results, strict=True)], jobs
+
+
+def ring_attention_step(config: Config[LlamaTrainConfig], world: int, combo: Combo) -> dict:
+    """What the ring attention of a context-parallel layout alone asks of rank 0 in a step: the bytes
+    its memory-bound ops move, and its messages over the cp group (payload by kind, calls). The ring
+    (:func:`mmm.parallel.context.ring_attention`) runs here once forward and once backward on fake
+    tensors of rank 0's shapes (one microbatch), in a fake cp group of its own, and is counted for
+    every block rank 0 holds and every microbatch, its forward twice under ``--ac full`` (the
+    block is recomputed). A part of the step, found in about a second: :func:`rank_layouts` prunes
+    with it before simulating the whole step."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    cfg, how, d = config.train.model_config(), config.parallel, combo.degrees
+    cp, tp, pp = d["cp"], d["tp"], d["pp"]
+    dp = world // (pp * cp * tp)
+    microbatches = (how.microbatches or pp) if pp > 1 else 1
+    chunks = pp * how.stages_per_rank
+    ranges = stage_layer_ranges(cfg.n_layers, chunks, how.split_points)
+    blocks = sum(b - a for i, (a, b) in enumerate(ranges) if i % pp == 0)  # rank 0's stages
+    seqs = config.train.batch_size // dp // microbatches
+    tokens, head_dim = cfg.seq_len // cp, cfg.dim // cfg.n_heads
+    dtype = torch.bfloat16 if how.dtype == "bf16" else torch.float32
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cp)
+    try:
+        group = dist.group.WORLD
+        with FakeTensorMode():
+            q, k, v = (
+                torch.empty(seqs, tokens, heads // tp, head_dim, dtype=dtype, requires_grad=True).transpose(1, 2)
+                for heads in (cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads)
+            )
+            grad = torch.empty(q.shape, dtype=dtype)
+            with CommCounter({"cp": group}) as comm_f, DeviceWork() as work_f:
+                out = ring_attention(q, k, v, group=group)
+            with CommCounter({"cp": group}) as comm_b, DeviceWork() as work_b:
+                torch.autograd.grad(out, (q, k, v), grad)
+    finally:
+        dist.destroy_process_group()
+    forwards, times = 2 if how.ac == "full" else 1, blocks * microbatches
+    by_kind = {
+        kind: times * (forwards * comm_f.by_kind.get(("cp", kind), 0) + comm_b.by_kind.get(("cp", kind), 0))
+        for kind in {kind for _, kind in [*comm_f.by_kind, *comm_b.by_kind]}
+    }
+    return {
+        "memory_bytes": times * (forwards * work_f.memory_bytes + work_b.memory_bytes),
+        "comm_by_kind": by_kind,
+        "comm_calls": times * (forwards * comm_f.calls.get("cp", 0) + comm_b.calls.get("cp", 0)),
+    }
+
+
+def layout_floor(
+    config: Config[LlamaTrainConfig],
+    world: int,
+    combo: Combo,
+    hardware: Hardware,
+    devices_per_node: int,
+    *,
+    below: float = math.inf,
+    rings: dict | None = None,
+) -> float:
+    """What the predicted step of ``combo`` cannot go under (:func:`mmm.plan.predict.step_floor`), known
+    before its step is simulated: the matrix multiplies, the pipeline's bubble over them, and under
+    context parallel the ring attention's part of the step (:func:`ring_attention_step`: its
+    memory-bound ops, its messages at the link rank 0's cp group crosses). The ring is simulated
+    only when the floor without it is under ``below``; ``rings`` keeps what it found for layouts of
+    the same degrees but their data-parallel split."""
+    trial = replace(config, parallel=replace(config.parallel, **combo.degrees, strategy=combo.strategy))
+    terms = _step_terms(trial, trial.train.model_config(), world)
+    bare = step_floor(hardware, **terms, ranks_per_node=devices_per_node)
+    cp, tp = combo.degrees["cp"], combo.degrees["tp"]
+    if cp == 1 or bare >= below:
+        return bare
+    key = (combo.degrees["pp"], cp, tp, combo.degrees["dp_replicate"] * combo.degrees["dp_shard"])
+    rings = {} if rings is None else rings
+    ring = rings[key] = rings.get(key) or ring_attention_step(trial, world, combo)
+    crosses = (cp - 1) * tp // devices_per_node > 0  # rank 0's cp group: ranks 0, tp, ..., (cp - 1) tp
+    comm = axis_time(hardware, ring["comm_by_kind"], ring["comm_calls"], size=cp, crosses_nodes=crosses)
+    return step_floor(
+        hardware, **terms, ranks_per_node=devices_per_node, memory_bytes=ring["memory_bytes"], exposed_s=comm
+    )
 
 
 def rank_layouts(
@@ -590,12 +708,12 @@ def rank_layouts(
 ) -> list[Ranked]:
     """Every valid layout of ``world`` ranks that the simulator runs (fsdp or hsdp), each simulated (its
     first and last pipeline stage, one step, :func:`simulate_by_blocks`) and predicted on ``hardware``; fastest
-    first, the ones whose memory does not fit last. A layout with a pipeline whose bubble over the matrix
-    multiplies alone (:func:`mmm.plan.predict.step_floor`) is no faster than the best layout without one
-    is left out unsimulated (one log line): it cannot be the pick. ``fixed``: degrees to hold. ``jobs``:
+    first, the ones whose memory does not fit last. Layouts without a pipeline or context parallel are
+    simulated first; a layout with either whose floor (:func:`layout_floor`) is no faster than the best
+    of them is left out unsimulated (one log line): it cannot be the pick. ``fixed``: degrees to hold. ``jobs``:
     layouts simulated at once, each in a process of its own (1: one after another, in this process; None:
-    the first here, and the rest on every core this process may use if it took more than
-    :data:`PARALLEL_AFTER_S`)."""
+    the first here, and the rest on every core this process may use if, at its pace, they would take
+    more than :data:`PARALLEL_AFTER_S`)."""
     per_node = devices_per_node or hardware.devices_per_node
     combos = [c for c in plan(world, config, strategies=list(strategies), fixed=fixed) if c.valid]
     if not combos:
@@ -623,29 +741,32 @@ def rank_layouts(
                 f"no layout of {world} ranks fits in {hardware.memory_bytes / 2**30:.0f} GiB per device: the model's "
                 "state alone does not (more ranks, or a device with more memory)"
             )
-    # layouts without a pipeline first; then the pipelines whose bubble over the matmuls alone (a floor
-    # under their step, known unsimulated) does not already make them slower than the best of those
-    cfg = config.train.model_config()
-
-    def floor(combo) -> float:
-        trial = replace(config, parallel=replace(config.parallel, **combo.degrees, strategy=combo.strategy))
-        return step_floor(hardware, **_step_terms(trial, cfg, world), ranks_per_node=per_node)
-
-    done, jobs = _simulate_layouts([c for c in combos if c.degrees["pp"] == 1], config, world, per_node, hardware, jobs)
+    # layouts without a pipeline or context parallel first; then the others whose floor (known before
+    # their step is simulated) does not already make them slower than the best of those
+    plain = [c for c in combos if c.degrees["pp"] == 1 and c.degrees["cp"] == 1]
+    done, jobs = _simulate_layouts(plain, config, world, per_node, hardware, jobs)
     best = min((r.step_s for r in (Ranked(c, rep) for c, (rep, _) in done if rep) if r.fits), default=math.inf)
-    piped = [c for c in combos if c.degrees["pp"] > 1]
-    slower = [c for c in piped if floor(c) >= best]
+    others = [c for c in combos if c not in plain]
+    rings: dict = {}
+    floors = (
+        {c.label: layout_floor(config, world, c, hardware, per_node, below=best, rings=rings) for c in others}
+        if best < math.inf
+        else {}
+    )
+    slower = [c for c in others if floors.get(c.label, 0.0) >= best]
     if slower:
+        closest = min(slower, key=lambda c: floors[c.label])
         get_logger().info(
-            "%d of %d layouts with a pipeline not simulated: their bubble over the matrix multiplies alone "
-            "(%s: %.1f ms) exceeds the best step without one (%.1f ms)",
+            "%d of %d layouts with a pipeline or context parallel not simulated: their floor (the matrix "
+            "multiplies, the ring attention's memory-bound ops and messages, the pipeline's bubble; the "
+            "closest, %s: %.1f ms) exceeds the best step without either (%.1f ms)",
             len(slower),
-            len(piped),
-            min(slower, key=floor).label,
-            floor(min(slower, key=floor)) * 1e3,
+            len(others),
+            closest.label,
+            floors[closest.label] * 1e3,
             best * 1e3,
         )
-    more, _ = _simulate_layouts([c for c in piped if c not in slower], config, world, per_node, hardware, jobs)
+    more, _ = _simulate_layouts([c for c in others if c not in slower], config, world, per_node, hardware, jobs)
     out, refused_by_reason = [], {}
     for combo, (reports, refused) in [*done, *more]:
         if refused:  # refused once built (the planner's checks passed): out of the ranking, said why

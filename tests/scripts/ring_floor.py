@@ -1,0 +1,29 @@
+"""Simulate context-parallel layouts (rank 0) and find their floor (mmm.plan.simulate.layout_floor): print
+the simulated step, the floor and the ring attention's part alone as JSON lines."""
+
+import json
+import sys
+
+from mmm.plan import plan
+from mmm.plan.hardware import load_hardware
+from mmm.plan.simulate import layout_floor, ring_attention_step, simulate_ranks
+from mmm.training.llama import command_line
+
+TINY = ["--dim", "64", "--n-heads", "4", "--n-kv-heads", "2", "--seq-len", "64", "--batch-size", "8"]
+TINY += ["--vocab-size", "128", "--n-layers", "2", "--dtype", "bf16"]
+
+hw = load_hardware("h100")
+for layout in sys.argv[1:]:
+    flags = layout.split()
+    world = int(flags.pop(0))
+    config = command_line().parse([*flags, *TINY])
+    how = config.parallel
+    (combo,) = [c for c in plan(world, config, strategies=[how.strategy], fixed=how.degrees) if c.valid]
+    (report,) = simulate_ranks(config, world=world, ranks=[0], devices_per_node=4, hardware=hw)
+    step = report.step
+    row = {"layout": layout, "step_s": report.prediction["step_s"], "memory_bytes": step["memory_bytes"]}
+    row["cp_p2p_bytes"] = step["comm_by_kind"].get(("cp", "p2p"), 0)
+    row["cp_calls"] = step["comm_calls"].get("cp", 0)
+    row["ring"] = ring_attention_step(config, world, combo)
+    row["floor_s"] = layout_floor(config, world, combo, hw, 4)
+    print(json.dumps(row), flush=True)
