@@ -68,7 +68,7 @@ def main() -> None:
     if not (args.reuse and hw.exists()):
         run([py, "-m", "mmm.plan.calibrate", "--ranks", str(args.world), "--out", str(hw), *model])
     picked = root / "ranked.json"
-    sim = [py, "-m", "mmm.plan.simulate", "--world", str(args.world), "--hardware", str(hw), "--pick"]
+    sim = [py, "-m", "mmm.plan.simulate", "--world", str(args.world), "--hardware", str(hw), "--pick", "--every"]
     run([*sim, "--json", str(picked), *model])
     ranked = json.loads(picked.read_text())
     combos = ",".join(r["label"] for r in ranked)

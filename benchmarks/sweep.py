@@ -348,6 +348,14 @@ def main(argv=None) -> int:
     out = Path(
         args.out or Path("outputs") / "sweep" / datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     )
+    from mmm.errors import UsageError
+
+    earlier = [p for p in (out / "results.nc", *(out / "runs" / c.label for c in combos)) if p.exists()]
+    if earlier:  # its runs would refuse their folders one by one, and its table replace the earlier one
+        raise UsageError(
+            f"--out {out} holds an earlier sweep ({earlier[0].relative_to(out)}): give another --out "
+            "(nothing there is overwritten)"
+        )
     out.mkdir(parents=True, exist_ok=True)
     print(f"sweep: {len(combos)} layouts of {args.world} ranks -> {out}", flush=True)
     results = []

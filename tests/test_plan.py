@@ -232,6 +232,10 @@ def test_sweep_records_a_failed_layout_and_goes_on(tmp_path):
     assert not ds["ok"].values.any()
     assert all("timed out after 1s" in e for e in ds["error"].values)
     assert "failed: " in (tmp_path / "results.md").read_text()
+    before = (tmp_path / "results.nc").read_bytes()  # a sweep into the same folder: refused, nothing replaced
+    again = run([*SWEEP, "--combos", "pp1-dpr1-dps2-cp1-tp1-ddp", "--out", str(tmp_path)], timeout=60)
+    assert_clean_user_error(again, f"--out {tmp_path} holds an earlier sweep (results.nc): give another --out")
+    assert (tmp_path / "results.nc").read_bytes() == before
 
 
 @pytest.mark.parametrize(
@@ -338,6 +342,11 @@ def test_predicted_step_time_adds_up_and_follows_the_links():
     assert predict(step, inside, shared, **kw, pp=2, microbatches=2).bubble_s == 0
     long = predict(step, inside, shared, **kw, pp=4, microbatches=1)  # critical path 4x at 2x the rate
     assert abs(long.bubble_s - a.compute_s) < 1e-9
+    # ranks that share cores have none free to move FSDP's data while they compute: nothing overlaps
+    crowded = predict(step, inside, shared, **kw)
+    assert crowded.exposed_s["dp_shard"] == crowded.comm_s["dp_shard"] > a.exposed_s["dp_shard"]
+    roomy = predict(step, inside, replace(hw, devices_per_node=2, cores_per_node=2), **kw)
+    assert roomy.exposed_s["dp_shard"] == a.exposed_s["dp_shard"]
     # memory-bound ops: their bytes at the device memory's pace, after the matmuls (eager kernels run in turn)
     moved = predict({**step, "memory_bytes": 100 * gib}, inside, hw, **kw)
     assert moved.memory_s == 100 * gib / (hw.memory_bps * hw.memory_efficiency) and moved.matmul_s == a.matmul_s
@@ -423,6 +432,11 @@ def test_pick_ranks_the_layouts_and_holds_the_given_degrees(tmp_path):
     assert f"pick: {' '.join(rows[0]['flags'])}" in res.stdout and "ranked by predicted step time" in res.stdout
     for r in rows:  # the reason names what the step waits for: compute and TP's collectives
         assert "compute" in r["why"] and "tp " in r["why"]
+    res = run([*eight, "--every"], timeout=300)  # none left out: the same pick, every layout predicted
+    assert res.returncode == 0, res.output
+    every = json.loads(out.read_text())
+    assert len(every) == 7 and every[0]["label"] == rows[0]["label"], [r["label"] for r in every]
+    assert min(r["step_s"] for r in every if r["label"] not in {x["label"] for x in rows}) >= rows[0]["step_s"]
     res = run([*pick, "--hardware", hw, "--pp", "2", "--tp", "2", "--json", str(out)], timeout=300)
     assert res.returncode == 0, res.output  # a pipeline given: simulated, its bubble in the reason
     (row,) = json.loads(out.read_text())
@@ -439,6 +453,7 @@ def test_pick_ranks_the_layouts_and_holds_the_given_degrees(tmp_path):
     assert_clean_user_error(res, "--pick: --strategy zero2 is not simulated")
     res = run([*pick[:-1], "--jobs", "2"], timeout=60)
     assert_clean_user_error(res, "--jobs 2 sets how many layouts --pick simulates at once; without --pick drop it")
+    assert_clean_user_error(run([*pick[:-1], "--every"], timeout=60), "--every simulates every layout --pick ranks")
 
 
 def test_calibrate_measures_this_machine_for_the_simulator(tmp_path):

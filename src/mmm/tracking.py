@@ -270,7 +270,8 @@ def gather_rank_timings(dt: float, *, device=None) -> dict[str, float | int]:
     mine = torch.tensor([dt, time.time()], dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         out = torch.empty(2 * dist.get_world_size(), dtype=torch.float64, device=device)
-        dist.all_gather_into_tensor(out, mine)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # its 2.13 name
+        gather(out, mine)
     else:
         out = mine
     values = out.tolist()

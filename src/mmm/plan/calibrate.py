@@ -85,7 +85,8 @@ def probe(config, out: Path) -> None:
     part = torch.zeros(4 * 2**20 // world)  # 16 MiB gathered
     whole = torch.empty(part.numel() * world)
     dist.barrier()
-    gather_s = _timed(lambda: dist.all_gather_into_tensor(whole, part), 5)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # its PyTorch 2.13 name
+    gather_s = _timed(lambda: gather(whole, part), 5)
     moved = whole.numel() * 4 * (world - 1) / world  # what a ring moves per rank
     one = torch.zeros(1)
     dist.barrier()

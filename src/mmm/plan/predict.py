@@ -19,7 +19,9 @@ The model, stated so it can be checked (every term is in :class:`Prediction`):
   gradients while computing, so only what exceeds the compute is exposed, and never less than one
   block's share (the first all-gather and the last reduce-scatter wait). Tensor- and
   context-parallel collectives sit on the critical path (TP's all-reduces and all-gathers are not
-  overlapped in eager PyTorch), and so does the step's own packed all-reduce.
+  overlapped in eager PyTorch), and so does the step's own packed all-reduce. Where ranks share a
+  node's cores (CPU ranks, more of them than cores: ``hardware.cores_per_node``) nothing overlaps:
+  a transfer needs a core (gloo's threads copy the data), and none is idle while the ranks compute.
 - **memory** fits when the simulated peak is under ``(1 - margin)`` of the device's memory.
 """
 
@@ -156,6 +158,8 @@ def predict(
     dp_total = sum(t for axis, t in comm.items() if axis.startswith("dp"))
     if dp_total:
         shown = max(dp_total - compute, dp_total / max(n_layers, 1))
+        if hw.cores_per_node and (ranks_per_node or hw.devices_per_node) > hw.cores_per_node:
+            shown = dp_total  # ranks share the cores: no core is free to move data while they compute
         exposed.update({axis: t / dp_total * shown for axis, t in comm.items() if axis.startswith("dp")})
     exposed = {axis: exposed[axis] for axis in comm}  # in comm's order
     step_s = compute + bubble + sum(exposed.values())

@@ -150,7 +150,13 @@ def build_parser() -> ArgumentParser:
         default=None,
         metavar="N",
         help="with --pick: layouts simulated at once, each in a process of its own [the cores this process may "
-        "use, once the first layout took over 5 s; else 1]",
+        "use, when the others at the first layout's pace would take over 10 s; else 1]",
+    )
+    g.add_argument(
+        "--every",
+        action="store_true",
+        help="with --pick: also simulate the layouts with a pipeline or context parallel whose floor shows they "
+        "cannot be the pick (to compare every layout's prediction; the pick is the same)",
     )
     g.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="also write the reports as JSON")
     # given or not: --pick holds what is given
@@ -359,6 +365,8 @@ def simulate_ranks(config: Config[LlamaTrainConfig], *, world: int, ranks: Seque
             budget[0] -= 1
             if budget[0] < 0:
                 raise RuntimeError(f"pipeline stages of rank {rank} never received their neighbours' shapes")
+            # init_process_group wraps the excepthook (a rank prefix): put it back, or a traceback gets one per rank
+            hook = sys.excepthook
             try:
                 done[rank] = simulate_rank(config, world=world, rank=rank, mailbox=mailbox, **kwargs)
                 return done[rank]
@@ -367,6 +375,7 @@ def simulate_ranks(config: Config[LlamaTrainConfig], *, world: int, ranks: Seque
             finally:
                 mdist.teardown()
                 forget_meshes()
+                sys.excepthook = hook
             # what this rank sent before it waited is in the mailbox; with several stages per rank the
             # sender may itself be waiting for this rank further up the chain: it tries again first
             if sender in waiting:
@@ -637,6 +646,7 @@ def ring_attention_step(config: Config[LlamaTrainConfig], world: int, combo: Com
     seqs = config.train.batch_size // dp // microbatches
     tokens, head_dim = cfg.seq_len // cp, cfg.dim // cfg.n_heads
     dtype = torch.bfloat16 if how.dtype == "bf16" else torch.float32
+    hook = sys.excepthook
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cp)
     try:
         group = dist.group.WORLD
@@ -652,6 +662,7 @@ def ring_attention_step(config: Config[LlamaTrainConfig], world: int, combo: Com
                 torch.autograd.grad(out, (q, k, v), grad)
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
     forwards, times = 2 if how.ac == "full" else 1, blocks * microbatches
     by_kind = {
         kind: times * (forwards * comm_f.by_kind.get(("cp", kind), 0) + comm_b.by_kind.get(("cp", kind), 0))
@@ -705,6 +716,7 @@ def rank_layouts(
     fixed: dict[str, int] | None = None,
     strategies: Sequence[str] = ("fsdp", "hsdp"),
     jobs: int | None = None,
+    every: bool = False,
 ) -> list[Ranked]:
     """Every valid layout of ``world`` ranks that the simulator runs (fsdp or hsdp), each simulated (its
     first and last pipeline stage, one step, :func:`simulate_by_blocks`) and predicted on ``hardware``; fastest
@@ -713,7 +725,7 @@ def rank_layouts(
     of them is left out unsimulated (one log line): it cannot be the pick. ``fixed``: degrees to hold. ``jobs``:
     layouts simulated at once, each in a process of its own (1: one after another, in this process; None:
     the first here, and the rest on every core this process may use if, at its pace, they would take
-    more than :data:`PARALLEL_AFTER_S`)."""
+    more than :data:`PARALLEL_AFTER_S`). ``every``: none left out by its floor."""
     per_node = devices_per_node or hardware.devices_per_node
     combos = [c for c in plan(world, config, strategies=list(strategies), fixed=fixed) if c.valid]
     if not combos:
@@ -750,7 +762,7 @@ def rank_layouts(
     rings: dict = {}
     floors = (
         {c.label: layout_floor(config, world, c, hardware, per_node, below=best, rings=rings) for c in others}
-        if best < math.inf
+        if best < math.inf and not every
         else {}
     )
     slower = [c for c in others if floors.get(c.label, 0.0) >= best]
@@ -862,7 +874,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     own = {"--world", "--ranks", "--devices-per-node", "--json", "--hardware", "--jobs"}
     # the trainer's flags, typed and checked as the trainer does
-    config = command_line().parse(without_flags(argv, own, {"--no-step", "--pick"}))
+    config = command_line().parse(without_flags(argv, own, {"--no-step", "--pick", "--every"}))
     if config.train.pick_layout:
         raise UsageError("--pick-layout is the trainer's; here use --pick --hardware HARDWARE")
     if config.parallel.compile and ns.step:
@@ -891,7 +903,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ns.strategy and ns.strategy not in ("fsdp", "hsdp"):
             raise UsageError(f"--pick: --strategy {ns.strategy} is not simulated; give fsdp or hsdp, or leave it out")
         ranked = rank_layouts(
-            config, ns.world, hardware, devices_per_node=per_node, fixed=fixed, strategies=strategies, jobs=ns.jobs
+            config,
+            ns.world,
+            hardware,
+            devices_per_node=per_node,
+            fixed=fixed,
+            strategies=strategies,
+            jobs=ns.jobs,
+            every=ns.every,
         )
         print(format_ranking(ranked, hardware))
         if ns.json_path:
@@ -905,6 +924,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if ns.jobs:
         raise UsageError(f"--jobs {ns.jobs} sets how many layouts --pick simulates at once; without --pick drop it")
+    if ns.every:
+        raise UsageError("--every simulates every layout --pick ranks; without --pick drop it")
     ranks = _ranks(ns.ranks, ns.world)
     reports = simulate_ranks(
         config, world=ns.world, ranks=ranks, devices_per_node=per_node, step=ns.step, hardware=hardware
