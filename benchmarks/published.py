@@ -1,4 +1,4 @@
-"""The planner on published runs: what it predicts for torchtitan's measured Llama 3.1 layouts.
+"""The planner on published runs: what it predicts for torchtitan's and Megatron's measured Llama 3 layouts.
 
     python benchmarks/published.py [--rows 8b-8,70b-256] [--out published.json]
 
@@ -10,6 +10,7 @@ ones. The models are given as Hugging Face ``config.json`` files written here (t
 Llama 3.1 8B, 70B and 405B; the 3.1 rope scaling is left out: mmm's Llama has plain rotary
 embeddings, and it changes no shape, FLOP or byte). A sanity check, not a proof: torchtitan's 70B and
 405B rows also use torch.compile, Float8 matmuls and async TP, which the prediction does not model.
+One row is Megatron Bridge's (its DGX-H100 Llama 3 8B run, FP8 with Transformer Engine's kernels).
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ ROWS = [
     ("8b-8", "8b", 8, ["--batch-size", "16", "--ac", "selective"], 5762, 82.4, "eager"),
     ("8b-128", "8b", 128, ["--batch-size", "256", "--ac", "selective"], 5605, 67.0, "eager"),
     ("70b-256", "70b", 256, ["--tp", "8", "--batch-size", "512", "--ac", "full"], 829, 71.9, "compile + Float8"),
+    # Megatron Bridge's DGX-H100 rows (docs/performance-summary-archive.md, 25.11 container; FP8 current
+    # scaling, Transformer Engine). Its 8B run accumulates 16 microbatches of one sequence per rank: the
+    # same tokens per GPU and step as one sequence per rank here; its memory is not published
+    ("8b-8-mcore", "8b", 8, ["--batch-size", "8", "--ac", "none"], 14451, None, "Megatron: FP8 + TE, 16 accumulated"),
     (
         "405b-512",
         "405b",
@@ -113,7 +118,8 @@ def main() -> int:
     for r in results:
         print(
             f"{r['row']:<10}{r['world']:>6}  {r['published_tps_per_gpu']:>18,}{r['predicted_tps_per_gpu']:>11,.0f}"
-            f"{r['predicted_tps_per_gpu'] / r['published_tps_per_gpu']:>7.2f}  {r['published_memory_gib']:>14.1f}"
+            f"{r['predicted_tps_per_gpu'] / r['published_tps_per_gpu']:>7.2f}  "
+            f"{'-' if r['published_memory_gib'] is None else format(r['published_memory_gib'], '.1f'):>14}"
             f"{r['predicted_peak_gib']:>11.1f}  {r['predicted_mfu']:>9.1%}  {r['published_with']}"
         )
     if ns.out:
