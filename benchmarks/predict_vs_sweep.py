@@ -62,6 +62,11 @@ def main() -> None:
     args, model = p.parse_known_args()
     model = model or MODEL
     root = args.out or Path(tempfile.mkdtemp(prefix="mmm-predict-vs-sweep-"))
+    if (root / "sweep").exists() and not args.reuse:
+        raise SystemExit(
+            f"--out {root} holds an earlier comparison: --reuse compares again with its calibration and sweep, "
+            "or give another --out (nothing there is overwritten)"
+        )
     root.mkdir(parents=True, exist_ok=True)
     py = sys.executable
     hw = root / "cpu.json"

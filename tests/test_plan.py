@@ -545,8 +545,9 @@ def test_without_fsdp_bf16_and_the_optimizer_state_are_simulated(tmp_path, layou
 def test_a_layout_simulated_by_blocks_equals_the_whole_model():
     """--pick simulates each layout at three and four blocks per stage and carries what grows per block
     on to the model's count: the same state, communication, activations, peak and step time as the
-    whole model simulated (HSDP with full AC; a pipeline of 2 stages with TP)."""
+    whole model simulated (HSDP with full AC; a pipeline of 2 stages with TP; stages of 6 and 5 blocks)."""
     layouts = ["4 --dp-replicate 2 --strategy hsdp --ac full --n-layers 6", "4 --pp 2 --tp 2 --n-layers 10"]
+    layouts += ["4 --pp 2 --tp 2 --n-layers 11 --split-points 6"]
     res = run([sys.executable, str(SCRIPTS / "by_blocks.py"), *layouts], timeout=300)
     assert res.returncode == 0, res.output
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
@@ -565,6 +566,7 @@ def test_the_ring_attention_floor_is_part_of_the_simulated_step():
     microbatches too: the ring runs once per microbatch)."""
     layouts = ["8 --cp 2 --tp 2 --dp-shard 2", "8 --cp 2 --tp 2 --dp-shard 2 --ac full"]
     layouts += ["8 --pp 2 --cp 2 --tp 2 --dp-shard 1 --microbatches 4"]
+    layouts += ["8 --pp 2 --cp 2 --tp 2 --dp-shard 1 --stages-per-rank 2 --pp-schedule interleaved-1f1b --n-layers 4"]
     res = run([sys.executable, str(SCRIPTS / "ring_floor.py"), *layouts], timeout=300)
     assert res.returncode == 0, res.output
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
@@ -574,7 +576,9 @@ def test_the_ring_attention_floor_is_part_of_the_simulated_step():
         assert ring["comm_by_kind"] == {"p2p": r["cp_p2p_bytes"]} and r["cp_p2p_bytes"] > 0, r
         assert 0 < ring["comm_calls"] <= r["cp_calls"] and 0 < ring["memory_bytes"] < r["memory_bytes"], r
         assert 0 < r["floor_s"] < r["step_s"], r
-    plain, full, piped = rows
+        # the memory-bound ops decide: the ring's share of them under the step's, and a part of them
+        assert r["slow_floor_s"] < r["slow_step_s"] and r["slow_floor_s"] > 0.2 * r["slow_memory_s"], r
+    plain, full, piped, _ = rows
     assert plain["ring"]["comm_calls"] == plain["cp_calls"]  # dp_shard 2: the cp group carries the ring alone
     assert full["cp_p2p_bytes"] == 1.5 * plain["cp_p2p_bytes"]  # the block's forward runs again in backward
     assert full["ring"]["memory_bytes"] > plain["ring"]["memory_bytes"]

@@ -3,6 +3,7 @@ the simulated step, the floor and the ring attention's part alone as JSON lines.
 
 import json
 import sys
+from dataclasses import replace
 
 from mmm.plan import plan
 from mmm.plan.hardware import load_hardware
@@ -16,7 +17,7 @@ hw = load_hardware("h100")
 for layout in sys.argv[1:]:
     flags = layout.split()
     world = int(flags.pop(0))
-    config = command_line().parse([*flags, *TINY])
+    config = command_line().parse([*TINY, *flags])
     how = config.parallel
     (combo,) = [c for c in plan(world, config, strategies=[how.strategy], fixed=how.degrees) if c.valid]
     (report,) = simulate_ranks(config, world=world, ranks=[0], devices_per_node=4, hardware=hw)
@@ -26,4 +27,9 @@ for layout in sys.argv[1:]:
     row["cp_calls"] = step["comm_calls"].get("cp", 0)
     row["ring"] = ring_attention_step(config, world, combo)
     row["floor_s"] = layout_floor(config, world, combo, hw, 4)
+    # where the memory-bound ops decide (a slow device memory, no latency) and the cp group crosses nodes
+    slow = replace(hw, memory_bps=1e9, latency_s=0.0, devices_per_node=2)
+    (crossing,) = simulate_ranks(config, world=world, ranks=[0], devices_per_node=2, hardware=slow)
+    row["slow_step_s"], row["slow_floor_s"] = crossing.prediction["step_s"], layout_floor(config, world, combo, slow, 2)
+    row["slow_memory_s"] = crossing.prediction["memory_s"]
     print(json.dumps(row), flush=True)
