@@ -36,6 +36,7 @@ the simulated step (:mod:`mmm.plan.predict` states the model).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import multiprocessing
@@ -374,17 +375,15 @@ def simulate_ranks(config: Config[LlamaTrainConfig], *, world: int, ranks: Seque
             budget[0] -= 1
             if budget[0] < 0:
                 raise RuntimeError(f"pipeline stages of rank {rank} never received their neighbours' shapes")
-            # init_process_group wraps the excepthook (a rank prefix): put it back, or a traceback gets one per rank
-            hook = sys.excepthook
             try:
-                done[rank] = simulate_rank(config, world=world, rank=rank, mailbox=mailbox, **kwargs)
+                with _excepthook_kept():
+                    done[rank] = simulate_rank(config, world=world, rank=rank, mailbox=mailbox, **kwargs)
                 return done[rank]
             except MissingMessage as missing:
                 sender = (missing.src_stage % pp) * stride + rank % stride
             finally:
                 mdist.teardown()
                 forget_meshes()
-                sys.excepthook = hook
             # what this rank sent before it waited is in the mailbox; with several stages per rank the
             # sender may itself be waiting for this rank further up the chain: it tries again first
             if sender in waiting:
@@ -396,6 +395,17 @@ def simulate_ranks(config: Config[LlamaTrainConfig], *, world: int, ranks: Seque
                     raise
 
     return [done[rank] if rank in done else one(rank) for rank in ranks]
+
+
+@contextlib.contextmanager
+def _excepthook_kept():
+    """Put ``sys.excepthook`` back afterwards: each ``init_process_group`` wraps it with its rank's prefix,
+    and a process that simulates many ranks would print a traceback with one prefix per rank."""
+    hook = sys.excepthook
+    try:
+        yield
+    finally:
+        sys.excepthook = hook
 
 
 def forget_meshes() -> None:
@@ -420,6 +430,11 @@ class MissingMessage(Exception):
         self.src_stage = src_stage
 
 
+def _stages_of(schedule) -> list:
+    """The stages a pipeline schedule runs on this rank (one, or several under an interleaved schedule)."""
+    return list(getattr(schedule, "_stages", None) or [schedule._stage])
+
+
 def _pipeline_by_mail(pipeline, mailbox: dict) -> None:
     """Let a pipeline's stages run their first step on fake tensors. On it they agree by vote whether
     shapes are static and trade their output and gradient shapes with their neighbours, by value
@@ -437,7 +452,7 @@ def _pipeline_by_mail(pipeline, mailbox: dict) -> None:
         ) from None
 
     schedule = pipeline.schedule
-    stages = list(getattr(schedule, "_stages", None) or [schedule._stage])
+    stages = _stages_of(schedule)
     cpu = torch.device("cpu")
     pipeline.device = cpu
     for stage in stages:
@@ -471,7 +486,7 @@ def _pipeline_shapes(pipeline, inputs, targets) -> None:
     args = (inputs[: len(inputs) // n],) if pipeline.has_first else ()
     target = targets[: len(targets) // n] if pipeline.has_last else None
     init = getattr(schedule, "_initialize_stages", None) or schedule._initialize_stage
-    for stage in getattr(schedule, "_stages", None) or [schedule._stage]:
+    for stage in _stages_of(schedule):
         stage.has_backward = schedule._has_backward  # as the schedule's step sets it
     with loss_parallel_context(pipeline.loss_parallel):
         init(args, {}, target)
@@ -598,10 +613,15 @@ def _usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def _trial(config: Config[LlamaTrainConfig], combo: Combo) -> Config[LlamaTrainConfig]:
+    """``config`` with ``combo``'s degrees and strategy."""
+    return replace(config, parallel=replace(config.parallel, **combo.degrees, strategy=combo.strategy))
+
+
 def _simulate_layout(task) -> tuple[list[RankReport] | None, str | None]:
     """One layout of :func:`rank_layouts`: its reports, or why the simulator refused it."""
     config, combo, world, per_node, hardware = task
-    trial = replace(config, parallel=replace(config.parallel, **combo.degrees, strategy=combo.strategy))
+    trial = _trial(config, combo)
     # rank 0 (FSDP's first shards are the largest when a dimension does not split evenly); under a
     # pipeline also the rank of the same coordinates in the last stage (rank 0's first step waits for
     # its shapes: it is simulated first, once)
@@ -613,8 +633,8 @@ def _simulate_layout(task) -> tuple[list[RankReport] | None, str | None]:
 
 
 def _simulate_layouts(combos, config, world: int, per_node: int, hardware, jobs: int | None):
-    """Each of ``combos`` simulated (:func:`_simulate_layout`), paired with its result; and the ``jobs``
-    used (``None``: decided here, by how long the first, cheapest layout took)."""
+    """Each of ``combos`` simulated (:func:`_simulate_layout`), paired with its result. ``jobs``: processes
+    at once (``None``: decided here, by how long the first, cheapest layout took)."""
     # the simulated step's ops grow with the ring attention's steps and the pipeline's stages: the
     # cheapest layout first (it decides whether to use more processes), the rest longest first
     combos = sorted(combos, key=lambda c: c.degrees["cp"] * c.degrees["pp"])
@@ -630,7 +650,7 @@ def _simulate_layouts(combos, config, world: int, per_node: int, hardware, jobs:
             results = list(pool.map(_simulate_layout, rest))
     else:
         results = [_simulate_layout(task) for task in rest]
-    return first + [(task[1], result) for task, result in zip(rest, results, strict=True)], jobs
+    return first + [(task[1], result) for task, result in zip(rest, results, strict=True)]
 
 
 def ring_attention_step(config: Config[LlamaTrainConfig], world: int, combo: Combo) -> dict:
@@ -648,14 +668,14 @@ def ring_attention_step(config: Config[LlamaTrainConfig], world: int, combo: Com
     cp, tp, pp = d["cp"], d["tp"], d["pp"]
     dp = world // (pp * cp * tp)
     microbatches = (how.microbatches or pp) if pp > 1 else 1
-    chunks = pp * how.stages_per_rank
-    ranges = stage_layer_ranges(cfg.n_layers, chunks, how.split_points)
-    blocks = sum(b - a for i, (a, b) in enumerate(ranges) if i % pp == 0)  # rank 0's stages
+    per_rank = max(1, how.stages_per_rank)
+    ranges = stage_layer_ranges(cfg.n_layers, pp * per_rank, how.split_points)
+    blocks = sum(ranges[i][1] - ranges[i][0] for i in stage_ids(0, pp, per_rank))  # rank 0's stages
     seqs = config.train.batch_size // dp // microbatches
     tokens, head_dim = cfg.seq_len // cp, cfg.dim // cfg.n_heads
     dtype = torch.bfloat16 if how.dtype == "bf16" else torch.float32
-    hook = sys.excepthook
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cp)
+    with _excepthook_kept():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cp)
     try:
         group = dist.group.WORLD
         with FakeTensorMode():
@@ -670,7 +690,6 @@ def ring_attention_step(config: Config[LlamaTrainConfig], world: int, combo: Com
                 torch.autograd.grad(out, (q, k, v), grad)
     finally:
         dist.destroy_process_group()
-        sys.excepthook = hook
     forwards, times = 2 if how.ac == "full" else 1, blocks * microbatches
     by_kind = {
         kind: times * (forwards * comm_f.by_kind.get(("cp", kind), 0) + comm_b.by_kind.get(("cp", kind), 0))
@@ -699,7 +718,7 @@ def layout_floor(
     memory-bound ops, its messages at the link rank 0's cp group crosses). The ring is simulated
     only when the floor without it is under ``below``; ``rings`` keeps what it found for layouts of
     the same degrees but their data-parallel split."""
-    trial = replace(config, parallel=replace(config.parallel, **combo.degrees, strategy=combo.strategy))
+    trial = _trial(config, combo)
     terms = _step_terms(trial, trial.train.model_config(), world)
     per_node = min(world, devices_per_node)  # as predict_rank counts a node's ranks
     bare = step_floor(hardware, **terms, ranks_per_node=per_node)
@@ -764,7 +783,7 @@ def rank_layouts(
     # layouts without a pipeline or context parallel first; then the others whose floor (known before
     # their step is simulated) does not already make them slower than the best of those
     plain = [c for c in combos if c.degrees["pp"] == 1 and c.degrees["cp"] == 1]
-    done, _ = _simulate_layouts(plain, config, world, per_node, hardware, jobs)
+    done = _simulate_layouts(plain, config, world, per_node, hardware, jobs)
     best = min((r.step_s for r in (Ranked(c, rep) for c, (rep, _) in done if rep) if r.fits), default=math.inf)
     others = [c for c in combos if c not in plain]
     rings: dict = {}
@@ -787,7 +806,7 @@ def rank_layouts(
             best * 1e3,
         )
     # jobs given or decided again: by the pace of this batch's own first layout and its own count
-    more, _ = _simulate_layouts([c for c in others if c not in slower], config, world, per_node, hardware, jobs)
+    more = _simulate_layouts([c for c in others if c not in slower], config, world, per_node, hardware, jobs)
     out, refused_by_reason = [], {}
     for combo, (reports, refused) in [*done, *more]:
         if refused:  # refused once built (the planner's checks passed): out of the ranking, said why
