@@ -12,8 +12,10 @@ and the last rank. Layouts:
   * ``pp``: pp 8 x tp 8 x FSDP (from 512 ranks up).
 Prints, per layout and world, the last rank's seconds of mesh / parallelize (the first rank also
 pays one-time imports), peak host memory, and each time's ratio to the smallest world's (the goal:
-within 2x at 16,384 of 64). Materialising the shards is left out: mmm initialises each parameter
-whole from its name and seed, then keeps its shard (see docs/planning.md).
+within 2x at 16,384 of 64), and beside them the same run with torch's ``fully_shard`` left as is
+(``MMM_LEAN_FSDP_SETUP=0``; see ``mmm.parallel.fsdp_setup``). Materialising the shards is left
+out: mmm initialises each parameter whole from its name and seed, then keeps its shard (see
+docs/planning.md).
 """
 
 from __future__ import annotations
@@ -56,6 +58,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worlds", default="64,512,4096,16384")
     p.add_argument("--layouts", default="fsdp,hsdp,pp")
+    p.add_argument(
+        "--compare",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run each world with torch's fully_shard as is (MMM_LEAN_FSDP_SETUP=0) [on]",
+    )
     args = p.parse_args()
     worlds = [int(w) for w in args.worlds.split(",")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MMM_LOG_LEVEL": "WARNING"}
@@ -82,11 +90,15 @@ def main() -> None:
                     str(out),
                 ]
                 cmd += ["--init-from", str(model), "--seq-len", "8192", "--batch-size", batch, *flags]
-                res = subprocess.run(cmd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-                if res.returncode != 0:
-                    raise SystemExit(f"failed: {' '.join(cmd)}\n{res.stderr[-3000:]}")
-                last = json.loads(out.read_text())[-1]
-                rows.append((layout, world, last))
+                runs = {}
+                for lean in ("1", "0") if args.compare else ("1",):
+                    env["MMM_LEAN_FSDP_SETUP"] = lean
+                    res = subprocess.run(cmd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+                    if res.returncode != 0:
+                        raise SystemExit(f"failed: {' '.join(cmd)}\n{res.stderr[-3000:]}")
+                    runs[lean] = json.loads(out.read_text())[-1]
+                last = runs["1"]
+                rows.append((layout, world, last, runs.get("0")))
                 s = last["setup_s"]
                 print(
                     f"  {layout} {world}: mesh {s['mesh']:.3f}s parallelize {s['parallelize']:.2f}s "
@@ -95,17 +107,25 @@ def main() -> None:
                     flush=True,
                 )
     print(f"\nsetup on one simulated rank (the last), Llama-3-8B shape on meta, {os.cpu_count()} cores\n")
-    print("| layout | world | mesh s | parallelize s | both s | x smallest | peak host MiB | state MiB/rank |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| layout | world | mesh s | parallelize s | both s | x smallest | peak host MiB | state MiB/rank |", end="")
+    print(" torch's own fully_shard: both s | x smallest | peak host MiB |" if args.compare else "")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if args.compare else ""))
     base: dict[str, float] = {}
-    for layout, world, r in rows:
+    for layout, world, r, plain in rows:
         s = r["setup_s"]
         total = s["mesh"] + s["parallelize"]
         base.setdefault(layout, total)
         print(
             f"| {layout} | {world} | {s['mesh']:.3f} | {s['parallelize']:.2f} | {total:.2f} | "
-            f"{total / base[layout]:.1f}x | {r['peak_rss_bytes'] / 2**20:.0f} | {r['total_bytes'] / 2**20:.1f} |"
+            f"{total / base[layout]:.1f}x | {r['peak_rss_bytes'] / 2**20:.0f} | {r['total_bytes'] / 2**20:.1f} |",
+            end="",
         )
+        if plain is None:
+            print()
+            continue
+        p = plain["setup_s"]["mesh"] + plain["setup_s"]["parallelize"]
+        base.setdefault(layout + " as is", p)
+        print(f" {p:.2f} | {p / base[layout + ' as is']:.1f}x | {plain['peak_rss_bytes'] / 2**20:.0f} |")
 
 
 if __name__ == "__main__":

@@ -374,3 +374,53 @@ def test_a_nan_on_a_stage_that_does_not_hold_the_loss_still_stops_the_run(tmp_pa
     assert res.returncode != 0, res.output
     assert "loss is nan at iter 2" in res.stderr, res.output
     assert [r["iter"] for r in jsonl(tmp_path / "history.jsonl", key=None)] == [1, 2]
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 7, 8, 19, 64])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_lazy_chunks_are_torchs_chunks(size, dim):
+    """Each item of mmm's on-demand chunks is what torch's ``_chunk_with_empty`` puts there: the same
+    view (storage, offset, shape, strides) or the same empty tensor, for chunk counts below, at and
+    past the rows."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
+
+    from mmm.parallel.fsdp_setup import LazyChunks
+
+    shape = (size, 3) if dim == 0 else (3, size)
+    tensor = torch.arange(3 * size, dtype=torch.float32).reshape(shape)
+    for n in (1, 2, 3, 4, 8, 9, 70):
+        want, got = _chunk_with_empty(tensor, n, dim), LazyChunks(tensor, n, dim)
+        assert len(got) == len(want) == n
+        assert [tuple(c.shape) for c in got[:]] == [tuple(c.shape) for c in want]
+        for i in (*range(n), -1):
+            w, g = want[i], got[i]
+            assert (g.shape, g.stride(), g.dtype) == (w.shape, w.stride(), w.dtype), (n, i)
+            if w.numel():
+                assert g.data_ptr() == w.data_ptr() and g.storage_offset() == w.storage_offset()
+                assert torch.equal(g, w)
+        with pytest.raises(IndexError):
+            got[n]
+
+
+@pytest.mark.parametrize(
+    "layout", ["16 2 1 0 15", "32 2 2 0 31", "48 1 3 47"], ids=["fsdp8-tp2", "hsdp2x8-tp2", "hsdp3x16"]
+)
+def test_lean_fsdp_setup_shards_as_torch_does_without_per_rank_work(layout):
+    """``fully_shard`` through mmm (``mmm.parallel.fsdp_setup``): every parameter's shard, sizes, padding,
+    placements and meshes equal torch's own ``fully_shard`` field for field (shapes that leave shard
+    ranks empty included), while it builds one mesh instead of one per parameter and makes none of
+    the other ranks' chunks. Fake process groups of up to 48 ranks, first and last rank."""
+    res = run([sys.executable, str(SCRIPTS / "lean_fsdp.py"), *layout.split()], timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    world, tp, replicate = (int(x) for x in layout.split()[:3])
+    dp_shard = world // tp // replicate
+    assert len(rows) == len(layout.split()) - 3
+    for row in rows:
+        assert row["applied"] and row["params"] == 21, row
+        assert row["diffs"] == [], row["diffs"][:3]
+        plain, lean = row["meshes_made"]
+        assert plain >= row["params"] and lean <= 3, row  # torch: one or two per parameter; lean: per group
+        plain, lean = row["tensors_made"]
+        assert plain - lean >= row["params"] * (dp_shard - 2), row  # the other ranks' chunks, not made
+    assert rows[-1]["empty"] > 0  # the last rank's shards of the vocabulary / heads are empty

@@ -74,7 +74,8 @@ def take_pick(config: Config[LlamaTrainConfig], argv: list[str], info) -> tuple[
         kind, message = found[0]
         raise UsageError(message) if kind == "usage" else RuntimeError(message)
     pick = found[0]
-    config = replace(config, parallel=replace(config.parallel, **pick["degrees"], strategy=pick["strategy"]))
+    chosen = {"ac": pick["ac"]} if pick["ac"] else {}  # the planner's activation checkpointing (--ac given holds)
+    config = replace(config, parallel=replace(config.parallel, **pick["degrees"], strategy=pick["strategy"], **chosen))
     problems = recipe.problems(config, info.world_size)
     if problems:
         raise RuntimeError(f"the planner picked {pick['label']}, which the trainer refuses: {'; '.join(problems)}")

@@ -8,6 +8,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from mmm.parallel.fsdp_setup import lean_fully_shard
+
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -38,13 +40,12 @@ def apply_fsdp(
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-    for block in blocks:
-        fully_shard(
-            block, reshard_after_forward=True if reshard_after_forward is None else reshard_after_forward, **kwargs
-        )
-    fully_shard(
-        model, reshard_after_forward=False if reshard_after_forward is None else reshard_after_forward, **kwargs
-    )
+    with lean_fully_shard():  # no per-shard-rank work per parameter: flat setup as the job grows
+        for block in blocks:
+            after = True if reshard_after_forward is None else reshard_after_forward
+            fully_shard(block, reshard_after_forward=after, **kwargs)
+        after = False if reshard_after_forward is None else reshard_after_forward
+        fully_shard(model, reshard_after_forward=after, **kwargs)
     return model
 
 

@@ -89,10 +89,11 @@ PRESETS: dict[str, Hardware] = {
         inter_node_bps=50 * GB,  # 8 x 400 Gb/s InfiniBand NDR per node: one NIC per GPU
         latency_s=10e-6,
         source="NVIDIA H100 Tensor Core GPU datasheet (SXM5); NVIDIA DGX H100 user guide (8 x ConnectX-7); "
-        "efficiencies measured on one H200 (docs/benchmarks.md#one-gpu)",
+        "efficiencies measured on one H100 and one H200 (docs/benchmarks.md#one-gpu)",
         assumed=("latency_s",),
-        matmul_efficiency=0.75,  # H200, Llama dim 1,024: 0.73 bf16, 0.76 fp32 (larger matmuls reach more)
+        matmul_efficiency=0.75,  # Llama dim 1,024: H200 0.73 bf16, 0.76 fp32; H100 0.71 bf16 (dim 2,048: 0.77)
         memory_bps=3350 * GB,  # HBM3
+        memory_efficiency=0.68,  # H100, Llama dim 1,024, bf16 and bf16 + full AC: 0.67, 0.68 (dim 2,048: 0.74)
     ),
     "a100": Hardware(
         name="a100",
@@ -146,6 +147,7 @@ PRESETS["h200"] = replace(
     name="h200",
     memory_bytes=150_109_880_320,  # as the device reports it (HBM3e, "141GB")
     memory_bps=4800 * GB,  # HBM3e
+    memory_efficiency=0.6,  # H200, Llama dim 1,024: 0.59 bf16, 0.63 fp32
     source="NVIDIA H200 Tensor Core GPU datasheet (SXM); NVIDIA DGX H200 user guide (8 x ConnectX-7); "
     "efficiencies measured on one H200 (docs/benchmarks.md#one-gpu)",
 )

@@ -54,13 +54,14 @@ def planners_pick(argv: Sequence[str], world: int, hardware: str, *, devices_per
     if not best["fits"]:
         raise UsageError(
             f"{FLAG} {hardware}: no layout of {world} ranks fits in {hw.memory_bytes / 2**30:.0f} GiB per device "
-            "(try --ac full, a smaller --batch-size or more ranks)"
+            "(with --ac full: a smaller --batch-size or more ranks)"
         )
     return {
         "hardware": hw.name,
         "label": best["label"],
         "degrees": best["degrees"],
         "strategy": best["strategy"],
+        "ac": best["ac"],
         "flags": best["flags"],
         "predicted_step_s": best["step_s"],
         "why": best["why"],

@@ -142,7 +142,8 @@ def build_parser() -> ArgumentParser:
         "--pick",
         action="store_true",
         help="with --hardware: simulate every layout of --world ranks the simulator can run (fsdp/hsdp; "
-        "mesh flags given hold their value), rank them by predicted step time among those that fit, explain "
+        "mesh flags given hold their value), each with the least activation checkpointing that fits (none, "
+        "selective, full; --ac given holds), rank them by predicted step time among those that fit, explain "
         "the best few and print the pick's flags",
     )
     g.add_argument(
@@ -569,6 +570,16 @@ class Ranked:
 
     combo: Combo
     reports: list[RankReport]
+    ac: str | None = None
+    """The activation checkpointing the pick chose for this layout where not the config's (None: the config's)."""
+
+    @property
+    def label(self) -> str:
+        return self.combo.label + (f"-ac{self.ac}" if self.ac else "")
+
+    @property
+    def flags(self) -> list[str]:
+        return [*self.combo.flags, *(["--ac", self.ac] if self.ac else [])]
 
     @property
     def step_s(self) -> float:
@@ -613,32 +624,43 @@ def _usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _trial(config: Config[LlamaTrainConfig], combo: Combo) -> Config[LlamaTrainConfig]:
-    """``config`` with ``combo``'s degrees and strategy."""
-    return replace(config, parallel=replace(config.parallel, **combo.degrees, strategy=combo.strategy))
+# activation checkpointing, least recomputation first: --pick without --ac takes the first that fits
+AC_ORDER = ("none", "selective", "full")
 
 
-def _simulate_layout(task) -> tuple[list[RankReport] | None, str | None]:
-    """One layout of :func:`rank_layouts`: its reports, or why the simulator refused it."""
-    config, combo, world, per_node, hardware = task
-    trial = _trial(config, combo)
+def _trial(config: Config[LlamaTrainConfig], combo: Combo, ac: str | None = None) -> Config[LlamaTrainConfig]:
+    """``config`` with ``combo``'s degrees and strategy (and ``ac``, if given)."""
+    extra = {"ac": ac} if ac else {}
+    return replace(config, parallel=replace(config.parallel, **combo.degrees, strategy=combo.strategy, **extra))
+
+
+def _simulate_layout(task) -> tuple[list[RankReport] | None, str | None, str | None]:
+    """One layout of :func:`rank_layouts`: its reports, or why the simulator refused it; and the
+    activation checkpointing chosen (the first of ``acs`` whose peak fits; None: ``config``'s)."""
+    config, combo, world, per_node, hardware, acs = task
     # rank 0 (FSDP's first shards are the largest when a dimension does not split evenly); under a
     # pipeline also the rank of the same coordinates in the last stage (rank 0's first step waits for
     # its shapes: it is simulated first, once)
     ranks = [0, world - world // combo.degrees["pp"]] if combo.degrees["pp"] > 1 else [0]
-    try:
-        return simulate_by_blocks(trial, world=world, ranks=ranks, devices_per_node=per_node, hardware=hardware), None
-    except UsageError as e:
-        return None, str(e)
+    reports = None
+    for ac in acs or (None,):
+        try:
+            trial = _trial(config, combo, ac)
+            reports = simulate_by_blocks(trial, world=world, ranks=ranks, devices_per_node=per_node, hardware=hardware)
+        except UsageError as e:
+            return None, str(e), ac
+        if all(r.prediction["fits"] for r in reports):  # less recomputation is faster: the first that fits
+            break
+    return reports, None, (ac if ac != config.parallel.ac else None)
 
 
-def _simulate_layouts(combos, config, world: int, per_node: int, hardware, jobs: int | None):
+def _simulate_layouts(combos, config, world: int, per_node: int, hardware, jobs: int | None, acs=None):
     """Each of ``combos`` simulated (:func:`_simulate_layout`), paired with its result. ``jobs``: processes
     at once (``None``: decided here, by how long the first, cheapest layout took)."""
     # the simulated step's ops grow with the ring attention's steps and the pipeline's stages: the
     # cheapest layout first (it decides whether to use more processes), the rest longest first
     combos = sorted(combos, key=lambda c: c.degrees["cp"] * c.degrees["pp"])
-    tasks = [(config, combo, world, per_node, hardware) for combo in combos]
+    tasks = [(config, combo, world, per_node, hardware, acs) for combo in combos]
     first = []
     if jobs is None and tasks:  # the first layout here; the others at once if they take longer than starting processes
         t0 = time.perf_counter()
@@ -743,6 +765,7 @@ def rank_layouts(
     strategies: Sequence[str] = ("fsdp", "hsdp"),
     jobs: int | None = None,
     every: bool = False,
+    choose_ac: bool = False,
 ) -> list[Ranked]:
     """Every valid layout of ``world`` ranks that the simulator runs (fsdp or hsdp), each simulated (its
     first and last pipeline stage, one step, :func:`simulate_by_blocks`) and predicted on ``hardware``; fastest
@@ -752,7 +775,9 @@ def rank_layouts(
     layouts simulated at once, each in a process of its own (1: one after another, in this process; None:
     in each batch, the layouts without a pipeline or CP and then the others, the first here and the rest
     on every core this process may use if, at its pace, they would take more than
-    :data:`PARALLEL_AFTER_S`). ``every``: none left out by its floor."""
+    :data:`PARALLEL_AFTER_S`). ``every``: none left out by its floor. ``choose_ac``: each layout takes the
+    first activation checkpointing of :data:`AC_ORDER` (none, selective, full) whose peak fits, rather
+    than the one in ``config`` (its floor counts none: the lowest)."""
     per_node = devices_per_node or hardware.devices_per_node
     combos = [c for c in plan(world, config, strategies=list(strategies), fixed=fixed) if c.valid]
     if not combos:
@@ -782,13 +807,15 @@ def rank_layouts(
             )
     # layouts without a pipeline or context parallel first; then the others whose floor (known before
     # their step is simulated) does not already make them slower than the best of those
+    acs = AC_ORDER if choose_ac else None
     plain = [c for c in combos if c.degrees["pp"] == 1 and c.degrees["cp"] == 1]
-    done = _simulate_layouts(plain, config, world, per_node, hardware, jobs)
-    best = min((r.step_s for r in (Ranked(c, rep) for c, (rep, _) in done if rep) if r.fits), default=math.inf)
+    done = _simulate_layouts(plain, config, world, per_node, hardware, jobs, acs)
+    best = min((r.step_s for r in (Ranked(c, rep) for c, (rep, _, _) in done if rep) if r.fits), default=math.inf)
+    floor_config = _trial(config, combos[0], AC_ORDER[0]) if choose_ac else config  # degrees: each layout's own
     others = [c for c in combos if c not in plain]
     rings: dict = {}
     floors = (
-        {c.label: layout_floor(config, world, c, hardware, per_node, below=best, rings=rings) for c in others}
+        {c.label: layout_floor(floor_config, world, c, hardware, per_node, below=best, rings=rings) for c in others}
         if best < math.inf and not every
         else {}
     )
@@ -806,13 +833,13 @@ def rank_layouts(
             best * 1e3,
         )
     # jobs given or decided again: by the pace of this batch's own first layout and its own count
-    more = _simulate_layouts([c for c in others if c not in slower], config, world, per_node, hardware, jobs)
+    more = _simulate_layouts([c for c in others if c not in slower], config, world, per_node, hardware, jobs, acs)
     out, refused_by_reason = [], {}
-    for combo, (reports, refused) in [*done, *more]:
+    for combo, (reports, refused, ac) in [*done, *more]:
         if refused:  # refused once built (the planner's checks passed): out of the ranking, said why
             refused_by_reason.setdefault(refused, []).append(combo.label)
         else:
-            out.append(Ranked(combo, reports))
+            out.append(Ranked(combo, reports, ac))
     for reason, labels in refused_by_reason.items():  # one line per reason
         get_logger().warning("%s left out of the ranking: %s", ", ".join(labels), reason)
     if not out:
@@ -826,14 +853,14 @@ def format_ranking(ranked: list[Ranked], hardware: Hardware, top: int = 5) -> st
     best = ranked[0].step_s
     for i, r in enumerate(ranked[:top], 1):
         fit = "" if r.fits else "  DOES NOT FIT"
-        lines.append(f"{i:>3}. {r.combo.label:<28} {r.step_s * 1e3:9.1f} ms  {r.step_s / best:5.2f}x  {r.why()}{fit}")
+        lines.append(f"{i:>3}. {r.label:<28} {r.step_s * 1e3:9.1f} ms  {r.step_s / best:5.2f}x  {r.why()}{fit}")
     if len(ranked) > top:
         lines.append(f"     ... {len(ranked) - top} more (--json has them all)")
     pick = ranked[0]
     if pick.fits:
-        lines.append(f"pick: {' '.join(pick.combo.flags)}")
+        lines.append(f"pick: {' '.join(pick.flags)}")
     else:
-        lines.append("pick: none; no layout fits in memory (try --ac full, a smaller --batch-size, or more ranks)")
+        lines.append("pick: none; no layout fits in memory (with --ac full: a smaller --batch-size, or more ranks)")
     return "\n".join(lines)
 
 
@@ -939,12 +966,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             strategies=strategies,
             jobs=ns.jobs,
             every=ns.every,
+            choose_ac=not any(a == "--ac" or a.startswith("--ac=") for a in argv),  # --ac given holds
         )
         print(format_ranking(ranked, hardware))
         if ns.json_path:
             rows = [
-                {"label": r.combo.label, "degrees": r.combo.degrees, "strategy": r.combo.strategy}
-                | {"flags": r.combo.flags, "step_s": r.step_s, "fits": r.fits, "why": r.why()}
+                {"label": r.label, "degrees": r.combo.degrees, "strategy": r.combo.strategy, "ac": r.ac}
+                | {"flags": r.flags, "step_s": r.step_s, "fits": r.fits, "why": r.why()}
                 | {"ranks": [_jsonable(asdict(x)) for x in r.reports]}
                 for r in ranked
             ]
