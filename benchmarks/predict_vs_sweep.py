@@ -5,7 +5,9 @@
 1. calibrates this machine for --world ranks (``python -m mmm.plan.calibrate``: matmul FLOP/s, a
    training step's efficiency, gloo bandwidth and latency);
 2. ranks every layout the simulator runs (fsdp/hsdp, pipelines included) by predicted step time on that file
-   (``python -m mmm.plan.simulate --pick``);
+   (``python -m mmm.plan.simulate --pick``), as the sweep runs them: activation checkpointing as given
+   (``--ac none`` unless the model flags say), pipelines at the trainer's default microbatches (the
+   pick's variants with more microbatches are left out: the sweep does not run them);
 3. runs each of them for real (``benchmarks/sweep.py``: one ``launch`` run per layout, mean step time);
 4. prints predicted against measured per layout, the Spearman rank correlation, and the measured
    step time of the planner's pick over the measured fastest's (1.00 = it picked the fastest).
@@ -74,8 +76,10 @@ def main() -> None:
         run([py, "-m", "mmm.plan.calibrate", "--ranks", str(args.world), "--out", str(hw), *model])
     picked = root / "ranked.json"
     sim = [py, "-m", "mmm.plan.simulate", "--world", str(args.world), "--hardware", str(hw), "--pick", "--every"]
-    run([*sim, "--json", str(picked), *model])
-    ranked = json.loads(picked.read_text())
+    held = [] if "--ac" in model else ["--ac", "none"]  # the sweep runs each layout as given: AC held
+    run([*sim, "--json", str(picked), *held, *model])
+    # the sweep runs a pipeline at the trainer's default microbatches: the pick among those is compared
+    ranked = [r for r in json.loads(picked.read_text()) if r["microbatches"] is None]
     combos = ",".join(r["label"] for r in ranked)
     sweep = root / "sweep"
     if not (args.reuse and (sweep / "results.nc").exists()):

@@ -422,26 +422,35 @@ def test_pick_ranks_the_layouts_and_holds_the_given_degrees(tmp_path):
     rows = json.loads(out.read_text())  # two processes simulated the layouts without a pipeline or CP
     assert {r["label"] for r in rows} == {"pp1-dpr1-dps4-cp1-tp2-fsdp", "pp1-dpr2-dps2-cp1-tp2-hsdp"}
     said = re.search(  # the others cannot win: their floor is no faster than the best
-        r"5 of 5 layouts with a pipeline or context parallel not simulated: their floor \(.*; the closest, "
+        r"(\d+) of \1 layouts with a pipeline or context parallel not simulated: their floor \(.*; the closest, "
         r"(pp\S+): ([0-9.]+) ms\) exceeds the best step without either \(([0-9.]+) ms\)",
         res.output,
     )
     assert said, res.output
-    assert float(said.group(2)) >= float(said.group(3)) == round(rows[0]["step_s"] * 1e3, 1), res.output
+    assert float(said.group(3)) >= float(said.group(4)) == round(rows[0]["step_s"] * 1e3, 1), res.output
     assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows) and all(r["fits"] for r in rows)
     assert f"pick: {' '.join(rows[0]['flags'])}" in res.stdout and "ranked by predicted step time" in res.stdout
     for r in rows:  # the reason names what the step waits for: compute and TP's collectives
         assert "compute" in r["why"] and "tp " in r["why"]
     res = run([*pick, "--hardware", hw, "--tp", "2", "--json", str(out)], timeout=300)
-    assert res.returncode == 0 and "2 of 2 layouts with a pipeline or context parallel not" in res.output
+    # cp 2, and pp 2 with 2, 4 and 8 microbatches (1, 2 and 4 per stage)
+    assert res.returncode == 0 and "4 of 4 layouts with a pipeline or context parallel not" in res.output
     (four,) = json.loads(out.read_text())
     res = run([*pick, "--hardware", hw, "--tp", "2", "--json", str(out), "--every"], timeout=300)
     assert res.returncode == 0, res.output  # none left out: the same pick, every layout predicted
     every = json.loads(out.read_text())
-    assert len(every) == 3 and every[0]["label"] == four["label"], [r["label"] for r in every]
+    assert len(every) == 5 and every[0]["label"] == four["label"], [r["label"] for r in every]
     assert min(r["step_s"] for r in every[1:]) >= four["step_s"]
     res = run([*pick, "--hardware", hw, "--pp", "2", "--tp", "2", "--json", str(out)], timeout=300)
     assert res.returncode == 0, res.output  # a pipeline given: simulated, its bubble in the reason
+    rows = json.loads(out.read_text())  # more microbatches: a smaller bubble, a lower peak
+    assert [r["microbatches"] for r in rows] == [8, 4, None], [r["label"] for r in rows]
+    assert rows[0]["label"] == "pp2-dpr1-dps1-cp1-tp2-fsdp-mb8" and rows[0]["flags"][-2:] == ["--microbatches", "8"]
+    bubbles = [float(re.search(r"pipeline bubble ([0-9.]+) ms", r["why"]).group(1)) for r in rows]
+    peaks = [r["ranks"][0]["prediction"]["peak_bytes"] for r in rows]
+    assert bubbles == sorted(bubbles) and peaks == sorted(peaks), (bubbles, peaks)
+    res = run([*pick, "--hardware", hw, "--pp", "2", "--tp", "2", "--microbatches", "2", "--json", str(out)])
+    assert res.returncode == 0, res.output  # --microbatches given holds
     (row,) = json.loads(out.read_text())
     assert row["label"] == "pp2-dpr1-dps1-cp1-tp2-fsdp" and "pipeline bubble" in row["why"], row
     # activation checkpointing: without --ac each layout takes the least that fits (peaks of this layout's
@@ -467,7 +476,7 @@ def test_pick_ranks_the_layouts_and_holds_the_given_degrees(tmp_path):
     tiny = _hardware_file(tmp_path / "tiny.json", memory_gb=1e-5)  # not even the state: nothing simulated
     res = run([*pick, "--hardware", tiny, "--tp", "2"], timeout=300)
     assert_clean_user_error(res, "no layout of 4 ranks fits in 0 GiB per device: the model's state alone does not")
-    assert "3 of 3 layouts left out unsimulated" in res.output, res.output
+    assert "5 of 5 layouts left out unsimulated" in res.output, res.output  # cp 2, pp 2 with 2, 4, 8 microbatches
     res = run([*pick, "--hardware", hw, "--strategy", "zero2"], timeout=60)
     assert_clean_user_error(res, "--pick: --strategy zero2 is not simulated")
     res = run([*pick[:-1], "--jobs", "2"], timeout=60)
@@ -507,6 +516,13 @@ def test_the_trainer_takes_the_planners_pick(tmp_path):
     assert s["mesh"] == pick["degrees"] and s["strategy"] == "hsdp" and s["mesh"]["dp_replicate"] >= 2
     assert [r["step_s"] for r in pick["ranked"]] == sorted(r["step_s"] for r in pick["ranked"])
     assert f"layout: the planner picked {pick['label']} of {pick['layouts']} on two per node" in res.output
+    # a pipeline given, its microbatches not: the planner's count is the one the pipeline runs
+    args = ["-m", "mmm.examples.fsdp_tp", *tiny_llama(max_iters=2), "--pp", "2", "--tp", "2", "--pick-layout", hw]
+    res = run_ranks(4, args, tmp_path / "pp")
+    s = json.loads((tmp_path / "pp" / "summary.json").read_text())
+    pick = s["layout_pick"]
+    assert pick["microbatches"] in (4, 8) and pick["label"].endswith(f"-mb{pick['microbatches']}"), pick
+    assert s["pipeline"]["microbatches"] == pick["microbatches"] and s["mesh"] == pick["degrees"]
     tiny = _hardware_file(tmp_path / "tiny.json", memory_gb=1e-5)
     small = [
         "-m",

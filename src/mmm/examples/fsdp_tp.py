@@ -74,7 +74,8 @@ def take_pick(config: Config[LlamaTrainConfig], argv: list[str], info) -> tuple[
         kind, message = found[0]
         raise UsageError(message) if kind == "usage" else RuntimeError(message)
     pick = found[0]
-    chosen = {"ac": pick["ac"]} if pick["ac"] else {}  # the planner's activation checkpointing (--ac given holds)
+    # the planner's activation checkpointing and pipeline microbatches, where it chose them (given ones hold)
+    chosen = {k: pick[k] for k in ("ac", "microbatches") if pick[k]}
     config = replace(config, parallel=replace(config.parallel, **pick["degrees"], strategy=pick["strategy"], **chosen))
     problems = recipe.problems(config, info.world_size)
     if problems:

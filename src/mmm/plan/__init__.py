@@ -67,6 +67,8 @@ class Combo:
     problems: list[str] = field(default_factory=list)
     memory: dict[str, float] | None = None
     comm: dict[str, float] | None = None
+    microbatches: int | None = None
+    """A pipeline's microbatches where the layout sets them (None: the command line's, or the default)."""
 
     @property
     def valid(self) -> bool:
@@ -74,9 +76,10 @@ class Combo:
 
     @property
     def label(self) -> str:
-        """``pp1-dpr1-dps2-cp1-tp2-fsdp``: a stable name, used for output folders."""
+        """``pp1-dpr1-dps2-cp1-tp2-fsdp``: a stable name, used for output folders (``-mb8``: 8 microbatches)."""
         short = {"pp": "pp", "dp_replicate": "dpr", "dp_shard": "dps", "cp": "cp", "tp": "tp"}
-        return "-".join(f"{short[a]}{self.degrees[a]}" for a in AXES) + f"-{self.strategy}"
+        mb = f"-mb{self.microbatches}" if self.microbatches else ""
+        return "-".join(f"{short[a]}{self.degrees[a]}" for a in AXES) + f"-{self.strategy}{mb}"
 
     @property
     def flags(self) -> list[str]:
@@ -84,7 +87,8 @@ class Combo:
         out = []
         for a in AXES:
             out += [f"--{a.replace('_', '-')}", str(self.degrees[a])]
-        return out + ["--strategy", self.strategy]
+        mb = ["--microbatches", str(self.microbatches)] if self.microbatches else []
+        return out + ["--strategy", self.strategy, *mb]
 
     def as_dict(self) -> dict[str, Any]:
         return {

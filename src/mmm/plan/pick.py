@@ -62,6 +62,7 @@ def planners_pick(argv: Sequence[str], world: int, hardware: str, *, devices_per
         "degrees": best["degrees"],
         "strategy": best["strategy"],
         "ac": best["ac"],
+        "microbatches": best["microbatches"],
         "flags": best["flags"],
         "predicted_step_s": best["step_s"],
         "why": best["why"],

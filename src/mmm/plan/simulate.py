@@ -143,7 +143,8 @@ def build_parser() -> ArgumentParser:
         action="store_true",
         help="with --hardware: simulate every layout of --world ranks the simulator can run (fsdp/hsdp; "
         "mesh flags given hold their value), each with the least activation checkpointing that fits (none, "
-        "selective, full; --ac given holds), rank them by predicted step time among those that fit, explain "
+        "selective, full; --ac given holds) and pipelines with 1, 2 and 4 microbatches per stage "
+        "(--microbatches given holds), rank them by predicted step time among those that fit, explain "
         "the best few and print the pick's flags",
     )
     g.add_argument(
@@ -626,24 +627,44 @@ def _usable_cores() -> int:
 
 # activation checkpointing, least recomputation first: --pick without --ac takes the first that fits
 AC_ORDER = ("none", "selective", "full")
+# a pipeline's microbatches per stage that --pick without --microbatches ranks (1: the trainer's default)
+MICROBATCHES_PER_STAGE = (1, 2, 4)
+
+
+def _microbatch_variants(config: Config[LlamaTrainConfig], world: int, combo: Combo) -> list[Combo]:
+    """``combo``, and under a pipeline the same layout with more microbatches (:data:`MICROBATCHES_PER_STAGE`)
+    where the trainer accepts them (the per-dp-rank batch splits so, the schedule takes them)."""
+    pp = combo.degrees["pp"]
+    out = [combo]
+    for per_stage in MICROBATCHES_PER_STAGE[1:] if pp > 1 else ():
+        variant = replace(combo, microbatches=per_stage * pp)
+        if not recipe.problems(_trial(config, variant), world):
+            out.append(variant)
+    return out
 
 
 def _trial(config: Config[LlamaTrainConfig], combo: Combo, ac: str | None = None) -> Config[LlamaTrainConfig]:
-    """``config`` with ``combo``'s degrees and strategy (and ``ac``, if given)."""
+    """``config`` with ``combo``'s degrees, strategy and microbatches (if it sets them), and ``ac`` if given."""
     extra = {"ac": ac} if ac else {}
+    if combo.microbatches:
+        extra["microbatches"] = combo.microbatches
     return replace(config, parallel=replace(config.parallel, **combo.degrees, strategy=combo.strategy, **extra))
 
 
 def _simulate_layout(task) -> tuple[list[RankReport] | None, str | None, str | None]:
     """One layout of :func:`rank_layouts`: its reports, or why the simulator refused it; and the
-    activation checkpointing chosen (the first of ``acs`` whose peak fits; None: ``config``'s)."""
-    config, combo, world, per_node, hardware, acs = task
+    activation checkpointing chosen (the first of ``acs`` whose peak fits; None: ``config``'s). With
+    ``stops`` (each AC's floor) and ``best``: no reports (nor reason) once the AC to try next has a floor
+    no faster than ``best`` (the layout cannot be the pick with that much recomputation or more)."""
+    config, combo, world, per_node, hardware, acs, stops, best = task
     # rank 0 (FSDP's first shards are the largest when a dimension does not split evenly); under a
     # pipeline also the rank of the same coordinates in the last stage (rank 0's first step waits for
     # its shapes: it is simulated first, once)
     ranks = [0, world - world // combo.degrees["pp"]] if combo.degrees["pp"] > 1 else [0]
     reports = None
     for ac in acs or (None,):
+        if stops and stops[ac] >= best:
+            return None, None, ac
         try:
             trial = _trial(config, combo, ac)
             reports = simulate_by_blocks(trial, world=world, ranks=ranks, devices_per_node=per_node, hardware=hardware)
@@ -654,13 +675,17 @@ def _simulate_layout(task) -> tuple[list[RankReport] | None, str | None, str | N
     return reports, None, (ac if ac != config.parallel.ac else None)
 
 
-def _simulate_layouts(combos, config, world: int, per_node: int, hardware, jobs: int | None, acs=None):
+def _simulate_layouts(
+    combos, config, world: int, per_node: int, hardware, jobs: int | None, acs=None, stops=None, best=math.inf
+):
     """Each of ``combos`` simulated (:func:`_simulate_layout`), paired with its result. ``jobs``: processes
-    at once (``None``: decided here, by how long the first, cheapest layout took)."""
+    at once (``None``: decided here, by how long the first, cheapest layout took). ``stops``: each
+    layout's floor per activation checkpointing, by label; ``best``: the step to beat."""
     # the simulated step's ops grow with the ring attention's steps and the pipeline's stages: the
     # cheapest layout first (it decides whether to use more processes), the rest longest first
     combos = sorted(combos, key=lambda c: c.degrees["cp"] * c.degrees["pp"])
-    tasks = [(config, combo, world, per_node, hardware, acs) for combo in combos]
+    stops = stops or {}
+    tasks = [(config, c, world, per_node, hardware, acs, stops.get(c.label), best) for c in combos]
     first = []
     if jobs is None and tasks:  # the first layout here; the others at once if they take longer than starting processes
         t0 = time.perf_counter()
@@ -747,7 +772,9 @@ def layout_floor(
     cp, tp = combo.degrees["cp"], combo.degrees["tp"]
     if cp == 1 or bare >= below:
         return bare
+    how = trial.parallel  # what the ring's count depends on: the degrees, microbatches, full AC or not
     key = (combo.degrees["pp"], cp, tp, combo.degrees["dp_replicate"] * combo.degrees["dp_shard"])
+    key += (how.microbatches, how.ac == "full")
     rings = {} if rings is None else rings
     ring = rings[key] = rings.get(key) or ring_attention_step(trial, world, combo)
     crosses = (cp - 1) * tp // devices_per_node > 0  # rank 0's cp group: ranks 0, tp, ..., (cp - 1) tp
@@ -766,6 +793,7 @@ def rank_layouts(
     jobs: int | None = None,
     every: bool = False,
     choose_ac: bool = False,
+    choose_microbatches: bool = False,
 ) -> list[Ranked]:
     """Every valid layout of ``world`` ranks that the simulator runs (fsdp or hsdp), each simulated (its
     first and last pipeline stage, one step, :func:`simulate_by_blocks`) and predicted on ``hardware``; fastest
@@ -777,11 +805,15 @@ def rank_layouts(
     on every core this process may use if, at its pace, they would take more than
     :data:`PARALLEL_AFTER_S`). ``every``: none left out by its floor. ``choose_ac``: each layout takes the
     first activation checkpointing of :data:`AC_ORDER` (none, selective, full) whose peak fits, rather
-    than the one in ``config`` (its floor counts none: the lowest)."""
+    than the one in ``config`` (its floor counts none: the lowest). ``choose_microbatches``: a pipeline
+    layout is also ranked with 2 and 4 microbatches per stage (:data:`MICROBATCHES_PER_STAGE`; a smaller
+    bubble, smaller microbatches) where the trainer takes them."""
     per_node = devices_per_node or hardware.devices_per_node
     combos = [c for c in plan(world, config, strategies=list(strategies), fixed=fixed) if c.valid]
     if not combos:
         raise UsageError(f"no fsdp or hsdp layout of {world} ranks is valid for this model; see python -m mmm.plan")
+    if choose_microbatches:  # a pipeline also with 2 and 4 microbatches per stage, where the batch splits so
+        combos = [v for c in combos for v in _microbatch_variants(config, world, c)]
     # a layout whose state alone cannot fit is not simulated: its rank's share of the blocks' parameters,
     # gradients and AdamW state (the embedding and output left out: a floor) against the usable memory
     usable = (1 - MEMORY_MARGIN) * hardware.memory_bytes
@@ -811,7 +843,7 @@ def rank_layouts(
     plain = [c for c in combos if c.degrees["pp"] == 1 and c.degrees["cp"] == 1]
     done = _simulate_layouts(plain, config, world, per_node, hardware, jobs, acs)
     best = min((r.step_s for r in (Ranked(c, rep) for c, (rep, _, _) in done if rep) if r.fits), default=math.inf)
-    floor_config = _trial(config, combos[0], AC_ORDER[0]) if choose_ac else config  # degrees: each layout's own
+    floor_config = replace(config, parallel=replace(config.parallel, ac=AC_ORDER[0])) if choose_ac else config
     others = [c for c in combos if c not in plain]
     rings: dict = {}
     floors = (
@@ -833,13 +865,30 @@ def rank_layouts(
             best * 1e3,
         )
     # jobs given or decided again: by the pace of this batch's own first layout and its own count
-    more = _simulate_layouts([c for c in others if c not in slower], config, world, per_node, hardware, jobs, acs)
-    out, refused_by_reason = [], {}
+    left = [c for c in others if c not in slower]
+    stops = {}  # with AC chosen: each layout's floor per AC, to stop before the checkpointing it cannot win with
+    if choose_ac and best < math.inf and not every:
+        for c in left:
+            stops[c.label] = {ac: floors[c.label] if ac == AC_ORDER[0] else math.inf for ac in AC_ORDER}
+            for ac in AC_ORDER[1:]:
+                with_ac = replace(config, parallel=replace(config.parallel, ac=ac))
+                stops[c.label][ac] = layout_floor(with_ac, world, c, hardware, per_node, below=best, rings=rings)
+    more = _simulate_layouts(left, config, world, per_node, hardware, jobs, acs, stops, best)
+    out, refused_by_reason, stopped = [], {}, []
     for combo, (reports, refused, ac) in [*done, *more]:
         if refused:  # refused once built (the planner's checks passed): out of the ranking, said why
             refused_by_reason.setdefault(refused, []).append(combo.label)
+        elif reports is None:
+            stopped.append(f"{combo.label} ({ac})")
         else:
             out.append(Ranked(combo, reports, ac))
+    if stopped:
+        get_logger().info(
+            "%d layouts left out before the activation checkpointing they would need to fit: their floor with it "
+            "exceeds the best step without a pipeline or CP (%s)",
+            len(stopped),
+            ", ".join(stopped[:3]) + (", ..." if len(stopped) > 3 else ""),
+        )
     for reason, labels in refused_by_reason.items():  # one line per reason
         get_logger().warning("%s left out of the ranking: %s", ", ".join(labels), reason)
     if not out:
@@ -966,12 +1015,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             strategies=strategies,
             jobs=ns.jobs,
             every=ns.every,
-            choose_ac=not any(a == "--ac" or a.startswith("--ac=") for a in argv),  # --ac given holds
+            choose_ac=not _given(argv, "--ac"),  # --ac given holds
+            choose_microbatches=not _given(argv, "--microbatches"),
         )
         print(format_ranking(ranked, hardware))
         if ns.json_path:
             rows = [
                 {"label": r.label, "degrees": r.combo.degrees, "strategy": r.combo.strategy, "ac": r.ac}
+                | {"microbatches": r.combo.microbatches}
                 | {"flags": r.flags, "step_s": r.step_s, "fits": r.fits, "why": r.why()}
                 | {"ranks": [_jsonable(asdict(x)) for x in r.reports]}
                 for r in ranked
@@ -995,6 +1046,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 # trainer flags that decide what a run writes, reads back or watches, not what one step holds or sends
 RUN_ONLY = {"eval_every", "eval_iters", "export_hf", "measure", "max_iters", "lr_schedule", "warmup_steps"}
 RUN_ONLY |= {"min_lr", "lr_decay_steps", "seed"}
+
+
+def _given(argv: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
 def run_only_flags(config: Config) -> list[str]:
