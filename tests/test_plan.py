@@ -3,13 +3,28 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
 import sys
+import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPTS, assert_clean_user_error, calibrated_env, launch, run, run_ranks, tiny_llama
+from conftest import (
+    SCRIPTS,
+    assert_clean_user_error,
+    calibrated_env,
+    clean_env,
+    launch,
+    run,
+    run_ranks,
+    spawn,
+    tiny_llama,
+)
 from mmm.plan import plan
 
 FSDP_TP = ["-m", "mmm.examples.fsdp_tp", "--max-iters", "2", "--measure", "--no-plots"]
@@ -433,8 +448,9 @@ def test_pick_ranks_the_layouts_and_holds_the_given_degrees(tmp_path):
     for r in rows:  # the reason names what the step waits for: compute and TP's collectives
         assert "compute" in r["why"] and "tp " in r["why"]
     res = run([*pick, "--hardware", hw, "--tp", "2", "--json", str(out)], timeout=300)
-    # cp 2, and pp 2 with 2, 4 and 8 microbatches (1, 2 and 4 per stage)
-    assert res.returncode == 0 and "4 of 4 layouts with a pipeline or context parallel not" in res.output
+    # cp 2, and pp 2 (with 2, 4 and 8 microbatches: 1, 2 and 4 per stage, none simulated)
+    assert res.returncode == 0 and "2 of 2 layouts with a pipeline or context parallel not" in res.output
+    assert "0 of 2 pipeline layouts with more microbatches per stage simulated" in res.output
     (four,) = json.loads(out.read_text())
     res = run([*pick, "--hardware", hw, "--tp", "2", "--json", str(out), "--every"], timeout=300)
     assert res.returncode == 0, res.output  # none left out: the same pick, every layout predicted
@@ -476,12 +492,48 @@ def test_pick_ranks_the_layouts_and_holds_the_given_degrees(tmp_path):
     tiny = _hardware_file(tmp_path / "tiny.json", memory_gb=1e-5)  # not even the state: nothing simulated
     res = run([*pick, "--hardware", tiny, "--tp", "2"], timeout=300)
     assert_clean_user_error(res, "no layout of 4 ranks fits in 0 GiB per device: the model's state alone does not")
-    assert "5 of 5 layouts left out unsimulated" in res.output, res.output  # cp 2, pp 2 with 2, 4, 8 microbatches
+    assert "3 of 3 layouts left out unsimulated" in res.output, res.output
     res = run([*pick, "--hardware", hw, "--strategy", "zero2"], timeout=60)
     assert_clean_user_error(res, "--pick: --strategy zero2 is not simulated")
     res = run([*pick[:-1], "--jobs", "2"], timeout=60)
     assert_clean_user_error(res, "--jobs 2 sets how many layouts --pick simulates at once; without --pick drop it")
     assert_clean_user_error(run([*pick[:-1], "--every"], timeout=60), "--every simulates every layout --pick ranks")
+
+
+def _children(pid: int) -> set[int]:
+    return {int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_killed_pick_leaves_no_layout_simulating(tmp_path):
+    """--pick simulates layouts in processes of its own: killed (as a launcher or a user kills it), it takes
+    them with it at once, rather than leaving them to simulate for minutes on their own."""
+    hw = _hardware_file(tmp_path / "hw.json")
+    cmd = [sys.executable, "-m", "mmm.plan.simulate", "--world", "8", "--hardware", hw, "--pick", "--every"]
+    cmd += ["--jobs", "2", "--dim", "1024", "--n-layers", "8", "--seq-len", "2048", "--batch-size", "16"]  # > 10 s each
+    with spawn(cmd, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as p:
+        workers: set[int] = set()
+        deadline = time.monotonic() + 120
+        while len(workers) < 2 and time.monotonic() < deadline and p.poll() is None:
+            time.sleep(0.5)  # the pool's workers: spawned children running the simulations
+            workers = {c for c in _children(p.pid) if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()}
+        assert len(workers) >= 2, "the pick did not start its worker processes"
+        os.kill(p.pid, signal.SIGKILL)  # no handler runs: only the kernel can end the workers
+        p.wait()
+        deadline = time.monotonic() + 5
+        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = [w for w in workers if _alive(w)]
+        for w in left:
+            os.kill(w, signal.SIGKILL)
+        assert not left, f"{len(left)} worker(s) still simulating after the pick was killed"
 
 
 def test_calibrate_measures_this_machine_for_the_simulator(tmp_path):

@@ -675,6 +675,18 @@ def _simulate_layout(task) -> tuple[list[RankReport] | None, str | None, str | N
     return reports, None, (ac if ac != config.parallel.ac else None)
 
 
+def _end_with_parent(parent: int) -> None:
+    """A pool worker ends when the planner does (killed, or its trainer gone): none is left simulating
+    for minutes on its own. Linux: the kernel's parent-death signal."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the planner ended before the signal was asked for
+        os._exit(1)
+
+
 def _simulate_layouts(
     combos, config, world: int, per_node: int, hardware, jobs: int | None, acs=None, stops=None, best=math.inf
 ):
@@ -693,34 +705,22 @@ def _simulate_layouts(
         jobs = _usable_cores() if (time.perf_counter() - t0) * (len(tasks) - 1) > PARALLEL_AFTER_S else 1
     rest = tasks[len(first) :][::-1]
     if min(jobs or 1, len(rest)) > 1:  # fresh interpreters: each simulation sets up a process group of its own
-        with ProcessPoolExecutor(min(jobs, len(rest)), mp_context=multiprocessing.get_context("spawn")) as pool:
+        spawn = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(
+            min(jobs, len(rest)), mp_context=spawn, initializer=_end_with_parent, initargs=(os.getpid(),)
+        ) as pool:
             results = list(pool.map(_simulate_layout, rest))
     else:
         results = [_simulate_layout(task) for task in rest]
     return first + [(task[1], result) for task, result in zip(rest, results, strict=True)]
 
 
-def ring_attention_step(config: Config[LlamaTrainConfig], world: int, combo: Combo) -> dict:
-    """What the ring attention of a context-parallel layout alone asks of rank 0 in a step: the bytes
-    its memory-bound ops move, and its messages over the cp group (payload by kind, calls). The ring
-    (:func:`mmm.parallel.context.ring_attention`) runs here once forward and once backward on fake
-    tensors of rank 0's shapes (one microbatch), in a fake cp group of its own, and is counted for
-    every block rank 0 holds and every microbatch, its forward twice under ``--ac full`` (the
-    block is recomputed). A part of the step, found in about a second: :func:`rank_layouts` prunes
-    with it before simulating the whole step."""
+def _ring_once(cfg, seqs: int, tokens: int, tp: int, head_dim: int, dtype, cp: int) -> tuple:
+    """One ring attention forward and backward on fake tensors of these shapes in a fake group of ``cp``
+    ranks: the forward's and backward's messages (:class:`CommCounter`) and memory-bound work."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    cfg, how, d = config.train.model_config(), config.parallel, combo.degrees
-    cp, tp, pp = d["cp"], d["tp"], d["pp"]
-    dp = world // (pp * cp * tp)
-    microbatches = (how.microbatches or pp) if pp > 1 else 1
-    per_rank = max(1, how.stages_per_rank)
-    ranges = stage_layer_ranges(cfg.n_layers, pp * per_rank, how.split_points)
-    blocks = sum(ranges[i][1] - ranges[i][0] for i in stage_ids(0, pp, per_rank))  # rank 0's stages
-    seqs = config.train.batch_size // dp // microbatches
-    tokens, head_dim = cfg.seq_len // cp, cfg.dim // cfg.n_heads
-    dtype = torch.bfloat16 if how.dtype == "bf16" else torch.float32
     with _excepthook_kept():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cp)
     try:
@@ -737,6 +737,33 @@ def ring_attention_step(config: Config[LlamaTrainConfig], world: int, combo: Com
                 torch.autograd.grad(out, (q, k, v), grad)
     finally:
         dist.destroy_process_group()
+    return comm_f, work_f, comm_b, work_b
+
+
+def ring_attention_step(config: Config[LlamaTrainConfig], world: int, combo: Combo, cache: dict | None = None) -> dict:
+    """What the ring attention of a context-parallel layout alone asks of rank 0 in a step: the bytes
+    its memory-bound ops move, and its messages over the cp group (payload by kind, calls). The ring
+    (:func:`mmm.parallel.context.ring_attention`) runs here once forward and once backward on fake
+    tensors of rank 0's shapes (one microbatch), in a fake cp group of its own, and is counted for
+    every block rank 0 holds and every microbatch, its forward twice under ``--ac full`` (the
+    block is recomputed). A part of the step, found in about a second: :func:`rank_layouts` prunes
+    with it before simulating the whole step. ``cache`` keeps one ring's counts by its shapes (layouts
+    that differ in their data-parallel split, microbatches or checkpointing only run it once)."""
+    cfg, how, d = config.train.model_config(), config.parallel, combo.degrees
+    cp, tp, pp = d["cp"], d["tp"], d["pp"]
+    dp = world // (pp * cp * tp)
+    microbatches = (how.microbatches or pp) if pp > 1 else 1
+    per_rank = max(1, how.stages_per_rank)
+    ranges = stage_layer_ranges(cfg.n_layers, pp * per_rank, how.split_points)
+    blocks = sum(ranges[i][1] - ranges[i][0] for i in stage_ids(0, pp, per_rank))  # rank 0's stages
+    seqs = config.train.batch_size // dp // microbatches
+    tokens, head_dim = cfg.seq_len // cp, cfg.dim // cfg.n_heads
+    dtype = torch.bfloat16 if how.dtype == "bf16" else torch.float32
+    key = (seqs, tokens, cfg.n_heads // tp, cfg.n_kv_heads // tp, head_dim, dtype, cp)
+    cache = {} if cache is None else cache
+    if key not in cache:
+        cache[key] = _ring_once(cfg, seqs, tokens, tp, head_dim, dtype, cp)
+    comm_f, work_f, comm_b, work_b = cache[key]
     forwards, times = 2 if how.ac == "full" else 1, blocks * microbatches
     by_kind = {
         kind: times * (forwards * comm_f.by_kind.get(("cp", kind), 0) + comm_b.by_kind.get(("cp", kind), 0))
@@ -763,8 +790,7 @@ def layout_floor(
     before its step is simulated: the matrix multiplies, the pipeline's bubble over them, and under
     context parallel the ring attention's part of the step (:func:`ring_attention_step`: its
     memory-bound ops, its messages at the link rank 0's cp group crosses). The ring is simulated
-    only when the floor without it is under ``below``; ``rings`` keeps what it found for layouts of
-    the same degrees but their data-parallel split."""
+    only when the floor without it is under ``below``; ``rings`` keeps each ring run by its shapes."""
     trial = _trial(config, combo)
     terms = _step_terms(trial, trial.train.model_config(), world)
     per_node = min(world, devices_per_node)  # as predict_rank counts a node's ranks
@@ -772,11 +798,7 @@ def layout_floor(
     cp, tp = combo.degrees["cp"], combo.degrees["tp"]
     if cp == 1 or bare >= below:
         return bare
-    how = trial.parallel  # what the ring's count depends on: the degrees, microbatches, full AC or not
-    key = (combo.degrees["pp"], cp, tp, combo.degrees["dp_replicate"] * combo.degrees["dp_shard"])
-    key += (how.microbatches, how.ac == "full")
-    rings = {} if rings is None else rings
-    ring = rings[key] = rings.get(key) or ring_attention_step(trial, world, combo)
+    ring = ring_attention_step(trial, world, combo, cache=rings)
     crosses = (cp - 1) * tp // devices_per_node > 0  # rank 0's cp group: ranks 0, tp, ..., (cp - 1) tp
     comm = axis_time(hardware, ring["comm_by_kind"], ring["comm_calls"], size=cp, crosses_nodes=crosses)
     return step_floor(hardware, **terms, ranks_per_node=per_node, memory_bytes=ring["memory_bytes"], exposed_s=comm)
@@ -812,8 +834,6 @@ def rank_layouts(
     combos = [c for c in plan(world, config, strategies=list(strategies), fixed=fixed) if c.valid]
     if not combos:
         raise UsageError(f"no fsdp or hsdp layout of {world} ranks is valid for this model; see python -m mmm.plan")
-    if choose_microbatches:  # a pipeline also with 2 and 4 microbatches per stage, where the batch splits so
-        combos = [v for c in combos for v in _microbatch_variants(config, world, c)]
     # a layout whose state alone cannot fit is not simulated: its rank's share of the blocks' parameters,
     # gradients and AdamW state (the embedding and output left out: a floor) against the usable memory
     usable = (1 - MEMORY_MARGIN) * hardware.memory_bytes
@@ -845,12 +865,14 @@ def rank_layouts(
     best = min((r.step_s for r in (Ranked(c, rep) for c, (rep, _, _) in done if rep) if r.fits), default=math.inf)
     floor_config = replace(config, parallel=replace(config.parallel, ac=AC_ORDER[0])) if choose_ac else config
     others = [c for c in combos if c not in plain]
+    # a pipeline's variants with more microbatches (a smaller bubble), ranked once the pipeline is simulated
+    variants = {c.label: _microbatch_variants(config, world, c)[1:] for c in others} if choose_microbatches else {}
     rings: dict = {}
-    floors = (
-        {c.label: layout_floor(floor_config, world, c, hardware, per_node, below=best, rings=rings) for c in others}
-        if best < math.inf and not every
-        else {}
-    )
+
+    def floor(c: Combo, base: Config = floor_config) -> float:
+        return layout_floor(base, world, c, hardware, per_node, below=best, rings=rings)
+
+    floors = {c.label: floor(c) for c in others} if best < math.inf and not every else {}
     slower = [c for c in others if floors.get(c.label, 0.0) >= best]
     if slower:
         closest = min(slower, key=lambda c: floors[c.label])
@@ -864,16 +886,42 @@ def rank_layouts(
             floors[closest.label] * 1e3,
             best * 1e3,
         )
+
+    def stops_for(cs: list[Combo]) -> dict:
+        """With AC chosen: each layout's floor per AC, to stop before the checkpointing it cannot win with."""
+        if not (choose_ac and best < math.inf and not every):
+            return {}
+        with_ac = {ac: replace(config, parallel=replace(config.parallel, ac=ac)) for ac in AC_ORDER}
+        return {c.label: {ac: floor(c, with_ac[ac]) for ac in AC_ORDER} for c in cs}
+
     # jobs given or decided again: by the pace of this batch's own first layout and its own count
     left = [c for c in others if c not in slower]
-    stops = {}  # with AC chosen: each layout's floor per AC, to stop before the checkpointing it cannot win with
-    if choose_ac and best < math.inf and not every:
-        for c in left:
-            stops[c.label] = {ac: floors[c.label] if ac == AC_ORDER[0] else math.inf for ac in AC_ORDER}
-            for ac in AC_ORDER[1:]:
-                with_ac = replace(config, parallel=replace(config.parallel, ac=ac))
-                stops[c.label][ac] = layout_floor(with_ac, world, c, hardware, per_node, below=best, rings=rings)
-    more = _simulate_layouts(left, config, world, per_node, hardware, jobs, acs, stops, best)
+    more = _simulate_layouts(left, config, world, per_node, hardware, jobs, acs, stops_for(left), best)
+    # then the pipelines' variants with more microbatches that could beat the best: the simulated step
+    # less the bubble they save (the rest of the step does not fall with more microbatches), or, where
+    # the step needed more activation checkpointing than the least (a variant's smaller microbatches
+    # may fit with less), the variant's floor
+    best = min([best, *(r.step_s for r in (Ranked(c, rep) for c, (rep, _, _) in more if rep) if r.fits)])
+    tried = []
+    for combo, (reports, _, ac) in more:
+        if reports is None or not variants.get(combo.label):
+            continue
+        slowest = max((r.prediction for r in reports), key=lambda p: p["step_s"])
+        m0 = config.parallel.microbatches or combo.degrees["pp"]
+        for v in variants[combo.label]:
+            saved = slowest["bubble_s"] * (1 - m0 / v.microbatches)
+            bound = slowest["step_s"] - saved if ac is None else floor(v)
+            if every or bound < best:
+                tried.append(v)
+    if any(variants.values()):
+        get_logger().info(
+            "%d of %d pipeline layouts with more microbatches per stage simulated (the others: their pipeline "
+            "was left out, or its step less the bubble they save is no faster than %.1f ms)",
+            len(tried),
+            sum(len(vs) for vs in variants.values()),
+            best * 1e3,
+        )
+    more += _simulate_layouts(tried, config, world, per_node, hardware, jobs, acs, stops_for(tried), best)
     out, refused_by_reason, stopped = [], {}, []
     for combo, (reports, refused, ac) in [*done, *more]:
         if refused:  # refused once built (the planner's checks passed): out of the ranking, said why
