@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -501,11 +502,27 @@ def test_pick_ranks_the_layouts_and_holds_the_given_degrees(tmp_path):
 
 
 def _children(pid: int) -> set[int]:
-    return {int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()}
+    out = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:  # a thread may end while it is read
+            out |= {int(c) for c in (task / "children").read_text().split()}
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text()
+    except FileNotFoundError:
+        return ""
 
 
 def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+    except FileNotFoundError:
+        return math.inf  # ended: nothing to wait for
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
@@ -528,7 +545,7 @@ def test_a_killed_pick_leaves_no_layout_simulating(tmp_path):
         deadline = time.monotonic() + 120
         while len(workers) < 2 and time.monotonic() < deadline and p.poll() is None:
             time.sleep(0.5)  # the pool's workers: spawned children running the simulations
-            workers = {c for c in _children(p.pid) if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()}
+            workers = {c for c in _children(p.pid) if "spawn_main" in _cmdline(c)}
         assert len(workers) >= 2, "the pick did not start its worker processes"
         while min(_cpu_s(w) for w in workers) < 6 and time.monotonic() < deadline:
             time.sleep(0.5)  # past their imports: each inside a layout's simulation

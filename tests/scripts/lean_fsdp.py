@@ -76,6 +76,7 @@ def described(p) -> dict:
         "data": p._sharded_param_data.clone(),
         "placements": tuple(spec.placements),
         "mesh": spec.mesh,
+        "groups": tuple(spec.mesh._dim_group_names),  # DeviceMesh equality leaves out its process groups
         "shard_mesh": p.shard_mesh,
         "post_forward": tuple(getattr(p, "sharded_post_forward_size", ()) or ()),
     }

@@ -17,7 +17,7 @@ padding would have put there: the same view of the same storage, or an empty ten
 joined or sliced mesh per distinct mesh and names (the same ``DeviceMesh`` torch would build, built
 once).
 Both are put back on exit. Where this torch does not have the functions in the expected form, the
-context does nothing and ``fully_shard`` runs as it always does (``lean_fully_shard.applies``).
+context does nothing and ``fully_shard`` runs as it always does (it yields False).
 ``MMM_LEAN_FSDP_SETUP=0`` turns it off (benchmarks/setup_at_scale.py measures both).
 """
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import threading
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -90,10 +91,20 @@ def _applies() -> bool:
     return os.environ.get("MMM_LEAN_FSDP_SETUP", "1") != "0" and _targets() is not None
 
 
+_LOCK = threading.RLock()  # one swap at a time: a thread must not take another's wrappers for torch's
+
+
 @contextlib.contextmanager
 def lean_fully_shard() -> Iterator[bool]:
     """While inside, ``fully_shard``'s per-parameter setup costs no work per shard rank (see the
-    module doc). Yields whether it applies here."""
+    module doc). Yields whether it applies here. Threads entering it take turns."""
+    with _LOCK:
+        with _lean() as applied:
+            yield applied
+
+
+@contextlib.contextmanager
+def _lean() -> Iterator[bool]:
     targets = _targets() if _applies() else None
     if targets is None:
         yield False

@@ -9,6 +9,7 @@ reasons and writes it to summary.json (``layout_pick``).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -43,6 +44,8 @@ def planners_pick(argv: Sequence[str], world: int, hardware: str, *, devices_per
             cmd += ["--devices-per-node", str(devices_per_node)]
         cmd += ["--json", str(out), *trainer]
         env = {**without_launcher_vars(), "MMM_LOG_LEVEL": "WARNING", "MMM_RICH": "0"}
+        # the planner ends when this rank does (killed by its launcher): mmm.plan.simulate asks the kernel
+        env["MMM_END_WITH_PARENT"] = str(os.getpid())
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
         if res.returncode != 0:
             lines = res.stderr.strip().splitlines() or ["(no output)"]
@@ -54,7 +57,7 @@ def planners_pick(argv: Sequence[str], world: int, hardware: str, *, devices_per
     if not best["fits"]:
         raise UsageError(
             f"{FLAG} {hardware}: no layout of {world} ranks fits in {hw.memory_bytes / 2**30:.0f} GiB per device "
-            "(with --ac full: a smaller --batch-size or more ranks)"
+            "(more activation checkpointing, a smaller --batch-size or more ranks)"
         )
     return {
         "hardware": hw.name,

@@ -67,7 +67,7 @@ from mmm.parallel.strategy import state_bytes_per_param
 from mmm.parallel.tensor import loss_parallel_context
 from mmm.plan import AXES, Combo, plan
 from mmm.plan.hardware import Hardware, load_hardware
-from mmm.plan.predict import MEMORY_MARGIN, axis_time, predict, step_floor
+from mmm.plan.predict import MEMORY_MARGIN, axis_time, pipeline_bubble, predict, step_floor
 from mmm.training import llama as recipe
 from mmm.training.config import Config
 from mmm.training.llama import LlamaTrainConfig, command_line
@@ -676,8 +676,9 @@ def _simulate_layout(task) -> tuple[list[RankReport] | None, str | None, str | N
 
 
 def _end_with_parent(parent: int) -> None:
-    """A pool worker ends when the planner does (killed, or its trainer gone): none is left simulating
-    for minutes on its own. Linux: the kernel's parent-death signal."""
+    """This process ends when ``parent`` does: a pool worker with the planner, the planner with the
+    trainer rank that asked for a pick (``MMM_END_WITH_PARENT``); none is left simulating for minutes
+    on its own. Linux: the kernel's parent-death signal."""
     if sys.platform.startswith("linux"):
         import ctypes
         import signal
@@ -907,10 +908,17 @@ def rank_layouts(
         if reports is None or not variants.get(combo.label):
             continue
         slowest = max((r.prediction for r in reports), key=lambda p: p["step_s"])
-        m0 = config.parallel.microbatches or combo.degrees["pp"]
+        least = not choose_ac or (ac or config.parallel.ac) == AC_ORDER[0]  # its AC: no lighter one to fit with
         for v in variants[combo.label]:
-            saved = slowest["bubble_s"] * (1 - m0 / v.microbatches)
-            bound = slowest["step_s"] - saved if ac is None else floor(v)
+            bubble = pipeline_bubble(
+                slowest["compute_s"],
+                hardware,
+                pp=v.degrees["pp"],
+                microbatches=v.microbatches,
+                stages_per_rank=max(1, config.parallel.stages_per_rank),
+                ranks_per_node=min(world, per_node),
+            )
+            bound = slowest["step_s"] - (slowest["bubble_s"] - bubble) if least else floor(v)
             if every or bound < best:
                 tried.append(v)
     if any(variants.values()):
@@ -933,7 +941,7 @@ def rank_layouts(
     if stopped:
         get_logger().info(
             "%d layouts left out before the activation checkpointing they would need to fit: their floor with it "
-            "exceeds the best step without a pipeline or CP (%s)",
+            "is no faster than the best step found before them (%s)",
             len(stopped),
             ", ".join(stopped[:3]) + (", ..." if len(stopped) > 3 else ""),
         )
@@ -950,14 +958,17 @@ def format_ranking(ranked: list[Ranked], hardware: Hardware, top: int = 5) -> st
     best = ranked[0].step_s
     for i, r in enumerate(ranked[:top], 1):
         fit = "" if r.fits else "  DOES NOT FIT"
-        lines.append(f"{i:>3}. {r.label:<28} {r.step_s * 1e3:9.1f} ms  {r.step_s / best:5.2f}x  {r.why()}{fit}")
+        lines.append(f"{i:>3}. {r.label:<36} {r.step_s * 1e3:9.1f} ms  {r.step_s / best:5.2f}x  {r.why()}{fit}")
     if len(ranked) > top:
         lines.append(f"     ... {len(ranked) - top} more (--json has them all)")
     pick = ranked[0]
     if pick.fits:
         lines.append(f"pick: {' '.join(pick.flags)}")
     else:
-        lines.append("pick: none; no layout fits in memory (with --ac full: a smaller --batch-size, or more ranks)")
+        lines.append(
+            "pick: none; no layout fits in memory (more activation checkpointing, a smaller --batch-size, "
+            "or more ranks)"
+        )
     return "\n".join(lines)
 
 
@@ -1021,6 +1032,8 @@ def format_reports(reports: list[RankReport]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if os.environ.get("MMM_END_WITH_PARENT", "").isdigit():  # started by a trainer's --pick-layout
+        _end_with_parent(int(os.environ["MMM_END_WITH_PARENT"]))
     configure()  # this process's own lines (--pick's), before any simulated rank sets up its own
     parser = build_parser()
     ns = parser.parse_args(argv)
