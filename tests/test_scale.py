@@ -402,14 +402,12 @@ def test_lazy_chunks_are_torchs_chunks(size, dim):
             got[n]
 
 
-@pytest.mark.parametrize(
-    "layout", ["16 2 1 0 15", "32 2 2 0 31", "48 1 3 47"], ids=["fsdp8-tp2", "hsdp2x8-tp2", "hsdp3x16"]
-)
+@pytest.mark.parametrize("layout", ["16 2 1 0 15", "48 2 3 0 47"], ids=["fsdp8-tp2", "hsdp3x8-tp2"])
 def test_lean_fsdp_setup_shards_as_torch_does_without_per_rank_work(layout):
     """``fully_shard`` through mmm (``mmm.parallel.fsdp_setup``): every parameter's shard, sizes, padding,
     placements and meshes equal torch's own ``fully_shard`` field for field (shapes that leave shard
-    ranks empty included), while it builds one mesh instead of one per parameter and makes none of
-    the other ranks' chunks. Fake process groups of up to 48 ranks, first and last rank."""
+    ranks empty included), while it builds a few meshes instead of one or two per parameter and none of
+    the other ranks' chunks. Fake process groups of 16 and 48 ranks, first and last rank."""
     res = run([sys.executable, str(SCRIPTS / "lean_fsdp.py"), *layout.split()], timeout=180)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]

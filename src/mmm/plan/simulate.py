@@ -42,6 +42,7 @@ import math
 import multiprocessing
 import os
 import resource
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -681,7 +682,6 @@ def _end_with_parent(parent: int) -> None:
     on its own. Linux: the kernel's parent-death signal."""
     if sys.platform.startswith("linux"):
         import ctypes
-        import signal
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:  # the planner ended before the signal was asked for
