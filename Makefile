@@ -5,7 +5,7 @@ NPROC ?= 4
 # pytest workers: tests wait on processes much of the time, so two share two cores well; tests that
 # use the machine's namespaces, Slurm or MPI environments run one at a time (tests/conftest.py), and the
 # real Slurm's own tests run after the others, alone
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 export OMP_NUM_THREADS ?= 1
 
 .PHONY: demo smoke test test-fast test-deps lint format venv clean

@@ -76,7 +76,8 @@ def main() -> None:
         run([py, "-m", "mmm.plan.calibrate", "--ranks", str(args.world), "--out", str(hw), *model])
     picked = root / "ranked.json"
     sim = [py, "-m", "mmm.plan.simulate", "--world", str(args.world), "--hardware", str(hw), "--pick", "--every"]
-    held = [] if "--ac" in model else ["--ac", "none"]  # the sweep runs each layout as given: AC held
+    given_ac = any(a == "--ac" or a.startswith("--ac=") for a in model)
+    held = [] if given_ac else ["--ac", "none"]  # the sweep runs each layout as given: AC held
     run([*sim, "--json", str(picked), *held, *model])
     # the sweep runs a pipeline at the trainer's default microbatches: the pick among those is compared
     ranked = [r for r in json.loads(picked.read_text()) if r["microbatches"] is None]

@@ -83,8 +83,11 @@ def test_state_bytes_per_rank_match_zero_theory(tmp_path, strategy):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", STRATEGIES + ["hsdp"])
+@pytest.mark.parametrize("strategy", ["fsdp", "hsdp"])
 def test_cnn_defaults_reach_95_percent_on_two_ranks(tmp_path, strategy):
+    """The CNN's defaults (8 epochs) reach 95% test accuracy: FSDP (the default) on 2 ranks, HSDP on 4.
+    The other strategies give these runs' every step (tests/test_equivalence.py: loss and gradient norm
+    against one process)."""
     n = 4 if strategy == "hsdp" else 2
     extra = ["--dp-replicate", "2"] if strategy == "hsdp" else []
     res = run(

@@ -54,7 +54,7 @@ def test_a_finished_job_is_not_killed_by_hydra(mpi, tmp_path):
     follows python in the rank's command)."""
     name, envdir = mpi
     py = envdir / "bin" / "python"
-    for attempt in range(3):
+    for attempt in range(2):
         res = run(
             [str(envdir / "bin" / "mpiexec"), "-n", "4", "bash", "-c", f"{py} -m mmm --tp 2; exit $?"],
             env=env_of(envdir),
@@ -62,21 +62,9 @@ def test_a_finished_job_is_not_killed_by_hydra(mpi, tmp_path):
         )
         assert res.returncode == 0 and "smoke test passed" in res.output, (attempt, res.output)
     # after training too (torch's thread-local destructors must not run at that exit: rc 134)
-    for attempt in range(2):
-        res = run(
-            [
-                str(envdir / "bin" / "mpiexec"),
-                "-n",
-                "2",
-                "bash",
-                "-c",
-                f"{py} -m mmm.examples.fsdp_tp {' '.join(TINY)} --max-iters 2 --outdir {tmp_path / str(attempt)}; "
-                "exit $?",
-            ],
-            env=env_of(envdir),
-            timeout=180,
-        )
-        assert res.returncode == 0 and "done: final loss" in res.output, (attempt, res.output)
+    train = f"{py} -m mmm.examples.fsdp_tp {' '.join(TINY)} --max-iters 2 --outdir {tmp_path / 'out'}; exit $?"
+    res = run([str(envdir / "bin" / "mpiexec"), "-n", "2", "bash", "-c", train], env=env_of(envdir), timeout=180)
+    assert res.returncode == 0 and "done: final loss" in res.output, res.output
 
 
 def test_fsdp_tp_trainer_through_launch(mpi, tmp_path):

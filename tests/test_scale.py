@@ -313,11 +313,9 @@ def test_one_small_all_reduce_per_step(tmp_path, flags):
             "python3",
             "-m",
             "mmm.examples.fsdp_tp",
+            *tiny_llama(max_iters=3),
             *flags,
-            "--max-iters",
-            "3",
             "--measure",
-            "--no-plots",
             "--outdir",
             str(tmp_path),
         ),
@@ -400,6 +398,33 @@ def test_lazy_chunks_are_torchs_chunks(size, dim):
                 assert torch.equal(g, w)
         with pytest.raises(IndexError):
             got[n]
+
+
+def test_the_lean_setup_swaps_torchs_functions_only_inside_and_refuses_a_bad_switch(monkeypatch):
+    """lean_fully_shard() puts torch's own functions back on exit; MMM_LEAN_FSDP_SETUP=0 leaves them alone;
+    a value that is neither on nor off is a one-line error naming it."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    from mmm.parallel.fsdp_setup import lean_fully_shard
+
+    before = (_fsdp_param._chunk_with_empty, DeviceMesh.__dict__["_concatenate"], DeviceMesh.__dict__["__getitem__"])
+    with lean_fully_shard() as applied:
+        assert applied and _fsdp_param._chunk_with_empty is not before[0]
+        with lean_fully_shard() as again:  # nested: the outer swap holds
+            assert again
+    assert (
+        _fsdp_param._chunk_with_empty,
+        DeviceMesh.__dict__["_concatenate"],
+        DeviceMesh.__dict__["__getitem__"],
+    ) == before
+    monkeypatch.setenv("MMM_LEAN_FSDP_SETUP", "0")
+    with lean_fully_shard() as applied:
+        assert not applied and _fsdp_param._chunk_with_empty is before[0]
+    monkeypatch.setenv("MMM_LEAN_FSDP_SETUP", "maybe")
+    with pytest.raises(UsageError, match="MMM_LEAN_FSDP_SETUP='maybe': use 1 .* or 0"):
+        with lean_fully_shard():
+            pass
 
 
 @pytest.mark.parametrize("layout", ["16 2 1 0 15", "48 2 3 0 47"], ids=["fsdp8-tp2", "hsdp3x8-tp2"])

@@ -31,6 +31,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from mmm.errors import UsageError
+
 __all__ = ["LazyChunks", "lean_fully_shard"]
 
 
@@ -61,15 +63,6 @@ class LazyChunks(Sequence):
         return self[0].new_empty(0)
 
 
-def _chunk_with_empty(tensor: torch.Tensor, num_chunks: int, dim: int) -> Sequence[torch.Tensor]:
-    if tensor.size(dim) == 0 or num_chunks <= 1:  # torch's own answer: no per-rank cost here
-        return _ORIGINAL["chunk"](tensor, num_chunks, dim)
-    return LazyChunks(tensor, num_chunks, dim)
-
-
-_ORIGINAL: dict = {}
-
-
 def _targets():
     """torch's module and class whose attributes the context swaps, or None where they differ from
     what it was written for (then ``fully_shard`` runs unchanged)."""
@@ -79,16 +72,23 @@ def _targets():
     except ImportError:
         return None
     chunk = getattr(_fsdp_param, "_chunk_with_empty", None)
-    concat = DeviceMesh.__dict__.get("_concatenate")
-    if chunk is None or not isinstance(concat, staticmethod) or "__getitem__" not in DeviceMesh.__dict__:
+    concat, getitem = DeviceMesh.__dict__.get("_concatenate"), DeviceMesh.__dict__.get("__getitem__")
+    if chunk is None or not isinstance(concat, staticmethod) or getitem is None:
         return None
-    if list(inspect.signature(chunk).parameters) != ["tensor", "num_chunks", "dim"]:
+    expected = {chunk: ["tensor", "num_chunks", "dim"], concat.__func__: ["device_mesh_list"]}
+    expected[getitem] = ["self", "mesh_dim_names"]
+    if any(list(inspect.signature(f).parameters) != names for f, names in expected.items()):
         return None
     return _fsdp_param, DeviceMesh
 
 
-def _applies() -> bool:
-    return os.environ.get("MMM_LEAN_FSDP_SETUP", "1") != "0" and _targets() is not None
+def _wanted() -> bool:
+    value = os.environ.get("MMM_LEAN_FSDP_SETUP", "1").strip().lower()
+    if value not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+        raise UsageError(
+            f"MMM_LEAN_FSDP_SETUP={value!r}: use 1 (mmm's lean fully_shard setup, the default) or 0 (torch's as is)"
+        )
+    return value in ("1", "true", "yes", "on")
 
 
 _LOCK = threading.RLock()  # one swap at a time: a thread must not take another's wrappers for torch's
@@ -105,39 +105,45 @@ def lean_fully_shard() -> Iterator[bool]:
 
 @contextlib.contextmanager
 def _lean() -> Iterator[bool]:
-    targets = _targets() if _applies() else None
+    targets = _targets() if _wanted() else None
     if targets is None:
         yield False
         return
     fsdp_param, mesh_cls = targets
-    if fsdp_param._chunk_with_empty is _chunk_with_empty:  # already inside one
+    chunk = fsdp_param._chunk_with_empty
+    if getattr(chunk, "mmm_lean", False):  # already inside one
         yield True
         return
-    concat = mesh_cls.__dict__["_concatenate"].__func__
-    getitem = mesh_cls.__dict__["__getitem__"]
+    concat, getitem = mesh_cls.__dict__["_concatenate"], mesh_cls.__dict__["__getitem__"]
     made: dict[tuple, tuple] = {}  # (what, ids of the meshes) -> (the meshes, the result)
+
+    def _chunk_with_empty(tensor: torch.Tensor, num_chunks: int, dim: int) -> Sequence[torch.Tensor]:
+        if tensor.size(dim) == 0 or num_chunks <= 1:  # torch's own answer: no per-rank cost here
+            return chunk(tensor, num_chunks, dim)
+        return LazyChunks(tensor, num_chunks, dim)
+
+    _chunk_with_empty.mmm_lean = True  # type: ignore[attr-defined]
 
     def _concatenate(device_mesh_list):
         key = ("join", *(id(m) for m in device_mesh_list))
         hit = made.get(key)
         if hit is None:  # the meshes are kept with the result: their ids stay theirs while cached
-            hit = made[key] = (list(device_mesh_list), concat(device_mesh_list))
+            hit = made[key] = (list(device_mesh_list), concat.__func__(device_mesh_list))
         return hit[1]
 
-    def _getitem(mesh, names):
-        key = ("slice", id(mesh), names if isinstance(names, str) else tuple(names))
+    def _getitem(self, mesh_dim_names):  # torch's names: a nested context finds the form it expects
+        key = ("slice", id(self), mesh_dim_names if isinstance(mesh_dim_names, str) else tuple(mesh_dim_names))
         hit = made.get(key)
         if hit is None:
-            hit = made[key] = ([mesh], getitem(mesh, names))
+            hit = made[key] = ([self], getitem(self, mesh_dim_names))
         return hit[1]
 
-    _ORIGINAL["chunk"] = fsdp_param._chunk_with_empty
     fsdp_param._chunk_with_empty = _chunk_with_empty
     mesh_cls._concatenate = staticmethod(_concatenate)
     mesh_cls.__getitem__ = _getitem
     try:
         yield True
     finally:
-        fsdp_param._chunk_with_empty = _ORIGINAL.pop("chunk")
-        mesh_cls._concatenate = staticmethod(concat)
+        fsdp_param._chunk_with_empty = chunk
+        mesh_cls._concatenate = concat
         mesh_cls.__getitem__ = getitem

@@ -27,8 +27,9 @@ FLAG = "--pick-layout"
 
 def planners_pick(argv: Sequence[str], world: int, hardware: str, *, devices_per_node: int | None = None) -> dict:
     """Rank the layouts of ``world`` ranks for the trainer flags ``argv`` on ``hardware`` and return the
-    pick: ``label``, ``degrees``, ``strategy``, ``flags``, ``predicted_step_s``, ``why``, ``hardware``,
-    ``ranked`` (the best five) and ``seconds`` (the planner's own time). A pick that cannot be made is
+    pick: ``label``, ``degrees``, ``strategy``, ``ac`` and ``microbatches`` (where the planner chose them,
+    else None), ``flags``, ``predicted_step_s``, ``why``, ``hardware``, ``ranked`` (the best five) and
+    ``seconds`` (the planner's own time). A pick that cannot be made is
     a :class:`UsageError` naming ``--pick-layout``. ``devices_per_node``: the job's ranks per host (which
     groups cross hosts follows from it), else the hardware's."""
     try:

@@ -311,7 +311,7 @@ def simulate_by_blocks(
     size first. A model with a stage of at most four blocks is simulated whole."""
     cfg = config.train.model_config()
     how = config.parallel
-    pp, per_rank = how.degrees.get("pp", 1), max(1, how.stages_per_rank)
+    pp, per_rank = how.degrees.get("pp", 1), how.stages_per_rank
     chunks = pp * per_rank  # pipeline stages in all
     sizes = [b - a for a, b in stage_layer_ranges(cfg.n_layers, chunks, how.split_points)]
     if min(sizes) <= 4:
@@ -367,7 +367,7 @@ def simulate_ranks(config: Config[LlamaTrainConfig], *, world: int, ranks: Seque
     done: dict[int, RankReport] = {}
     pp = config.parallel.degrees.get("pp", 1)
     stride = world // pp  # pp is the outermost mesh axis
-    budget = [8 * pp * max(1, config.parallel.stages_per_rank) + len(ranks)]
+    budget = [8 * pp * config.parallel.stages_per_rank + len(ranks)]
 
     class Back(Exception):  # a rank up the chain is the one waited for: it tries again with what arrived
         def __init__(self, rank: int) -> None:
@@ -685,6 +685,10 @@ def _end_with_parent(parent: int) -> None:
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:  # the planner ended before the signal was asked for
+        print(
+            f"mmm.plan.simulate: process {parent}, which started this one, has ended: nothing to plan for",
+            file=sys.stderr,
+        )
         os._exit(1)
 
 
@@ -754,7 +758,7 @@ def ring_attention_step(config: Config[LlamaTrainConfig], world: int, combo: Com
     cp, tp, pp = d["cp"], d["tp"], d["pp"]
     dp = world // (pp * cp * tp)
     microbatches = (how.microbatches or pp) if pp > 1 else 1
-    per_rank = max(1, how.stages_per_rank)
+    per_rank = how.stages_per_rank
     ranges = stage_layer_ranges(cfg.n_layers, pp * per_rank, how.split_points)
     blocks = sum(ranges[i][1] - ranges[i][0] for i in stage_ids(0, pp, per_rank))  # rank 0's stages
     seqs = config.train.batch_size // dp // microbatches
@@ -895,8 +899,11 @@ def rank_layouts(
         with_ac = {ac: replace(config, parallel=replace(config.parallel, ac=ac)) for ac in AC_ORDER}
         return {c.label: {ac: floor(c, with_ac[ac]) for ac in AC_ORDER} for c in cs}
 
+    # a pipeline left out by its floor may still win with more microbatches (a smaller bubble): those of
+    # its variants whose own floor is under the best are simulated with the others
+    revived = [v for c in slower for v in variants.get(c.label, ()) if floor(v) < best]
     # jobs given or decided again: by the pace of this batch's own first layout and its own count
-    left = [c for c in others if c not in slower]
+    left = [c for c in others if c not in slower] + revived
     more = _simulate_layouts(left, config, world, per_node, hardware, jobs, acs, stops_for(left), best)
     # then the pipelines' variants with more microbatches that could beat the best: the simulated step
     # less the bubble they save (the rest of the step does not fall with more microbatches), or, where
@@ -915,7 +922,7 @@ def rank_layouts(
                 hardware,
                 pp=v.degrees["pp"],
                 microbatches=v.microbatches,
-                stages_per_rank=max(1, config.parallel.stages_per_rank),
+                stages_per_rank=config.parallel.stages_per_rank,
                 ranks_per_node=min(world, per_node),
             )
             bound = slowest["step_s"] - (slowest["bubble_s"] - bubble) if least else floor(v)
@@ -923,9 +930,9 @@ def rank_layouts(
                 tried.append(v)
     if any(variants.values()):
         get_logger().info(
-            "%d of %d pipeline layouts with more microbatches per stage simulated (the others: their pipeline "
-            "was left out, or its step less the bubble they save is no faster than %.1f ms)",
-            len(tried),
+            "%d of %d pipeline layouts with more microbatches per stage simulated (the others: their floor, or "
+            "their pipeline's simulated step less the bubble they save, is no faster than %.1f ms)",
+            len(tried) + len(revived),
             sum(len(vs) for vs in variants.values()),
             best * 1e3,
         )
