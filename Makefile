@@ -2,9 +2,9 @@
 VENV ?= .venv
 STAMP := $(VENV)/.mmm-installed
 NPROC ?= 4
-# pytest workers: tests wait on processes much of the time, so two share two cores well; tests that
-# use the machine's namespaces, Slurm or MPI environments run one at a time (tests/conftest.py), and the
-# real Slurm's own tests run after the others, alone
+# pytest workers: tests wait on processes much of the time, so three share two cores well
+# (docs/testing.md); tests that use the machine's namespaces, Slurm or MPI environments run one at a
+# time (tests/conftest.py), and the real Slurm's own tests run after the others, alone
 TEST_WORKERS ?= 3
 export OMP_NUM_THREADS ?= 1
 

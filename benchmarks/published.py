@@ -10,7 +10,10 @@ ones. The models are given as Hugging Face ``config.json`` files written here (t
 Llama 3.1 8B, 70B and 405B; the 3.1 rope scaling is left out: mmm's Llama has plain rotary
 embeddings, and it changes no shape, FLOP or byte). A sanity check, not a proof: torchtitan's 70B and
 405B rows also use torch.compile, Float8 matmuls and async TP, which the prediction does not model.
-One row is Megatron Bridge's (its DGX-H100 Llama 3 8B run, FP8 with Transformer Engine's kernels).
+One row is Megatron Bridge's (its DGX-H100 Llama 3 8B run, FP8 with Transformer Engine's kernels), one
+the Llama 3 paper's 405B pretraining on 16,384 H100s (Meta's own stack, bf16, 400 TFLOP/s per GPU).
+Rows with a pipeline are simulated by blocks (``--pick`` with every degree given: one layout, each
+stage at three and four blocks, carried on to its count), a few minutes each; the others whole.
 """
 
 from __future__ import annotations
@@ -23,13 +26,16 @@ import tempfile
 import time
 from pathlib import Path
 
+from mmm.plan.hardware import load_hardware
+
 SHAPES = {  # hidden, layers, heads, kv heads, intermediate (vocabulary 128,256 for all)
     "8b": (4096, 32, 32, 8, 14336),
     "70b": (8192, 80, 64, 8, 28672),
     "405b": (16384, 126, 128, 8, 53248),
 }
 
-# (row, model, world, trainer flags, published TPS/GPU, published memory GiB, what else the run had)
+# (row, model, world, trainer flags, published TPS/GPU, published memory GiB, what else the run had); a
+# pipeline row gives every degree (--pick then simulates its one layout by blocks)
 ROWS = [
     ("8b-8", "8b", 8, ["--batch-size", "16", "--ac", "selective"], 5762, 82.4, "eager"),
     ("8b-128", "8b", 128, ["--batch-size", "256", "--ac", "selective"], 5605, 67.0, "eager"),
@@ -42,13 +48,27 @@ ROWS = [
         "405b-512",
         "405b",
         512,
-        ["--pp", "8", "--tp", "8", "--batch-size", "256", "--microbatches", "32", "--ac", "full"]
+        ["--pp", "8", "--tp", "8", "--dp-shard", "8", "--batch-size", "256", "--microbatches", "32", "--ac", "full"]
         + ["--split-points", "16,32,48,64,80,96,112"],  # 126 blocks: 7 stages of 16, the last of 14
         100,
         82.5,
         "compile + Float8 + async TP, 1F1B",
     ),
+    # the Llama 3 paper (arXiv 2407.21783, its table 4): 16,384 H100s, TP 8 x PP 16 x DP 128, 8,192-token
+    # sequences, 16M tokens a step, bf16, 400 TFLOP/s per GPU; its first and last stages hold one block
+    # less (7, 14 x 8, 7); its schedule is an interleaved one of its own (1F1B here: the bubble differs)
+    (
+        "405b-16k",
+        "405b",
+        16384,
+        ["--pp", "16", "--tp", "8", "--dp-shard", "128", "--batch-size", "2048", "--microbatches", "16"]
+        + ["--ac", "full", "--split-points", ",".join(str(7 + 8 * i) for i in range(15))],
+        None,
+        None,
+        "Meta's stack, bf16, its interleaved schedule",
+    ),
 ]
+PUBLISHED_TFLOPS = {"405b-16k": 400}  # a run published as model TFLOP/s per GPU rather than tokens/s
 
 
 def write_config(root: Path, name: str) -> Path:
@@ -80,6 +100,7 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="also write the rows as JSON")
     ns = ap.parse_args()
     rows = [r for r in ROWS if ns.rows is None or r[0] in ns.rows.split(",")]
+    peak = load_hardware(ns.hardware).peak("bf16")
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, model, world, flags, tps, mem, extra in rows:
@@ -87,6 +108,9 @@ def main() -> int:
             sim = Path(tmp) / f"{name}.json"
             cmd = [sys.executable, "-m", "mmm.plan.simulate", "--world", str(world), "--hardware", ns.hardware]
             cmd += ["--init-from", str(folder), "--seq-len", "8192", "--dtype", "bf16", *flags, "--json", str(sim)]
+            piped = "--pp" in flags
+            if piped:  # every degree given: the pick's one layout, simulated by blocks
+                cmd += ["--pick", "--dp-replicate", "1", "--cp", "1", "--strategy", "fsdp"]
             t0 = time.perf_counter()
             res = subprocess.run(cmd, capture_output=True, text=True)
             seconds = time.perf_counter() - t0
@@ -94,31 +118,40 @@ def main() -> int:
                 print(res.stdout[-2000:], res.stderr[-3000:], sep="\n", file=sys.stderr)
                 return 1
             ranks = json.loads(sim.read_text())
+            if piped:
+                (layout,) = ranks
+                ranks = layout["ranks"]
             batch = int(flags[flags.index("--batch-size") + 1])
             step = max(r["prediction"]["step_s"] for r in ranks)
+            mfu = min(r["prediction"]["mfu"] for r in ranks)
             row = {
                 "row": name,
                 "world": world,
                 "flags": flags,
                 "published_tps_per_gpu": tps,
+                "published_tflops_per_gpu": PUBLISHED_TFLOPS.get(name),
                 "published_memory_gib": mem,
                 "published_with": extra,
                 "predicted_step_s": step,
                 "predicted_tps_per_gpu": batch * 8192 / world / step,
                 "predicted_peak_gib": max(r["prediction"]["peak_bytes"] for r in ranks) / 2**30,
-                "predicted_mfu": min(r["prediction"]["mfu"] for r in ranks),
+                "predicted_mfu": mfu,
+                "predicted_tflops_per_gpu": mfu * peak / 1e12,
                 "simulated_s": seconds,
             }
             results.append(row)
             print(json.dumps(row), flush=True)
     print(
-        f"\n{'run':<10}{'GPUs':>6}  {'TPS/GPU published':>18}{'predicted':>11}{'ratio':>7}"
+        f"\n{'run':<10}{'GPUs':>6}  {'published':>18}{'predicted':>11}{'ratio':>7}"
         f"  {'GiB published':>14}{'predicted':>11}  {'MFU pred':>9}  published with"
     )
     for r in results:
+        if r["published_tps_per_gpu"]:  # tokens/s per GPU, or else model TFLOP/s per GPU
+            pub, pred, unit = r["published_tps_per_gpu"], r["predicted_tps_per_gpu"], "TPS/GPU"
+        else:
+            pub, pred, unit = r["published_tflops_per_gpu"], r["predicted_tflops_per_gpu"], "TFLOP/s"
         print(
-            f"{r['row']:<10}{r['world']:>6}  {r['published_tps_per_gpu']:>18,}{r['predicted_tps_per_gpu']:>11,.0f}"
-            f"{r['predicted_tps_per_gpu'] / r['published_tps_per_gpu']:>7.2f}  "
+            f"{r['row']:<10}{r['world']:>6}  {f'{pub:,} {unit}':>18}{pred:>11,.0f}{pred / pub:>7.2f}  "
             f"{'-' if r['published_memory_gib'] is None else format(r['published_memory_gib'], '.1f'):>14}"
             f"{r['predicted_peak_gib']:>11.1f}  {r['predicted_mfu']:>9.1%}  {r['published_with']}"
         )
