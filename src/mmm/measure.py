@@ -242,40 +242,73 @@ class _LocalOps(TorchDispatchMode):
 class PeakMemory(_LocalOps):
     """``with PeakMemory(existing) as m: step()`` then ``m.peak``: the most bytes of tensor storage alive
     at once while it was active, counting the storages of ``existing`` (parameters, optimizer state,
-    inputs: what is alive before) once, and every storage an op makes until it is freed. It sees local
-    tensors (a DTensor's shards) and fake tensors alike, so it gives a simulated rank's peak memory; it
-    counts no allocator rounding, workspace or fragmentation."""
+    inputs: what is alive before) once, and every storage an op makes until it is freed or resized
+    (FSDP2 frees a gathered block by resizing its buffer's storage to nothing and grows it again at the
+    next all-gather: storage methods no dispatch mode sees, so ``UntypedStorage.resize_`` is watched
+    while active). It sees local tensors (a DTensor's shards) and fake tensors alike, so it gives a
+    simulated rank's peak memory; it counts no allocator rounding, workspace or fragmentation. With
+    ``trace=True``, ``m.trace`` lists ``(op, bytes alive after it)`` from the start: where the peak is."""
 
-    def __init__(self, existing: list[torch.Tensor] = ()) -> None:
+    def __init__(self, existing: list[torch.Tensor] = (), trace: bool = False) -> None:
         super().__init__()
-        self._alive: set[int] = set()
+        self._alive: dict[int, int] = {}  # storage -> the bytes it holds now
         self.live = self.peak = 0
         for t in existing:
-            self._track(t, new=False)
+            self._track(t)
         self.start = self.peak = self.live
+        self.trace: list[tuple[str, int]] | None = [("start", self.live)] if trace else None
 
-    def _track(self, t, new: bool = True) -> None:
+    def _track(self, t) -> None:
         if not isinstance(t, torch.Tensor):
             return
         local = t._local_tensor if isinstance(t, self._dtensor) else t
-        storage = local.untyped_storage()
+        self._track_storage(local.untyped_storage())
+
+    def _track_storage(self, storage) -> None:
         key = storage._cdata
         if key in self._alive:
             return
-        self._alive.add(key)
-        n = storage.nbytes()
+        self._alive[key] = n = storage.nbytes()
         self.live += n
         self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self._free, key, n)  # the storage's Python object lives as long as it does
+        weakref.finalize(storage, self._free, key)  # the storage's Python object lives as long as it does
 
-    def _free(self, key: int, n: int) -> None:
-        if key in self._alive:
-            self._alive.discard(key)
-            self.live -= n
+    def _free(self, key: int) -> None:
+        self.live -= self._alive.pop(key, 0)
+
+    def _resized(self, storage) -> None:
+        key = storage._cdata
+        if key not in self._alive:
+            self._track_storage(storage)
+        else:
+            n = storage.nbytes()
+            self.live += n - self._alive[key]
+            self._alive[key] = n
+            self.peak = max(self.peak, self.live)
+        if self.trace is not None:
+            self.trace.append(("resize_", self.live))
+
+    def __enter__(self):
+        self._resize = resize = torch.UntypedStorage.resize_
+        mode = self
+
+        def resize_(storage, size):
+            out = resize(storage, size)
+            mode._resized(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
 
     def local_op(self, func, inputs, kwargs, out) -> None:
         for t in pytree.tree_leaves(out):
             self._track(t)
+        if self.trace is not None:
+            self.trace.append((func.__name__, self.live))
 
 
 _ATEN_MATMUL = {"mm", "addmm", "bmm", "baddbmm"}  # (bias,) a, b

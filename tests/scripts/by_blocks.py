@@ -14,7 +14,7 @@ hw = load_hardware("h100")
 for layout in sys.argv[1:]:
     flags = layout.split()
     world = int(flags.pop(0))
-    config = command_line().parse([*flags, *TINY])
+    config = command_line().parse([*TINY, *flags])  # a layout may set its own sizes
     ranks = [0, world - 1]
     whole = simulate_ranks(config, world=world, ranks=ranks, devices_per_node=4, hardware=hw)
     parts = simulate_by_blocks(config, world=world, ranks=ranks, devices_per_node=4, hardware=hw)
