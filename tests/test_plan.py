@@ -482,6 +482,13 @@ def test_pick_ranks_the_layouts_and_holds_the_given_degrees(tmp_path):
     assert res.returncode == 0 and "1 of 2 pipeline layouts with more microbatches per stage simulated" in res.output
     labels = [r["label"] for r in json.loads(out.read_text())]
     assert "pp2-dpr1-dps1-cp1-tp2-fsdp-mb8" in labels and "pp2-dpr1-dps1-cp1-tp2-fsdp" not in labels, labels
+    # at most REVIVED_AT_MOST of them, the lowest floors first (at 70B's size nearly every variant's floor
+    # is under the best): with none allowed, the variant is left out and the log says so
+    capped = [sys.executable, "-c", "import mmm.plan.simulate as s; s.REVIVED_AT_MOST = 0; s.cli()", *pick[3:]]
+    res = run([*capped, "--hardware", slow, "--tp", "2", "--json", str(out)], timeout=300)
+    assert res.returncode == 0 and "0 of 2 pipeline layouts with more microbatches per stage simulated" in res.output
+    assert "1 variants with more microbatches of pipelines left out by their floor" in res.output, res.output
+    assert "pp2-dpr1-dps1-cp1-tp2-fsdp-mb8" not in [r["label"] for r in json.loads(out.read_text())]
     res = run([*pick, "--hardware", hw, "--pp", "2", "--tp", "2", "--json", str(out)], timeout=300)
     assert res.returncode == 0, res.output  # a pipeline given: simulated, its bubble in the reason
     rows = json.loads(out.read_text())  # more microbatches: a smaller bubble, a lower peak

@@ -681,6 +681,8 @@ def _usable_cores() -> int:
 AC_ORDER = ("none", "selective", "full")
 # a pipeline's microbatches per stage that --pick without --microbatches ranks (1: the trainer's default)
 MICROBATCHES_PER_STAGE = (1, 2, 4)
+# variants with more microbatches of pipelines left out by their floor that --pick simulates, at most
+REVIVED_AT_MOST = 4
 
 
 def _microbatch_variants(config: Config[LlamaTrainConfig], world: int, combo: Combo) -> list[Combo]:
@@ -952,7 +954,22 @@ def rank_layouts(
 
     # a pipeline left out by its floor may still win with more microbatches (a smaller bubble): those of
     # its variants whose own floor is under the best are simulated with the others
-    revived = [v for c in slower for v in variants.get(c.label, ()) if floor(v) < best]
+    # (the lowest floors first, at most REVIVED_AT_MOST: a floor counts no memory-bound op nor any
+    # communication, and at Llama-3-70B's size nearly every variant's is under the best: hours of pipelines)
+    floors |= {v.label: floor(v) for c in slower for v in variants.get(c.label, ())}
+    revived = sorted(
+        (v for c in slower for v in variants.get(c.label, ()) if floors[v.label] < best), key=lambda v: floors[v.label]
+    )
+    if len(revived) > REVIVED_AT_MOST and not every:
+        get_logger().info(
+            "%d variants with more microbatches of pipelines left out by their floor have their own floor under "
+            "the best step: the %d lowest simulated (the lowest, %s: %.1f ms; --every simulates them all)",
+            len(revived),
+            REVIVED_AT_MOST,
+            revived[0].label,
+            floors[revived[0].label] * 1e3,
+        )
+        revived = revived[:REVIVED_AT_MOST]
     # jobs given or decided again: by the pace of this batch's own first layout and its own count
     left = [c for c in others if c not in slower] + revived
     more = _simulate_layouts(left, config, world, per_node, hardware, jobs, acs, stops_for(left), best)
