@@ -28,7 +28,7 @@ from mmm import dist as mdist
 from mmm.measure import PeakMemory
 from mmm.models.llama import Llama
 from mmm.parallel import init_mesh, meta_init
-from mmm.plan.simulate import forget_meshes, simulate_ranks
+from mmm.plan.simulate import forget_meshes, held_before_step, simulate_ranks
 from mmm.training import llama as recipe
 from mmm.training.llama import command_line
 from mmm.training.step import StepSync, train_step
@@ -73,15 +73,14 @@ def measured_peak(config, world: int, device: torch.device) -> tuple[int | None,
             train_step(engine, tokens, tokens, recipe.loss_fn, sync=sync)
             torch.cuda.synchronize()
             allocated = torch.cuda.max_memory_allocated()
-        existing = [*engine.module.parameters(), *engine.module.buffers(), tokens]
-        existing += [v for state in engine.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-        with PeakMemory(existing) as alive:
+        with PeakMemory(held_before_step(engine, tokens)) as alive:
             train_step(engine, tokens, tokens, recipe.loss_fn, sync=sync)
         return allocated, alive.peak
     finally:
         mdist.teardown()
         forget_meshes()
-        torch.cuda.empty_cache() if device.type == "cuda" else None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def main() -> int:

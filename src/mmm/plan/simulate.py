@@ -568,8 +568,7 @@ def fake_step(engine, mesh, loss_fn, tokens: tuple[int, int], mailbox: dict | No
         _optimizer_state(engine.optimizer)  # what a first step leaves: the AdamW state
         if engine.pipeline is not None:  # and, under a pipeline, the shapes its stages traded
             _pipeline_shapes(engine.pipeline, inputs, inputs)
-        existing = [*engine.module.parameters(), *engine.module.buffers(), inputs]
-        existing += [v for state in engine.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+        existing = held_before_step(engine, inputs)
         held: dict[str, int] = {}  # what the trainer's summary.json reads while the gradients exist
         with (
             PeakMemory(existing, trace=trace) as memory,
@@ -591,6 +590,13 @@ def fake_step(engine, mesh, loss_fn, tokens: tuple[int, int], mailbox: dict | No
         "state_bytes": {k: held[k] for k in ("param_bytes", "grad_bytes", "optim_bytes")},
         **({"memory_trace": memory.trace} if trace else {}),
     }
+
+
+def held_before_step(engine, inputs) -> list[torch.Tensor]:
+    """What a rank holds as a step starts (parameters, buffers, the AdamW state, the batch): the
+    storages ``PeakMemory`` counts from the start."""
+    held = [*engine.module.parameters(), *engine.module.buffers(), inputs]
+    return held + [v for state in engine.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
 
 
 def _optimizer_state(optimizer) -> None:
