@@ -647,6 +647,53 @@ def test_the_trainer_takes_the_planners_pick(tmp_path):
     assert not (tmp_path / "z" / "history.jsonl").exists()
 
 
+def test_a_pipelines_last_stage_keeps_no_microbatchs_logits(tmp_path):
+    """The schedule's last stage would keep every microbatch's output (the logits) until the step ends,
+    for a merged output mmm does not read: by the end the whole batch's logits (Llama-3-8B at TP 2, 64
+    microbatches of 8,192 tokens: 128 GiB). With 8 microbatches its simulated peak stays under them
+    (kept, it is the batch's logits and more), and far under its peak with 2 (kept: nearly equal)."""
+    vocab, seq, batch = 4096, 64, 8
+    rises = {}
+    for microbatches in (2, 8):
+        out = tmp_path / f"{microbatches}.json"
+        flags = ["--world", "2", "--pp", "2", "--microbatches", str(microbatches), "--ranks", "1", "--json", str(out)]
+        model = ["--dim", "32", "--n-heads", "4", "--n-kv-heads", "2", "--n-layers", "2", "--vocab-size", str(vocab)]
+        model += ["--seq-len", str(seq), "--batch-size", str(batch)]
+        res = run([sys.executable, "-m", "mmm.plan.simulate", *flags, *model], timeout=180)
+        assert res.returncode == 0, res.output
+        (last,) = json.loads(out.read_text())
+        rises[microbatches] = last["step"]["peak"]["total"] - last["step"]["peak"]["before_step"]
+    logits = batch * seq * vocab * 4  # fp32
+    assert 0 < rises[8] < logits and rises[8] < 0.5 * rises[2], (rises, logits)
+
+
+def test_a_pipeline_rank_simulated_for_its_shapes_only_runs_no_step():
+    """A pipeline rank's first step waits for its neighbours' shapes: the ranks it waits for are
+    simulated only as far as they send them (4 stages: 2 counted steps, not 4), with the same reports."""
+    code = """
+import json, sys
+import mmm.plan.simulate as sim
+from mmm.training.llama import command_line
+calls = []
+real = sim.fake_step
+def counted(*args, shapes_only=False, **kwargs):
+    out = real(*args, shapes_only=shapes_only, **kwargs)
+    calls.append(shapes_only)  # a call that returned: not one that waited for shapes
+    return out
+sim.fake_step = counted
+config = command_line().parse(sys.argv[1:])
+reports = sim.simulate_ranks(config, world=4, ranks=[0, 3])
+pp = [r.step["comm_calls"]["pp"] for r in reports]
+print(json.dumps({"calls": calls, "ranks": [r.rank for r in reports], "pp": pp}))
+"""
+    flags = ["--pp", "4", "--microbatches", "4", *tiny_llama(n_layers=4)]
+    res = run([sys.executable, "-c", code, *flags], timeout=180)
+    assert res.returncode == 0, res.output
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["calls"].count(False) == 2 and got["calls"].count(True) >= 3, got  # stages 1, 2, 3: their shapes
+    assert got["ranks"] == [0, 3] and all(n > 0 for n in got["pp"]), got
+
+
 def test_interleaved_pipeline_stages_are_simulated(tmp_path):
     """With 2 stages per rank, each pipeline rank waits on the other for its stages' shapes (a cycle the
     simulator breaks by retrying the rank it waits for); both ranks' steps are simulated."""
