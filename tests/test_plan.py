@@ -667,30 +667,38 @@ def test_a_pipelines_last_stage_keeps_no_microbatchs_logits(tmp_path):
     assert 0 < rises[8] < logits and rises[8] < 0.5 * rises[2], (rises, logits)
 
 
-def test_a_pipeline_rank_simulated_for_its_shapes_only_runs_no_step():
-    """A pipeline rank's first step waits for its neighbours' shapes: the ranks it waits for are
-    simulated only as far as they send them (4 stages: 2 counted steps, not 4), with the same reports."""
+@pytest.mark.parametrize("stages_per_rank", [1, 2])
+def test_a_pipeline_rank_simulated_for_its_shapes_only_runs_no_step(stages_per_rank):
+    """A pipeline rank's first step waits for its neighbours' shapes: the ranks of its pipeline are first
+    simulated only as far as they send them, in sweeps down and up the pipeline (at most 4v - 2 with v
+    stages per rank: 4 stages, 2 per rank, 6 sweeps of 4 ranks; a rank retried each time it waited cost
+    the square of the stages, and at 16 stages of 2 per rank ran out of tries), then only the asked
+    ranks' steps are counted (4 stages: 2 steps, not 4)."""
     code = """
 import json, sys
 import mmm.plan.simulate as sim
 from mmm.training.llama import command_line
-calls = []
+tries, runs = [], []
 real = sim.fake_step
 def counted(*args, shapes_only=False, **kwargs):
+    tries.append(shapes_only)
     out = real(*args, shapes_only=shapes_only, **kwargs)
-    calls.append(shapes_only)  # a call that returned: not one that waited for shapes
+    runs.append(shapes_only)  # a run that returned: not one that waited for shapes
     return out
 sim.fake_step = counted
 config = command_line().parse(sys.argv[1:])
 reports = sim.simulate_ranks(config, world=4, ranks=[0, 3])
 pp = [r.step["comm_calls"]["pp"] for r in reports]
-print(json.dumps({"calls": calls, "ranks": [r.rank for r in reports], "pp": pp}))
+print(json.dumps({"tries": tries, "runs": runs, "ranks": [r.rank for r in reports], "pp": pp}))
 """
-    flags = ["--pp", "4", "--microbatches", "4", *tiny_llama(n_layers=4)]
+    flags = ["--pp", "4", "--microbatches", "4", *tiny_llama(n_layers=8)]
+    if stages_per_rank > 1:
+        flags += ["--stages-per-rank", str(stages_per_rank), "--pp-schedule", "interleaved-1f1b"]
     res = run([sys.executable, "-c", code, *flags], timeout=180)
     assert res.returncode == 0, res.output
     got = json.loads(res.stdout.strip().splitlines()[-1])
-    assert got["calls"].count(False) == 2 and got["calls"].count(True) >= 3, got  # stages 1, 2, 3: their shapes
+    assert got["runs"] == [True] * 4 + [False] * 2, got  # each stage's rank once for its shapes, then 2 steps
+    assert got["tries"].count(True) <= (4 * stages_per_rank - 2) * 4, got
     assert got["ranks"] == [0, 3] and all(n > 0 for n in got["pp"]), got
 
 
