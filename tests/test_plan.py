@@ -759,26 +759,32 @@ def test_a_layout_simulated_by_blocks_equals_the_whole_model():
         assert blocks == whole, r
 
 
-def test_the_ring_attention_floor_is_part_of_the_simulated_step():
-    """--pick leaves out a context-parallel layout whose floor is no faster than the best layout without
-    one: the matmuls plus its ring attention alone, simulated in a second (forward, backward, the
-    forward again under full AC). The ring's messages are the step's, byte for byte, its memory-bound
-    ops a part of the step's, and the floor under the predicted step (bf16; a pipeline of 4
-    microbatches too: the ring runs once per microbatch)."""
+def test_the_floors_ring_attention_and_blocks_are_part_of_the_simulated_step():
+    """--pick leaves out a context-parallel or pipeline layout whose floor is no faster than the best
+    layout without either: the matmuls plus its ring attention (forward, backward, the forward again
+    under full AC), or under a pipeline its blocks' memory-bound ops (one block, one microbatch), each
+    simulated alone in a second. The ring's messages are the step's, byte for byte, its memory-bound
+    ops a part of the step's, the blocks' too, and the floor under the predicted step (bf16; a pipeline
+    of 4 microbatches too: the ring runs once per microbatch; pipelines with TP, FSDP, full AC)."""
     layouts = ["8 --cp 2 --tp 2 --dp-shard 2", "8 --cp 2 --tp 2 --dp-shard 2 --ac full"]
     layouts += ["8 --pp 2 --cp 2 --tp 2 --dp-shard 1 --microbatches 4"]
     layouts += ["8 --pp 2 --cp 2 --tp 2 --dp-shard 1 --stages-per-rank 2 --pp-schedule interleaved-1f1b --n-layers 4"]
-    res = run([sys.executable, str(SCRIPTS / "ring_floor.py"), *layouts], timeout=300)
+    pipelines = ["8 --pp 2 --tp 2 --dp-shard 2 --microbatches 4", "8 --pp 4 --dp-shard 2 --ac full --n-layers 8"]
+    res = run([sys.executable, str(SCRIPTS / "ring_floor.py"), *layouts, *pipelines], timeout=300)
     assert res.returncode == 0, res.output
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == len(layouts), res.stdout
+    assert len(rows) == len(layouts) + len(pipelines), res.stdout
+    for r in rows:
+        assert 0 < r["floor_s"] < r["step_s"], r
+        # the memory-bound ops decide: the ring's or the blocks' share of them under the step's, and a part of them
+        assert r["slow_floor_s"] < r["slow_step_s"] and r["slow_floor_s"] > 0.2 * r["slow_memory_s"], r
+    for r in rows[len(layouts) :]:
+        assert 0.3 * r["memory_bytes"] < r["blocks_bytes"] < r["memory_bytes"], r
+    rows = rows[: len(layouts)]
     for r in rows:
         ring = r["ring"]
         assert ring["comm_by_kind"] == {"p2p": r["cp_p2p_bytes"]} and r["cp_p2p_bytes"] > 0, r
         assert 0 < ring["comm_calls"] <= r["cp_calls"] and 0 < ring["memory_bytes"] < r["memory_bytes"], r
-        assert 0 < r["floor_s"] < r["step_s"], r
-        # the memory-bound ops decide: the ring's share of them under the step's, and a part of them
-        assert r["slow_floor_s"] < r["slow_step_s"] and r["slow_floor_s"] > 0.2 * r["slow_memory_s"], r
     plain, full, piped, _ = rows
     assert plain["ring"]["comm_calls"] == plain["cp_calls"]  # dp_shard 2: the cp group carries the ring alone
     assert full["cp_p2p_bytes"] == 1.5 * plain["cp_p2p_bytes"]  # the block's forward runs again in backward

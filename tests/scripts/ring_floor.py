@@ -1,5 +1,6 @@
-"""Simulate context-parallel layouts (rank 0) and find their floor (mmm.plan.simulate.layout_floor): print
-the simulated step, the floor and the ring attention's part alone as JSON lines."""
+"""Simulate context-parallel and pipeline layouts (rank 0) and find their floor (mmm.plan.simulate.layout_floor):
+print the simulated step, the floor and the ring attention's part alone (a pipeline without CP: its blocks'
+memory-bound bytes) as JSON lines."""
 
 import json
 import sys
@@ -7,7 +8,7 @@ from dataclasses import replace
 
 from mmm.plan import plan
 from mmm.plan.hardware import load_hardware
-from mmm.plan.simulate import layout_floor, ring_attention_step, simulate_ranks
+from mmm.plan.simulate import block_step, layout_floor, ring_attention_step, simulate_ranks
 from mmm.training.llama import command_line
 
 TINY = ["--dim", "64", "--n-heads", "4", "--n-kv-heads", "2", "--seq-len", "64", "--batch-size", "8"]
@@ -25,7 +26,10 @@ for layout in sys.argv[1:]:
     row = {"layout": layout, "step_s": report.prediction["step_s"], "memory_bytes": step["memory_bytes"]}
     row["cp_p2p_bytes"] = step["comm_by_kind"].get(("cp", "p2p"), 0)
     row["cp_calls"] = step["comm_calls"].get("cp", 0)
-    row["ring"] = ring_attention_step(config, world, combo)
+    if combo.degrees["cp"] > 1:
+        row["ring"] = ring_attention_step(config, world, combo)
+    else:
+        row["blocks_bytes"] = block_step(config, world, combo)
     row["floor_s"] = layout_floor(config, world, combo, hw, 4)
     # where the memory-bound ops decide (a slow device memory, no latency) and the cp group crosses nodes
     slow = replace(hw, memory_bps=1e9, latency_s=0.0, devices_per_node=2)

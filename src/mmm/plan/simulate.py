@@ -64,7 +64,7 @@ from mmm.history import atomic_write_text
 from mmm.log import configure, get_logger
 from mmm.measure import CommCounter, DeviceWork, PeakMemory, SavedActivations
 from mmm.models.llama import Llama, apply_cp_llama
-from mmm.parallel import ParallelDims, init_mesh, meta_init
+from mmm.parallel import ParallelDims, init_mesh, meta_init, parallelize
 from mmm.parallel.context import ring_attention
 from mmm.parallel.pipeline import stage_ids, stage_layer_ranges
 from mmm.parallel.strategy import state_bytes_per_param
@@ -857,6 +857,63 @@ def ring_attention_step(config: Config[LlamaTrainConfig], world: int, combo: Com
     }
 
 
+def _blocks_once(cfg, how, seqs: int, tp: int) -> int:
+    """The bytes the memory-bound ops of one block move in one microbatch's forward and backward at
+    ``tp`` (fake tensors): a model of two blocks less one of one block, each parallelised as the trainer
+    does (TP and sequence parallel, its activation checkpointing) in a fake group of ``tp`` ranks,
+    without FSDP, its parameters in the compute dtype as FSDP gathers them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dtype = torch.bfloat16 if how.dtype == "bf16" else torch.float32
+    os.environ.update(RANK="0", WORLD_SIZE=str(tp), LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(tp), MMM_DEVICE="cpu")
+    with _excepthook_kept():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+        try:
+            mesh = init_mesh(tp=tp, device_type="cpu", log_coordinates=False)
+            spec = recipe.parallel_spec(how).replace(dtype="fp32", compile=False, dp="none", reshard_after_forward=None)
+            moved = []
+            for blocks in (1, 2):
+                with meta_init():
+                    model = Llama(replace(cfg, n_layers=blocks))
+                parallelize(model, mesh, spec, device=torch.device("meta"), seed=0)
+                for module in model.modules():
+                    for name, p in module._parameters.items():
+                        if p is not None and p.dtype != dtype:
+                            module._parameters[name] = torch.nn.Parameter(p.to(dtype))
+                with FakeTensorMode(allow_non_fake_inputs=True):
+                    model.to_empty(device="cpu")
+                    tokens = torch.zeros(seqs, cfg.seq_len, dtype=torch.long)
+                    with DeviceWork() as work, loss_parallel_context(tp > 1):
+                        recipe.loss_fn(model(tokens), tokens).backward()
+                moved.append(work.memory_bytes)
+        finally:
+            mdist.teardown()
+            forget_meshes()
+    return moved[1] - moved[0]
+
+
+def block_step(config: Config[LlamaTrainConfig], world: int, combo: Combo, cache: dict | None = None) -> int:
+    """The bytes the memory-bound ops of rank 0's blocks move in a step of a pipeline layout (no
+    context parallel): one block's forward and backward of one microbatch (:func:`_blocks_once`, in a
+    second or two) times rank 0's blocks and the microbatches. The pipeline's step runs those ops and
+    more (FSDP's, the embedding's or the loss's, the schedule's): a floor that prunes pipelines whose
+    matrix multiplies alone do not (Llama-3-8B at 16 stages: the blocks' memory-bound ops are a third of
+    the step). ``cache`` keeps one block's bytes by its shapes."""
+    cfg, how, d = config.train.model_config(), config.parallel, combo.degrees
+    pp, tp = d["pp"], d["tp"]
+    dp = world // (pp * d["cp"] * tp)
+    microbatches = how.microbatches or pp
+    ranges = stage_layer_ranges(cfg.n_layers, pp * how.stages_per_rank, how.split_points)
+    blocks = sum(ranges[i][1] - ranges[i][0] for i in stage_ids(0, pp, how.stages_per_rank))
+    seqs = config.train.batch_size // dp // microbatches
+    key = (seqs, tp, how.ac, how.dtype)
+    cache = {} if cache is None else cache
+    if key not in cache:
+        cache[key] = _blocks_once(cfg, how, seqs, tp)
+    return blocks * microbatches * cache[key]
+
+
 def layout_floor(
     config: Config[LlamaTrainConfig],
     world: int,
@@ -865,21 +922,25 @@ def layout_floor(
     devices_per_node: int,
     *,
     below: float = math.inf,
-    rings: dict | None = None,
+    cache: dict | None = None,
 ) -> float:
     """What the predicted step of ``combo`` cannot go under (:func:`mmm.plan.predict.step_floor`), known
-    before its step is simulated: the matrix multiplies, the pipeline's bubble over them, and under
-    context parallel the ring attention's part of the step (:func:`ring_attention_step`: its
-    memory-bound ops, its messages at the link rank 0's cp group crosses). The ring is simulated
-    only when the floor without it is under ``below``; ``rings`` keeps each ring run by its shapes."""
+    before its step is simulated: the matrix multiplies, the pipeline's bubble over them; under context
+    parallel the ring attention's part of the step (:func:`ring_attention_step`: its memory-bound ops,
+    its messages at the link rank 0's cp group crosses), under a pipeline without it its blocks'
+    memory-bound ops (:func:`block_step`). Either is simulated only when the floor without it is under
+    ``below``; ``cache`` keeps each ring or block run by its shapes."""
     trial = _trial(config, combo)
     terms = _step_terms(trial, trial.train.model_config(), world)
     per_node = min(world, devices_per_node)  # as predict_rank counts a node's ranks
     bare = step_floor(hardware, **terms, ranks_per_node=per_node)
     cp, tp = combo.degrees["cp"], combo.degrees["tp"]
-    if cp == 1 or bare >= below:
+    if bare >= below or (cp == 1 and combo.degrees["pp"] == 1):
         return bare
-    ring = ring_attention_step(trial, world, combo, cache=rings)
+    if cp == 1:  # a pipeline: its blocks' memory-bound ops
+        moved = block_step(trial, world, combo, cache=cache)
+        return step_floor(hardware, **terms, ranks_per_node=per_node, memory_bytes=moved)
+    ring = ring_attention_step(trial, world, combo, cache=cache)
     crosses = (cp - 1) * tp // devices_per_node > 0  # rank 0's cp group: ranks 0, tp, ..., (cp - 1) tp
     comm = axis_time(hardware, ring["comm_by_kind"], ring["comm_calls"], size=cp, crosses_nodes=crosses)
     return step_floor(hardware, **terms, ranks_per_node=per_node, memory_bytes=ring["memory_bytes"], exposed_s=comm)
@@ -948,10 +1009,10 @@ def rank_layouts(
     others = [c for c in combos if c not in plain]
     # a pipeline's variants with more microbatches (a smaller bubble), ranked once the pipeline is simulated
     variants = {c.label: _microbatch_variants(config, world, c)[1:] for c in others} if choose_microbatches else {}
-    rings: dict = {}
+    parts: dict = {}  # the rings and blocks the floors ran, by their shapes
 
     def floor(c: Combo, base: Config = floor_config) -> float:
-        return layout_floor(base, world, c, hardware, per_node, below=best, rings=rings)
+        return layout_floor(base, world, c, hardware, per_node, below=best, cache=parts)
 
     floors = {c.label: floor(c) for c in others} if best < math.inf and not every else {}
     slower = [c for c in others if floors.get(c.label, 0.0) >= best]
