@@ -28,7 +28,7 @@ from mmm import dist as mdist
 from mmm.measure import PeakMemory
 from mmm.models.llama import Llama
 from mmm.parallel import init_mesh, meta_init
-from mmm.plan.simulate import forget_meshes, held_before_step, simulate_ranks
+from mmm.plan.fake import forget_meshes, held_before_step, simulate_ranks
 from mmm.training import llama as recipe
 from mmm.training.llama import command_line
 from mmm.training.step import StepSync, train_step

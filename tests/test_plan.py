@@ -484,7 +484,8 @@ def test_pick_ranks_the_layouts_and_holds_the_given_degrees(tmp_path):
     assert "pp2-dpr1-dps1-cp1-tp2-fsdp-mb8" in labels and "pp2-dpr1-dps1-cp1-tp2-fsdp" not in labels, labels
     # at most REVIVED_AT_MOST of them, the lowest floors first (at 70B's size nearly every variant's floor
     # is under the best): with none allowed, the variant is left out and the log says so
-    capped = [sys.executable, "-c", "import mmm.plan.simulate as s; s.REVIVED_AT_MOST = 0; s.cli()", *pick[3:]]
+    code = "import mmm.plan.ranking as r, mmm.plan.simulate as s; r.REVIVED_AT_MOST = 0; s.cli()"
+    capped = [sys.executable, "-c", code, *pick[3:]]
     res = run([*capped, "--hardware", slow, "--tp", "2", "--json", str(out)], timeout=300)
     assert res.returncode == 0 and "0 of 2 pipeline layouts with more microbatches per stage simulated" in res.output
     assert "1 variants with more microbatches of pipelines left out by their floor" in res.output, res.output
@@ -676,7 +677,7 @@ def test_a_pipeline_rank_simulated_for_its_shapes_only_runs_no_step(stages_per_r
     ranks' steps are counted (4 stages: 2 steps, not 4)."""
     code = """
 import json, sys
-import mmm.plan.simulate as sim
+import mmm.plan.fake as sim
 from mmm.training.llama import command_line
 tries, runs = [], []
 real = sim.fake_step

@@ -1,10 +1,10 @@
-"""Simulate layouts whole and by blocks (mmm.plan.simulate.simulate_by_blocks); print both as JSON lines."""
+"""Simulate layouts whole and by blocks (mmm.plan.fake.simulate_by_blocks); print both as JSON lines."""
 
 import json
 import sys
 
+from mmm.plan.fake import simulate_by_blocks, simulate_ranks
 from mmm.plan.hardware import load_hardware
-from mmm.plan.simulate import simulate_by_blocks, simulate_ranks
 from mmm.training.llama import command_line
 
 TINY = ["--dim", "64", "--n-heads", "4", "--seq-len", "32", "--batch-size", "8", "--vocab-size", "128"]

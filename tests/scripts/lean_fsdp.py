@@ -24,7 +24,7 @@ from mmm.models.llama import Llama, LlamaConfig
 from mmm.models.llama.tp import llama_tp_plan
 from mmm.parallel import init_mesh, meta_init, parallelize
 from mmm.parallel.fsdp_setup import lean_fully_shard
-from mmm.plan.simulate import forget_meshes
+from mmm.plan.fake import forget_meshes
 
 
 class Made(TorchDispatchMode):

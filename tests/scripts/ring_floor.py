@@ -1,4 +1,4 @@
-"""Simulate context-parallel and pipeline layouts (rank 0) and find their floor (mmm.plan.simulate.layout_floor):
+"""Simulate context-parallel and pipeline layouts (rank 0) and find their floor (mmm.plan.floor.layout_floor):
 print the simulated step, the floor and the ring attention's part alone (a pipeline without CP: its blocks'
 memory-bound bytes) as JSON lines."""
 
@@ -7,8 +7,9 @@ import sys
 from dataclasses import replace
 
 from mmm.plan import plan
+from mmm.plan.fake import simulate_ranks
+from mmm.plan.floor import block_step, layout_floor, ring_attention_step
 from mmm.plan.hardware import load_hardware
-from mmm.plan.simulate import block_step, layout_floor, ring_attention_step, simulate_ranks
 from mmm.training.llama import command_line
 
 TINY = ["--dim", "64", "--n-heads", "4", "--n-kv-heads", "2", "--seq-len", "64", "--batch-size", "8"]

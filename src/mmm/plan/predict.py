@@ -127,7 +127,7 @@ def predict(
     stages_per_rank: int = 1,
     ranks_per_node: int | None = None,
 ) -> Prediction:
-    """``step``: a simulated step (:func:`mmm.plan.simulate.fake_step`); ``axes``: each axis's group
+    """``step``: a simulated step (:func:`mmm.plan.fake.fake_step`); ``axes``: each axis's group
     ``size`` and whether it ``crosses_nodes``; ``flops``: the rank's model FLOPs of the step;
     ``recompute``: the factor activation checkpointing adds to them (MFU counts the model's FLOPs only);
     ``n_layers``: the blocks this rank holds; ``ranks_per_node``: the job's (default: the hardware's)."""
