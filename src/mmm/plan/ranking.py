@@ -240,8 +240,8 @@ def rank_layouts(
         closest = min(slower, key=lambda c: floors[c.label])
         get_logger().info(
             "%d of %d layouts with a pipeline or context parallel not simulated: their floor (the matrix "
-            "multiplies, the ring attention's memory-bound ops and messages, the pipeline's bubble; the "
-            "closest, %s: %.1f ms) exceeds the best step without either (%.1f ms)",
+            "multiplies, the pipeline's bubble, the memory-bound ops of the ring attention or of a pipeline's "
+            "blocks, the ring's messages; the closest, %s: %.1f ms) exceeds the best step without either (%.1f ms)",
             len(slower),
             len(others),
             closest.label,
