@@ -679,18 +679,21 @@ def test_a_pipeline_rank_simulated_for_its_shapes_only_runs_no_step(stages_per_r
 import json, sys
 import mmm.plan.fake as sim
 from mmm.training.llama import command_line
-tries, runs = [], []
-real = sim.fake_step
+tries, runs, steps = [], [], []
+real, real_step = sim.fake_step, sim.train_step
 def counted(*args, shapes_only=False, **kwargs):
     tries.append(shapes_only)
     out = real(*args, shapes_only=shapes_only, **kwargs)
     runs.append(shapes_only)  # a run that returned: not one that waited for shapes
     return out
-sim.fake_step = counted
+def stepped(*args, **kwargs):
+    steps.append(1)
+    return real_step(*args, **kwargs)
+sim.fake_step, sim.train_step = counted, stepped
 config = command_line().parse(sys.argv[1:])
 reports = sim.simulate_ranks(config, world=4, ranks=[0, 3])
 pp = [r.step["comm_calls"]["pp"] for r in reports]
-print(json.dumps({"tries": tries, "runs": runs, "ranks": [r.rank for r in reports], "pp": pp}))
+print(json.dumps({"tries": tries, "runs": runs, "steps": len(steps), "ranks": [r.rank for r in reports], "pp": pp}))
 """
     flags = ["--pp", "4", "--microbatches", "4", *tiny_llama(n_layers=8)]
     if stages_per_rank > 1:
@@ -699,13 +702,14 @@ print(json.dumps({"tries": tries, "runs": runs, "ranks": [r.rank for r in report
     assert res.returncode == 0, res.output
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got["runs"] == [True] * 4 + [False] * 2, got  # each stage's rank once for its shapes, then 2 steps
+    assert got["steps"] == 2, got  # the training steps run: the asked ranks' only
     assert got["tries"].count(True) <= (4 * stages_per_rank - 2) * 4, got
     assert got["ranks"] == [0, 3] and all(n > 0 for n in got["pp"]), got
 
 
 def test_interleaved_pipeline_stages_are_simulated(tmp_path):
     """With 2 stages per rank, each pipeline rank waits on the other for its stages' shapes (a cycle the
-    simulator breaks by retrying the rank it waits for); both ranks' steps are simulated."""
+    simulator's sweeps down and up the pipeline break); both ranks' steps are simulated."""
     out = tmp_path / "sim.json"
     flags = ["--world", "4", "--pp", "2", "--stages-per-rank", "2", "--pp-schedule", "interleaved-1f1b"]
     res = run([sys.executable, "-m", "mmm.plan.simulate", *flags, "--max-iters", "2", "--json", str(out)], timeout=180)
@@ -766,11 +770,14 @@ def test_the_floors_ring_attention_and_blocks_are_part_of_the_simulated_step():
     under full AC), or under a pipeline its blocks' memory-bound ops (one block, one microbatch), each
     simulated alone in a second. The ring's messages are the step's, byte for byte, its memory-bound
     ops a part of the step's, the blocks' too, and the floor under the predicted step (bf16; a pipeline
-    of 4 microbatches too: the ring runs once per microbatch; pipelines with TP, FSDP, full AC)."""
+    of 4 microbatches too: the ring runs once per microbatch; pipelines with TP, FSDP, full AC; one without FSDP,
+    selective AC, uneven stages)."""
     layouts = ["8 --cp 2 --tp 2 --dp-shard 2", "8 --cp 2 --tp 2 --dp-shard 2 --ac full"]
     layouts += ["8 --pp 2 --cp 2 --tp 2 --dp-shard 1 --microbatches 4"]
     layouts += ["8 --pp 2 --cp 2 --tp 2 --dp-shard 1 --stages-per-rank 2 --pp-schedule interleaved-1f1b --n-layers 4"]
     pipelines = ["8 --pp 2 --tp 2 --dp-shard 2 --microbatches 4", "8 --pp 4 --dp-shard 2 --ac full --n-layers 8"]
+    # no FSDP (one dp rank: fp32 parameters under autocast), selective AC, stages of 3 and 2 blocks
+    pipelines += ["4 --pp 2 --tp 2 --dp-shard 1 --ac selective --n-layers 5 --split-points 3"]
     res = run([sys.executable, str(SCRIPTS / "ring_floor.py"), *layouts, *pipelines], timeout=300)
     assert res.returncode == 0, res.output
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]

@@ -17,6 +17,10 @@ from itertools import accumulate
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._collective_utils import MeshTopoInfo
+from torch.distributed.tensor._redistribute import _gen_transform_infos
 
 from mmm import dist as mdist
 from mmm.errors import UsageError
@@ -328,7 +332,7 @@ def simulate_ranks(config: Config[LlamaTrainConfig], *, world: int, ranks: Seque
             mdist.teardown()
             forget_meshes()
 
-    if pp > 1:
+    if pp > 1 and ranks and kw.get("step", True):  # without a step no stage waits for shapes
         stride = world // pp  # pp is the outermost mesh axis
         pipeline = [stage * stride + ranks[0] % stride for stage in range(pp)]
         waiting, down = list(pipeline), True
@@ -351,23 +355,21 @@ def process_kept():
     ``mmm`` logger and Python's warning filters: a simulated rank other than 0 sets them as a rank that
     stays quiet (the planner's own lines after it would not be printed)."""
     hook, logger = sys.excepthook, get_logger()
-    level, handlers, filters = logger.level, list(logger.handlers), list(warnings.filters)
+    level, handlers, propagate = logger.level, list(logger.handlers), logger.propagate
     try:
-        yield
+        with warnings.catch_warnings():
+            yield
     finally:
         sys.excepthook = hook
         logger.setLevel(level)
         logger.handlers[:] = handlers
-        warnings.filters[:] = filters
+        logger.propagate = propagate
 
 
 def forget_meshes() -> None:
     """Empty DTensor's caches of sharding decisions and redistribution plans. They are keyed by meshes,
     and a mesh compares equal to the same-shaped mesh of the previous simulated rank, whose process
     groups are gone: a cached plan would send the next rank's collectives to a group that no longer exists."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._collective_utils import MeshTopoInfo
-    from torch.distributed.tensor._redistribute import _gen_transform_infos
 
     torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ dispatch's own
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
@@ -460,8 +462,6 @@ def fake_step(
     after backward (as the trainer reads them). The engine's parameters become fake tensors (no
     memory); it is not usable for real work afterwards. ``shapes_only``: under a pipeline, only the
     first step's shape exchange (what the stages send through ``mailbox``), nothing counted: ``{}``."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     if engine.pipeline is not None:
         _pipeline_by_mail(engine.pipeline, {} if mailbox is None else mailbox)
     with FakeTensorMode(allow_non_fake_inputs=True):  # buffers (rotary tables) stay real: they are read only

@@ -11,11 +11,13 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mmm import dist as mdist
 from mmm.measure import CommCounter, DeviceWork
 from mmm.models.llama import Llama
 from mmm.parallel import ParallelDims, init_mesh, meta_init, parallelize
+from mmm.parallel.compose import shards_parameters
 from mmm.parallel.context import ring_attention
 from mmm.parallel.pipeline import stage_ids, stage_layer_ranges
 from mmm.parallel.strategy import state_bytes_per_param
@@ -49,7 +51,6 @@ def trial_config(config: Config[LlamaTrainConfig], combo: Combo, ac: str | None 
 def _ring_once(cfg, seqs: int, tokens: int, tp: int, head_dim: int, dtype, cp: int) -> tuple:
     """One ring attention forward and backward on fake tensors of these shapes in a fake group of ``cp``
     ranks: the forward's and backward's messages (:class:`CommCounter`) and memory-bound work."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     with process_kept():
@@ -107,21 +108,24 @@ def ring_attention_step(config: Config[LlamaTrainConfig], world: int, combo: Com
     }
 
 
-def _blocks_once(cfg, how, seqs: int, tp: int) -> int:
+def _blocks_once(cfg, how, seqs: int, tp: int, fsdp: bool) -> int:
     """The bytes the memory-bound ops of one block move in one microbatch's forward and backward at
     ``tp`` (fake tensors): a model of two blocks less one of one block, each parallelised as the trainer
     does (TP and sequence parallel, its activation checkpointing) in a fake group of ``tp`` ranks,
-    without FSDP, its parameters in the compute dtype as FSDP gathers them."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    without FSDP's own work: with ``fsdp`` its parameters in the compute dtype, as FSDP gathers them;
+    without, fp32 under autocast, as the trainer runs a model FSDP does not wrap."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dtype = torch.bfloat16 if how.dtype == "bf16" else torch.float32
+    dtype = torch.bfloat16 if how.dtype == "bf16" and fsdp else torch.float32
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MMM_DEVICE")
+    kept = {name: os.environ.get(name) for name in names}
     os.environ.update(RANK="0", WORLD_SIZE=str(tp), LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(tp), MMM_DEVICE="cpu")
     with process_kept():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
         try:
             mesh = init_mesh(tp=tp, device_type="cpu", log_coordinates=False)
-            spec = recipe.parallel_spec(how).replace(dtype="fp32", compile=False, dp="none", reshard_after_forward=None)
+            spec = recipe.parallel_spec(how).replace(compile=False, dp="none", reshard_after_forward=None)
+            spec = spec.replace(dtype="fp32") if fsdp else spec
             moved = []
             for blocks in (1, 2):
                 with meta_init():
@@ -140,6 +144,11 @@ def _blocks_once(cfg, how, seqs: int, tp: int) -> int:
         finally:
             mdist.teardown()
             forget_meshes()
+            for name, value in kept.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
     return moved[1] - moved[0]
 
 
@@ -157,10 +166,11 @@ def block_step(config: Config[LlamaTrainConfig], world: int, combo: Combo, cache
     ranges = stage_layer_ranges(cfg.n_layers, pp * how.stages_per_rank, how.split_points)
     blocks = sum(ranges[i][1] - ranges[i][0] for i in stage_ids(0, pp, how.stages_per_rank))
     seqs = config.train.batch_size // dp // microbatches
-    key = (seqs, tp, how.ac, how.dtype)
+    fsdp = shards_parameters(ParallelDims(world, **d), combo.strategy)
+    key = (seqs, tp, how.ac, how.dtype, fsdp)
     cache = {} if cache is None else cache
     if key not in cache:
-        cache[key] = _blocks_once(cfg, how, seqs, tp)
+        cache[key] = _blocks_once(cfg, how, seqs, tp, fsdp)
     return blocks * microbatches * cache[key]
 
 
@@ -187,7 +197,9 @@ def layout_floor(
     cp, tp = combo.degrees["cp"], combo.degrees["tp"]
     if bare >= below or (cp == 1 and combo.degrees["pp"] == 1):
         return bare
-    if cp == 1:  # a pipeline: its blocks' memory-bound ops
+    if cp == 1:  # a pipeline: its blocks' memory-bound ops (none to count without a memory bandwidth)
+        if not hardware.memory_bps:
+            return bare
         moved = block_step(trial, world, combo, cache=cache)
         return step_floor(hardware, **terms, ranks_per_node=per_node, memory_bytes=moved)
     ring = ring_attention_step(trial, world, combo, cache=cache)

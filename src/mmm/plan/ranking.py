@@ -258,8 +258,8 @@ def rank_layouts(
 
     # a pipeline left out by its floor may still win with more microbatches (a smaller bubble): those of
     # its variants whose own floor is under the best are simulated with the others
-    # (the lowest floors first, at most REVIVED_AT_MOST: a floor counts no memory-bound op nor any
-    # communication, and at Llama-3-70B's size nearly every variant's is under the best: hours of pipelines)
+    # (the lowest floors first, at most REVIVED_AT_MOST: a floor counts no communication but the ring's,
+    # and at Llama-3-8B's size 36 variants' are under the best: an hour of pipelines)
     floors |= {v.label: floor(v) for c in slower for v in variants.get(c.label, ())}
     revived = sorted(
         (v for c in slower for v in variants.get(c.label, ()) if floors[v.label] < best), key=lambda v: floors[v.label]
