@@ -474,7 +474,8 @@ def fake_step(
         engine.train()
         inputs = torch.zeros(tokens, dtype=torch.long)
         sync = StepSync.for_engine(engine, device=torch.device("cpu"))
-        _optimizer_state(engine.optimizer)  # what a first step leaves: the AdamW state
+        if not shapes_only:  # what a first step leaves: the AdamW state
+            _optimizer_state(engine.optimizer)
         if engine.pipeline is not None:  # and, under a pipeline, the shapes its stages traded
             _pipeline_shapes(engine.pipeline, inputs, inputs)
             if shapes_only:
