@@ -10,10 +10,11 @@ ones. The models are given as Hugging Face ``config.json`` files written here (t
 Llama 3.1 8B, 70B and 405B; the 3.1 rope scaling is left out: mmm's Llama has plain rotary
 embeddings, and it changes no shape, FLOP or byte). A sanity check, not a proof: torchtitan's 70B and
 405B rows also use torch.compile, Float8 matmuls and async TP, which the prediction does not model.
-One row is Megatron Bridge's (its DGX-H100 Llama 3 8B run, FP8 with Transformer Engine's kernels), one
-the Llama 3 paper's 405B pretraining on 16,384 H100s (Meta's own stack, bf16, 400 TFLOP/s per GPU).
-Rows with a pipeline are simulated by blocks (``--pick`` with every degree given: one layout, each
-stage at three and four blocks, carried on to its count), a few minutes each; the others whole.
+One row is Megatron Bridge's (its DGX-H100 Llama 3 8B run, FP8 with Transformer Engine's kernels), two
+the Llama 3 paper's 405B pretraining on 16,384 H100s (Meta's own stack, bf16, 400 TFLOP/s per GPU), with
+1F1B and with an interleaved schedule as the paper's. Rows with a pipeline are simulated by blocks
+(``--pick`` with every degree given: one layout, each stage at three and four blocks, carried on to its
+count; stages of four blocks or fewer whole), a minute or two each; the others whole.
 """
 
 from __future__ import annotations
@@ -67,8 +68,22 @@ ROWS = [
         None,
         "Meta's stack, bf16, its interleaved schedule",
     ),
+    # the same with an interleaved schedule: 2 stages per rank, 32 of 4 blocks but the first and last (3);
+    # stages of 4 blocks or fewer are simulated whole
+    (
+        "405b-16k-il",
+        "405b",
+        16384,
+        ["--pp", "16", "--tp", "8", "--dp-shard", "128", "--batch-size", "2048", "--microbatches", "16"]
+        + ["--ac", "full", "--stages-per-rank", "2", "--pp-schedule", "interleaved-1f1b"]
+        + ["--split-points", ",".join(str(3 + 4 * i) for i in range(31))],
+        None,
+        None,
+        "Meta's stack, bf16; interleaved 1F1B here",
+    ),
 ]
-PUBLISHED_TFLOPS = {"405b-16k": 400}  # a run published as model TFLOP/s per GPU rather than tokens/s
+# runs published as model TFLOP/s per GPU rather than tokens/s
+PUBLISHED_TFLOPS = {"405b-16k": 400, "405b-16k-il": 400}
 
 
 def write_config(root: Path, name: str) -> Path:
