@@ -701,7 +701,8 @@ print(json.dumps({"tries": tries, "runs": runs, "steps": len(steps), "ranks": [r
     res = run([sys.executable, "-c", code, *flags], timeout=180)
     assert res.returncode == 0, res.output
     got = json.loads(res.stdout.strip().splitlines()[-1])
-    assert got["runs"] == [True] * 4 + [False] * 2, got  # each stage's rank once for its shapes, then 2 steps
+    # the middle stages' ranks once for their shapes, the asked ones (first and last) once for their step
+    assert sorted(got["runs"]) == [False, False, True, True], got
     assert got["steps"] == 2, got  # the training steps run: the asked ranks' only
     assert got["tries"].count(True) <= (4 * stages_per_rank - 2) * 4, got
     assert got["ranks"] == [0, 3] and all(n > 0 for n in got["pp"]), got

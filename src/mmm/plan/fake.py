@@ -319,8 +319,9 @@ def simulate_ranks(config: Config[LlamaTrainConfig], *, world: int, ranks: Seque
     the stage after its gradient's): first the ranks of one rank's pipeline (the same coordinates on
     the other axes: the same shapes) are simulated only as far as their stages send them, in sweeps
     down the pipeline and back up, each rank until it has sent all (what it sent before it waited
-    stays in the mailbox); then each of ``ranks``, its step counted. A pipeline of 16 stages: 31
-    such runs and 2 steps (not 16 steps); with v stages per rank, 4v - 2 sweeps."""
+    stays in the mailbox), each of ``ranks`` among them running its counted step once it has its
+    shapes; then the others of ``ranks``. A pipeline of 16 stages: 2 steps (not 16) and 28 runs for
+    shapes; with v stages per rank, 4v - 2 sweeps."""
     mailbox: dict = {}
     pp = config.parallel.degrees.get("pp", 1)
 
@@ -332,6 +333,7 @@ def simulate_ranks(config: Config[LlamaTrainConfig], *, world: int, ranks: Seque
             mdist.teardown()
             forget_meshes()
 
+    done: dict[int, RankReport | None] = {}
     if pp > 1 and ranks and kw.get("step", True):  # without a step no stage waits for shapes
         stride = world // pp  # pp is the outermost mesh axis
         pipeline = [stage * stride + ranks[0] % stride for stage in range(pp)]
@@ -339,13 +341,13 @@ def simulate_ranks(config: Config[LlamaTrainConfig], *, world: int, ranks: Seque
         while waiting:  # a sweep that lets no rank send more ends it: a stage waits for what none sends
             before = (len(mailbox), len(waiting))
             for rank in list(waiting if down else waiting[::-1]):
-                with contextlib.suppress(MissingMessage):
-                    simulated(rank, shapes_only=True)
+                with contextlib.suppress(MissingMessage):  # an asked rank runs its step once it has its shapes
+                    done[rank] = simulated(rank, shapes_only=rank not in ranks)
                     waiting.remove(rank)
             if (len(mailbox), len(waiting)) == before:
                 raise RuntimeError(f"pipeline ranks {waiting} never received their neighbours' shapes")
             down = not down
-    return [simulated(rank) for rank in ranks]
+    return [done[rank] if done.get(rank) is not None else simulated(rank) for rank in ranks]
 
 
 @contextlib.contextmanager
