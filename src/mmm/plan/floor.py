@@ -48,6 +48,18 @@ def trial_config(config: Config[LlamaTrainConfig], combo: Combo, ac: str | None 
     return replace(config, parallel=replace(config.parallel, **combo.degrees, strategy=combo.strategy, **extra))
 
 
+def _rank0_share(config: Config[LlamaTrainConfig], world: int, combo: Combo) -> tuple[int, int, int]:
+    """Rank 0's part of a step of ``combo``: the blocks its pipeline stages hold, the microbatches, and
+    the sequences in each."""
+    how, d = config.parallel, combo.degrees
+    pp = d["pp"]
+    microbatches = (how.microbatches or pp) if pp > 1 else 1
+    ranges = stage_layer_ranges(config.train.model_config().n_layers, pp * how.stages_per_rank, how.split_points)
+    blocks = sum(ranges[i][1] - ranges[i][0] for i in stage_ids(0, pp, how.stages_per_rank))
+    dp = world // (pp * d["cp"] * d["tp"])
+    return blocks, microbatches, config.train.batch_size // dp // microbatches
+
+
 def _ring_once(cfg, seqs: int, tokens: int, tp: int, head_dim: int, dtype, cp: int) -> tuple:
     """One ring attention forward and backward on fake tensors of these shapes in a fake group of ``cp``
     ranks: the forward's and backward's messages (:class:`CommCounter`) and memory-bound work."""
@@ -82,13 +94,8 @@ def ring_attention_step(config: Config[LlamaTrainConfig], world: int, combo: Com
     with it before simulating the whole step. ``cache`` keeps one ring's counts by its shapes (layouts
     that differ in their data-parallel split, microbatches or checkpointing only run it once)."""
     cfg, how, d = config.train.model_config(), config.parallel, combo.degrees
-    cp, tp, pp = d["cp"], d["tp"], d["pp"]
-    dp = world // (pp * cp * tp)
-    microbatches = (how.microbatches or pp) if pp > 1 else 1
-    per_rank = how.stages_per_rank
-    ranges = stage_layer_ranges(cfg.n_layers, pp * per_rank, how.split_points)
-    blocks = sum(ranges[i][1] - ranges[i][0] for i in stage_ids(0, pp, per_rank))  # rank 0's stages
-    seqs = config.train.batch_size // dp // microbatches
+    cp, tp = d["cp"], d["tp"]
+    blocks, microbatches, seqs = _rank0_share(config, world, combo)
     tokens, head_dim = cfg.seq_len // cp, cfg.dim // cfg.n_heads
     dtype = torch.bfloat16 if how.dtype == "bf16" else torch.float32
     key = (seqs, tokens, cfg.n_heads // tp, cfg.n_kv_heads // tp, head_dim, dtype, cp)
@@ -160,12 +167,8 @@ def block_step(config: Config[LlamaTrainConfig], world: int, combo: Combo, cache
     matrix multiplies alone do not (Llama-3-8B at 16 stages: the blocks' memory-bound ops are a third of
     the step). ``cache`` keeps one block's bytes by its shapes."""
     cfg, how, d = config.train.model_config(), config.parallel, combo.degrees
-    pp, tp = d["pp"], d["tp"]
-    dp = world // (pp * d["cp"] * tp)
-    microbatches = how.microbatches or pp
-    ranges = stage_layer_ranges(cfg.n_layers, pp * how.stages_per_rank, how.split_points)
-    blocks = sum(ranges[i][1] - ranges[i][0] for i in stage_ids(0, pp, how.stages_per_rank))
-    seqs = config.train.batch_size // dp // microbatches
+    tp = d["tp"]
+    blocks, microbatches, seqs = _rank0_share(config, world, combo)
     fsdp = shards_parameters(ParallelDims(world, **d), combo.strategy)
     key = (seqs, tp, how.ac, how.dtype, fsdp)
     cache = {} if cache is None else cache
