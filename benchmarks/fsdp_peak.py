@@ -26,11 +26,10 @@ import torch.distributed as dist
 
 from mmm import dist as mdist
 from mmm.measure import PeakMemory
-from mmm.models.llama import Llama
+from mmm.models.llama import Llama, recipe
+from mmm.models.llama.recipe import command_line
 from mmm.parallel import init_mesh, meta_init
 from mmm.plan.fake import forget_meshes, held_before_step, simulate_ranks
-from mmm.training import llama as recipe
-from mmm.training.llama import command_line
 from mmm.training.step import StepSync, train_step
 
 MODEL = ["--dim", "2048", "--n-layers", "8", "--n-heads", "16", "--vocab-size", "32000", "--seq-len", "1024"]

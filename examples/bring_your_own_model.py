@@ -18,15 +18,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from mmm import dist
 from mmm.history import History
-from mmm.parallel import (
-    HF_LLAMA_TP_PLAN,
-    ParallelSpec,
-    build_pipeline,
-    clip_grad_norm_,
-    init_mesh,
-    meta_init,
-    parallelize,
-)
+from mmm.models.hf import HF_LLAMA_TP_PLAN
+from mmm.parallel import ParallelSpec, build_pipeline, clip_grad_norm_, init_mesh, meta_init, parallelize
 from mmm.training import mean_over
 
 
@@ -44,16 +37,8 @@ def main(argv=None):
 
     info = dist.setup(seed=0)
     mesh = init_mesh(tp=args.tp, pp=args.pp)  # dp inferred from the world size
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        use_cache=False,
-    )
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4)
+    config = LlamaConfig(vocab_size=128, num_key_value_heads=2, max_position_embeddings=64, use_cache=False, **shape)
     with meta_init():  # no parameter memory yet: each rank materialises only its shards below
         model = LlamaForCausalLM(config)
 

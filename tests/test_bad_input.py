@@ -143,7 +143,7 @@ def test_flag_checks_in_process():
     from mmm.cli import FLAGS
     from mmm.errors import UsageError
     from mmm.faults import parse
-    from mmm.parallel.checkpoint import checkpoint_problems
+    from mmm.parallel.checkpoint_folder import checkpoint_problems
 
     # the library names its arguments; the trainers pass FLAGS to name their flags
     assert checkpoint_problems(None, "latest", 0, 0) == [

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from conftest import SCRIPTS, clean_env, launch, run, tiny_llama
-from mmm.parallel.checkpoint import Checkpointer, complete_steps, latest_step, step_dir, wait_for_deletes
+from mmm.parallel.checkpoint import Checkpointer
+from mmm.parallel.checkpoint_folder import complete_steps, latest_step, step_dir, wait_for_deletes
 
 TINY = ["-m", "mmm.examples.fsdp_tp", *tiny_llama(batch_size=4), "--log-every", "100"]
 
@@ -269,7 +270,7 @@ def test_a_prune_leaves_the_deletes_to_the_background_and_says_when_one_fails(tm
     A delete that fails is logged, not hidden; the leftover folder is never read."""
     import logging
 
-    from mmm.parallel import checkpoint as C
+    from mmm.parallel import checkpoint_folder as C
 
     ck = saver(tmp_path, keep_last=1)
     ck.log = logging.getLogger("test-prune")

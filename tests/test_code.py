@@ -150,7 +150,16 @@ def test_imports_inside_functions_defer_something():
     assert not needless, "imports inside functions that defer nothing; move them to the top:\n" + "\n".join(needless)
 
 
+def _is_recipe(module: str) -> bool:
+    """A model's recipe (``mmm.models.<model>.recipe``) sits beside its model, so that a model is one folder,
+    but in the training layer: it uses the trainer's configs, data and checkpoints
+    (mmm.training.recipe); nothing in mmm.models imports it, so a model stays plain single-device code."""
+    return module.startswith("mmm.models.") and module.endswith(".recipe")
+
+
 def _layer(module: str) -> int:
+    if _is_recipe(module):
+        return LAYERS.index(("mmm.history", "mmm.tracking", "mmm.training"))
     for i, names in enumerate(LAYERS):
         if any(module == n or module.startswith(n + ".") for n in names):
             return i

@@ -3,7 +3,7 @@ of a prune and of an export; a full disk; the job relaunched. After each, no com
 is lost or half-overwritten, the resume takes the newest complete checkpoint, and the run ends with one
 process's loss and gradient norm at every step, each step once in the history.
 
-The kills come from ``MMM_SAVE_FAULT=STAGE@STEP:RANK|all`` (mmm.parallel.checkpoint's crash points: a
+The kills come from ``MMM_SAVE_FAULT=STAGE@STEP:RANK|all`` (mmm.faults' crash points: a
 real SIGKILL at that point of the real code path). Each test records what it observed (fault, outcome,
 what was lost: computed from the files, not assumed); conftest.py prints the table at the end of the run.
 """
@@ -17,7 +17,8 @@ import sys
 import pytest
 
 from conftest import clean_env, jsonl, launch, run
-from mmm.parallel.checkpoint import Checkpointer, complete_steps, recover, step_dir
+from mmm.parallel.checkpoint import Checkpointer
+from mmm.parallel.checkpoint_folder import complete_steps, recover, step_dir
 
 TINY = "-m mmm.examples.fsdp_tp --dim 64 --n-layers 2 --seq-len 32 --batch-size 4 --no-plots".split()
 STEPS = 8

@@ -28,7 +28,8 @@ def tiny_llama():
 
 
 def test_the_shipped_plan_is_the_configs_own_and_matches_the_model():
-    from mmm.parallel.tensor import HF_LLAMA_TP_PLAN, hf_tp_plan, resolve_plan
+    from mmm.models.hf import HF_LLAMA_TP_PLAN
+    from mmm.parallel.tensor import hf_tp_plan, resolve_plan
 
     model = tiny_llama()
     assert hf_tp_plan(model) == HF_LLAMA_TP_PLAN

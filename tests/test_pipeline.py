@@ -118,7 +118,7 @@ def reference(tmp_path_factory):
     [
         (2, ["--pp", "2", "--n-layers", "3"], "--n-layers 3 does not split evenly into 2 stages"),
         (2, ["--pp", "2", "--batch-size", "6", "--microbatches", "4"], "--microbatches 4 does not divide"),
-        (2, ["--pp", "2", "--pp-schedule", "zigzag"], "argument --pp-schedule/--pp_schedule: invalid choice: 'zigzag'"),
+        (2, ["--pp", "2", "--pp-schedule", "zigzag"], "argument --pp-schedule: invalid choice: 'zigzag'"),
     ],
 )
 def test_pipeline_bad_input(n, flags, needle):

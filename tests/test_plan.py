@@ -678,7 +678,7 @@ def test_a_pipeline_rank_simulated_for_its_shapes_only_runs_no_step(stages_per_r
     code = """
 import json, sys
 import mmm.plan.fake as sim
-from mmm.training.llama import command_line
+from mmm.models.llama.recipe import command_line
 tries, runs, steps = [], [], []
 real, real_step = sim.fake_step, sim.train_step
 def counted(*args, shapes_only=False, **kwargs):

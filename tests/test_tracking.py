@@ -315,7 +315,7 @@ def test_every_trainer_has_the_tracking_flags(example):
 
 
 def test_wandb_flags_without_wandb_are_refused():
-    from mmm.training.llama import command_line
+    from mmm.models.llama.recipe import command_line
 
     problems = command_line().parse(["--wandb-project", "p"]).run.problems()
     assert problems == ["--wandb-project only applies with --wandb; add --wandb or drop it"]

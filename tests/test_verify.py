@@ -45,7 +45,7 @@ def test_a_tolerance_of_zero_fails_with_a_one_line_error():
 @pytest.mark.parametrize(
     "flags, needle",
     [
-        (["--model", "nosuch"], "--model 'nosuch': use one of llama, vit, hf-llama, or module:function"),
+        (["--model", "nosuch"], "--model 'nosuch': use one of llama, vit, hf-llama, or module:NAME"),
         (["--model", "nosuch_module:build"], "--model 'nosuch_module:build': No module named 'nosuch_module'"),
         (["--cp", "2"], "--cp 2: verify does not run context parallel"),
         (["--strategy", "ddp", "--tp", "2"], "--strategy ddp does not compose with tp"),

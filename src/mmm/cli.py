@@ -140,17 +140,11 @@ class MeshConfig:
         1, "--cp", "--cpsize", parse=degree, group="mesh", help="context-parallel degree (sequence split across ranks)"
     )
     dp_replicate: int = option(
-        1,
-        "--dp-replicate",
-        "--dp_replicate",
-        parse=degree,
-        group="mesh",
-        help="data-parallel replicas (HSDP outer axis)",
+        1, "--dp-replicate", parse=degree, group="mesh", help="data-parallel replicas (HSDP outer axis)"
     )
     dp_shard: int = option(
         -1,
         "--dp-shard",
-        "--dp_shard",
         parse=degree,
         group="mesh",
         help="data-parallel shards (FSDP axis); -1 infers it from the world size",

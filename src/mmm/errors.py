@@ -89,3 +89,9 @@ def print_error(message: str, *, prog: str | None = None, rank: int | None = Non
     name = f"{prog}: " if prog else ""
     sys.stderr.write(f"{prefix}{name}error: {message}\n")
     sys.stderr.flush()
+
+
+def first_line(e: BaseException) -> str:
+    """An exception in one line: its type and the first line of its message."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"

@@ -7,11 +7,23 @@
     MMM_FAULT=nan@5         step 5's loss is NaN on every rank (``:R`` for one rank)
     MMM_FAULT=exit@5:2      rank 2 exits with code 3 at once, skipping teardown
 
-Several faults are separated by commas. Faults fire in a job's first attempt only (not after a
+``MMM_SAVE_FAULT`` kills a rank (SIGKILL) at a point of writing what a run keeps, to prove nothing
+complete is lost (tests/test_faults.py):
+
+    MMM_SAVE_FAULT=rng@4:1      rank 1 once its RNG file of step 4's checkpoint is written
+    MMM_SAVE_FAULT=prune:all    every rank half-way through deleting a pruned checkpoint
+
+``STAGE[@STEP][:RANK|:all]`` (rank 0 by default), STAGE one of :data:`SAVE_STAGES`: shards (a rank's
+DCP files written), rng (its RNG file written), meta (rank 0: mmm.json written, not yet renamed),
+rename (rank 0: between the two renames of a re-save), prune (rank 0: half-way through deleting a
+pruned folder), export (rank 0: the export written beside DIR, not yet in place), history (rank 0:
+half-way through writing step STEP's line of history.jsonl).
+
+Several faults of MMM_FAULT are separated by commas. Faults fire in a job's first attempt only (not after a
 relaunch by ``launch --retries``, ``MMM_RESTART`` >= 1), so a recovered job can finish. The trainers
-call :func:`inject` at the start of every step; a real signal is sent, so launchers and the other
-ranks see exactly what a real failure looks like. Unset (the default), it costs one dict lookup per
-step.
+call :func:`inject` at the start of every step, and the writers :func:`crash_point`; a real signal is
+sent, so launchers and the other ranks see exactly what a real failure looks like. Unset (the
+default), each costs one dict lookup.
 """
 
 from __future__ import annotations
@@ -24,6 +36,8 @@ import time
 from mmm.errors import UsageError
 
 KINDS = ("kill", "stop", "term", "term2", "nan", "exit")
+SAVE_STAGES = ("shards", "rng", "meta", "rename", "prune", "export", "history")
+_SAVE_SPEC = re.compile(r"(?P<stage>[a-z]+)(?:@(?P<step>\d+))?(?::(?P<rank>\d+|all))?")
 _SPEC = re.compile(r"^(?P<kind>[a-z0-9]+)@(?P<step>\d+)(?::(?P<rank>\d+))?$")
 _PARSED: dict[int, list[tuple[str, int | None]]] | None = None
 
@@ -63,3 +77,33 @@ def inject(step: int, rank: int) -> bool:
             sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}[kind]
             os.kill(os.getpid(), sig)
     return poison
+
+
+def _first_attempt() -> bool:
+    return os.environ.get("MMM_RESTART", "0") in ("", "0")
+
+
+def save_fault(stage: str, step: int | None = None, *, rank: int = 0) -> bool:
+    """Whether ``MMM_SAVE_FAULT`` kills ``rank`` at ``stage`` of saving ``step`` (first attempt only).
+    Unset: one dict lookup."""
+    spec = os.environ.get("MMM_SAVE_FAULT")
+    if not spec or not _first_attempt():
+        return False
+    m = _SAVE_SPEC.fullmatch(spec)
+    if m is None or m["stage"] not in SAVE_STAGES:
+        raise UsageError(
+            f"MMM_SAVE_FAULT={spec!r} is not STAGE[@STEP][:RANK|:all] with STAGE one of {', '.join(SAVE_STAGES)} "
+            "(e.g. rng@4:1)"
+        )
+    who = m["rank"] or "0"
+    return (
+        m["stage"] == stage
+        and (m["step"] is None or step is None or int(m["step"]) == step)
+        and (who == "all" or int(who) == rank)
+    )
+
+
+def crash_point(stage: str, step: int | None = None, *, rank: int = 0) -> None:
+    """SIGKILL this process here when ``MMM_SAVE_FAULT`` asks for ``stage`` (of ``step``, on ``rank``)."""
+    if save_fault(stage, step, rank=rank):
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from mmm.errors import UsageError
+from mmm import faults
 
 DEFAULT_WARMUP = 2
 TEXT_PLOT_POINTS = 400  # plotext draws at most this many points (evenly strided)
@@ -57,18 +57,6 @@ def _json_line(rec: dict) -> str:
         else:  # None, bool, nan/inf: let json spell them
             parts.append(f'"{k}": {json.dumps(v)}')
     return "{" + ", ".join(parts) + "}\n"
-
-
-def _crash_step(name: str) -> int | None:
-    """``MMM_SAVE_FAULT=history@N`` (tests): die half-way through writing step N's line of
-    ``history.jsonl`` (first attempt only, as every fault; only rank 0 writes the history)."""
-    spec = os.environ.get("MMM_SAVE_FAULT", "")
-    if name != "history" or not spec.startswith("history") or os.environ.get("MMM_RESTART", "0") not in ("", "0"):
-        return None
-    m = re.fullmatch(r"history@(\d+)(?::0)?", spec)
-    if m is None:
-        raise UsageError(f"MMM_SAVE_FAULT={spec!r}: the history fault is history@STEP (rank 0 writes the history)")
-    return int(m[1])
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -105,7 +93,6 @@ class History:
         self.rows: list[dict[str, float | int | None]] = []
         self.hooks: list[Callable[[dict], Any]] = list(hooks)
         self._file = None
-        self._crash_at = _crash_step(name)
         path = self.outdir / f"{name}.jsonl" if self.outdir is not None else None
         if resume is not None and path is not None and path.is_file():
             for line in path.read_text().splitlines():
@@ -145,7 +132,7 @@ class History:
         self.rows.append(rec)
         if self._file is not None:
             line = _json_line(rec)
-            if rec[self.step_key] == self._crash_at:  # a kill in the middle of a line (tests)
+            if self.name == "history" and faults.save_fault("history", rec[self.step_key]):  # a kill mid-line
                 self._file.write(line[: len(line) // 2])
                 self._file.flush()
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from mmm.errors import first_line
 from mmm.history import atomic_write_text
 from mmm.log import rich_wanted
 from mmm.parallel.mesh import check_degrees
@@ -181,10 +182,7 @@ class Trackers:
             pass
         if self._log is not None:
             self._log.warning(
-                "--%s failed, going on without it (history.jsonl has every step): %s: %s",
-                tracker.name,
-                type(e).__name__,
-                _first_line(e),
+                "--%s failed, going on without it (history.jsonl has every step): %s", tracker.name, first_line(e)
             )
 
     def close(self, summary: Mapping[str, Any] | None = None, *, failed: bool = False) -> None:
@@ -197,7 +195,7 @@ class Trackers:
                 t.close(summary, failed=failed)
             except Exception as e:
                 if self._log is not None:
-                    self._log.warning("--%s: closing failed: %s", t.name, _first_line(e))
+                    self._log.warning("--%s: closing failed: %s", t.name, first_line(e))
 
     def _at_exit(self) -> None:
         self.close(failed=True)
@@ -229,13 +227,7 @@ def open_trackers(
             except Exception as e:
                 if log is not None:
                     hint = " (WANDB_MODE=offline needs no login)" if name == "wandb" else ""
-                    log.warning(
-                        "--%s could not start, going on without it: %s: %s%s",
-                        name,
-                        type(e).__name__,
-                        _first_line(e),
-                        hint,
-                    )
+                    log.warning("--%s could not start, going on without it: %s%s", name, first_line(e), hint)
         if log is not None and opened:
             log.info("tracking: %s", ", ".join(f"{t.name} -> {t.dir}" for t in opened))
     return Trackers(opened, step_key=step_key, log=log)
@@ -305,11 +297,6 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.6g}"
     return str(v)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else ""
 
 
 RATE_NAMES = {"tps": "tokens/s", "tokens_per_s": "tokens/s", "samples_per_s": "samples/s"}

@@ -5,11 +5,12 @@ gradient norm, side by side, with a clear PASS/FAIL.
     launch -n 4 python3 -m mmm.verify --model hf-llama --pp 2              # transformers' LlamaForCausalLM
     launch -n 4 python3 -m mmm.verify --model mypkg.models:build --tp-plan mypkg.models:TP_PLAN --tp 2
 
-``--model`` is ``llama``, ``vit``, ``hf-llama`` or ``module:function`` (a function of no arguments
-returning your ``nn.Module``; a language model taking tokens and returning logits, or an object
-with ``.logits``). The same seed gives every rank, and the one-process reference, the same
-weights; each step's global batch depends only on the step; each dp rank trains its slice.
-Rank 0 trains the reference in plain PyTorch (no mmm parallelism), the mesh trains through
+``--model`` is ``llama``, ``vit``, ``hf-llama`` or ``module:NAME``: a function of no arguments
+returning your ``nn.Module`` (a language model taking tokens and returning logits, or an object
+with ``.logits``), or a recipe (:class:`mmm.training.recipe.Recipe`: its model at its defaults, its
+TP plan and loss, random batches shaped as its own). The same seed gives every rank, and the
+one-process reference, the same weights; each step's global batch depends only on the step; each
+dp rank trains its slice. Rank 0 trains the reference in plain PyTorch (no mmm parallelism), the mesh trains through
 :func:`mmm.parallel.parallelize` (or :func:`mmm.parallel.build_pipeline` with ``--pp``), and the
 table shows both. Exit 0 only when every step agrees within ``--rtol`` (fp32 default 1e-5).
 
@@ -33,6 +34,7 @@ from mmm.cli import ArgumentParser, Flags, option, override, positive_int
 from mmm.dist import current
 from mmm.errors import RunError, UsageError
 from mmm.log import get_logger
+from mmm.models.hf import HF_LLAMA_TP_PLAN
 from mmm.models.llama import Llama, LlamaConfig, llama_tp_plan
 from mmm.models.vit import VIT_TP_PLAN, ViT, ViTConfig
 from mmm.parallel import (
@@ -47,9 +49,10 @@ from mmm.parallel import (
 from mmm.parallel.compose import find_blocks, get_submodule
 from mmm.parallel.mesh import AXES
 from mmm.parallel.pipeline import pipeline_problems
-from mmm.parallel.tensor import HF_LLAMA_TP_PLAN, hf_tp_plan, loss_parallel_context
+from mmm.parallel.tensor import hf_tp_plan, loss_parallel_context
 from mmm.training import mean_over
 from mmm.training.config import ParallelConfig
+from mmm.training.recipe import Recipe
 
 BUILTIN = ("llama", "vit", "hf-llama")
 
@@ -241,7 +244,11 @@ class VerifyConfig:
     """What to verify: the model, its TP plan and blocks, and the short run both sides train."""
 
     model: str = option(
-        "llama", "--model", group="check", help=f"{', '.join(BUILTIN)} or module:function", metavar="MODEL"
+        "llama",
+        "--model",
+        group="check",
+        help=f"{', '.join(BUILTIN)}, or module:NAME (a function returning your model, or a recipe)",
+        metavar="MODEL",
     )
     tp_plan: str | None = option(
         None,
@@ -336,8 +343,35 @@ def target(check: VerifyConfig):
         )
         return (lambda: LlamaForCausalLM(config)), {"tp_plan": HF_LLAMA_TP_PLAN}, tokens, lm_loss
     factory = _load(check.model, "--model")
+    if isinstance(factory, Recipe):
+        if check.tp_plan:
+            raise UsageError(f"--tp-plan: {check.model} is a recipe, whose TP plan is its own; drop --tp-plan")
+        return recipe_target(factory, check)
     plan = _load(check.tp_plan, "--tp-plan") if check.tp_plan else None
     return factory, {"tp_plan": plan}, tokens, lm_loss
+
+
+def recipe_target(recipe: Recipe, check: VerifyConfig):
+    """(model factory, spec options, batch_fn, loss_fn) of a recipe's model at its defaults: random
+    global batches of --batch-size shaped as the recipe's own (token ids or classes below the size
+    of the model's output, other inputs normal)."""
+    cfg = recipe.model_config(recipe.config())
+    spec = recipe.spec(ParallelConfig(), cfg)
+    inputs, targets = recipe.example_batch(cfg, rows=check.batch_size)
+    with torch.device("meta"):
+        classes = _logits(recipe.build(cfg)(inputs.to("meta"))).shape[-1]
+
+    def random_like(t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+        if t.is_floating_point():
+            return torch.randn(t.shape, generator=g, dtype=t.dtype)
+        return torch.randint(0, classes, t.shape, generator=g, dtype=t.dtype)
+
+    def batch(step: int):
+        g = torch.Generator().manual_seed(check.seed * 1_000_003 + step)
+        return random_like(inputs, g), random_like(targets, g)
+
+    options = {"tp_plan": spec.tp_plan, "loss_parallel": spec.loss_parallel}
+    return (lambda: recipe.build(cfg)), options, batch, recipe.loss
 
 
 def config_tp_plan(model_fn, say: bool) -> dict | None:
@@ -362,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     check, par = flags["check"], flags["parallel"]
     info = dist.setup(seed=check.seed)
     if check.model not in BUILTIN and ":" not in check.model:
-        raise UsageError(f"--model {check.model!r}: use one of {', '.join(BUILTIN)}, or module:function")
+        raise UsageError(f"--model {check.model!r}: use one of {', '.join(BUILTIN)}, or module:NAME")
     if par.cp != 1:
         raise UsageError(
             f"--cp {par.cp}: verify does not run context parallel; check it with python -m mmm.examples.fsdp_tp --cp N"

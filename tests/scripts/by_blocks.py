@@ -3,9 +3,9 @@
 import json
 import sys
 
+from mmm.models.llama.recipe import command_line
 from mmm.plan.fake import simulate_by_blocks, simulate_ranks
 from mmm.plan.hardware import load_hardware
-from mmm.training.llama import command_line
 
 TINY = ["--dim", "64", "--n-heads", "4", "--seq-len", "32", "--batch-size", "8", "--vocab-size", "128"]
 KEYS = ("num_params", "local_params", "param_bytes", "grad_bytes", "optim_bytes", "total_bytes")

@@ -21,8 +21,9 @@ def main(argv=None) -> int:
     info = dist.setup()
     from transformers import AutoConfig, LlamaForCausalLM
 
+    from mmm.models.hf import HF_LLAMA_TP_PLAN
     from mmm.models.llama import Llama, llama_config_from_hf, llama_tp_plan, load_hf_llama
-    from mmm.parallel import HF_LLAMA_TP_PLAN, ParallelSpec, init_mesh, meta_init, parallelize
+    from mmm.parallel import ParallelSpec, init_mesh, meta_init, parallelize
     from mmm.parallel.hf_checkpoint import load_safetensors
 
     mesh = init_mesh(tp=args.tp)

@@ -6,11 +6,11 @@ import json
 import sys
 from dataclasses import replace
 
+from mmm.models.llama.recipe import command_line
 from mmm.plan import plan
 from mmm.plan.fake import simulate_ranks
 from mmm.plan.floor import block_step, layout_floor, ring_attention_step
 from mmm.plan.hardware import load_hardware
-from mmm.training.llama import command_line
 
 TINY = ["--dim", "64", "--n-heads", "4", "--n-kv-heads", "2", "--seq-len", "64", "--batch-size", "8"]
 TINY += ["--vocab-size", "128", "--n-layers", "2", "--dtype", "bf16"]

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from mmm.dist import liveness
 from mmm.dist.device import timeout_seconds
 from mmm.dist.ranks import discover_ranks
-from mmm.dist.state import _first_line, current, teardown
-from mmm.errors import UsageError, print_error
+from mmm.dist.state import current, teardown
+from mmm.errors import UsageError, first_line, print_error
 
 if TYPE_CHECKING:  # pragma: no cover
     pass
@@ -299,7 +299,7 @@ def finish(code: int = 0, *, together: bool | None = None) -> NoReturn:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         teardown(ok=code == 0, finalize_mpi=code == 0 if together is None else together)
     except BaseException as e:  # never let teardown turn a result into a hang or abort
-        print_error(f"teardown: {_first_line(e)}")
+        print_error(f"teardown: {first_line(e)}")
         code = code or 1
     finally:
         try:  # the program's own atexit handlers still run (os._exit would skip them)

@@ -17,6 +17,7 @@ from mmm.dist import liveness
 from mmm.dist.device import DEFAULT_TIMEOUT_S, pick_backend, pick_device, timeout_seconds
 from mmm.dist.ranks import RankInfo, discover_ranks
 from mmm.dist.rendezvous import raise_open_file_limit, rendezvous
+from mmm.errors import first_line
 from mmm.log import get_logger
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -244,11 +245,11 @@ def teardown(*, ok: bool = True, finalize_mpi: bool | None = None) -> None:
             try:
                 dist.barrier()
             except Exception as e:  # a peer died after we finished: say so, still tear down
-                log.warning("teardown barrier failed: %s", _first_line(e))
+                log.warning("teardown barrier failed: %s", first_line(e))
         try:
             dist.destroy_process_group()
         except Exception as e:  # pragma: no cover
-            log.warning("destroy_process_group failed: %s", _first_line(e))
+            log.warning("destroy_process_group failed: %s", first_line(e))
     if ok:
         liveness.close_stack_file()
     if "mpi4py.MPI" in sys.modules and (ok if finalize_mpi is None else finalize_mpi):
@@ -268,8 +269,3 @@ def _atexit_teardown() -> None:
             dist.destroy_process_group()
     except Exception:
         pass
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"

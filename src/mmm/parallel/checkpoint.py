@@ -1,18 +1,12 @@
 """Checkpoint and resume with torch Distributed Checkpoint (DCP), atomically, across meshes.
 
-Layout of a checkpoint folder (``Checkpointer(root)``)::
-
-    step-00000040/        one complete checkpoint (DCP shards + .metadata, mmm.json, rng/)
-    step-00000050/
-    .step-00000060.tmp/   a save in progress (or one a crash interrupted): never read
-
-A save writes everything into the ``.tmp`` folder, then rank 0 renames it once every rank has
-finished, so a checkpoint is visible only when complete and a crash during a save leaves the
-previous one usable (a re-save of a step sets the old folder aside until the new one is in place).
-Resuming from 'latest' takes the most recently SAVED checkpoint, not the highest step: a run resumed
-from an earlier step, then requeued, continues itself, not the run it abandoned. ``keep_last``
-prunes the least recently saved ones (each renamed away before it is deleted). Rank 0 alone reads
-the folder and broadcasts the step to load. A second SIGTERM during a save takes effect after it.
+A save writes everything into the step's ``.tmp`` folder, then rank 0 commits it once every rank
+has finished (:mod:`mmm.parallel.checkpoint_folder`: the folder's layout, the atomic commit,
+pruning), so a checkpoint is visible only when complete and a crash during a save leaves the
+previous one usable. Resuming from 'latest' takes the most recently SAVED checkpoint, not the
+highest step: a run resumed from an earlier step, then requeued, continues itself, not the run it
+abandoned. Rank 0 alone reads the folder and broadcasts the step to load. A second SIGTERM during
+a save takes effect after it.
 
 Model and optimizer state go through ``torch.distributed.checkpoint.state_dict`` (fully
 qualified names of the plain model, DTensor shards of TP/FSDP), so a checkpoint saved on one
@@ -26,15 +20,10 @@ matters for dropout). DeepSpeed strategies use DeepSpeed's own ``save_checkpoint
 
 from __future__ import annotations
 
-import atexit
-import errno
 import json
 import os
 import pickle
-import re
 import shutil
-import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -43,158 +32,26 @@ import torch
 import torch.distributed as dist
 
 from mmm.dist.exits import all_ok, on_rank0, uninterrupted
-from mmm.errors import API, RunError, Spelling, UsageError
+from mmm.errors import RunError, UsageError
+from mmm.parallel.checkpoint_folder import (
+    META,
+    commit,
+    complete_steps,
+    crash_point,
+    disk_full,
+    fsync_path,
+    meta_of,
+    missing_step,
+    no_space,
+    rank_world,
+    recover,
+    step_dir,
+    steps_by_recency,
+)
 
-STEP_DIR = re.compile(r"^step-(\d{8})$")
-META = "mmm.json"
 # what must match to resume: the model, what defines the data of each step (a run resumed with another
 # seed, global batch, dataset or epoch length would silently train on other data) and the lr schedule
 COMPAT_KEYS = ("model", "seed", "global_batch", "dataset", "steps_per_epoch", "lr_schedule")
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step-{step:08d}"
-
-
-def complete_steps(root: Path) -> list[int]:
-    """Steps of the complete checkpoints under ``root``, in step order."""
-    if not root.is_dir():
-        return []
-    out = []
-    for p in root.iterdir():
-        m = STEP_DIR.match(p.name)
-        if m and (p / META).is_file():
-            out.append(int(m.group(1)))
-    return sorted(out)
-
-
-def _saved_at(root: Path, step: int) -> tuple[int, float]:
-    """When a checkpoint was saved: its place in the sequence of saves (``save_seq``), then its time."""
-    path = step_dir(root, step) / META
-    try:
-        meta = json.loads(path.read_text())
-        return int(meta.get("save_seq", 0)), float(meta.get("saved_at"))
-    except (OSError, ValueError, TypeError):
-        return 0, path.stat().st_mtime if path.exists() else 0.0
-
-
-def _meta_of(root: Path, step: int) -> dict[str, Any]:
-    try:
-        return json.loads((step_dir(root, step) / META).read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def steps_by_recency(root: Path) -> list[int]:
-    """Complete checkpoints, the most recently saved last. Not the same as step order: after
-    resuming from 4000 with 5000 and 6000 on disk from an abandoned run, the new run's 4100 is newer."""
-    return sorted(complete_steps(root), key=lambda step: (_saved_at(root, step), step))
-
-
-def latest_step(root: Path) -> int | None:
-    """The most recently saved complete checkpoint (what 'latest' takes), or None."""
-    steps = steps_by_recency(root)
-    return steps[-1] if steps else None
-
-
-def recover(root: Path, log=None) -> None:
-    """Undo what a crash in the middle of a re-save or a prune leaves (rank 0 only): a step set aside
-    as ``.step-N.old`` while its replacement was renamed in goes back; ``.del`` and ``.tmp`` folders
-    (never read) are removed."""
-    if not root.is_dir():
-        return
-    for p in root.iterdir():
-        if p.name.startswith(".step-") and p.name.endswith(".old"):
-            final = root / p.name[1 : -len(".old")]
-            if final.exists():
-                doomed = root / f"{p.name[: -len('.old')]}.{time.time_ns()}.del"
-                os.replace(p, doomed)
-                _delete_in_background(doomed, log)
-            else:
-                os.replace(p, final)
-        elif p.name.startswith(".step-") and p.name.endswith((".del", ".tmp")) and str(p) not in _being_deleted:
-            if p.name.endswith(".tmp"):  # a unique name first: a new save may make a folder of this name
-                doomed = root / f"{p.name}.{time.time_ns()}.del"
-                os.replace(p, doomed)
-                p = doomed
-            _delete_in_background(p, log)  # never read; slow on a big checkpoint, so not in the ranks' way
-
-
-def missing_step(root: Path, step: int, steps: list[int]) -> str:
-    """The message for a step to resume from that has no complete checkpoint."""
-    return (
-        f"no complete checkpoint of step {step} in {str(root)!r} "
-        f"(steps there: {', '.join(map(str, steps)) or 'none'}); use one of those or 'latest'"
-    )
-
-
-def checkpoint_problems(
-    checkpoint_dir: str | None, resume: str | None, checkpoint_every: int, keep_last: int, *, spell: Spelling = API
-) -> list[str]:
-    """Problems with a run's checkpoint settings, each naming the value and a fix (nothing is created
-    here): the folder, the step to resume from ('latest' or a step number), how often to save and
-    how many to keep."""
-    out = []
-    if resume is not None and checkpoint_dir is None:
-        out.append(
-            f"{spell('resume', resume)} needs {spell.name('checkpoint_dir')} (the folder holding "
-            "step-NNNNNNNN checkpoints)"
-        )
-    if resume is not None and resume != "latest" and not (resume.isdigit() and int(resume) > 0):
-        out.append(f"{spell('resume', resume)}: use 'latest' or a step number (e.g. {spell('resume', '40')})")
-    if checkpoint_every < 0:
-        out.append(f"{spell('checkpoint_every', checkpoint_every)} must be >= 0 (0: only at the end and on SIGTERM)")
-    if keep_last < 0:
-        out.append(f"{spell('keep_last', keep_last)} must be >= 0 (0 keeps every checkpoint)")
-    if checkpoint_dir is not None:
-        path = Path(checkpoint_dir)
-        where = spell("checkpoint_dir", checkpoint_dir)
-        if path.exists() and not path.is_dir():
-            out.append(f"{where} is a file; pass a directory")
-        else:
-            parent = next((p for p in [path, *path.parents] if p.exists()), None)
-            if parent is not None and not parent.is_dir():
-                out.append(f"{where}: {str(parent)!r} is a file, not a directory")
-            elif parent is not None and not os.access(parent, os.W_OK):
-                out.append(f"{where}: cannot write in {str(parent)!r}")
-        if resume is not None and resume != "latest" and resume.isdigit() and path.is_dir():
-            steps = complete_steps(path)
-            if int(resume) not in steps:
-                out.append(f"{spell('resume', resume)}: {missing_step(path, int(resume), steps)}")
-    return out
-
-
-# ---------------------------------------------------------------------- crash points (tests)
-# MMM_SAVE_FAULT=STAGE[@STEP][:RANK|:all] SIGKILLs a rank at that point of a checkpoint save (or an
-# export): shards (its DCP files written), rng (its RNG file written), meta (rank 0: mmm.json written,
-# not yet renamed), rename (rank 0: between the two renames of a re-save), prune (rank 0: half-way
-# through deleting a pruned folder), export (rank 0: the export written beside DIR, not yet in place).
-# First attempt only (not after a relaunch by launch --retries), like MMM_FAULT. Unset: one dict lookup.
-CRASH_STAGES = ("shards", "rng", "meta", "rename", "prune", "export", "history")
-
-
-def crash_armed(stage: str, step: int | None = None) -> bool:
-    spec = os.environ.get("MMM_SAVE_FAULT")
-    if not spec or os.environ.get("MMM_RESTART", "0") not in ("", "0"):
-        return False
-    m = re.fullmatch(r"(?P<stage>[a-z]+)(?:@(?P<step>\d+))?(?::(?P<rank>\d+|all))?", spec)
-    if m is None or m["stage"] not in CRASH_STAGES:
-        raise UsageError(
-            f"MMM_SAVE_FAULT={spec!r} is not STAGE[@STEP][:RANK|:all] with STAGE one of {', '.join(CRASH_STAGES)} "
-            "(e.g. rng@4:1)"
-        )
-    rank, _ = _rank_world()
-    who = m["rank"] or "0"
-    return (
-        m["stage"] == stage
-        and (m["step"] is None or step is None or int(m["step"]) == step)
-        and (who == "all" or int(who) == rank)
-    )
-
-
-def crash_point(stage: str, step: int | None = None) -> None:
-    if crash_armed(stage, step):
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _barrier() -> None:
@@ -210,79 +67,6 @@ def _damaged_files(e: BaseException) -> bool:
     return bool(failures) and all(
         isinstance(exc[0] if isinstance(exc, tuple) else exc, kinds) for exc in failures.values()
     )
-
-
-def _full(root: Path) -> bool:
-    """The checkpoint folder's filesystem has (almost) no room left: torch.save's zip writer reports a
-    full disk as 'unexpected pos', not as ENOSPC."""
-    try:
-        return shutil.disk_usage(root).free < 1 << 20
-    except OSError:
-        return False
-
-
-def _no_space(e: BaseException) -> bool:
-    """A full disk or quota, however DCP or rank 0's broadcast wrapped it."""
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    text = str(e)
-    return "No space left on device" in text or "Disk quota exceeded" in text
-
-
-def _fsync_path(path: Path) -> None:
-    """Make a file's data, or a folder's entries (renames, new files), durable (a node crash after a
-    checkpoint is marked complete must not lose any of it)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-_deleting: list[Any] = []  # threads removing pruned checkpoints (rank 0)
-EXIT_WAIT_S = 300.0  # how long a finished process waits for them (after teardown: no rank waits on it)
-_being_deleted: set[str] = set()
-
-
-def _delete_in_background(folder: Path, log=None) -> None:
-    """Remove a folder already renamed out of sight (``.step-N.del``) without holding up the ranks: a
-    multi-TB checkpoint on a parallel file system takes minutes. A delete that fails is said, not hidden
-    (the folder stays, is never read, and the next start tries again)."""
-
-    def remove() -> None:
-        failed: list[str] = []
-        shutil.rmtree(folder, onerror=lambda fn, path, exc: failed.append(f"{path}: {exc[1]}"))
-        _being_deleted.discard(str(folder))
-        if failed and log is not None:
-            log.warning(
-                "checkpoint: could not delete %s (%s%s); it is never read, remove it by hand",
-                folder,
-                failed[0],
-                f" and {len(failed) - 1} more" if len(failed) > 1 else "",
-            )
-
-    if not _deleting and not _being_deleted:  # once: a run that ends lets its deletes finish (bounded)
-        atexit.register(wait_for_deletes, EXIT_WAIT_S)
-    _being_deleted.add(str(folder))
-    t = threading.Thread(target=remove, name="mmm-prune", daemon=True)
-    t.start()
-    _deleting.append(t)
-
-
-def wait_for_deletes(timeout_s: float | None = None) -> None:
-    """Wait for background deletes of pruned checkpoints (tests, and a clean exit); what is left after
-    ``timeout_s`` stays as a ``.del`` folder, removed by the next run's first save or resume."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    for t in list(_deleting):
-        t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        if not t.is_alive():
-            _deleting.remove(t)
-
-
-def _rank_world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _rng_state() -> dict[str, Any]:
@@ -336,7 +120,7 @@ class Checkpointer:
     # ------------------------------------------------------------------ save
     def save(self, step: int, extra: dict[str, Any] | None = None) -> Path:
         """Write the checkpoint of ``step`` (a collective: every rank calls it)."""
-        rank, world = _rank_world()
+        rank, world = rank_world()
         t0 = time.perf_counter()
         final = step_dir(self.root, step)
         tmp = self.root / f".{final.name}.tmp"
@@ -345,7 +129,7 @@ class Checkpointer:
                 self._save(step, extra, rank, world, final, tmp)
             except BaseException as e:  # DCP's CheckpointException is a BaseException
                 failed_write = isinstance(e, Exception) or type(e).__name__ == "CheckpointException"
-                if not (_no_space(e) or failed_write and _full(self.root)):
+                if not (no_space(e) or failed_write and disk_full(self.root)):
                     raise
                 free = shutil.disk_usage(self.root).free if self.root.exists() else 0
                 raise RunError(
@@ -380,7 +164,7 @@ class Checkpointer:
             if self.ds is not None:  # DeepSpeed does not fsync its files: each rank makes its own durable
                 for f in (tmp / "deepspeed").rglob("*"):
                     if f.is_file():
-                        _fsync_path(f)
+                        fsync_path(f)
             with open(tmp / "rng" / f"rank{rank:05d}.pt", "wb") as f:
                 torch.save(_rng_state(), f)
                 f.flush()
@@ -392,63 +176,16 @@ class Checkpointer:
         on_rank0(lambda: self._commit(step, extra, world, final, tmp))
 
     def _commit(self, step: int, extra: dict[str, Any] | None, world: int, final: Path, tmp: Path) -> None:
-        """Rank 0, once every rank's files are durable: the metadata last, then the renames, each made
-        durable before the next; then the prune (renames only; the deletes go on in the background)."""
-        for folder in (p for p in tmp.rglob("*") if p.is_dir()):
-            _fsync_path(folder)
+        """Rank 0, once every rank's files are durable: ``mmm.json`` last, then the folder in place and the
+        prune (:func:`mmm.parallel.checkpoint_folder.commit`)."""
         meta = {
             **self.meta,
             **(extra or {}),
             "step": step,
             "world_size": world,
             "format": "deepspeed" if self.ds is not None else "dcp",
-            "saved_at": time.time(),
-            # the order of saves, whatever the clocks of the hosts rank 0 ran on say
-            "save_seq": 1
-            + max((_meta_of(self.root, s).get("save_seq", 0) for s in complete_steps(self.root)), default=0),
-            "run": os.environ.get("MMM_RUN_STAMP"),  # the job (all its relaunches) that saved it
         }
-        with open(tmp / META, "w") as f:
-            json.dump(meta, f, indent=1, default=str)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_path(tmp)
-        crash_point("meta", step)
-        if final.exists():  # a re-save of the same step (after a resume): set the old one aside first,
-            aside = self.root / f".{final.name}.old"  # so a crash between the renames loses nothing
-            os.replace(final, aside)
-            _fsync_path(self.root)
-            crash_point("rename", step)
-            os.replace(tmp, final)
-            _fsync_path(self.root)
-            doomed = self.root / f".{final.name}.{time.time_ns()}.del"
-            os.replace(aside, doomed)
-            _delete_in_background(doomed, self.log)
-        else:
-            os.replace(tmp, final)
-        _fsync_path(self.root)
-        self._prune(keep=step)
-
-    def _prune(self, *, keep: int) -> None:
-        """Remove all but the ``keep_last`` most recently saved checkpoints (never ``keep``, the one
-        just written). Each goes by a rename first: a half-deleted folder never looks complete."""
-        if self.keep_last <= 0:
-            return
-        for old in steps_by_recency(self.root)[: -self.keep_last]:
-            if old == keep:
-                continue
-            doomed = self.root / f".{step_dir(self.root, old).name}.{time.time_ns()}.del"
-            try:
-                os.replace(step_dir(self.root, old), doomed)
-            except OSError as e:  # the new checkpoint is committed: keep training, keep this one, say so
-                if self.log is not None:
-                    self.log.warning("checkpoint: could not prune %s (%s); it stays", step_dir(self.root, old), e)
-                continue
-            _fsync_path(self.root)
-            if crash_armed("prune", keep):  # die half-way through deleting it
-                next(p for p in doomed.rglob("*") if p.is_file()).unlink()
-                crash_point("prune", keep)
-            _delete_in_background(doomed, self.log)
+        commit(self.root, step, tmp, meta, keep_last=self.keep_last, log=self.log)
 
     # ------------------------------------------------------------------ load
     def resolve(self, which: str, *, skip: frozenset[int] = frozenset(), lineage: str | None = None) -> int | None:
@@ -460,11 +197,11 @@ class Checkpointer:
         ``lineage`` (a relaunched job's ``MMM_RUN_STAMP``): the newest sound checkpoint that job saved,
         before falling back to ``which``."""
         found: list[Any] = [None]
-        rank, world = _rank_world()
+        rank, world = rank_world()
         if rank == 0:
             recover(self.root, self.log)
             steps = complete_steps(self.root)
-            mine = [s for s in steps_by_recency(self.root) if lineage and _meta_of(self.root, s).get("run") == lineage]
+            mine = [s for s in steps_by_recency(self.root) if lineage and meta_of(self.root, s).get("run") == lineage]
             mine = [s for s in mine if s not in skip and self.damage(s) is None]
             if mine:
                 found[0] = ("step", mine[-1])
@@ -567,7 +304,7 @@ class Checkpointer:
             path = step_dir(self.root, step)
             saved = json.loads((path / META).read_text())
             self.check_compatible(saved, path)
-            rank, world = _rank_world()
+            rank, world = rank_world()
             if self.ds is not None:
                 self.ds.load_checkpoint(str(path), tag="deepspeed", load_module_strict=True)
                 break

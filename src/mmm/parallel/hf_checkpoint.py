@@ -36,7 +36,7 @@ from torch import nn
 from mmm.dist.exits import RankZeroFailed, on_rank0
 from mmm.errors import RunError, UsageError
 from mmm.log import get_logger
-from mmm.parallel.checkpoint import crash_point
+from mmm.parallel.checkpoint_folder import crash_point
 from mmm.parallel.meta import canonical_name
 
 

@@ -9,8 +9,8 @@ Short names: ``colwise``, ``rowwise`` (its output replicated), ``sequence_parall
 ``rowwise_seq`` (row-wise, output sharded along the sequence: the end of an SP region).
 
 Plans of mmm's own models live beside them (``mmm.models.llama.llama_tp_plan``,
-``mmm.models.vit.VIT_TP_PLAN``); a Hugging Face model carries its own (:func:`hf_tp_plan`,
-:data:`HF_LLAMA_TP_PLAN`).
+``mmm.models.vit.VIT_TP_PLAN``); a Hugging Face model carries its own (:func:`hf_tp_plan`; the Llama
+family's rooted at the causal LM: ``mmm.models.hf.HF_LLAMA_TP_PLAN``).
 """
 
 from __future__ import annotations
@@ -92,20 +92,6 @@ def apply_tp_plan(
 
 
 # --------------------------------------------------------------------------- Hugging Face plans
-# Hugging Face Llama-family causal LMs (LlamaForCausalLM, and Mistral/Qwen2-style models with the
-# same module names): the config's ``base_model_tp_plan``, rooted at the causal LM. Embedding, norms
-# and the LM head stay unsharded over TP (FSDP still shards them over dp).
-HF_LLAMA_TP_PLAN = {
-    "model.layers.*.self_attn.q_proj": "colwise",
-    "model.layers.*.self_attn.k_proj": "colwise",
-    "model.layers.*.self_attn.v_proj": "colwise",
-    "model.layers.*.self_attn.o_proj": "rowwise",
-    "model.layers.*.mlp.gate_proj": "colwise",
-    "model.layers.*.mlp.up_proj": "colwise",
-    "model.layers.*.mlp.down_proj": "rowwise",
-}
-
-
 def hf_tp_plan(model: nn.Module) -> dict[str, str]:
     """The TP plan a Hugging Face model's config carries (``base_model_tp_plan``), rooted at ``model``.
 

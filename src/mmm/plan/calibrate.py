@@ -1,6 +1,7 @@
 """Measure this machine as a hardware file for ``python -m mmm.plan.simulate --hardware``.
 
     python -m mmm.plan.calibrate --ranks 4 --out cpu.json [fsdp_tp model flags]
+    python -m mmm.plan.calibrate --ranks 4 --out cpu.json --recipe vit [its model flags]
     python -m mmm.plan.simulate --world 4 --hardware cpu.json --tp 2 ...
 
 Starts ``--ranks`` ranks here with ``launch`` (gloo), all at once so that they share the cores as a
@@ -24,24 +25,24 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from mmm import dist as mdist
 from mmm.cli import ArgumentParser, positive_int, without_flags
 from mmm.errors import UsageError, print_error
-from mmm.flops import calibrate_cpu, llama_flops_per_token
+from mmm.flops import calibrate_cpu
 from mmm.history import atomic_write_text
-from mmm.models.llama import Llama
-from mmm.training.llama import command_line
+from mmm.training.recipe import Recipe, add_recipe_flag, recipe_from_argv
 
 
-def build_parser() -> ArgumentParser:
-    p = command_line().parser()
+def build_parser(recipe: Recipe | None = None) -> ArgumentParser:
+    recipe = recipe or recipe_from_argv([])[0]
+    p = recipe.command_line().parser()
+    add_recipe_flag(p)
     p.prog = "python -m mmm.plan.calibrate"
     p.description = __doc__.split("\n\n")[0]
     p.epilog = __doc__.split("\n\n", 2)[2]
@@ -66,22 +67,24 @@ def probe(config, out: Path) -> None:
     world = info.world_size
     dist.barrier()
     peak = calibrate_cpu("fp32", seconds=1.0)
-    cfg = config.train.model_config()
+    recipe = config.recipe
+    cfg = recipe.model_config(config.train)
     torch.manual_seed(0)
-    model = Llama(cfg)
+    model = recipe.build(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     rows = max(1, config.train.batch_size // world)
-    tokens = torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len))
+    inputs, targets = recipe.example_batch(cfg, rows=rows)
 
     def train_step() -> None:
-        loss = F.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.flatten(0, 1))
+        loss = recipe.loss(model(inputs), targets)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     dist.barrier()
     step_s = _timed(train_step, 5)
-    efficiency = llama_flops_per_token(cfg) * rows * cfg.seq_len / (step_s * peak)
+    per_rank = recipe.per_step(replace(config.train, batch_size=rows), cfg)  # tokens or samples
+    efficiency = (recipe.flops_per_unit(cfg) or 0.0) * per_rank / (step_s * peak)
     part = torch.zeros(4 * 2**20 // world)  # 16 MiB gathered
     whole = torch.empty(part.numel() * world)
     dist.barrier()
@@ -105,17 +108,20 @@ def probe(config, out: Path) -> None:
             "matmul_efficiency": min(f[1] for f in found),
             "cores_per_node": len(os.sched_getaffinity(0)),
             "source": f"python -m mmm.plan.calibrate --ranks {world}, {time.strftime('%Y-%m-%d %H:%M')}",
-            "model": {"dim": cfg.dim, "n_layers": cfg.n_layers, "seq_len": cfg.seq_len, "rows_per_rank": rows},
+            "model": {"recipe": recipe.name, **recipe.summary(cfg), "rows_per_rank": rows},
         }
         atomic_write_text(out, json.dumps(hw, indent=2) + "\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ns = build_parser().parse_args(argv)
+    recipe, own = recipe_from_argv(argv)
+    ns = build_parser(recipe).parse_args(own)
     out = Path(ns.out).expanduser()
-    trainer_argv = without_flags(argv, {"--ranks", "--out"}, {"--probe"})
-    config = command_line().parse(trainer_argv)
+    trainer_argv = without_flags(argv, {"--ranks", "--out"}, {"--probe"})  # --recipe goes on to the ranks
+    config = recipe.command_line().parse(without_flags(own, {"--ranks", "--out"}, {"--probe"}))
+    if not recipe.flops_per_unit(recipe.model_config(config.train)):
+        raise UsageError(f"--recipe {recipe.name}: its model's FLOPs are not known (Recipe.flops_per_unit)")
     _refuse_layout_flags(config)
     if ns.probe:  # a rank under launch: run_main (cli) tears the job down cleanly on every rank
         probe(config, out)
@@ -149,7 +155,7 @@ def _refuse_layout_flags(config) -> None:
         for f in fields(config.parallel)
         if getattr(config.parallel, f.name) != getattr(default, f.name)
     ]
-    if config.train.pick_layout:
+    if config.recipe.picks_layout(config):
         changed.append("--pick-layout")
     if changed:
         raise UsageError(

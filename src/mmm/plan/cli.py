@@ -1,16 +1,18 @@
-"""List every parallel layout of N ranks for the fsdp_tp trainer, with per-rank memory and
+"""List every parallel layout of N ranks for a model's trainer, with per-rank memory and
 communication estimates, and the reason each excluded layout is invalid.
 
-    python -m mmm.plan --world 8                          # the trainer's default model
+    python -m mmm.plan --world 8                          # the fsdp_tp trainer's default model
     python -m mmm.plan --world 8 --dim 1024 --n-layers 16 --seq-len 2048 --batch-size 32
     python -m mmm.plan --world 8 --tp 2                   # only layouts with tp=2
     python -m mmm.plan --world 8 --strategies fsdp,hsdp --json plan.json
 
 Mesh flags (--tp, --pp, --cp, --dp-replicate, --dp-shard) and --strategy hold that value; the
 rest vary. Every model and training flag of `python -m mmm.examples.fsdp_tp` is accepted and
-shapes the estimates. Memory is per rank (the busiest one): parameters, gradients and AdamW state
-in fp32 plus activations saved for backward; communication is payload bytes per training step
-by process group (see mmm.plan for the formulas and what they leave out).
+shapes the estimates; --recipe plans for another model (its flags then), checked by its trainer's
+own rules and estimated where the recipe has a closed-form model (mmm's Llama has). Memory is per
+rank (the busiest one): parameters, gradients and AdamW state in fp32 plus activations saved for
+backward; communication is payload bytes per training step by process group (see mmm.models.llama.estimate
+for the formulas and what they leave out).
 """
 
 from __future__ import annotations
@@ -28,18 +30,20 @@ from mmm.history import atomic_write_text
 from mmm.parallel.strategy import STRATEGIES
 from mmm.plan import AXES, Combo, plan
 from mmm.training.config import Config
-from mmm.training.llama import LlamaTrainConfig, command_line
+from mmm.training.recipe import Recipe, add_recipe_flag, recipe_from_argv
 
 MIB = 2**20
 
 
-def build_parser() -> ArgumentParser:
-    p = command_line().parser()
+def build_parser(recipe: Recipe | None = None) -> ArgumentParser:
+    recipe = recipe or recipe_from_argv([])[0]
+    p = recipe.command_line().parser()
     p.prog = "python -m mmm.plan"
     p.description = __doc__.split("\n\n")[0]
     p.epilog = __doc__.split("\n\n", 2)[2]
     # mesh flags and --strategy select (hold) rather than default
     p.set_defaults(tp=None, pp=None, cp=None, dp_replicate=None, dp_shard=None, strategy=None)
+    add_recipe_flag(p)
     g = p.add_argument_group("planner")
     g.add_argument("--world", type=positive_int, required=True, help="number of ranks (processes) to plan for")
     g.add_argument(
@@ -66,7 +70,7 @@ class PlanRequest:
     and ``strategy``, or considering ``strategies`` (comma-separated)."""
 
     world: int
-    config: Config[LlamaTrainConfig]
+    config: Config
     fixed: dict[str, int | None]
     strategy: str | None = None
     strategies: str | None = None
@@ -76,10 +80,12 @@ class PlanRequest:
 
 def parse_request(argv: Sequence[str] | None = None) -> PlanRequest:
     """The planner's flags, parsed once."""
-    ns = build_parser().parse_args(argv)
+    recipe, argv = recipe_from_argv(sys.argv[1:] if argv is None else argv)
+    ns = build_parser(recipe).parse_args(argv)
     # the trainer's config for the rest; its degrees and strategy are placeholders the planner varies
-    config = command_line().configs(argparse.Namespace(**{**vars(ns), **{a: 1 for a in AXES}, "strategy": "fsdp"}))
-    if config.train.pick_layout:
+    placeholders = {a: 1 for a in AXES if a in vars(ns)} | {"strategy": "fsdp"}
+    config = recipe.command_line().configs(argparse.Namespace(**{**vars(ns), **placeholders}))
+    if recipe.picks_layout(config):
         raise UsageError(
             "--pick-layout is the trainer's; to rank layouts on hardware use "
             "python -m mmm.plan.simulate --pick --hardware HARDWARE"
@@ -87,7 +93,7 @@ def parse_request(argv: Sequence[str] | None = None) -> PlanRequest:
     return PlanRequest(
         world=ns.world,
         config=config,
-        fixed={a: getattr(ns, a) for a in AXES},
+        fixed={a: vars(ns).get(a) for a in AXES},
         strategy=ns.strategy,
         strategies=ns.strategies,
         valid_only=ns.valid_only,
@@ -141,17 +147,17 @@ def format_table(combos, *, valid_only: bool = False) -> str:
     head += [f"comm:{g}" for g in groups]
     rows = []
     for i, c in enumerate(valid, 1):
-        m = c.memory
+        m = c.memory or {}  # {}: the recipe has no closed-form estimate
         rows.append(
             [
                 str(i),
                 *(str(c.degrees[a]) for a in ("pp", "dp_replicate", "dp_shard", "cp", "tp")),
                 c.strategy,
                 *(
-                    f"{m[k] / MIB:.1f}"
+                    f"{m[k] / MIB:.1f}" if k in m else "-"
                     for k in ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "total_bytes")
                 ),
-                *(f"{c.comm.get(g, 0) / MIB:.1f}" if c.comm.get(g) else "-" for g in groups),
+                *(f"{c.comm.get(g, 0) / MIB:.1f}" if (c.comm or {}).get(g) else "-" for g in groups),
             ]
         )
     widths = [max(len(h), *(len(r[j]) for r in rows)) for j, h in enumerate(head)]

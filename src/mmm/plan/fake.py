@@ -1,4 +1,4 @@
-"""One rank of an N-rank fsdp_tp job, simulated in this process on a fake process group: its state, its
+"""One rank of an N-rank job of a recipe's trainer, simulated in this process on a fake process group: its state, its
 step on fake tensors (communication, saved activations, peak memory, device work) and, under a
 pipeline, the shapes its stages trade first. The planner's simulation (:mod:`mmm.plan.simulate`)."""
 
@@ -24,18 +24,14 @@ from torch.distributed.tensor._redistribute import _gen_transform_infos
 
 from mmm import dist as mdist
 from mmm.errors import UsageError
-from mmm.flops import llama_flops_per_token
 from mmm.log import get_logger
 from mmm.measure import CommCounter, DeviceWork, PeakMemory, SavedActivations
-from mmm.models.llama import Llama, apply_cp_llama
 from mmm.parallel import init_mesh, meta_init
 from mmm.parallel.pipeline import stage_ids, stage_layer_ranges
 from mmm.parallel.tensor import loss_parallel_context
 from mmm.plan.hardware import Hardware
 from mmm.plan.predict import predict
-from mmm.training import llama as recipe
 from mmm.training.config import Config
-from mmm.training.llama import LlamaTrainConfig
 from mmm.training.step import StepSync, train_step
 
 
@@ -69,13 +65,19 @@ class RankReport:
     """With --hardware: the step time, its parts and whether memory fits (:mod:`mmm.plan.predict`)."""
 
 
+def num_params(recipe, model_config) -> int:
+    """Parameters of ``recipe``'s model of ``model_config`` (built on meta: no memory)."""
+    with meta_init():
+        return sum(p.numel() for p in recipe.build(model_config).parameters())
+
+
 def _local_bytes(t) -> int:
     local = t.to_local() if hasattr(t, "to_local") else t
     return local.numel() * local.element_size()
 
 
 def simulate_rank(
-    config: Config[LlamaTrainConfig],
+    config: Config,
     *,
     world: int,
     rank: int,
@@ -83,16 +85,17 @@ def simulate_rank(
     step: bool = True,
     hardware: Hardware | None = None,
     mailbox: dict | None = None,
-    n_layers: int | None = None,
+    blocks: int | None = None,
     shapes_only: bool = False,
 ) -> RankReport | None:
-    """Rank ``rank`` of a ``world``-rank job with ``config``, simulated in this process: it joins a fake
-    process group of ``world`` ranks, which it leaves before returning (so the next rank can).
+    """Rank ``rank`` of a ``world``-rank job with ``config`` (of ``config.recipe``'s model), simulated in
+    this process: it joins a fake process group of ``world`` ranks, which it leaves before returning (so
+    the next rank can). ``blocks``: a model of that many blocks (checked at its full size elsewhere).
     ``shapes_only``: a pipeline rank that only sends its stages' shapes into ``mailbox`` (what a rank
     simulated after it waits for); no report."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's test helper: load it only here
 
-    what, how = config.train, config.parallel
+    what, how, recipe = config.train, config.parallel, config.recipe
     if how.strategy.startswith("zero") or how.strategy == "ddp":
         why = (
             "DDP compares parameters across ranks with real collectives when it wraps the model"
@@ -112,7 +115,7 @@ def simulate_rank(
     )
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     mdist.setup(seed=config.run.seed)
-    found = recipe.problems(config, world) if n_layers is None else []  # with n_layers: checked at full size
+    found = recipe.problems(config, world) if blocks is None else []  # with blocks: checked at full size
     if found:
         raise UsageError("; ".join(found))
     times = {}
@@ -120,17 +123,16 @@ def simulate_rank(
     mesh = init_mesh(**how.degrees, device_type="cpu", log_coordinates=False)
     times["mesh"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    cfg = what.model_config()
-    if n_layers is not None:  # a model of fewer blocks (simulate_by_blocks), checked above at full size
-        cfg = replace(cfg, n_layers=n_layers)
+    cfg = recipe.model_config(what)
+    if blocks is not None:  # a model of fewer blocks (simulate_by_blocks), checked at full size
+        cfg = recipe.with_blocks(cfg, blocks)
     with meta_init():
-        model = Llama(cfg)
+        model = recipe.build(cfg)
     num_params = sum(p.numel() for p in model.parameters())
     times["model"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    if mesh.cp_enabled:
-        apply_cp_llama(model, mesh["cp"], seq_len=cfg.seq_len)
-    spec = recipe.parallel_spec(how).replace(compile=False)  # the trainer's own, run eager
+    recipe.prepare(model, mesh, cfg)  # as the trainer does (e.g. ring attention under cp)
+    spec = recipe.spec(how, cfg).replace(compile=False)  # the trainer's own, run eager
     # the trainer's engine, sharded on meta: exact shapes, no memory
     engine = recipe.make_engine(model, mesh, config, device=torch.device("meta"), spec=spec)
     del model
@@ -148,10 +150,13 @@ def simulate_rank(
     simulated = None
     if step:
         t0 = time.perf_counter()
-        tokens = (what.batch_size // mesh.dp, cfg.seq_len // mesh.cp)
         mailbox = mailbox if mailbox is not None else {}
+
+        def batch():  # this rank's batch (made on fake tensors: no memory)
+            return recipe.example_batch(cfg, rows=what.batch_size // mesh.dp, cp=mesh.cp)
+
         simulated = fake_step(
-            engine, mesh, recipe.loss_fn, tokens, mailbox=mailbox, trace=n_layers is not None, shapes_only=shapes_only
+            engine, mesh, recipe.loss, batch, mailbox=mailbox, trace=blocks is not None, shapes_only=shapes_only
         )
         if shapes_only:
             return None
@@ -181,10 +186,10 @@ def simulate_rank(
 
 def step_terms(config, cfg, world: int) -> dict:
     """What :func:`mmm.plan.predict.predict` takes of a layout besides its simulated step."""
-    what, how = config.train, config.parallel
+    what, how, recipe = config.train, config.parallel, config.recipe
     pp = how.degrees.get("pp", 1)
     return dict(
-        flops=llama_flops_per_token(cfg) * what.batch_size * cfg.seq_len / world,
+        flops=(recipe.flops_per_unit(cfg) or 0.0) * recipe.per_step(what, cfg) / world,
         recompute=4 / 3 if how.ac == "full" else 1.0,
         dtype=how.dtype,
         pp=pp,
@@ -196,18 +201,13 @@ def step_terms(config, cfg, world: int) -> dict:
 def predict_rank(step: dict, axes: dict, config, cfg, world: int, hardware: Hardware, devices_per_node: int) -> dict:
     """The step time of a simulated rank of ``config`` (model shape ``cfg``) on ``hardware``."""
     terms = step_terms(config, cfg, world)
-    n_layers = max(1, cfg.n_layers // terms["pp"])  # the blocks this rank holds
+    n_layers = max(1, config.recipe.shape(cfg).blocks // terms["pp"])  # the blocks this rank holds
     per_node = min(world, devices_per_node)  # a job smaller than a node has only its own ranks there
     return predict(step, axes, hardware, **terms, n_layers=n_layers, ranks_per_node=per_node).as_dict()
 
 
 def simulate_by_blocks(
-    config: Config[LlamaTrainConfig],
-    *,
-    world: int,
-    ranks: Sequence[int],
-    devices_per_node: int = 8,
-    hardware: Hardware | None = None,
+    config: Config, *, world: int, ranks: Sequence[int], devices_per_node: int = 8, hardware: Hardware | None = None
 ) -> list[RankReport]:
     """:func:`simulate_ranks` for a model of many identical blocks, at a fraction of the cost: each rank
     is simulated holding three blocks per pipeline stage and holding four, and what grows with the blocks
@@ -218,12 +218,13 @@ def simulate_by_blocks(
     three and four); measured exceptions, both above: a pipeline of 16 microbatches, its peak by 1%
     (Llama-3-8B, 4 stages of 8 blocks), and under an interleaved schedule a rank whose stages hold
     different block counts, by 0.6%. The model's checks run at its full size first. A model with a stage
-    of at most four blocks is simulated whole."""
-    cfg = config.train.model_config()
-    how = config.parallel
+    of at most four blocks, or without repeated blocks, is simulated whole."""
+    recipe, how = config.recipe, config.parallel
+    cfg = recipe.model_config(config.train)
     pp, per_rank = how.degrees.get("pp", 1), how.stages_per_rank
     chunks = pp * per_rank  # pipeline stages in all
-    sizes = [b - a for a, b in stage_layer_ranges(cfg.n_layers, chunks, how.split_points)]
+    n_blocks = recipe.shape(cfg).blocks
+    sizes = [b - a for a, b in stage_layer_ranges(n_blocks, chunks, how.split_points)] if n_blocks else [0]
     if min(sizes) <= 4:
         return simulate_ranks(config, world=world, ranks=ranks, devices_per_node=devices_per_node, hardware=hardware)
     found = recipe.problems(config, world)
@@ -231,7 +232,7 @@ def simulate_by_blocks(
         raise UsageError("; ".join(found))
     even = replace(config, parallel=replace(how, split_points=None))  # k blocks in every stage
     one, two = (
-        simulate_ranks(even, world=world, ranks=ranks, devices_per_node=devices_per_node, n_layers=k * chunks)
+        simulate_ranks(even, world=world, ranks=ranks, devices_per_node=devices_per_node, blocks=k * chunks)
         for k in (3, 4)
     )
 
@@ -257,7 +258,7 @@ def simulate_by_blocks(
         state = {k: grow(getattr(a, k), getattr(b, k), n) for k in ("param_bytes", "grad_bytes", "optim_bytes")}
         report = replace(
             b,
-            num_params=cfg.num_params(),
+            num_params=num_params(recipe, cfg),
             local_params=grow(a.local_params, b.local_params, n),
             total_bytes=sum(state.values()),
             step=step,
@@ -313,7 +314,7 @@ def carried_peak(three: list[tuple[str, int]], four: list[tuple[str, int]], more
     return peak
 
 
-def simulate_ranks(config: Config[LlamaTrainConfig], *, world: int, ranks: Sequence[int], **kw) -> list[RankReport]:
+def simulate_ranks(config: Config, *, world: int, ranks: Sequence[int], **kw) -> list[RankReport]:
     """:func:`simulate_rank` for each of ``ranks``, in this process one after another. Under pipeline
     parallel a stage's first step needs its neighbours' shapes (the stage before sends its output's,
     the stage after its gradient's): first the ranks of one rank's pipeline (the same coordinates on
@@ -450,20 +451,15 @@ def _pipeline_shapes(pipeline, inputs, targets) -> None:
 
 
 def fake_step(
-    engine,
-    mesh,
-    loss_fn,
-    tokens: tuple[int, int],
-    mailbox: dict | None = None,
-    trace: bool = False,
-    shapes_only: bool = False,
+    engine, mesh, loss_fn, batch, mailbox: dict | None = None, trace: bool = False, shapes_only: bool = False
 ) -> dict:
-    """A training step of ``engine`` (sharded on meta) on fake tensors, as every step after the first
-    (the optimizer state exists: :func:`_optimizer_state`): what it communicates by mesh axis, what it
-    saves for backward, its peak memory, and the parameter, gradient and optimizer bytes it holds
-    after backward (as the trainer reads them). The engine's parameters become fake tensors (no
-    memory); it is not usable for real work afterwards. ``shapes_only``: under a pipeline, only the
-    first step's shape exchange (what the stages send through ``mailbox``), nothing counted: ``{}``."""
+    """A training step of ``engine`` (sharded on meta) on fake tensors of ``batch()``'s (inputs,
+    targets), as every step after the first (the optimizer state exists: :func:`_optimizer_state`):
+    what it communicates by mesh axis, what it saves for backward, its peak memory, and the
+    parameter, gradient and optimizer bytes it holds after backward (as the trainer reads them). The
+    engine's parameters become fake tensors (no memory); it is not usable for real work afterwards.
+    ``shapes_only``: under a pipeline, only the first step's shape exchange (what the stages send
+    through ``mailbox``), nothing counted: ``{}``."""
     if engine.pipeline is not None:
         _pipeline_by_mail(engine.pipeline, {} if mailbox is None else mailbox)
     with FakeTensorMode(allow_non_fake_inputs=True):  # buffers (rotary tables) stay real: they are read only
@@ -474,15 +470,15 @@ def fake_step(
         for group in engine.optimizer.param_groups:
             group["params"] = [now[names[id(p)]] if id(p) in names else p for p in group["params"]]
         engine.train()
-        inputs = torch.zeros(tokens, dtype=torch.long)
+        inputs, targets = batch()
         sync = StepSync.for_engine(engine, device=torch.device("cpu"))
         if not shapes_only:  # what a first step leaves: the AdamW state
             _optimizer_state(engine.optimizer)
         if engine.pipeline is not None:  # and, under a pipeline, the shapes its stages traded
-            _pipeline_shapes(engine.pipeline, inputs, inputs)
+            _pipeline_shapes(engine.pipeline, inputs, targets)
             if shapes_only:
                 return {}
-        existing = held_before_step(engine, inputs)
+        existing = held_before_step(engine, inputs, targets)
         held: dict[str, int] = {}  # what the trainer's summary.json reads while the gradients exist
         with (
             PeakMemory(existing, trace=trace) as memory,
@@ -491,7 +487,7 @@ def fake_step(
             DeviceWork() as work,
         ):
             train_step(  # a steady step, as --measure watches step 2
-                engine, inputs, inputs, loss_fn, sync=sync, after_backward=lambda: held.update(engine.state_bytes())
+                engine, inputs, targets, loss_fn, sync=sync, after_backward=lambda: held.update(engine.state_bytes())
             )
     return {
         "comm_bytes": comm.result(),
@@ -506,10 +502,12 @@ def fake_step(
     }
 
 
-def held_before_step(engine, inputs) -> list[torch.Tensor]:
+def held_before_step(engine, inputs, targets=None) -> list[torch.Tensor]:
     """What a rank holds as a step starts (parameters, buffers, the AdamW state, the batch): the
     storages ``PeakMemory`` counts from the start."""
     held = [*engine.module.parameters(), *engine.module.buffers(), inputs]
+    if targets is not None and targets is not inputs:
+        held.append(targets)
     return held + [v for state in engine.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
 
 

@@ -15,7 +15,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mmm import dist as mdist
 from mmm.measure import CommCounter, DeviceWork
-from mmm.models.llama import Llama
 from mmm.parallel import ParallelDims, init_mesh, meta_init, parallelize
 from mmm.parallel.compose import shards_parameters
 from mmm.parallel.context import ring_attention
@@ -23,24 +22,33 @@ from mmm.parallel.pipeline import stage_ids, stage_layer_ranges
 from mmm.parallel.strategy import state_bytes_per_param
 from mmm.parallel.tensor import loss_parallel_context
 from mmm.plan import Combo
-from mmm.plan.fake import forget_meshes, process_kept, step_terms
+from mmm.plan.fake import forget_meshes, num_params, process_kept, step_terms
 from mmm.plan.hardware import Hardware
 from mmm.plan.predict import axis_time, step_floor
-from mmm.training import llama as recipe
 from mmm.training.config import Config
-from mmm.training.llama import LlamaTrainConfig
 
 
-def state_floor(config: Config[LlamaTrainConfig], world: int, combo: Combo) -> float:
+def block_params(recipe, model_config) -> int:
+    """Parameters in the repeated blocks of ``recipe``'s model (one block's, from models of one and two
+    blocks built on meta, times the blocks; 0 for a model without repeated blocks)."""
+    n = recipe.shape(model_config).blocks
+    if not n:
+        return 0
+    one, two = (num_params(recipe, recipe.with_blocks(model_config, k)) for k in (1, 2))
+    return n * (two - one)
+
+
+def state_floor(config: Config, world: int, combo: Combo, blocks: int | None = None) -> float:
     """Bytes of parameters, gradients and AdamW state a rank of ``combo`` holds at least: its share of
-    the blocks (the trainer's accounting, :func:`mmm.parallel.strategy.state_bytes_per_param`)."""
-    cfg = config.train.model_config()
+    the blocks' parameters (``blocks``: :func:`block_params`, worked out if not given), in the trainer's
+    accounting (:func:`mmm.parallel.strategy.state_bytes_per_param`)."""
+    if blocks is None:
+        blocks = block_params(config.recipe, config.recipe.model_config(config.train))
     dims = ParallelDims(world, **combo.degrees)
-    blocks = cfg.num_params(embedding=False) - cfg.dim - cfg.vocab_size * cfg.dim  # less final norm + output
     return sum(state_bytes_per_param(combo.strategy, dims)) * blocks / (dims.tp * dims.pp)
 
 
-def trial_config(config: Config[LlamaTrainConfig], combo: Combo, ac: str | None = None) -> Config[LlamaTrainConfig]:
+def trial_config(config: Config, combo: Combo, ac: str | None = None) -> Config:
     """``config`` with ``combo``'s degrees, strategy and microbatches (if it sets them), and ``ac`` if given."""
     extra = {"ac": ac} if ac else {}
     if combo.microbatches:
@@ -48,19 +56,21 @@ def trial_config(config: Config[LlamaTrainConfig], combo: Combo, ac: str | None 
     return replace(config, parallel=replace(config.parallel, **combo.degrees, strategy=combo.strategy, **extra))
 
 
-def _rank0_share(config: Config[LlamaTrainConfig], world: int, combo: Combo) -> tuple[int, int, int]:
+def _rank0_share(config: Config, world: int, combo: Combo) -> tuple[int, int, int]:
     """Rank 0's part of a step of ``combo``: the blocks its pipeline stages hold, the microbatches, and
     the sequences in each."""
     how, d = config.parallel, combo.degrees
     pp = d["pp"]
     microbatches = (how.microbatches or pp) if pp > 1 else 1
-    ranges = stage_layer_ranges(config.train.model_config().n_layers, pp * how.stages_per_rank, how.split_points)
+    recipe = config.recipe
+    n_blocks = recipe.shape(recipe.model_config(config.train)).blocks
+    ranges = stage_layer_ranges(n_blocks, pp * how.stages_per_rank, how.split_points)
     blocks = sum(ranges[i][1] - ranges[i][0] for i in stage_ids(0, pp, how.stages_per_rank))
     dp = world // (pp * d["cp"] * d["tp"])
     return blocks, microbatches, config.train.batch_size // dp // microbatches
 
 
-def _ring_once(cfg, seqs: int, tokens: int, tp: int, head_dim: int, dtype, cp: int) -> tuple:
+def _ring_once(shape, seqs: int, tokens: int, tp: int, head_dim: int, dtype, cp: int) -> tuple:
     """One ring attention forward and backward on fake tensors of these shapes in a fake group of ``cp``
     ranks: the forward's and backward's messages (:class:`CommCounter`) and memory-bound work."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -72,7 +82,7 @@ def _ring_once(cfg, seqs: int, tokens: int, tp: int, head_dim: int, dtype, cp: i
         with FakeTensorMode():
             q, k, v = (
                 torch.empty(seqs, tokens, heads // tp, head_dim, dtype=dtype, requires_grad=True).transpose(1, 2)
-                for heads in (cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads)
+                for heads in (shape.heads, shape.kv_heads, shape.kv_heads)
             )
             grad = torch.empty(q.shape, dtype=dtype)
             with CommCounter({"cp": group}) as comm_f, DeviceWork() as work_f:
@@ -84,7 +94,7 @@ def _ring_once(cfg, seqs: int, tokens: int, tp: int, head_dim: int, dtype, cp: i
     return comm_f, work_f, comm_b, work_b
 
 
-def ring_attention_step(config: Config[LlamaTrainConfig], world: int, combo: Combo, cache: dict | None = None) -> dict:
+def ring_attention_step(config: Config, world: int, combo: Combo, cache: dict | None = None) -> dict:
     """What the ring attention of a context-parallel layout alone asks of rank 0 in a step: the bytes
     its memory-bound ops move, and its messages over the cp group (payload by kind, calls). The ring
     (:func:`mmm.parallel.context.ring_attention`) runs here once forward and once backward on fake
@@ -93,15 +103,16 @@ def ring_attention_step(config: Config[LlamaTrainConfig], world: int, combo: Com
     block is recomputed). A part of the step, found in about a second: :func:`mmm.plan.ranking.rank_layouts` prunes
     with it before simulating the whole step. ``cache`` keeps one ring's counts by its shapes (layouts
     that differ in their data-parallel split, microbatches or checkpointing only run it once)."""
-    cfg, how, d = config.train.model_config(), config.parallel, combo.degrees
+    how, d = config.parallel, combo.degrees
+    shape = config.recipe.shape(config.recipe.model_config(config.train))
     cp, tp = d["cp"], d["tp"]
     blocks, microbatches, seqs = _rank0_share(config, world, combo)
-    tokens, head_dim = cfg.seq_len // cp, cfg.dim // cfg.n_heads
+    tokens, head_dim = shape.seq_len // cp, shape.head_dim
     dtype = torch.bfloat16 if how.dtype == "bf16" else torch.float32
-    key = (seqs, tokens, cfg.n_heads // tp, cfg.n_kv_heads // tp, head_dim, dtype, cp)
+    key = (seqs, tokens, shape.heads // tp, shape.kv_heads // tp, head_dim, dtype, cp)
     cache = {} if cache is None else cache
     if key not in cache:
-        cache[key] = _ring_once(cfg, seqs, tokens, tp, head_dim, dtype, cp)
+        cache[key] = _ring_once(shape, seqs, tokens, tp, head_dim, dtype, cp)
     comm_f, work_f, comm_b, work_b = cache[key]
     forwards, times = 2 if how.ac == "full" else 1, blocks * microbatches
     by_kind = {
@@ -115,7 +126,7 @@ def ring_attention_step(config: Config[LlamaTrainConfig], world: int, combo: Com
     }
 
 
-def _blocks_once(cfg, how, seqs: int, tp: int, fsdp: bool) -> int:
+def _blocks_once(recipe, cfg, how, seqs: int, tp: int, fsdp: bool) -> int:
     """The bytes the memory-bound ops of one block move in one microbatch's forward and backward at
     ``tp`` (fake tensors): a model of two blocks less one of one block, each parallelised as the trainer
     does (TP and sequence parallel, its activation checkpointing) in a fake group of ``tp`` ranks,
@@ -131,12 +142,12 @@ def _blocks_once(cfg, how, seqs: int, tp: int, fsdp: bool) -> int:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
         try:
             mesh = init_mesh(tp=tp, device_type="cpu", log_coordinates=False)
-            spec = recipe.parallel_spec(how).replace(compile=False, dp="none", reshard_after_forward=None)
+            spec = recipe.spec(how, cfg).replace(compile=False, dp="none", reshard_after_forward=None)
             spec = spec.replace(dtype="fp32") if fsdp else spec
             moved = []
             for blocks in (1, 2):
                 with meta_init():
-                    model = Llama(replace(cfg, n_layers=blocks))
+                    model = recipe.build(recipe.with_blocks(cfg, blocks))
                 parallelize(model, mesh, spec, device=torch.device("meta"), seed=0)
                 for module in model.modules():
                     for name, p in module._parameters.items():
@@ -144,9 +155,9 @@ def _blocks_once(cfg, how, seqs: int, tp: int, fsdp: bool) -> int:
                             module._parameters[name] = torch.nn.Parameter(p.to(dtype))
                 with FakeTensorMode(allow_non_fake_inputs=True):
                     model.to_empty(device="cpu")
-                    tokens = torch.zeros(seqs, cfg.seq_len, dtype=torch.long)
-                    with DeviceWork() as work, loss_parallel_context(tp > 1):
-                        recipe.loss_fn(model(tokens), tokens).backward()
+                    inputs, targets = recipe.example_batch(cfg, rows=seqs)
+                    with DeviceWork() as work, loss_parallel_context(tp > 1 and spec.loss_parallel):
+                        recipe.loss(model(inputs), targets).backward()
                 moved.append(work.memory_bytes)
         finally:
             mdist.teardown()
@@ -159,26 +170,27 @@ def _blocks_once(cfg, how, seqs: int, tp: int, fsdp: bool) -> int:
     return moved[1] - moved[0]
 
 
-def block_step(config: Config[LlamaTrainConfig], world: int, combo: Combo, cache: dict | None = None) -> int:
+def block_step(config: Config, world: int, combo: Combo, cache: dict | None = None) -> int:
     """The bytes the memory-bound ops of rank 0's blocks move in a step of a pipeline layout (no
     context parallel): one block's forward and backward of one microbatch (:func:`_blocks_once`, in a
     second or two) times rank 0's blocks and the microbatches. The pipeline's step runs those ops and
     more (FSDP's, the embedding's or the loss's, the schedule's): a floor that prunes pipelines whose
     matrix multiplies alone do not (Llama-3-8B at 16 stages: the blocks' memory-bound ops are a third of
     the step). ``cache`` keeps one block's bytes by its shapes."""
-    cfg, how, d = config.train.model_config(), config.parallel, combo.degrees
+    recipe, how, d = config.recipe, config.parallel, combo.degrees
+    cfg = recipe.model_config(config.train)
     tp = d["tp"]
     blocks, microbatches, seqs = _rank0_share(config, world, combo)
     fsdp = shards_parameters(ParallelDims(world, **d), combo.strategy)
     key = (seqs, tp, how.ac, how.dtype, fsdp)
     cache = {} if cache is None else cache
     if key not in cache:
-        cache[key] = _blocks_once(cfg, how, seqs, tp, fsdp)
+        cache[key] = _blocks_once(recipe, cfg, how, seqs, tp, fsdp)
     return blocks * microbatches * cache[key]
 
 
 def layout_floor(
-    config: Config[LlamaTrainConfig],
+    config: Config,
     world: int,
     combo: Combo,
     hardware: Hardware,
@@ -194,7 +206,7 @@ def layout_floor(
     memory-bound ops (:func:`block_step`). Either is simulated only when the floor without it is under
     ``below``; ``cache`` keeps each ring or block run by its shapes."""
     trial = trial_config(config, combo)
-    terms = step_terms(trial, trial.train.model_config(), world)
+    terms = step_terms(trial, trial.recipe.model_config(trial.train), world)
     per_node = min(world, devices_per_node)  # as predict_rank counts a node's ranks
     bare = step_floor(hardware, **terms, ranks_per_node=per_node)
     cp, tp = combo.degrees["cp"], combo.degrees["tp"]

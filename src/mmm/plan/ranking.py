@@ -18,12 +18,10 @@ from mmm.errors import UsageError
 from mmm.log import get_logger
 from mmm.plan import Combo, plan
 from mmm.plan.fake import RankReport, simulate_by_blocks
-from mmm.plan.floor import layout_floor, state_floor, trial_config
+from mmm.plan.floor import block_params, layout_floor, state_floor, trial_config
 from mmm.plan.hardware import Hardware
 from mmm.plan.predict import MEMORY_MARGIN, pipeline_bubble
-from mmm.training import llama as recipe
 from mmm.training.config import Config
-from mmm.training.llama import LlamaTrainConfig
 
 
 @dataclass
@@ -85,14 +83,14 @@ MICROBATCHES_PER_STAGE = (1, 2, 4)
 REVIVED_AT_MOST = 4
 
 
-def _microbatch_variants(config: Config[LlamaTrainConfig], world: int, combo: Combo) -> list[Combo]:
+def _microbatch_variants(config: Config, world: int, combo: Combo) -> list[Combo]:
     """``combo``, and under a pipeline the same layout with more microbatches (:data:`MICROBATCHES_PER_STAGE`)
     where the trainer accepts them (the per-dp-rank batch splits so, the schedule takes them)."""
     pp = combo.degrees["pp"]
     out = [combo]
     for per_stage in MICROBATCHES_PER_STAGE[1:] if pp > 1 else ():
         variant = replace(combo, microbatches=per_stage * pp)
-        if not recipe.problems(trial_config(config, variant), world):
+        if not config.recipe.problems(trial_config(config, variant), world):
             out.append(variant)
     return out
 
@@ -166,7 +164,7 @@ def _simulate_layouts(
 
 
 def rank_layouts(
-    config: Config[LlamaTrainConfig],
+    config: Config,
     world: int,
     hardware: Hardware,
     *,
@@ -199,7 +197,8 @@ def rank_layouts(
     # a layout whose state alone cannot fit is not simulated: its rank's share of the blocks' parameters,
     # gradients and AdamW state (the embedding and output left out: a floor) against the usable memory
     usable = (1 - MEMORY_MARGIN) * hardware.memory_bytes
-    held_floor = {c.label: state_floor(config, world, c) for c in combos}
+    in_blocks = block_params(config.recipe, config.recipe.model_config(config.train))
+    held_floor = {c.label: state_floor(config, world, c, blocks=in_blocks) for c in combos}
     over = [c for c in combos if held_floor[c.label] > usable]
     if over:
         worst = min(over, key=lambda c: held_floor[c.label])

@@ -1,9 +1,12 @@
-"""Simulate ranks of an N-rank fsdp_tp job in this machine's processes, before the job queues.
+"""Simulate ranks of an N-rank training job in this machine's processes, before the job queues.
 
     python -m mmm.plan.simulate --world 512 --tp 8 --init-from ~/models/Llama-3.1-8B   # config.json is enough
     python -m mmm.plan.simulate --world 16384 --tp 8 --dp-replicate 64 --strategy hsdp --dim 4096 ...
     python -m mmm.plan.simulate --world 8 --pp 2 --tp 2 --ranks 0,7 --json sim.json
     python -m mmm.plan.simulate --world 64 --init-from ~/models/Llama-3.1-8B --dtype bf16 --hardware h100
+    python -m mmm.plan.simulate --world 64 --tp 2 --recipe hf --hf-config ~/models/Qwen2-7B/config.json
+    python -m mmm.plan.simulate --world 8 --recipe vit --pick --hardware h100     # mmm's ViT
+    python -m mmm.plan.simulate --world 8 --recipe mypkg.train:MINE --pick --hardware h100  # your recipe
 
 Each simulated rank joins, in this process and one after another, a fake process group of --world
 ranks (collectives return at once, nothing is sent). It runs the trainer's own checks, the real
@@ -14,9 +17,11 @@ accounting (``summary.json``'s ``memory_per_rank``). A layout that cannot start 
 shape that does not split, a plan that does not match) fails here with the trainer's one-line
 error. It also times mmm's setup on that rank (mesh, model, parallelize) and reads its peak host
 memory: what grows with the world size shows here. By default rank 0 and the last rank (the first
-and last pipeline stage) are simulated. Every model and parallel flag of
-``python -m mmm.examples.fsdp_tp`` is accepted; --init-from needs only the Hugging Face
-config.json (no weights are read).
+and last pipeline stage) are simulated. The model is a recipe's (``--recipe``, :mod:`mmm.training.recipe`;
+mmm's Llama by default), and every flag of its trainer is accepted: for Llama those of
+``python -m mmm.examples.fsdp_tp``, whose --init-from needs only the Hugging Face config.json (no
+weights are read); ``--recipe hf --hf-config PATH`` builds any transformers causal LM from its
+config.json on meta, with the TP plan the config carries.
 
 Then, unless --no-step, the rank runs one training step on fake tensors (``FakeTensorMode``: shapes,
 dtypes and devices are tracked, no memory is used and nothing is computed): the trainer's own
@@ -52,13 +57,15 @@ from mmm.plan.fake import RankReport, simulate_ranks
 from mmm.plan.hardware import load_hardware
 from mmm.plan.ranking import end_with_parent, format_ranking, rank_layouts
 from mmm.training.config import Config
-from mmm.training.llama import command_line
+from mmm.training.recipe import add_recipe_flag, recipe_from_argv
 
 MIB = 2**20
 
 
-def build_parser() -> ArgumentParser:
-    p = command_line().parser()
+def build_parser(recipe=None) -> ArgumentParser:
+    recipe = recipe or recipe_from_argv([])[0]
+    p = recipe.command_line().parser()
+    add_recipe_flag(p)
     p.prog = "python -m mmm.plan.simulate"
     p.description = __doc__.split("\n\n")[0]
     p.epilog = __doc__.split("\n\n", 2)[2]
@@ -194,12 +201,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if os.environ.get("MMM_END_WITH_PARENT", "").isdigit():  # started by a trainer's --pick-layout
         end_with_parent(int(os.environ["MMM_END_WITH_PARENT"]))
     configure()  # this process's own lines (--pick's), before any simulated rank sets up its own
-    parser = build_parser()
+    recipe, argv = recipe_from_argv(argv)
+    parser = build_parser(recipe)
     ns = parser.parse_args(argv)
     own = {"--world", "--ranks", "--devices-per-node", "--json", "--hardware", "--jobs"}
     # the trainer's flags, typed and checked as the trainer does
-    config = command_line().parse(without_flags(argv, own, {"--no-step", "--pick", "--every"}))
-    if config.train.pick_layout:
+    config = recipe.command_line().parse(without_flags(argv, own, {"--no-step", "--pick", "--every"}))
+    if recipe.picks_layout(config):
         raise UsageError("--pick-layout is the trainer's; here use --pick --hardware HARDWARE")
     if config.parallel.compile and ns.step:
         raise UsageError(
@@ -222,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError("--pick ranks layouts by predicted step time: give --hardware (a preset or a file)")
         if ns.ranks:
             raise UsageError("--pick simulates the first and last rank of each layout; drop --ranks")
-        fixed = {axis: getattr(ns, axis) for axis in AXES if getattr(ns, axis) is not None}
+        fixed = {axis: vars(ns)[axis] for axis in AXES if vars(ns).get(axis) is not None}
         strategies = [ns.strategy] if ns.strategy else ["fsdp", "hsdp"]
         if ns.strategy and ns.strategy not in ("fsdp", "hsdp"):
             raise UsageError(f"--pick: --strategy {ns.strategy} is not simulated; give fsdp or hsdp, or leave it out")

@@ -11,7 +11,8 @@ import torch
 
 from mmm import dist
 from mmm.log import get_logger
-from mmm.parallel.checkpoint import Checkpointer, latest_step, step_dir
+from mmm.parallel.checkpoint import Checkpointer
+from mmm.parallel.checkpoint_folder import latest_step, step_dir
 from mmm.training.startup import Startup, restart_attempt
 
 

@@ -3,7 +3,7 @@
 A trainer's :class:`Config` holds three dataclasses:
 
 - ``train``: what to train, the trainer's own class (the model's shape, the data, the batch, the
-  steps, the learning rate and its schedule, evaluation), e.g. :class:`mmm.training.llama.LlamaTrainConfig`;
+  steps, the learning rate and its schedule, evaluation), e.g. :class:`mmm.models.llama.recipe.LlamaTrainConfig`;
 - ``parallel``: :class:`ParallelConfig`, how to parallelise it (the mesh's degrees, the data-parallel
   strategy, the pipeline, activation checkpointing, compile, compute dtype);
 - ``run``: :class:`RunConfig`, how to run it (seed, output, logging, trackers, checkpoints, failures).
@@ -19,11 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any, Generic, TypeVar
 
 from mmm.cli import FLAGS, Flags, MeshConfig, flag_problems, int_list, nonnegative_int, option, positive_int
 from mmm.parallel.activation_checkpoint import AC_MODES
-from mmm.parallel.checkpoint import checkpoint_problems
+from mmm.parallel.checkpoint_folder import checkpoint_problems
 from mmm.parallel.compose import compile_problems, shards_parameters
 from mmm.parallel.mesh import ParallelDims, check_degrees
 from mmm.parallel.pipeline import SCHEDULES
@@ -64,7 +65,6 @@ class ParallelConfig(MeshConfig):
     pp_schedule: str | None = option(
         None,
         "--pp-schedule",
-        "--pp_schedule",
         choices=tuple(SCHEDULES),
         shown="1f1b",
         group="pipeline",
@@ -81,7 +81,6 @@ class ParallelConfig(MeshConfig):
     stages_per_rank: int = option(
         1,
         "--stages-per-rank",
-        "--stages_per_rank",
         parse=positive_int,
         group="pipeline",
         help="pipeline stages each rank holds (looped placement)",
@@ -89,7 +88,6 @@ class ParallelConfig(MeshConfig):
     split_points: list[int] | None = option(
         None,
         "--split-points",
-        "--split_points",
         parse=int_list,
         metavar="I,J,...",
         shown="even split",
@@ -171,9 +169,7 @@ class RunConfig:
     outdir: str | None = option(
         None, "--outdir", metavar="DIR", shown="outputs/{example}/<UTC timestamp>", group="output", help="output folder"
     )
-    log_every: int = option(
-        1, "--log-every", "--log_every", parse=positive_int, group="output", help="print every N steps"
-    )
+    log_every: int = option(1, "--log-every", parse=positive_int, group="output", help="print every N steps")
     warmup: int = option(
         2, "--warmup", parse=nonnegative_int, group="output", help="steps excluded from timing statistics"
     )
@@ -186,22 +182,10 @@ class RunConfig:
         "network, `wandb sync` it later); needs pip install 'mmm[wandb]'",
     )
     wandb_project: str | None = option(
-        None,
-        "--wandb-project",
-        "--wandb_project",
-        metavar="NAME",
-        shown="WANDB_PROJECT or mmm",
-        group="tracking",
-        help="W&B project",
+        None, "--wandb-project", metavar="NAME", shown="WANDB_PROJECT or mmm", group="tracking", help="W&B project"
     )
     wandb_name: str | None = option(
-        None,
-        "--wandb-name",
-        "--wandb_name",
-        metavar="NAME",
-        shown="WANDB_NAME or W&B's own",
-        group="tracking",
-        help="W&B run name",
+        None, "--wandb-name", metavar="NAME", shown="WANDB_NAME or W&B's own", group="tracking", help="W&B run name"
     )
     tensorboard: bool = option(
         False,
@@ -213,7 +197,6 @@ class RunConfig:
     rank_timings: bool = option(
         False,
         "--rank-timings",
-        "--rank_timings",
         group="tracking",
         help="on logging steps, gather every rank's dt (one small all-gather over all ranks): dt_min, dt_max, "
         "dt_mean, slowest_rank and dt_lag in the history, so a straggler shows",
@@ -221,7 +204,6 @@ class RunConfig:
     checkpoint_dir: str | None = option(
         None,
         "--checkpoint-dir",
-        "--checkpoint_dir",
         metavar="DIR",
         shown="off",
         group="checkpoint",
@@ -230,7 +212,6 @@ class RunConfig:
     checkpoint_every: int = option(
         0,
         "--checkpoint-every",
-        "--checkpoint_every",
         parse=nonnegative_int,
         group="checkpoint",
         help="save every N steps; the last step and SIGTERM always save",
@@ -247,7 +228,6 @@ class RunConfig:
     start_over: bool = option(
         False,
         "--start-over",
-        "--start_over",
         group="checkpoint",
         help="start at step 1 although --checkpoint-dir or --outdir hold an earlier run (refused otherwise): "
         "that run's folder is moved aside to <folder>.old-<UTC time>, nothing is deleted",
@@ -255,7 +235,6 @@ class RunConfig:
     keep_last: int = option(
         0,
         "--keep-last",
-        "--keep_last",
         parse=nonnegative_int,
         metavar="K",
         group="checkpoint",
@@ -273,7 +252,6 @@ class RunConfig:
     on_nonfinite: str = option(
         "stop",
         "--on-nonfinite",
-        "--on_nonfinite",
         choices=("stop", "skip"),
         group="failures",
         help="a NaN/inf loss: stop with an error naming the step (the last checkpoint stays the last good one), "
@@ -308,11 +286,14 @@ class RunConfig:
 
 @dataclass
 class Config(Generic[T]):
-    """A trainer's whole configuration: ``train`` (its own class), ``parallel``, ``run``."""
+    """A trainer's whole configuration: ``train`` (its recipe's own class), ``parallel``, ``run``; and
+    ``recipe``, the :class:`mmm.training.recipe.Recipe` it configures (set by the recipe's command
+    line), so that whoever is handed a config (the trainer, the planner) knows the model it is for."""
 
     train: T
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    recipe: Any = field(default=None, compare=False, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
         """Every field, flat, by its name (the flags' names): what trackers record as the run's config."""
@@ -327,6 +308,7 @@ def trainer_flags(
     parallel: Collection[str] | None = None,
     run: type[RunConfig] = RunConfig,
     titles: Mapping[str, str] | None = None,
+    recipe: Any = None,
 ) -> Flags:
     """The command line of ``python -m mmm.examples.<example>`` (``doc``: its docstring): every field
     of its ``train`` class and of ``run``, and the ``parallel`` fields of :class:`ParallelConfig` it
@@ -335,7 +317,7 @@ def trainer_flags(
         prog=f"python -m mmm.examples.{example}",
         doc=doc,
         sections={"train": (train, None), "parallel": (ParallelConfig, parallel), "run": (run, None)},
-        into=Config,
+        into=partial(Config, recipe=recipe),
         example=example,
         titles=titles,
     )

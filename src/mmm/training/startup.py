@@ -15,7 +15,7 @@ from mmm import dist
 from mmm.dist import launch_time
 from mmm.errors import UsageError
 from mmm.log import get_logger
-from mmm.parallel.checkpoint import complete_steps
+from mmm.parallel.checkpoint_folder import complete_steps
 
 if TYPE_CHECKING:  # pragma: no cover
     from mmm.training.config import Config

@@ -1,10 +1,10 @@
-"""What the Llama trainer (``python -m mmm.examples.fsdp_tp``) trains, its flags and its checks,
-shared with the planner (``python -m mmm.plan`` asks :func:`problems` of every layout, so the two
-never disagree) and kept here so that the example reads as a tutorial."""
+"""Llama's recipe (:data:`LLAMA`): what ``python -m mmm.examples.fsdp_tp`` trains, its flags and its
+checks, shared with the planner (``python -m mmm.plan`` asks :func:`problems` of every layout, so the
+two never disagree). A recipe sits in the training layer beside its model (:mod:`mmm.training.recipe`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -13,18 +13,23 @@ import torch.nn.functional as F
 from mmm.cli import FLAGS, Flags, flag_problems, option, positive_int
 from mmm.data import DATASETS, data_vocab_size, dataset_problems, local_batches, make_dataset
 from mmm.errors import UsageError
-from mmm.models.llama import LlamaConfig, export_hf_llama, llama_config_from_hf, llama_tp_plan, tp_problems
+from mmm.flops import llama_flops_per_token
+from mmm.log import get_logger
+from mmm.models.llama.context import apply_cp_llama
+from mmm.models.llama.estimate import estimate_comm, estimate_memory
+from mmm.models.llama.hf import export_hf_llama, llama_config_from_hf, load_hf_llama
+from mmm.models.llama.model import Llama, LlamaConfig
+from mmm.models.llama.tp import llama_tp_plan, tp_problems
 from mmm.parallel.compose import ParallelSpec
 from mmm.parallel.context import cp_problems, shard_sequence
 from mmm.parallel.pipeline import pipeline_problems
-from mmm.parallel.strategy import Engine, build_engine
-from mmm.training.checkpoints import open_checkpoints
-from mmm.training.config import Config, trainer_flags
-from mmm.training.evaluation import EvalConfig
-from mmm.training.recorder import Recorder
+from mmm.parallel.strategy import Engine
+from mmm.training.config import Config
+from mmm.training.evaluation import EvalConfig, perplexity
+from mmm.training.recipe import Context, Loop, Recipe, Shape
 from mmm.training.schedule import ScheduleConfig
 from mmm.training.startup import batch_problems
-from mmm.training.step import StepSync
+from mmm.training.step import evaluate
 
 EXAMPLE = "fsdp_tp"
 DEFAULT_VOCAB = 256  # bytes: the vocabulary when neither --vocab-size nor the data gives one
@@ -38,13 +43,10 @@ class LlamaTrainConfig(EvalConfig, ScheduleConfig):
 
     dim: int = option(256, "--dim", parse=positive_int, group="model", help="model width")
     n_layers: int = option(4, "--n-layers", "--n_layers", parse=positive_int, group="model", help="transformer blocks")
-    n_heads: int = option(
-        8, "--n-heads", "--n_heads", parse=positive_int, group="model", help="attention heads (divisible by tp)"
-    )
+    n_heads: int = option(8, "--n-heads", parse=positive_int, group="model", help="attention heads (divisible by tp)")
     n_kv_heads: int | None = option(
         None,
         "--n-kv-heads",
-        "--n_kv_heads",
         parse=positive_int,
         shown="= n-heads",
         group="model",
@@ -53,13 +55,12 @@ class LlamaTrainConfig(EvalConfig, ScheduleConfig):
     vocab_size: int | None = option(
         None,
         "--vocab-size",
-        "--vocab_size",
         parse=positive_int,
         shown="the data's (meta.json, --tokenizer), else 256",
         group="model",
         help="vocabulary; at least the data's",
     )
-    seq_len: int = option(128, "--seq-len", "--seq_len", parse=positive_int, group="model", help="tokens per sequence")
+    seq_len: int = option(128, "--seq-len", parse=positive_int, group="model", help="tokens per sequence")
     init_from: str | None = option(
         None,
         "--init-from",
@@ -92,7 +93,6 @@ class LlamaTrainConfig(EvalConfig, ScheduleConfig):
     grad_clip: float = option(
         0.0,
         "--grad-clip",
-        "--grad_clip",
         group="training",
         help="clip the global gradient L2 norm (over all shards and pipeline stages); 0 = off",
     )
@@ -107,7 +107,6 @@ class LlamaTrainConfig(EvalConfig, ScheduleConfig):
     data_dir: str | None = option(
         None,
         "--data-dir",
-        "--data_dir",
         metavar="DIR",
         group="training",
         help="--dataset bin: the directory of train.bin / val.bin (uint16; uint32 as meta.json or the name "
@@ -208,12 +207,6 @@ class LlamaTrainConfig(EvalConfig, ScheduleConfig):
         return out
 
 
-def command_line(doc: str = "") -> Flags:
-    """The trainer's flags (``doc``, the trainer's docstring, gives --help its description and epilog);
-    ``command_line(doc).parse(argv)`` is its :class:`mmm.training.config.Config`."""
-    return trainer_flags(EXAMPLE, doc, LlamaTrainConfig, titles={"model": "model (Llama-style)"})
-
-
 def problems(config: Config[LlamaTrainConfig], world_size: int) -> list[str]:
     """Every problem with this configuration on ``world_size`` ranks, at once (the planner asks this
     of each layout)."""
@@ -271,21 +264,6 @@ def _is_file(path: str) -> bool:
     return Path(path).is_file()
 
 
-def checkpoint_meta(config: Config[LlamaTrainConfig], cfg, mesh) -> dict:
-    """What a checkpoint records about the run; ``model`` must match to resume."""
-    train = config.train
-    return {
-        "example": EXAMPLE,
-        "model": dict(vars(cfg)),
-        "mesh": mesh.dims.degrees,
-        "strategy": config.parallel.strategy,
-        "seed": config.run.seed,
-        "global_batch": train.batch_size,
-        "dataset": train.dataset,
-        "lr_schedule": train.schedule(total_steps=train.max_iters).as_dict(),
-    }
-
-
 def parallel_spec(how) -> ParallelSpec:
     """How the trainer parallelises its Llama (``how``: the ParallelConfig): TP + SP with loss parallel,
     each block a unit of activation checkpointing, compile and FSDP; the strategy is build_engine's."""
@@ -303,61 +281,6 @@ def parallel_spec(how) -> ParallelSpec:
 def loss_fn(logits, labels):
     """The trainer's loss: cross-entropy over every token, in fp32."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
-
-
-def make_engine(model, mesh, config: Config[LlamaTrainConfig], *, device, spec: ParallelSpec | None = None) -> Engine:
-    """The trainer's engine for ``model`` (on meta): ``spec`` (default :func:`parallel_spec`) over ``mesh``,
-    the strategy, AdamW, clipping and the pipeline as the flags say; the shards are materialised on
-    ``device`` (``meta`` keeps them there: a simulated rank, :mod:`mmm.plan.simulate`)."""
-    what, how = config.train, config.parallel
-    return build_engine(
-        model,
-        mesh,
-        spec or parallel_spec(how),
-        strategy=how.strategy,
-        device=device,
-        max_grad_norm=what.grad_clip,
-        make_optimizer=lambda params: torch.optim.AdamW(params, lr=what.lr, weight_decay=what.weight_decay),
-        global_batch=what.batch_size,
-        optimizer_args={"lr": what.lr, "weight_decay": what.weight_decay},
-        offload_optimizer=how.offload_optimizer,
-        seed=config.run.seed,
-        pipeline_args=dict(
-            loss_fn=loss_fn,
-            microbatches=how.microbatches,
-            schedule=how.pipeline_schedule,
-            stages_per_rank=how.stages_per_rank,
-            split_points=how.split_points,
-        ),
-    )
-
-
-def loop_setup(config: Config[LlamaTrainConfig], info, outdir, startup, engine, cfg, mesh, dataset, log):
-    """What the training loop starts from: the checkpoint policy, the first step (after ``--resume``),
-    this dp rank's batches from that step on, and the Recorder of the steps."""
-    checkpoints, start = open_checkpoints(
-        engine, config.run, meta=checkpoint_meta(config, cfg, mesh), startup=startup, log=log
-    )
-    batches = local_batches(
-        dataset,
-        seed=config.run.seed,
-        global_batch=config.train.batch_size,
-        dp_rank=mesh.coord("dp"),
-        dp_size=mesh.dp,
-        start_step=start - 1,
-        device=info.device,
-    )
-    run = Recorder(
-        EXAMPLE,
-        info=info,
-        outdir=outdir,
-        startup=startup,
-        config=config,
-        resume_step=start - 1,
-        sync=StepSync.for_engine(engine, device=info.device),
-        last_good=checkpoints.last_good,
-    )
-    return checkpoints, start, batches, run
 
 
 def heldout_batches(config: Config[LlamaTrainConfig], cfg, mesh, device) -> list:
@@ -408,3 +331,131 @@ def export_hf(train: LlamaTrainConfig, engine, cfg, info, run, log) -> None:
         (out / "tokenizer.json").write_bytes(tokenizer_bytes)
     if info.is_main:
         log.info("Hugging Face checkpoint written to %s (config.json, model.safetensors)", train.export_hf)
+
+
+class LlamaRecipe(Recipe):
+    """mmm's Llama on token data: TP + SP with loss parallel, context parallel by ring attention,
+    pipelines, ``--init-from`` / ``--export-hf`` Hugging Face checkpoints, ``--pick-layout``."""
+
+    name = EXAMPLE
+    config = LlamaTrainConfig
+    titles = {"model": "model (Llama-style)"}
+    rate = "tps"
+
+    def problems(self, config: Config[LlamaTrainConfig], world_size: int) -> list[str]:
+        return problems(config, world_size)
+
+    def picks_layout(self, config: Config[LlamaTrainConfig]) -> bool:
+        return bool(config.train.pick_layout)
+
+    def layout_free_problems(self, config: Config[LlamaTrainConfig], world_size: int) -> list[str]:
+        return layout_free_problems(config, world_size)
+
+    def build(self, model_config: LlamaConfig) -> Llama:
+        return Llama(model_config)
+
+    def spec(self, how, model_config) -> ParallelSpec:
+        return parallel_spec(how)
+
+    def loss(self, outputs, targets):
+        return loss_fn(outputs, targets)
+
+    def flops_per_unit(self, model_config: LlamaConfig) -> float:
+        return llama_flops_per_token(model_config)
+
+    def per_step(self, train: LlamaTrainConfig, model_config: LlamaConfig) -> int:
+        return train.batch_size * model_config.seq_len  # tokens
+
+    def example_batch(self, model_config: LlamaConfig, *, rows: int, cp: int = 1):
+        tokens = torch.zeros(rows, model_config.seq_len // cp, dtype=torch.long)
+        return tokens, tokens
+
+    def shape(self, model_config: LlamaConfig) -> Shape:
+        c = model_config
+        return Shape(blocks=c.n_layers, seq_len=c.seq_len, heads=c.n_heads, kv_heads=c.n_kv_heads, head_dim=c.head_dim)
+
+    def with_blocks(self, model_config: LlamaConfig, blocks: int) -> LlamaConfig:
+        return replace(model_config, n_layers=blocks)
+
+    def estimate(self, config: Config[LlamaTrainConfig], world: int):
+        return estimate_memory(config, world), estimate_comm(config, world)
+
+    def optimizer_args(self, train: LlamaTrainConfig) -> dict:
+        return {"lr": train.lr, "weight_decay": train.weight_decay}
+
+    def max_grad_norm(self, train: LlamaTrainConfig) -> float:
+        return train.grad_clip
+
+    def measure_step(self, config: Config[LlamaTrainConfig]) -> int | None:
+        return MEASURE_STEP if config.train.measure else None
+
+    def prepare(self, model: Llama, mesh, model_config: LlamaConfig) -> None:
+        if mesh.cp_enabled:  # context parallel: ring attention over the cp ranks
+            apply_cp_llama(model, mesh["cp"], seq_len=model_config.seq_len)
+            get_logger().info(  # rank 0's logger (the others log errors only)
+                "context parallel: ring attention over %d ranks, %d tokens each (chunks r and 2cp-1-r of %d)",
+                mesh.cp,
+                model_config.seq_len // mesh.cp,
+                2 * mesh.cp,
+            )
+
+    def loaded(self, engine: Engine, config: Config[LlamaTrainConfig], log) -> None:
+        if config.train.init_from:  # each rank reads only its shards from the safetensors files
+            load_hf_llama(engine.unwrapped(), config.train.init_from)
+            log.info("weights loaded from %s", config.train.init_from)
+
+    def loop(self, ctx: Context) -> Loop:
+        config, cfg, mesh, engine = ctx.config, ctx.model_config, ctx.mesh, ctx.engine
+        what = config.train
+        dataset = make_dataset(what.dataset, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, **what.data_options())
+        heldout = heldout_batches(config, cfg, mesh, ctx.device) if what.eval_every else None
+        stream = None
+
+        def batch(step):  # this dp rank's rows of the step's global batch (its sequence shard under cp)
+            nonlocal stream
+            if stream is None:  # the data from the first step on (after --resume: where it stopped)
+                stream = local_batches(
+                    dataset,
+                    seed=config.run.seed,
+                    global_batch=what.batch_size,
+                    dp_rank=mesh.coord("dp"),
+                    dp_size=mesh.dp,
+                    start_step=step - 1,
+                    device=ctx.device,
+                )
+            inputs, labels = next(stream)
+            if mesh.cp_enabled:
+                cp_rank = mesh.coord("cp")
+                inputs, labels = shard_sequence(inputs, cp_rank, mesh.cp), shard_sequence(labels, cp_rank, mesh.cp)
+            return inputs, labels
+
+        def held_out(step, last):  # the held-out loss every --eval-every steps (left out of the step's dt)
+            if not what.eval_due(step, last=last):
+                return {}
+            val_loss = evaluate(engine, heldout, loss_fn, sync=ctx.run.sync)
+            return {"val_loss": val_loss, "val_ppl": perplexity(val_loss)}
+
+        def finish():  # --export-hf DIR: a Hugging Face checkpoint
+            export_hf(what, engine, cfg, ctx.info, ctx.run, ctx.log)
+            return {"dataset": dataset.name, "tokens_per_step": what.batch_size * cfg.seq_len}
+
+        schedule = what.schedule(total_steps=what.max_iters)  # the step's learning rate: warmup, decay
+        return Loop(
+            last_step=what.max_iters,
+            lr_at=schedule,
+            batch=batch,
+            evaluate=held_out,
+            meta={"dataset": what.dataset, "lr_schedule": schedule.as_dict()},
+            finish=finish,
+        )
+
+
+LLAMA = LlamaRecipe()
+
+
+def command_line(doc: str = "") -> Flags:
+    """The trainer's flags (``doc``: its --help text); ``command_line(doc).parse(argv)`` is its Config."""
+    return LLAMA.command_line(doc)
+
+
+make_engine = LLAMA.make_engine  # the trainer's engine for a model on meta (the planner's simulated ranks too)

@@ -1,0 +1,315 @@
+"""Any Hugging Face ``transformers`` causal LM as a recipe (:data:`HF_CAUSAL_LM`): the model built on
+meta from its ``config.json`` alone (random weights, nothing downloaded), sharded by the TP plan its
+config carries (``base_model_tp_plan``), trained on token data by the one trainer and simulated by
+the planner like mmm's own models::
+
+    python -m mmm.plan.simulate --recipe hf --hf-config ~/models/Qwen2-7B/config.json --world 64 --tp 2
+    launch -n 4 python3 -m mmm.training.trainer --recipe hf --hf-config ./config.json --tp 2
+
+Needs ``pip install 'mmm[hf]'`` (transformers), imported only when this recipe is used. Context
+parallel is refused (the attention is transformers' own); the plan's styles must be ``colwise`` or
+``rowwise`` (mmm maps those).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from mmm.cli import FLAGS, flag_problems, option, positive_int
+from mmm.data import DATASETS, dataset_problems, local_batches, make_dataset
+from mmm.errors import UsageError
+from mmm.parallel.compose import ParallelSpec
+from mmm.parallel.pipeline import pipeline_problems
+from mmm.training.config import Config
+from mmm.training.evaluation import EvalConfig, perplexity
+from mmm.training.recipe import Context, Loop, Recipe, Shape
+from mmm.training.schedule import ScheduleConfig
+from mmm.training.startup import batch_problems
+from mmm.training.step import evaluate
+
+STYLES = ("colwise", "rowwise")  # the TP plan styles mmm maps (mmm.parallel.tensor)
+
+
+@dataclass
+class HFTrainConfig(EvalConfig, ScheduleConfig):
+    """What to train: a transformers causal LM of a config.json, the data, the global batch and steps."""
+
+    hf_config: str | None = option(
+        None,
+        "--hf-config",
+        metavar="PATH",
+        group="model",
+        help="the model's config.json (or a folder holding one): any transformers causal LM, built on meta "
+        "with random weights (no weights are read)",
+    )
+    seq_len: int = option(128, "--seq-len", parse=positive_int, group="model", help="tokens per sequence")
+    batch_size: int = option(
+        16,
+        "--batch-size",
+        "--batch_size",
+        parse=positive_int,
+        group="training",
+        help="GLOBAL batch in sequences per step, divisible by dp",
+    )
+    max_iters: int = option(
+        40, "--max-iters", "--max_iters", parse=positive_int, group="training", help="optimizer steps"
+    )
+    dataset: str = option(
+        "synthetic",
+        "--dataset",
+        choices=tuple(d for d in DATASETS if d in ("synthetic", "bin")),
+        group="training",
+        help="synthetic (learnable sequences) or bin (token files DIR/train.bin of the model's vocabulary)",
+    )
+    data_dir: str | None = option(
+        None, "--data-dir", metavar="DIR", group="training", help="--dataset bin: the directory of train.bin / val.bin"
+    )
+
+    def problems(self) -> list[str]:
+        out = flag_problems(self) + self.schedule_problems(total_steps=self.max_iters) + self.eval_problems()
+        if not self.hf_config:
+            out.append("--hf-config PATH is needed: the model's config.json (or the folder holding it)")
+        return out
+
+
+def _config_file(path: str) -> Path:
+    p = Path(path).expanduser()
+    return p / "config.json" if p.is_dir() else p
+
+
+@cache
+def load_hf_config(path: str):
+    """The transformers config of ``path`` (a config.json, or a folder with one), for training: no KV cache."""
+    file = _config_file(path)
+    try:
+        raw = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"--hf-config {path!r}: no such file (give a config.json or the folder holding it)") from None
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--hf-config {path!r}: cannot read {file} as JSON ({e})") from None
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise UsageError(f"--hf-config {path!r}: {file} has no model_type; is it a transformers config.json?")
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise UsageError("--recipe hf needs transformers: pip install 'mmm[hf]'") from None
+    kind = raw.pop("model_type")
+    try:
+        config = AutoConfig.for_model(kind, **raw)
+    except (ValueError, KeyError) as e:
+        raise UsageError(f"--hf-config {path!r}: transformers does not know model_type {kind!r} ({e})") from None
+    config.use_cache = False
+    return config
+
+
+@dataclass(frozen=True)
+class HFModel:
+    """The model a run trains: the transformers ``config`` and the sequences' length."""
+
+    config: object
+    seq_len: int
+
+
+def _causal_lm(config):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config)
+
+
+@cache
+def _params_outside_embedding(config_json: str) -> int:
+    """Parameters of the causal LM of this config outside its input embedding (built on meta: no memory)."""
+    from transformers import AutoConfig
+
+    raw = json.loads(config_json)
+    with torch.device("meta"):
+        model = _causal_lm(AutoConfig.for_model(raw.pop("model_type"), **raw))
+    return sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+
+
+class HFCausalLMRecipe(Recipe):
+    """A transformers causal LM from its config.json, on token data."""
+
+    name = "hf"
+    config = HFTrainConfig
+    titles = {"model": "model (a transformers causal LM)"}
+    rate = "tps"
+    parallel_flags = (
+        "tp",
+        "pp",
+        "dp_replicate",
+        "dp_shard",
+        "strategy",
+        "dtype",
+        "compile",
+        "ac",
+        "reshard_after_forward",
+        "microbatches",
+        "pp_schedule",
+        "stages_per_rank",
+        "split_points",
+    )
+
+    def problems(self, config: Config[HFTrainConfig], world_size: int) -> list[str]:
+        train, par = config.train, config.parallel
+        out = par.problems(world_size) + train.problems()
+        if par.cp != 1:
+            out.append(
+                f"--cp {par.cp}: a transformers model's attention is its own; context parallel needs mmm's Llama"
+            )
+        if par.strategy.startswith("zero"):
+            out.append(f"--strategy {par.strategy}: the hf recipe trains with torch strategies (fsdp, hsdp, ddp)")
+        if not train.hf_config:
+            return out
+        try:
+            cfg = load_hf_config(train.hf_config)
+        except UsageError as e:
+            return [*out, str(e)]
+        except ImportError:
+            return [*out, "--recipe hf needs transformers: pip install 'mmm[hf]'"]
+        plan = dict(getattr(cfg, "base_model_tp_plan", None) or {})
+        dims = par.dims(world_size)
+        if dims is not None and dims.tp > 1:
+            if not plan:
+                out.append(f"--tp {dims.tp}: {type(cfg).__name__} carries no TP plan (base_model_tp_plan); use --tp 1")
+            unknown = sorted({v for v in plan.values() if v not in STYLES})
+            if unknown:
+                out.append(
+                    f"--tp {dims.tp}: {type(cfg).__name__}'s TP plan uses style(s) {', '.join(unknown)}, which mmm "
+                    f"does not map (only {', '.join(STYLES)}); use --tp 1"
+                )
+            heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+            for what, n in (("attention heads", heads), ("key/value heads", kv)):
+                if n % dims.tp:
+                    out.append(f"--tp {dims.tp} does not divide the model's {n} {what}; use a divisor of {n}")
+        if train.seq_len > getattr(cfg, "max_position_embeddings", train.seq_len):
+            out.append(
+                f"--seq-len {train.seq_len} is longer than the model's max_position_embeddings "
+                f"({cfg.max_position_embeddings})"
+            )
+        if dims is not None:
+            out += batch_problems(train.batch_size, dims.dp)
+            if train.batch_size % dims.dp == 0:
+                out += pipeline_problems(
+                    pp=dims.pp,
+                    n_layers=cfg.num_hidden_layers,
+                    schedule=par.pipeline_schedule,
+                    stages_per_rank=par.stages_per_rank,
+                    microbatches=par.microbatches or dims.pp,
+                    local_batch=train.batch_size // dims.dp,
+                    split_points=par.split_points,
+                    spell=FLAGS,
+                )
+        out += dataset_problems(train.dataset, vocab_size=cfg.vocab_size, data_dir=train.data_dir)
+        return out + config.run.problems(strategy=par.strategy)
+
+    def model_config(self, train: HFTrainConfig) -> HFModel:
+        if not train.hf_config:
+            raise UsageError("--hf-config PATH is needed: the model's config.json (or the folder holding it)")
+        return HFModel(load_hf_config(train.hf_config), train.seq_len)
+
+    def build(self, model_config: HFModel):
+        return _causal_lm(model_config.config)
+
+    def describe(self, model_config: HFModel) -> str:
+        c = model_config.config
+        return (
+            f"model: {type(c).__name__} ({c.num_hidden_layers} layers, hidden {c.hidden_size}, vocabulary "
+            f"{c.vocab_size}), random weights, sequences of {model_config.seq_len}"
+        )
+
+    def summary(self, model_config: HFModel) -> dict:
+        c = model_config.config
+        return {"model_type": c.model_type, **c.to_diff_dict(), "seq_len": model_config.seq_len}
+
+    def spec(self, how, model_config: HFModel) -> ParallelSpec:
+        plan = dict(getattr(model_config.config, "base_model_tp_plan", None) or {})
+        return ParallelSpec(
+            tp_plan={f"model.{k}": v for k, v in plan.items()},  # rooted at the causal LM's base model
+            blocks="model.layers",
+            ac=how.ac,
+            compile=how.compile,
+            dtype=how.dtype,
+            reshard_after_forward=how.reshard,
+        )
+
+    def loss(self, outputs, targets):
+        logits = outputs.logits if hasattr(outputs, "logits") else outputs
+        return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+    def flops_per_unit(self, model_config: HFModel) -> float:
+        """Per token: 6 per parameter outside the input embedding, plus attention's scores and values
+        (as :func:`mmm.flops.llama_flops_per_token` counts mmm's Llama)."""
+        c = model_config.config
+        n = _params_outside_embedding(c.to_json_string())
+        return 6.0 * n + 12.0 * c.num_hidden_layers * c.hidden_size * model_config.seq_len
+
+    def per_step(self, train: HFTrainConfig, model_config: HFModel) -> int:
+        return train.batch_size * model_config.seq_len  # tokens
+
+    def example_batch(self, model_config: HFModel, *, rows: int, cp: int = 1):
+        tokens = torch.zeros(rows, model_config.seq_len // cp, dtype=torch.long)
+        return tokens, tokens
+
+    def shape(self, model_config: HFModel) -> Shape:
+        c = model_config.config
+        heads = c.num_attention_heads
+        return Shape(
+            blocks=c.num_hidden_layers,
+            seq_len=model_config.seq_len,
+            heads=heads,
+            kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+        )
+
+    def with_blocks(self, model_config: HFModel, blocks: int) -> HFModel:
+        copy = type(model_config.config).from_dict(model_config.config.to_dict())
+        copy.num_hidden_layers = blocks
+        kinds = getattr(copy, "layer_types", None)  # per-layer attention kinds (e.g. sliding windows)
+        if kinds is not None:
+            copy.layer_types = [kinds[min(i, len(kinds) - 1)] for i in range(blocks)]
+        copy.use_cache = False
+        return HFModel(copy, model_config.seq_len)
+
+    def loop(self, ctx: Context) -> Loop:
+        config, cfg, mesh, engine = ctx.config, ctx.model_config.config, ctx.mesh, ctx.engine
+        what = config.train
+        data = {"vocab_size": cfg.vocab_size, "seq_len": what.seq_len, "data_dir": what.data_dir}
+        dataset = make_dataset(what.dataset, **data)
+        dp = {"seed": config.run.seed, "global_batch": what.batch_size, "dp_rank": mesh.coord("dp"), "dp_size": mesh.dp}
+        heldout = []
+        if what.eval_every:
+            val = local_batches(make_dataset(what.dataset, split="val", **data), start_step=0, device=ctx.device, **dp)
+            heldout = [next(val) for _ in range(what.eval_iters)]
+        stream = None
+
+        def batch(step):  # this dp rank's rows of the step's global batch, from the first step on
+            nonlocal stream
+            if stream is None:
+                stream = local_batches(dataset, start_step=step - 1, device=ctx.device, **dp)
+            return next(stream)
+
+        def held_out(step, last):
+            if not what.eval_due(step, last=last):
+                return {}
+            val_loss = evaluate(engine, heldout, self.loss, sync=ctx.run.sync)
+            return {"val_loss": val_loss, "val_ppl": perplexity(val_loss)}
+
+        schedule = what.schedule(total_steps=what.max_iters)
+        return Loop(
+            last_step=what.max_iters,
+            lr_at=schedule,
+            batch=batch,
+            evaluate=held_out,
+            meta={"dataset": what.dataset, "lr_schedule": schedule.as_dict()},
+            finish=lambda: {"dataset": dataset.name, "tokens_per_step": what.batch_size * what.seq_len},
+        )
+
+
+HF_CAUSAL_LM = HFCausalLMRecipe()
