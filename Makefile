@@ -6,6 +6,8 @@ NPROC ?= 4
 # (docs/testing.md); tests that use the machine's namespaces, Slurm or MPI environments run one at a
 # time (tests/conftest.py), and the real Slurm's own tests run after the others, alone
 TEST_WORKERS ?= 3
+# the slowest tests listed at the end of `make test` (0: all of them)
+DURATIONS ?= 40
 export OMP_NUM_THREADS ?= 1
 
 .PHONY: demo smoke test test-fast test-deps lint format venv clean
@@ -36,7 +38,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 test: $(STAMP) test-deps lint
-	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not alone" --durations=40
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not alone" --durations=$(DURATIONS)
 	$(VENV)/bin/python -m pytest -q -m alone --durations=5
 
 test-fast: $(STAMP)
