@@ -202,7 +202,7 @@ def take_pick(recipe: Recipe, config: Config, argv: list[str], info) -> tuple[Co
     # the planner's activation checkpointing and pipeline microbatches, where it chose them (given ones hold)
     chosen = {k: v for k, v in (("ac", pick.ac), ("microbatches", pick.microbatches)) if v}
     config = replace(config, parallel=replace(config.parallel, **pick.degrees, strategy=pick.strategy, **chosen))
-    problems = recipe.problems(config, info.world_size)
+    problems = recipe.layout_problems(config, info.world_size)  # the rest were checked at the start
     if problems:
         raise RuntimeError(f"the planner picked {pick.label}, which the trainer refuses: {'; '.join(problems)}")
     if info.is_main:

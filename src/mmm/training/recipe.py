@@ -131,8 +131,12 @@ class Recipe:
         return False
 
     def layout_free_problems(self, config: Config, world_size: int) -> list[str]:
-        """The problems of :meth:`problems` that do not depend on the layout (for a run whose layout is
-        still to be picked)."""
+        """The problems of :meth:`problems` that do not depend on the layout (checked at the start of a run
+        whose layout is still to be picked)."""
+        return self.problems(config, world_size)
+
+    def layout_problems(self, config: Config, world_size: int) -> list[str]:
+        """The rest of :meth:`problems`: those of the layout (checked once the layout is picked)."""
         return self.problems(config, world_size)
 
     # --- the model

@@ -209,41 +209,43 @@ class LlamaTrainConfig(EvalConfig, ScheduleConfig):
 
 def problems(config: Config[LlamaTrainConfig], world_size: int) -> list[str]:
     """Every problem with this configuration on ``world_size`` ranks, at once (the planner asks this
-    of each layout)."""
+    of each layout): those of the settings alone, then the layout's."""
+    return layout_free_problems(config, world_size) + layout_problems(config, world_size)
+
+
+def layout_problems(config: Config[LlamaTrainConfig], world_size: int) -> list[str]:
+    """The layout's problems: its degrees and strategy (and what needs no pipeline or FSDP), and how the
+    model, the batch and the sequence split over them. What ``--pick-layout`` checks of its pick."""
     train, par = config.train, config.parallel
     out = par.problems(world_size)  # degrees, strategy, compile, settings without a pipeline/FSDP
-    out += train.problems(strategy=par.strategy)
+    dims = par.dims(world_size)
     try:
         cfg = train.model_config()
-    except UsageError as err:
-        return out + [str(err)]
-    out += cfg.problems()
-    dims = par.dims(world_size)
-    if dims is not None:
-        out += cp_problems(cp=dims.cp, seq_len=cfg.seq_len, tp=dims.tp, spell=FLAGS)
-        if train.batch_size % dims.dp == 0:
-            out += pipeline_problems(
-                pp=dims.pp,
-                n_layers=cfg.n_layers,
-                schedule=par.pipeline_schedule,
-                stages_per_rank=par.stages_per_rank,
-                microbatches=par.microbatches or dims.pp,
-                local_batch=train.batch_size // dims.dp,
-                split_points=par.split_points,
-                spell=FLAGS,
-            )
-        out += tp_problems(
-            tp=dims.tp,
-            n_heads=cfg.n_heads,
-            n_kv_heads=cfg.n_kv_heads,
-            vocab_size=cfg.vocab_size,
-            seq_len=cfg.seq_len,
+    except UsageError:  # the model's own problem: layout_free_problems says it
+        return out
+    if dims is None:
+        return out
+    out += cp_problems(cp=dims.cp, seq_len=cfg.seq_len, tp=dims.tp, spell=FLAGS)
+    if train.batch_size % dims.dp == 0:
+        out += pipeline_problems(
+            pp=dims.pp,
+            n_layers=cfg.n_layers,
+            schedule=par.pipeline_schedule,
+            stages_per_rank=par.stages_per_rank,
+            microbatches=par.microbatches or dims.pp,
+            local_batch=train.batch_size // dims.dp,
+            split_points=par.split_points,
             spell=FLAGS,
         )
-        out += batch_problems(train.batch_size, dims.dp)
-    out += dataset_problems(train.dataset, vocab_size=cfg.vocab_size, **train.data_options())
-    out += config.run.problems(strategy=par.strategy)
-    return out
+    out += tp_problems(
+        tp=dims.tp,
+        n_heads=cfg.n_heads,
+        n_kv_heads=cfg.n_kv_heads,
+        vocab_size=cfg.vocab_size,
+        seq_len=cfg.seq_len,
+        spell=FLAGS,
+    )
+    return out + batch_problems(train.batch_size, dims.dp)
 
 
 def layout_free_problems(config: Config[LlamaTrainConfig], world_size: int) -> list[str]:
@@ -350,6 +352,9 @@ class LlamaRecipe(Recipe):
 
     def layout_free_problems(self, config: Config[LlamaTrainConfig], world_size: int) -> list[str]:
         return layout_free_problems(config, world_size)
+
+    def layout_problems(self, config: Config[LlamaTrainConfig], world_size: int) -> list[str]:
+        return layout_problems(config, world_size)
 
     def build(self, model_config: LlamaConfig) -> Llama:
         return Llama(model_config)
