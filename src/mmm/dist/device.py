@@ -96,7 +96,9 @@ def return_freed_host_memory(model_bytes: int | None = None) -> bool:
     heap and stay resident when freed: a CPU rank's resident memory then climbs by about the whole
     model over one step (8-rank FSDP of a 608M Llama: 1.07x of its fp32 bytes; with this, 0.53x),
     though it never holds more than its shards and a block. The price is a page fault per large
-    allocation: ~10% step time on a small model whose activations exceed 1 MiB. So it is applied for
+    allocation: ~10% step time on a small model whose activations exceed 1 MiB. Decide before the first
+    large tensors come and go (building a model under :func:`mmm.parallel.meta_init` makes each parameter
+    on the host first: called after, it left half the ranks of an 8-rank 254M run at 0.85x). It is applied for
     models of ``model_bytes`` >= 256 MiB (:func:`mmm.parallel.materialize` asks), always with
     ``MMM_HOST_MALLOC=return``, never with ``MMM_HOST_MALLOC=default`` or when the user set
     ``MALLOC_MMAP_THRESHOLD_`` (glibc then honours theirs). True when applied."""

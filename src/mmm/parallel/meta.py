@@ -64,6 +64,13 @@ def meta_init() -> Iterator[None]:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
+def count_params(build: Callable[[], nn.Module]) -> int:
+    """Parameters of the model ``build()`` makes, built wholly on the meta device: no memory at all (under
+    :func:`meta_init` each parameter passes through host memory first), buffers left uncomputed."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in build().parameters())
+
+
 def has_meta_params(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 

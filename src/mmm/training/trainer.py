@@ -15,6 +15,7 @@ from mmm import dist
 from mmm.errors import UsageError
 from mmm.log import get_logger
 from mmm.parallel import describe_sharding, init_mesh, meta_init
+from mmm.parallel.meta import count_params
 from mmm.training.checkpoints import open_checkpoints
 from mmm.training.config import Config
 from mmm.training.loop import fit
@@ -58,11 +59,11 @@ def train(recipe: Recipe, config: Config, info, outdir, startup: Startup, *, pic
     # 2. the model: plain single-device code built on `meta` (no memory yet); each rank materialises only
     #    its own shards in step 3, every weight seeded by --seed and its name (any mesh, the same weights)
     cfg = recipe.model_config(what)
+    if info.device.type == "cpu":  # a large model in host memory: freed tensors go back at once (decided
+        dist.return_freed_host_memory(4 * count_params(lambda: recipe.build(cfg)))  # before tensors come and go)
     with meta_init():
         model = recipe.build(cfg)
     n_params = sum(p.numel() for p in model.parameters())
-    if info.device.type == "cpu":  # a large model in host memory: freed tensors go back at once
-        dist.return_freed_host_memory(4 * n_params)
     if info.is_main:
         log.info("%s", recipe.describe(cfg))
         log.info("%s", torchinfo_summary(model))
