@@ -10,7 +10,7 @@ TEST_WORKERS ?= 3
 DURATIONS ?= 40
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo smoke test test-fast test-deps lint format venv clean
+.PHONY: demo smoke test test-fast durations test-deps lint format venv clean
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh
 	bash scripts/bootstrap.sh $(VENV)
@@ -41,8 +41,14 @@ test: $(STAMP) test-deps lint
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not alone" --durations=$(DURATIONS)
 	$(VENV)/bin/python -m pytest -q -m alone --durations=5
 
+# the fast layer, for the edit-test loop (<= 5 minutes on 2 cores): the tests a whole run measured at 6 s or
+# less (tests/durations.json), new ones, and those marked fast (tests/conftest.py)
 test-fast: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow"
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow and not alone"
+
+# after a whole `make test`: its measured test times become the fast layer's record
+durations:
+	cp .pytest_cache/mmm-durations.json tests/durations.json
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

@@ -322,6 +322,13 @@ _HOST_FIXTURES = {"two_hosts", "shared_dir", "slurm_cluster", "slurm_on_two_host
 # run after the others, with no other test beside them (make test's second pytest run): a real Slurm's
 # steps meet at a port derived from the job id, and under a parallel run one collided (EADDRINUSE)
 ALONE = {"test_slurm.py"}
+# `make test-fast` (-m "not slow") runs the tests recorded at FAST_S seconds or less in a whole `make test`
+# on 2 cores (tests/durations.json; `make durations` rewrites it from the last run), those not recorded
+# yet, and those marked fast; the others are marked slow here
+FAST_S = 6.0
+DURATIONS_FILE = Path(__file__).parent / "durations.json"
+RECORDED = ROOT / ".pytest_cache" / "mmm-durations.json"  # what the last runs measured (make durations)
+_DURATIONS: dict[str, float] = {}
 
 
 # a module whose tests read a run its own module- or session-scoped fixture makes (a reference run, a
@@ -340,9 +347,16 @@ def _reads_a_shared_run(item) -> bool:
     return False
 
 
+def _node(nodeid: str) -> str:
+    return nodeid.split("@", 1)[0]  # without the @group pytest-xdist writes into a grouped test's id
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups to schedule by
 def pytest_collection_modifyitems(config, items):
+    recorded = json.loads(DURATIONS_FILE.read_text()) if DURATIONS_FILE.exists() else {}
     for item in items:
+        if "fast" not in item.keywords and recorded.get(_node(item.nodeid), 0.0) > FAST_S:
+            item.add_marker(pytest.mark.slow)
         if item.path.name in ALONE:
             item.add_marker(pytest.mark.alone)
         hosts = "hosts2" in item.name or _HOST_FIXTURES & set(getattr(item, "fixturenames", ()))
@@ -368,9 +382,23 @@ def pytest_configure(config):
 
 
 def pytest_runtest_logreport(report):
-    """Rows of the fault campaign's table, as each report arrives (from this process or an xdist worker)."""
+    """Rows of the fault campaign's table, as each report arrives (from this process or an xdist worker);
+    each test's time (setup, call and teardown) for :data:`RECORDED`."""
+    node = _node(report.nodeid)
+    _DURATIONS[node] = _DURATIONS.get(node, 0.0) + report.duration
     if report.when == "call":
         _FAULT_ROWS.extend(tuple(value) for name, value in report.user_properties if name == "fault_outcome")
+
+
+def pytest_sessionfinish(session):
+    """Add this run's test times to :data:`RECORDED` (the controller's, not an xdist worker's)."""
+    if not _DURATIONS or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    with contextlib.suppress(OSError, ValueError):
+        old = json.loads(RECORDED.read_text()) if RECORDED.exists() else {}
+        RECORDED.parent.mkdir(parents=True, exist_ok=True)
+        merged = {**old, **{k: round(v, 1) for k, v in _DURATIONS.items()}}
+        RECORDED.write_text(json.dumps(dict(sorted(merged.items())), indent=0) + "\n")
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -392,7 +420,7 @@ def _deepspeed_cpu_adam_built_in_the_background(request):
     here is retried there, in the foreground)."""
     wanted = any("offload" in item.name for item in request.session.items)
     wanted &= os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0"  # one build, not one per worker
-    proc = None
+    proc, started = None, time.time() - 1
     if wanted and importlib.util.find_spec("deepspeed") is not None:
         proc = subprocess.Popen(
             [sys.executable, "-c", "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"],
@@ -406,3 +434,16 @@ def _deepspeed_cpu_adam_built_in_the_background(request):
     yield
     if proc is not None and proc.poll() is None:
         kill_group(proc)
+        # the build it stopped holds torch's build lock, which every later build would wait on for ever
+        from mmm.parallel.zero import stale_build_lock
+
+        lock = stale_build_lock("cpu_adam")
+        lock = lock if lock is not None else _build_lock("cpu_adam")
+        if lock.exists() and lock.stat().st_mtime >= started:
+            lock.unlink()
+
+
+def _build_lock(op: str) -> Path:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(op, verbose=False)) / "lock"

@@ -219,3 +219,25 @@ def test_zero2_optimizer_offload_runs_and_matches(tmp_path):
     assert (
         max_rel_diff(jsonl(tmp_path / "offload" / "history.jsonl"), jsonl(tmp_path / "plain" / "history.jsonl")) <= 1e-4
     )
+
+
+def test_a_stale_cpu_adam_build_lock_is_refused_not_waited_on(tmp_path, monkeypatch):
+    """A first --offload-optimizer run stopped while DeepSpeed JIT-compiled CPU Adam leaves torch's build
+    lock behind, and every later run would wait on it for ever: one line names the file instead."""
+    import os
+    import time
+
+    from mmm.errors import UsageError
+    from mmm.parallel import zero
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert zero.stale_build_lock("cpu_adam") is None  # no build yet
+    lock = tmp_path / "cpu_adam" / "lock"  # torch builds an op in TORCH_EXTENSIONS_DIR/<op>
+    lock.touch()
+    assert zero.stale_build_lock("cpu_adam") is None  # a build going on now: waited for
+    old = time.time() - zero.STALE_BUILD_S - 60
+    os.utime(lock, (old, old))
+    assert zero.stale_build_lock("cpu_adam") == lock
+    config = zero.zero_config(stage=2, global_batch=4, dp=1, dtype="fp32", offload_optimizer=True)
+    with pytest.raises(UsageError, match="CPU Adam build is locked by .*lock, left 11 min ago .*delete that file"):
+        zero.initialize(torch.nn.Linear(2, 2), None, config=config, device_type="cpu")

@@ -147,7 +147,13 @@ def compare(got: list[dict], want: list[dict], keys=("loss", "grad_norm")) -> di
     return out
 
 
-@pytest.mark.parametrize("case", MATRIX, ids=[c.name for c in MATRIX])
+# in make test-fast whatever their time: the demo's layout (TP x FSDP) and a pipeline over FSDP
+FAST_ROWS = {"fsdp-dp2-tp2", "pp2-dp2"}
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, id=c.name, marks=[pytest.mark.fast] if c.name in FAST_ROWS else []) for c in MATRIX]
+)
 def test_layout_matches_one_process(references, tmp_path, case, request):
     if case.two_hosts:  # the hosts' /tmp is their own: write where both see it
         tmp_path = request.getfixturevalue("shared_dir")

@@ -11,7 +11,9 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -21,6 +23,8 @@ from mmm import dist as mdist
 from mmm.errors import UsageError
 
 ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
+# a JIT build's lock older than this was left by a build that was stopped (a build takes 1-2 minutes)
+STALE_BUILD_S = 600.0
 INSTALL_HINT = "pip install 'mmm[deepspeed]' (or pip install deepspeed)"
 
 
@@ -97,8 +101,32 @@ def _skip_inference_shm_kernel(deepspeed) -> None:
     backend.build_shm_op = lambda: None
 
 
+def stale_build_lock(op: str = "cpu_adam") -> Path | None:
+    """The lock file of an interrupted JIT build of DeepSpeed's op ``op`` (older than
+    :data:`STALE_BUILD_S`), if there is one: torch's build waits for such a lock to go, for ever (a first
+    ``--offload-optimizer`` run stopped while it compiled CPU Adam leaves one)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory  # where torch builds (and locks) the op
+    except ImportError:
+        return None
+    lock = Path(_get_build_directory(op, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return lock if age > STALE_BUILD_S else None
+
+
 def initialize(model: nn.Module, optimizer, *, config: dict[str, Any], device_type: str):
     """``deepspeed.initialize`` on the existing process group; returns the DeepSpeed engine."""
+    if optimizer is None and config.get("zero_optimization", {}).get("offload_optimizer"):
+        lock = stale_build_lock("cpu_adam")
+        if lock is not None:
+            minutes = (time.time() - lock.stat().st_mtime) / 60
+            raise UsageError(
+                f"--offload-optimizer: DeepSpeed's CPU Adam build is locked by {lock}, left {minutes:.0f} min ago "
+                "by a build that was stopped (torch would wait for it for ever): delete that file and run again"
+            )
     deepspeed = import_deepspeed()
     if device_type == "cpu":
         _skip_inference_shm_kernel(deepspeed)
