@@ -6,6 +6,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -348,14 +349,22 @@ def _reads_a_shared_run(item) -> bool:
 
 
 def _node(nodeid: str) -> str:
-    return nodeid.split("@", 1)[0]  # without the @group pytest-xdist writes into a grouped test's id
+    return re.sub(r"@\w+$", "", nodeid)  # without the @group pytest-xdist writes at the end of a grouped test's id
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups to schedule by
 def pytest_collection_modifyitems(config, items):
     recorded = json.loads(DURATIONS_FILE.read_text()) if DURATIONS_FILE.exists() else {}
+    seconds = {item: recorded.get(_node(item.nodeid), 0.0) for item in items}
+    # a run a module's tests share is timed in whichever of them comes first: each reader counts it
+    shared: dict[str, float] = {}
     for item in items:
-        if "fast" not in item.keywords and recorded.get(_node(item.nodeid), 0.0) > FAST_S:
+        if item.path.name not in _SHARED_RUNS_SPREAD and _reads_a_shared_run(item):
+            shared[item.path.name] = max(shared.get(item.path.name, 0.0), seconds[item])
+    for item in items:
+        if item.path.name not in _SHARED_RUNS_SPREAD and _reads_a_shared_run(item):
+            seconds[item] = shared[item.path.name]
+        if "fast" not in item.keywords and seconds[item] > FAST_S:
             item.add_marker(pytest.mark.slow)
         if item.path.name in ALONE:
             item.add_marker(pytest.mark.alone)
