@@ -130,4 +130,7 @@ RECIPE = GPTRecipe()
 if __name__ == "__main__":
     from mmm.dist import run_main
 
-    run_main(lambda argv: trainer.main(RECIPE, argv, doc=__doc__), prog="examples/own_recipe.py")
+    run_main(
+        lambda argv: trainer.main(RECIPE, argv, doc=__doc__, prog="examples/own_recipe.py"),
+        prog="examples/own_recipe.py",
+    )

@@ -135,6 +135,18 @@ def test_a_hugging_face_config_trains_through_the_one_trainer(tmp_path):
     assert_clean_user_error(res, "unrecognized arguments: --cp 2")  # context parallel is not offered
     res = run([sys.executable, "-m", "mmm.training.trainer", "--recipe", "nosuch"], timeout=60)
     assert_clean_user_error(res, "--recipe 'nosuch': give one of llama, vit, cnn, hf or module:NAME")
+    # a config of a model that is no causal LM: refused where the config is read, not when it is built
+    import transformers
+
+    from mmm.errors import UsageError
+    from mmm.models.hf.recipe import HF_CAUSAL_LM, HFModel, load_hf_config
+
+    transformers.T5Config().save_pretrained(tmp_path / "t5")
+    with pytest.raises(UsageError, match="model_type 't5' has no causal LM in transformers"):
+        load_hf_config(str(tmp_path / "t5"))
+    # what a checkpoint records of the model: not the transformers version that wrote the config
+    summary = HF_CAUSAL_LM.summary(HFModel(load_hf_config(str(config)), 32))
+    assert summary["model_type"] == "qwen2" and "transformers_version" not in summary and summary["seq_len"] == 32
 
 
 def test_the_vit_recipe_is_picked_at_8_ranks(tmp_path):
@@ -152,3 +164,24 @@ def test_the_vit_recipe_is_picked_at_8_ranks(tmp_path):
     assert [r["step_s"] for r in rows if r["fits"]] == sorted(r["step_s"] for r in rows if r["fits"])
     config = VIT.command_line().parse(rows[0]["flags"])
     assert not VIT.problems(config, 8) and config.parallel.degrees == rows[0]["degrees"] | {"dp_shard": -1}
+
+
+def test_a_recipe_names_what_it_lacks_in_one_line(tmp_path, monkeypatch):
+    """Recipes found by name fail in one line: a module whose own import fails, a missing NAME, a recipe
+    the planner cannot simulate (no example_batch); a CNN checkpoint records what it did before 0.2."""
+    from mmm.errors import UsageError
+    from mmm.models.cnn.recipe import DIGITS, DigitsConfig
+    from mmm.training.recipe import Recipe, load_recipe
+
+    (tmp_path / "broken_recipe.py").write_text("import no_such_dependency\n")
+    (tmp_path / "bare_recipe.py").write_text("from mmm.training.recipe import Recipe\nBARE = Recipe()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UsageError, match="importing broken_recipe needs 'no_such_dependency', which is not installed"):
+        load_recipe("broken_recipe:R")
+    with pytest.raises(UsageError, match="bare_recipe has no 'MISSING'"):
+        load_recipe("bare_recipe:MISSING")
+    bare = load_recipe("bare_recipe:BARE")
+    assert isinstance(bare, Recipe)
+    with pytest.raises(UsageError, match="has no example_batch: the planner and mmm.verify need"):
+        bare.example_batch(None, rows=1)
+    assert DIGITS.summary(DigitsConfig(img_size=8)) == {"type": "DigitsCNN", "img_size": 8, "num_params": 151_306}

@@ -96,6 +96,8 @@ def save_fault(stage: str, step: int | None = None, *, rank: int = 0) -> bool:
             "(e.g. rng@4:1)"
         )
     who = m["rank"] or "0"
+    if m["stage"] == "history" and who != "0":
+        raise UsageError(f"MMM_SAVE_FAULT={spec!r}: the history fault is history@STEP (rank 0 writes the history)")
     return (
         m["stage"] == stage
         and (m["step"] is None or step is None or int(m["step"]) == step)

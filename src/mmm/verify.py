@@ -344,8 +344,14 @@ def target(check: VerifyConfig):
         return (lambda: LlamaForCausalLM(config)), {"tp_plan": HF_LLAMA_TP_PLAN}, tokens, lm_loss
     factory = _load(check.model, "--model")
     if isinstance(factory, Recipe):
-        if check.tp_plan:
-            raise UsageError(f"--tp-plan: {check.model} is a recipe, whose TP plan is its own; drop --tp-plan")
+        defaults = VerifyConfig()
+        flags = {"--tp-plan": "tp_plan", "--seq-len": "seq_len", "--vocab-size": "vocab_size"}
+        given = [flag for flag, name in flags.items() if getattr(check, name) != getattr(defaults, name)]
+        if given:
+            raise UsageError(
+                f"{', '.join(given)}: {check.model} is a recipe, whose model (at its defaults), TP plan and batch "
+                "shapes are its own; drop them"
+            )
         return recipe_target(factory, check)
     plan = _load(check.tp_plan, "--tp-plan") if check.tp_plan else None
     return factory, {"tp_plan": plan}, tokens, lm_loss

@@ -47,7 +47,7 @@ def __getattr__(name: str):
         return getattr(importlib.import_module(_LAZY[name]), name)
     if name in _MOVED:
         warnings.warn(
-            f"mmm.parallel.{name} moved to {_MOVED[name]}.{name}; the old name goes in mmm 0.2",
+            f"mmm.parallel.{name} moved to {_MOVED[name]}.{name}; the old name goes after mmm 0.2",
             DeprecationWarning,
             stacklevel=2,
         )

@@ -119,8 +119,9 @@ def rank_for(request: PickRequest) -> Pick:
 def _rank_in_child(request: PickRequest, out: str, log: str, parent: int) -> None:
     """The planner's process: no launcher variables (it is no rank of the job), its output to ``log``,
     ended with the rank that asked (``end_with_parent``); the pick, or the refusal, pickled to ``out``."""
+    env = without_launcher_vars(dict(os.environ)) | {"MMM_LOG_LEVEL": "WARNING", "MMM_RICH": "0"}
     os.environ.clear()
-    os.environ.update(without_launcher_vars(dict(os.environ)) | {"MMM_LOG_LEVEL": "WARNING", "MMM_RICH": "0"})
+    os.environ.update(env)
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(fd, 1)
     os.dup2(fd, 2)

@@ -121,7 +121,7 @@ def _simulate_layout(task) -> tuple[list[RankReport] | None, str | None, str | N
 
 def end_with_parent(parent: int) -> None:
     """This process ends when ``parent`` does: a pool worker with the planner, the planner with the
-    trainer rank that asked for a pick (``MMM_END_WITH_PARENT``); none is left simulating for minutes
+    trainer rank that asked for a pick (:mod:`mmm.plan.pick`); none is left simulating for minutes
     on its own. Linux: the kernel's parent-death signal."""
     if sys.platform.startswith("linux"):
         import ctypes

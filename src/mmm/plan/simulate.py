@@ -42,7 +42,6 @@ the simulated step (:mod:`mmm.plan.predict` states the model).
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -55,7 +54,7 @@ from mmm.log import configure
 from mmm.plan import AXES
 from mmm.plan.fake import RankReport, simulate_ranks
 from mmm.plan.hardware import load_hardware
-from mmm.plan.ranking import end_with_parent, format_ranking, rank_layouts
+from mmm.plan.ranking import format_ranking, rank_layouts
 from mmm.training.config import Config
 from mmm.training.recipe import add_recipe_flag, recipe_from_argv
 
@@ -198,8 +197,6 @@ def format_reports(reports: list[RankReport]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if os.environ.get("MMM_END_WITH_PARENT", "").isdigit():  # started by a trainer's --pick-layout
-        end_with_parent(int(os.environ["MMM_END_WITH_PARENT"]))
     configure()  # this process's own lines (--pick's), before any simulated rank sets up its own
     recipe, argv = recipe_from_argv(argv)
     parser = build_parser(recipe)

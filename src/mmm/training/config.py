@@ -309,12 +309,13 @@ def trainer_flags(
     run: type[RunConfig] = RunConfig,
     titles: Mapping[str, str] | None = None,
     recipe: Any = None,
+    prog: str | None = None,
 ) -> Flags:
     """The command line of ``python -m mmm.examples.<example>`` (``doc``: its docstring): every field
     of its ``train`` class and of ``run``, and the ``parallel`` fields of :class:`ParallelConfig` it
     offers (all when None; the others keep their defaults). ``.parse(argv)`` gives a :class:`Config`."""
     return Flags(
-        prog=f"python -m mmm.examples.{example}",
+        prog=prog or f"python -m mmm.examples.{example}",
         doc=doc,
         sections={"train": (train, None), "parallel": (ParallelConfig, parallel), "run": (run, None)},
         into=partial(Config, recipe=recipe),

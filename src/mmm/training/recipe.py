@@ -98,8 +98,9 @@ class Recipe:
     :class:`ParallelConfig` fields on its command line; None: all), ``titles`` (--help's section
     titles), ``rate`` (the throughput's name in History: ``tps`` or ``samples_per_s``).
 
-    Methods to write: :meth:`model_config`, :meth:`build`, :meth:`spec`, :meth:`loss`,
-    :meth:`problems`, :meth:`loop`; the others have defaults.
+    Methods to write: :meth:`build`, :meth:`spec`, :meth:`loss`, :meth:`problems`, :meth:`loop`, and for
+    the planner and mmm.verify :meth:`example_batch` (with :meth:`shape` and :meth:`with_blocks` for a
+    model of repeated blocks); the others have defaults.
     """
 
     name: str = ""
@@ -110,8 +111,9 @@ class Recipe:
     rate: str = "samples_per_s"
 
     # --- the command line and its checks
-    def command_line(self, doc: str = ""):
-        """The trainer's flags (``doc``: its --help text); ``.parse(argv)`` gives a :class:`Config`."""
+    def command_line(self, doc: str = "", prog: str | None = None):
+        """The trainer's flags (``doc``: its --help text; ``prog``: its command, by default
+        ``python -m mmm.examples.<name>``); ``.parse(argv)`` gives a :class:`Config`."""
         return trainer_flags(
             self.name,
             doc,
@@ -120,6 +122,7 @@ class Recipe:
             run=self.run_config,
             titles=self.titles,
             recipe=self,
+            prog=prog,
         )
 
     def problems(self, config: Config, world_size: int) -> list[str]:
@@ -167,7 +170,10 @@ class Recipe:
     def example_batch(self, model_config, *, rows: int, cp: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) of ``rows`` sequences or samples, as a rank's batch is shaped (its 1/``cp`` of
         each sequence under context parallel); their values do not matter (zeros)."""
-        raise NotImplementedError
+        raise UsageError(
+            f"recipe {self.name!r} has no example_batch: the planner and mmm.verify need a rank's batch shapes "
+            "(write Recipe.example_batch)"
+        )
 
     def shape(self, model_config) -> Shape:
         """The model's blocks and, for a sequence model, its attention's shape (:class:`Shape`)."""
@@ -175,7 +181,10 @@ class Recipe:
 
     def with_blocks(self, model_config, blocks: int):
         """``model_config`` with ``blocks`` repeated blocks (the planner simulates a few and carries on)."""
-        raise NotImplementedError(f"{type(self).__name__} has no repeated blocks")
+        raise UsageError(
+            f"recipe {self.name!r} has blocks (Recipe.shape) but no with_blocks: the planner needs a model of "
+            "fewer blocks (write Recipe.with_blocks)"
+        )
 
     def estimate(self, config: Config, world: int) -> tuple[dict[str, float], dict[str, float]] | None:
         """Closed-form per-rank (memory bytes, communication bytes by group) of ``config`` on ``world``
@@ -251,13 +260,16 @@ def load_recipe(spec: str) -> Recipe:
     if not module or not attr:
         raise UsageError(f"recipe {spec!r}: give module:NAME, e.g. mmm.models.llama.recipe:LLAMA")
     try:
-        found = getattr(importlib.import_module(module), attr)
+        loaded = importlib.import_module(module)
     except ModuleNotFoundError as e:
         if e.name and module.startswith(e.name):
             raise UsageError(f"recipe {spec!r}: no module {e.name!r} (is it on PYTHONPATH?)") from None
-        raise
-    except AttributeError:
-        raise UsageError(f"recipe {spec!r}: {module} has no {attr!r}") from None
+        raise UsageError(f"recipe {spec!r}: importing {module} needs {e.name!r}, which is not installed") from None
+    except ImportError as e:
+        raise UsageError(f"recipe {spec!r}: cannot import {module}: {e}") from None
+    if not hasattr(loaded, attr):
+        raise UsageError(f"recipe {spec!r}: {module} has no {attr!r}")
+    found = getattr(loaded, attr)
     if not isinstance(found, Recipe):
         raise UsageError(f"recipe {spec!r} is a {type(found).__name__}, not an mmm.training.recipe.Recipe")
     return found

@@ -29,11 +29,18 @@ from mmm.training.summary import compiled_graphs, torchinfo_summary, write_summa
 PickLayout = Callable[[Recipe, Config, list, Any], tuple[Config, dict]]
 
 
-def main(recipe: Recipe, argv: Sequence[str] | None = None, *, doc: str = "", pick: PickLayout | None = None) -> int:
+def main(
+    recipe: Recipe,
+    argv: Sequence[str] | None = None,
+    *,
+    doc: str = "",
+    pick: PickLayout | None = None,
+    prog: str | None = None,
+) -> int:
     """``python -m mmm.examples.<recipe.name>``: parse the flags (``doc``: --help's text), set the job up,
     check the config, train. ``pick``: how a run that asks for the planner's layout gets it."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    config = recipe.command_line(doc).parse(argv)  # the flags, parsed once into typed configs
+    config = recipe.command_line(doc, prog).parse(argv)  # the flags, parsed once into typed configs
     if recipe.picks_layout(config) and pick is None:
         raise UsageError(
             f"--pick-layout: this command takes no planner's pick; use python -m mmm.examples.{recipe.name}"
@@ -194,7 +201,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
 
 --recipe: {RECIPE_HELP}.
 """
-    return main(recipe, rest, doc=doc)
+    return main(recipe, rest, doc=doc, prog=f"python -m mmm.training.trainer --recipe {recipe.name}")
 
 
 if __name__ == "__main__":

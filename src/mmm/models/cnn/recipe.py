@@ -20,6 +20,7 @@ from mmm.flops import counted_flops_per_sample
 from mmm.history import History
 from mmm.models.cnn.model import DigitsCNN, log_softmax_nll
 from mmm.parallel.compose import ParallelSpec
+from mmm.parallel.meta import count_params
 from mmm.training.checkpoints import save_full_model
 from mmm.training.config import Config, RunConfig
 from mmm.training.recipe import Context, Loop, Recipe
@@ -158,7 +159,8 @@ class DigitsRecipe(Recipe):
         return DigitsCNN(img_size=model_config.img_size, dropout=model_config.dropout)
 
     def summary(self, model_config: DigitsConfig) -> dict:
-        return {"type": "DigitsCNN", "img_size": model_config.img_size}
+        n = count_params(lambda: self.build(model_config))  # as checkpoints recorded it before 0.2
+        return {"type": "DigitsCNN", "img_size": model_config.img_size, "num_params": n}
 
     def spec(self, how, model_config) -> ParallelSpec:
         return ParallelSpec(blocks=None, dtype=how.dtype)
@@ -203,6 +205,8 @@ class DigitsRecipe(Recipe):
         order: dict[int, list] = {}  # the epoch's index batches: a permutation fixed by --seed and the epoch
 
         def batch(step):  # this dp rank's rows of the step's global batch
+            if not epoch_began[0]:
+                epoch_began[0] = time.perf_counter()
             epoch = epoch_of(step)
             if epoch not in order:
                 order.clear()
@@ -232,7 +236,7 @@ class DigitsRecipe(Recipe):
             return {"test_loss": loss, "test_acc": 100 * acc}  # percent: 97.62, not 0.9762
 
         made: list[History] = []
-        epoch_began = [time.perf_counter()]
+        epoch_began = [0.0]  # set when the first step begins
 
         def epochs() -> History:  # one record per epoch: mean training loss, test loss and accuracy
             if not made:  # made once the first step (after --resume) is known

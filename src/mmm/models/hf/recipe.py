@@ -100,6 +100,13 @@ def load_hf_config(path: str):
     except ImportError:
         raise UsageError("--recipe hf needs transformers: pip install 'mmm[hf]'") from None
     kind = raw.pop("model_type")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UsageError(
+            f"--hf-config {path!r}: model_type {kind!r} has no causal LM in transformers "
+            "(AutoModelForCausalLM); the hf recipe trains causal language models"
+        )
     try:
         config = AutoConfig.for_model(kind, **raw)
     except (ValueError, KeyError) as e:
@@ -226,7 +233,8 @@ class HFCausalLMRecipe(Recipe):
 
     def summary(self, model_config: HFModel) -> dict:
         c = model_config.config
-        return {"model_type": c.model_type, **c.to_diff_dict(), "seq_len": model_config.seq_len}
+        shape = {k: v for k, v in c.to_diff_dict().items() if k != "transformers_version"}  # not the model's
+        return {"model_type": c.model_type, **shape, "seq_len": model_config.seq_len}
 
     def spec(self, how, model_config: HFModel) -> ParallelSpec:
         plan = dict(getattr(model_config.config, "base_model_tp_plan", None) or {})
