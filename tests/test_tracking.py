@@ -249,10 +249,11 @@ def test_rank_timings_name_the_slow_rank(tmp_path):
     assert [r["iter"] for r in gathered] == [2, 4, 6]  # only logging steps: no collective on the others
     assert [r["slowest_rank"] for r in gathered] == [1, 1, 1], gathered
     assert all(0.2 < r["dt_lag"] < 0.9 for r in gathered), gathered
-    # every rank waits for rank 1's sleep (a step takes a few tens of ms without it); the fast rank may
-    # finish its own end of step a little after rank 1 starts sleeping, so it waits somewhat less than
-    # 0.3 s (0.244 s seen under a loaded CI run)
-    assert all(r["dt_max"] >= r["dt_mean"] >= r["dt_min"] > 0.15 for r in gathered), gathered
+    # the ranks wait for rank 1's sleep (a step takes a few tens of ms without it); the fast rank may
+    # finish its own end of step a little after rank 1 starts sleeping, so it waits less than 0.3 s
+    # (0.244 s seen under a loaded CI run; 0.09 s once, when the loaded fast rank came to the step's
+    # collective after most of the sleep): the mean over the ranks is held, not the fastest rank's
+    assert all(r["dt_max"] >= r["dt_mean"] >= r["dt_min"] > 0 and r["dt_mean"] > 0.15 for r in gathered), gathered
     assert "slowest rank 1 (3 of 3 logged steps)" in res.stdout
     assert "slowest_rank=1" in res.stdout  # in the step lines too
 
