@@ -3,7 +3,7 @@
     launch -n 2 python3 examples/context_parallel_own_attention.py
 
 Give your attention an ``attn_fn(q, k, v)`` hook, let ``context_parallel`` set it to mmm's ring
-attention (in every module that has one), shard the
+or all-to-all (Ulysses) attention (in every module that has one), shard the
 sequence with ``shard_sequence`` (load-balanced chunks), and use ``local_positions`` for any
 positional encoding. The script checks the output and the gradients against full attention
 computed in one process.
@@ -47,15 +47,17 @@ def main(argv=None):
     want_grad = model.qkv.weight.grad.clone()
     model.zero_grad()
 
-    # context parallel: this rank's chunks, ring attention
-    context_parallel(model, mesh["cp"])  # every attn_fn hook -> ring attention over the cp ranks
-    out = model(shard_sequence(x, rank, cp), local_positions(16, rank, cp))
-    assert torch.allclose(out, shard_sequence(full, rank, cp), rtol=1e-5, atol=1e-6)
-    (out.square().sum() / full.numel()).backward()  # this rank's share of the same mean
-    torch.distributed.all_reduce(model.qkv.weight.grad)  # sum the shares over the cp ranks
-    assert torch.allclose(model.qkv.weight.grad, want_grad, rtol=1e-4, atol=1e-7)
-    if info.is_main:
-        print(f"ring attention over {cp} ranks matches full attention: outputs and gradients", flush=True)
+    # context parallel: this rank's chunks; ring attention, then all-to-all (Ulysses: heads split over cp)
+    for kind in ("ring", "ulysses"):
+        model.zero_grad()
+        context_parallel(model, mesh["cp"], kind=kind)  # every attn_fn hook -> this kind over the cp ranks
+        out = model(shard_sequence(x, rank, cp), local_positions(16, rank, cp))
+        assert torch.allclose(out, shard_sequence(full, rank, cp), rtol=1e-5, atol=1e-6), kind
+        (out.square().sum() / full.numel()).backward()  # this rank's share of the same mean
+        torch.distributed.all_reduce(model.qkv.weight.grad)  # sum the shares over the cp ranks
+        assert torch.allclose(model.qkv.weight.grad, want_grad, rtol=1e-4, atol=1e-7), kind
+        if info.is_main:
+            print(f"{kind} attention over {cp} ranks matches full attention: outputs and gradients", flush=True)
     return 0
 
 

@@ -25,6 +25,13 @@ def test_load_balanced_positions():
     assert cp_problems(cp=4, seq_len=36) == [
         "seq_len=36 is not divisible by 2 x cp = 8; context parallel cuts the sequence into 2*cp load-balanced chunks"
     ]
+    assert cp_problems(cp=2, seq_len=32, tp=2, kind="ulysses", n_heads=6) == [
+        "cp_attention='ulysses' splits the query heads over cp=2: n_heads 6 / tp=2 = 3 per TP rank is not "
+        "divisible by 2; use a cp that divides it, or cp_attention='ring'"
+    ]
+    assert cp_problems(cp=2, seq_len=32, kind="spiral") == [
+        "unknown context-parallel attention cp_attention='spiral'; choose one of ring, ulysses"
+    ]
 
 
 def test_context_parallel_needs_an_attention_hook():
@@ -37,7 +44,8 @@ def test_own_attention_example_script(n):
     script = Path(__file__).parents[1] / "examples" / "context_parallel_own_attention.py"
     res = run(mpiexec(n, str(script)) if n == 4 else launch("-n", str(n), "python3", str(script)), timeout=120)
     assert res.returncode == 0, res.output
-    assert f"ring attention over {n} ranks matches full attention: outputs and gradients" in res.stdout
+    for kind in ("ring", "ulysses"):
+        assert f"{kind} attention over {n} ranks matches full attention: outputs and gradients" in res.stdout
 
 
 @pytest.mark.parametrize(
@@ -45,6 +53,12 @@ def test_own_attention_example_script(n):
     [
         (4, ["--cp", "4", "--seq-len", "36"], "--seq-len 36 is not divisible by 2 x cp = 8"),
         (4, ["--cp", "2", "--tp", "2", "--seq-len", "36"], "--seq-len 36 is not divisible by 2 x cp x tp = 8"),
+        (
+            4,
+            ["--cp", "4", "--n-heads", "6", "--dim", "48", "--n-kv-heads", "2", "--cp-attention", "ulysses"],
+            "--cp-attention ulysses splits the query heads over cp=4: --n-heads 6 per TP rank is not divisible by 4",
+        ),
+        (2, ["--cp-attention", "ulysses"], "--cp-attention ulysses only applies with --cp > 1 (got cp=1)"),
     ],
 )
 def test_cp_bad_input(n, flags, needle):

@@ -78,7 +78,6 @@ MATRIX = [
     # data parallel and tensor parallel (llama)
     C("fsdp-dp4", "llama", 4, "--tp 1", "torchrun"),
     C("fsdp-dp2-tp2", "llama", 4, "--tpsize 2"),
-    C("fsdp-tp4", "llama", 4, "--tp 4", "torchrun"),
     C("ddp-dp4", "llama", 4, "--strategy ddp"),
     C("hsdp-2x2", "llama", 4, "--strategy hsdp --dp-replicate 2", "torchrun"),
     C("fsdp-dp2-tp4", "llama", 8, "--tp 4", "torchrun"),
@@ -94,7 +93,12 @@ MATRIX = [
     C("cp4", "llama", 4, "--cpsize 4 --dp-shard 1"),
     C("dp2-cp2", "llama", 4, "--cp 2", "torchrun"),
     C("cp2-tp2-ac-full", "llama", 4, "--cp 2 --tp 2 --ac full"),
-    C("dp2-cp2-tp2", "llama", 8, "--cp 2 --tp 2"),
+    # all-to-all (Ulysses) context parallel: heads split over cp; cp4 x tp2 repeats K/V (2 kv heads per TP
+    # rank over 4 cp ranks)
+    C("ulysses-cp2", "llama", 2, "--cp 2 --dp-shard 1 --cp-attention ulysses", "torchrun"),
+    C("ulysses-cp4", "llama", 4, "--cp 4 --dp-shard 1 --cp-attention ulysses"),
+    C("ulysses-dp2-cp2-tp2", "llama", 8, "--cp 2 --tp 2 --cp-attention ulysses"),
+    C("ulysses-cp4-tp2", "llama", 8, "--cp 4 --tp 2 --cp-attention ulysses", "torchrun"),
     C("pp2-cp2-tp2", "llama", 8, "--pp 2 --cp 2 --tp 2 --microbatches 2", "torchrun"),
     # pipeline parallel
     C("pp2-gpipe", "llama8", 2, "--pp 2 --pp-schedule gpipe --microbatches 4", "torchrun"),

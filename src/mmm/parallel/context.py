@@ -1,4 +1,5 @@
-"""Context parallelism: causal ring attention over the cp group, with load-balanced sequence shards.
+"""Context parallelism: causal attention over a sequence split across the cp group, by ring attention
+or by all-to-all (Ulysses), on load-balanced sequence shards.
 
 The sequence is cut into 2*cp chunks and cp rank r holds chunks r and 2*cp-1-r, so every rank
 has the same causal work. Attention keeps its local queries and passes keys and values around
@@ -7,10 +8,19 @@ scores is computed exactly and the partial results are merged with their log-sum
 softmax). Communication is a custom autograd function whose backward sends the gradient back
 the other way, so autograd gives the exact backward. Runs on gloo (CPU) and NCCL alike.
 
+All-to-all (Ulysses, ``kind="ulysses"``) trades the ring for two all-to-alls per attention: one
+turns (all heads, this rank's tokens) into (heads / cp, every token), attention runs over the whole
+sequence (the load-balanced chunk order undone first, so the causal mask is the plain one), and one
+turns it back. It needs the query heads (per TP rank) divisible by cp; key/value heads that are not
+are repeated to the query heads before the exchange (grouped-query attention then moves cp x more
+K/V bytes, still exact). Its bytes per rank do not grow with cp; the ring's do.
+
 For your own model: give its attention module an ``attn_fn(q, k, v)`` attribute (causal SDPA by
-default) and set it to :func:`ring_attention_fn` (:func:`context_parallel` does it for every such
-module); shard inputs with :func:`shard_sequence` and give rotary/positional embeddings the positions
-from :func:`local_positions` (mmm's Llama: ``mmm.models.llama.apply_cp_llama``).
+default) and let :func:`context_parallel` set it (every such module) to ring or all-to-all attention;
+shard inputs with :func:`shard_sequence` and give rotary/positional embeddings the positions from
+:func:`local_positions`, which is how positions reach a model whose sequence is split: the hook sees
+q and k already rotated or embedded at their global positions (mmm's Llama:
+``mmm.models.llama.apply_cp_llama``).
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from mmm.errors import API, Spelling, UsageError
 
@@ -36,17 +47,34 @@ def shard_sequence(t: torch.Tensor, cp_rank: int, cp: int, dim: int = 1) -> torc
     return t.index_select(dim, local_positions(t.shape[dim], cp_rank, cp).to(t.device))
 
 
-def cp_problems(*, cp: int, seq_len: int, tp: int = 1, spell: Spelling = API) -> list[str]:
-    """What context parallel (and TP's sequence parallel inside it) requires of the sequence length."""
+CP_KINDS = ("ring", "ulysses")
+
+
+def cp_problems(
+    *, cp: int, seq_len: int, tp: int = 1, kind: str = "ring", n_heads: int | None = None, spell: Spelling = API
+) -> list[str]:
+    """What context parallel (and TP's sequence parallel inside it) requires of the sequence length,
+    and all-to-all CP of the query heads (``n_heads``, the model's, split over tp first)."""
+    if kind not in CP_KINDS:
+        return [
+            f"unknown context-parallel attention {spell('cp_attention', kind)}; choose one of {', '.join(CP_KINDS)}"
+        ]
     if cp <= 1:
         return []
+    out = []
     need = 2 * cp * tp
     if seq_len % need:
-        return [
+        out.append(
             f"{spell('seq_len', seq_len)} is not divisible by 2 x cp{' x tp' if tp > 1 else ''} = {need}; context "
             f"parallel cuts the sequence into 2*cp load-balanced chunks{' split again by TP' if tp > 1 else ''}"
-        ]
-    return []
+        )
+    if kind == "ulysses" and n_heads is not None and (n_heads % tp or (n_heads // tp) % cp):
+        per = f"{n_heads} / tp={tp} = {n_heads / tp:g}" if tp > 1 else str(n_heads)
+        out.append(
+            f"{spell('cp_attention', kind)} splits the query heads over cp={cp}: {spell.name('n_heads')} {per} "
+            f"per TP rank is not divisible by {cp}; use a cp that divides it, or {spell('cp_attention', 'ring')}"
+        )
+    return out
 
 
 class _RingShift(torch.autograd.Function):
@@ -139,20 +167,96 @@ def ring_attention_fn(group) -> RingAttention:
     return RingAttention(group)
 
 
-def context_parallel(model: torch.nn.Module, cp_mesh, *, attn_attr: str = "attn_fn") -> list[str]:
-    """Swap ring attention over ``cp_mesh`` into every submodule of ``model`` that has an
-    ``attn_attr`` attribute: the attention hook, an SDPA-shaped causal ``attn(q, k, v)`` on
-    (batch, heads, local_seq, head_dim) tensors, with k/v before or after GQA expansion alike.
-    Returns the names of the modules changed (none is an error). The model must also give its
-    positional encoding this rank's positions (:func:`local_positions`), and its inputs and labels
-    are sharded with :func:`shard_sequence`."""
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` along dim 0 (rows ``in_splits`` out, ``out_splits`` in); backward sends
+    the gradient back the same way, splits swapped. Even splits when none are given."""
+
+    @staticmethod
+    def forward(ctx, t, group, in_splits, out_splits):
+        ctx.group, ctx.in_splits, ctx.out_splits = group, in_splits, out_splits
+        return all_to_all(t, group, in_splits, out_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_to_all(grad, ctx.group, ctx.out_splits, ctx.in_splits), None, None, None
+
+
+def all_to_all(t: torch.Tensor, group, in_splits: list[int] | None = None, out_splits: list[int] | None = None):
+    """One ``all_to_all_single`` of ``t``'s rows (no autograd: :func:`all_to_all_autograd` has it)."""
+    t = t.contiguous()
+    rows = t.shape[0] if out_splits is None else sum(out_splits)
+    out = t.new_empty((rows, *t.shape[1:]))
+    dist.all_to_all_single(out, t, out_splits, in_splits, group=group)
+    return out
+
+
+def all_to_all_autograd(t: torch.Tensor, group, in_splits=None, out_splits=None) -> torch.Tensor:
+    """:func:`all_to_all` whose backward returns each gradient row to the rank it came from."""
+    return _AllToAll.apply(t, group, in_splits, out_splits)
+
+
+def _heads_to_sequence(x: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """(batch, heads, local_seq, d) on each rank -> (batch, heads / cp, cp x local_seq, d): rank j gets
+    heads block j of every rank's tokens, source rank by source rank."""
+    b, h, s, d = x.shape
+    send = x.reshape(b, cp, h // cp, s, d).transpose(0, 1)  # (dest, b, h/cp, s, d)
+    got = all_to_all_autograd(send, group)  # (source, b, h/cp, s, d)
+    return got.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
+
+
+def _sequence_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """The inverse of :func:`_heads_to_sequence`."""
+    b, hc, n, d = x.shape
+    send = x.reshape(b, hc, cp, n // cp, d).permute(2, 0, 1, 3, 4)  # (dest, b, h/cp, s, d)
+    got = all_to_all_autograd(send, group)  # (source = heads block, b, h/cp, s, d)
+    return got.transpose(0, 1).reshape(b, cp * hc, n // cp, d)
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group) -> torch.Tensor:
+    """Causal attention of load-balanced local shards (batch, heads, local_seq, head_dim) over ``group`` by
+    all-to-all: each rank attends over the whole sequence with heads / cp of the heads. K/V heads not
+    divisible by cp are repeated to the query heads first (exact; cp x more K/V bytes)."""
+    cp = dist.get_world_size(group)
+    if q.shape[1] % cp:
+        raise UsageError(
+            f"all-to-all context parallel splits the {q.shape[1]} query heads (per TP rank) over cp={cp}; "
+            "use a cp that divides them, or ring attention"
+        )
+    if k.shape[1] % cp:
+        n_rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    n = q.shape[2] * cp
+    gathered = torch.cat([local_positions(n, r, cp) for r in range(cp)]).to(q.device)  # each row's position
+    natural = torch.argsort(gathered)
+    qs, ks, vs = (_heads_to_sequence(t, group, cp).index_select(2, natural) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=ks.shape[1] != qs.shape[1])
+    return _sequence_to_heads(out.index_select(2, gathered), group, cp)
+
+
+class UlyssesAttention(RingAttention):
+    """``attn_fn(q, k, v)`` running :func:`ulysses_attention` over ``group`` (shared by model copies)."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return ulysses_attention(q, k, v, group=self.group)
+
+
+def context_parallel(model: torch.nn.Module, cp_mesh, *, attn_attr: str = "attn_fn", kind: str = "ring") -> list[str]:
+    """Swap context-parallel attention over ``cp_mesh`` (``kind``: ring, or ulysses: all-to-all) into
+    every submodule of ``model`` that has an ``attn_attr`` attribute: the attention hook, an
+    SDPA-shaped causal ``attn(q, k, v)`` on (batch, heads, local_seq, head_dim) tensors, with k/v
+    before or after GQA expansion alike. Returns the names of the modules changed (none is an
+    error). The model must also give its positional encoding this rank's positions
+    (:func:`local_positions`), and its inputs and labels are sharded with :func:`shard_sequence`."""
+    if kind not in CP_KINDS:
+        raise UsageError(f"unknown context-parallel attention kind={kind!r}; choose one of {', '.join(CP_KINDS)}")
     names = [name for name, mod in model.named_modules() if hasattr(mod, attn_attr)]
     if not names:
         raise UsageError(
             f"no module of {type(model).__name__} has an {attn_attr!r} attribute; give its attention "
             f"an {attn_attr}(q, k, v) hook (causal SDPA by default) for context parallel"
         )
-    attn = ring_attention_fn(cp_mesh.get_group())
+    group = cp_mesh.get_group()
+    attn = ring_attention_fn(group) if kind == "ring" else UlyssesAttention(group)
     for name in names:
         setattr(model.get_submodule(name), attn_attr, attn)
     return names

@@ -131,7 +131,7 @@ def simulate_rank(
     num_params = sum(p.numel() for p in model.parameters())
     times["model"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    recipe.prepare(model, mesh, cfg)  # as the trainer does (e.g. ring attention under cp)
+    recipe.prepare(model, mesh, cfg, how)  # as the trainer does (e.g. ring attention under cp)
     spec = recipe.spec(how, cfg).replace(compile=False)  # the trainer's own, run eager
     # the trainer's engine, sharded on meta: exact shapes, no memory
     engine = recipe.make_engine(model, mesh, config, device=torch.device("meta"), spec=spec)

@@ -26,6 +26,7 @@ from mmm.cli import FLAGS, Flags, MeshConfig, flag_problems, int_list, nonnegati
 from mmm.parallel.activation_checkpoint import AC_MODES
 from mmm.parallel.checkpoint_folder import checkpoint_problems
 from mmm.parallel.compose import compile_problems, shards_parameters
+from mmm.parallel.context import CP_KINDS
 from mmm.parallel.mesh import ParallelDims, check_degrees
 from mmm.parallel.pipeline import SCHEDULES
 from mmm.parallel.strategy import STRATEGIES, strategy_problems
@@ -94,6 +95,15 @@ class ParallelConfig(MeshConfig):
         group="pipeline",
         help="first block of each stage after the first",
     )
+    cp_attention: str = option(
+        "ring",
+        "--cp-attention",
+        choices=CP_KINDS,
+        group="mesh",
+        help="with --cp > 1: ring (keys and values pass around the cp ranks; any head count) or ulysses "
+        "(all-to-all: each rank attends over the whole sequence with heads / cp of the heads; query heads per "
+        "TP rank divisible by cp, fewer bytes per rank at large cp)",
+    )
     dtype: str = option(
         "fp32",
         "--dtype",
@@ -152,6 +162,10 @@ class ParallelConfig(MeshConfig):
             given += ["--stages-per-rank"] if self.stages_per_rank != 1 else []
             if given:
                 out.append(f"{', '.join(given)} only apply with --pp > 1 (got pp=1); add --pp N or drop them")
+        if self.cp_attention != "ring" and dims.cp == 1:
+            out.append(
+                f"--cp-attention {self.cp_attention} only applies with --cp > 1 (got cp=1); add --cp N or drop it"
+            )
         if self.reshard_after_forward != "auto" and not shards_parameters(dims, self.strategy):
             out.append(
                 f"--reshard-after-forward {self.reshard_after_forward} is an FSDP option; --strategy "

@@ -191,8 +191,9 @@ class Recipe:
         ranks, for ``python -m mmm.plan``; None: the recipe has no such model (the simulator has)."""
         return None
 
-    def prepare(self, model: nn.Module, mesh, model_config) -> None:
-        """Before the model is parallelised (e.g. context parallel's attention swapped in)."""
+    def prepare(self, model: nn.Module, mesh, model_config, how) -> None:
+        """Before the model is parallelised (e.g. context parallel's attention swapped in); ``how``: the
+        :class:`~mmm.training.config.ParallelConfig`."""
 
     def loaded(self, engine: Engine, config: Config, log) -> None:
         """After the engine is built, before the first step (e.g. weights read from a checkpoint)."""

@@ -79,7 +79,7 @@ def train(recipe: Recipe, config: Config, info, outdir, startup: Startup, *, pic
 
     # 3. parallelise: the recipe's own changes first (e.g. ring attention under cp), then its spec
     #    (TP plan -> AC -> compile -> FSDP/HSDP/DDP, or ZeRO, or each pipeline stage), AdamW, clipping
-    recipe.prepare(model, mesh, cfg)
+    recipe.prepare(model, mesh, cfg, how)
     engine = recipe.make_engine(model, mesh, config, device=info.device, spec=recipe.spec(how, cfg))
     del model
     recipe.loaded(engine, config, log)

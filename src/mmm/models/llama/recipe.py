@@ -225,7 +225,9 @@ def layout_problems(config: Config[LlamaTrainConfig], world_size: int) -> list[s
         return out
     if dims is None:
         return out
-    out += cp_problems(cp=dims.cp, seq_len=cfg.seq_len, tp=dims.tp, spell=FLAGS)
+    out += cp_problems(
+        cp=dims.cp, seq_len=cfg.seq_len, tp=dims.tp, kind=par.cp_attention, n_heads=cfg.n_heads, spell=FLAGS
+    )
     if train.batch_size % dims.dp == 0:
         out += pipeline_problems(
             pp=dims.pp,
@@ -394,11 +396,13 @@ class LlamaRecipe(Recipe):
     def measure_step(self, config: Config[LlamaTrainConfig]) -> int | None:
         return MEASURE_STEP if config.train.measure else None
 
-    def prepare(self, model: Llama, mesh, model_config: LlamaConfig) -> None:
-        if mesh.cp_enabled:  # context parallel: ring attention over the cp ranks
-            apply_cp_llama(model, mesh["cp"], seq_len=model_config.seq_len)
+    def prepare(self, model: Llama, mesh, model_config: LlamaConfig, how) -> None:
+        if mesh.cp_enabled:  # context parallel: ring or all-to-all attention over the cp ranks
+            kind = how.cp_attention
+            apply_cp_llama(model, mesh["cp"], seq_len=model_config.seq_len, kind=kind)
             get_logger().info(  # rank 0's logger (the others log errors only)
-                "context parallel: ring attention over %d ranks, %d tokens each (chunks r and 2cp-1-r of %d)",
+                "context parallel: %s attention over %d ranks, %d tokens each (chunks r and 2cp-1-r of %d)",
+                "ring" if kind == "ring" else "all-to-all (Ulysses)",
                 mesh.cp,
                 model_config.seq_len // mesh.cp,
                 2 * mesh.cp,
