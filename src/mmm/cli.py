@@ -149,11 +149,19 @@ class MeshConfig:
         group="mesh",
         help="data-parallel shards (FSDP axis); -1 infers it from the world size",
     )
+    ep: int = option(
+        1,
+        "--ep",
+        parse=degree,
+        group="mesh",
+        help="expert-parallel degree: a mixture of experts' routed experts split over this many of the dp-shard x "
+        "cp ranks (tokens sent to their experts by all-to-all); dividing dp-shard x cp",
+    )
 
     @property
     def degrees(self) -> dict[str, int]:
-        """The degrees by axis, outermost first (``init_mesh(**degrees)``)."""
-        return {a: getattr(self, a) for a in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
+        """The degrees by axis, outermost first, and ep (``init_mesh(**degrees)``)."""
+        return {a: getattr(self, a) for a in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")}
 
 
 def flag_fields(cls: type, only: Collection[str] | None = None) -> list[Field]:

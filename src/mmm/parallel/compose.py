@@ -11,13 +11,17 @@ Every model mmm trains goes through :func:`parallelize`, and so does every pipel
 What a spec says, and what happens, in this order:
 
 1. ``tp_plan`` (module-name patterns -> ``ParallelStyle`` or its short name, see
-   :mod:`mmm.parallel.tensor`) shards the model over ``mesh["tp"]``;
+   :mod:`mmm.parallel.tensor`) shards the model over ``mesh["tp"]``; ``ep_plan`` (patterns ->
+   ``"experts"``, :mod:`mmm.parallel.experts`) splits a mixture of experts' routed experts over
+   ``mesh["ep"]``;
 2. ``blocks`` (the repeated blocks: an attribute path such as ``"model.layers"``, or ``"auto"``:
    the ``ModuleList``/``ModuleDict`` of same-typed modules holding the most parameters) are each
    wrapped for activation checkpointing (``ac``: full or selective);
 3. ... and compiled (``compile``);
 4. data parallel (``dp``): ``fsdp`` shards every block, then the root, over the dp (x cp) ranks;
-   ``hsdp`` over the 2-D (dp_replicate, dp_shard) mesh; ``ddp`` replicates; ``none`` leaves it.
+   ``hsdp`` over the 2-D (dp_replicate, dp_shard) mesh; ``ddp`` replicates; ``none`` leaves it. Routed
+   experts split by ``ep_plan`` are sharded over ``mesh["efsdp"]`` first, their gradients divided by all
+   of dp_shard x cp.
    ``dtype`` bf16/fp16 keeps fp32 master weights: under FSDP as its mixed-precision policy
    (fp32 gradient reduction), elsewhere as an autocast around the model's forward.
 
@@ -39,6 +43,7 @@ from torch import nn
 from mmm.errors import API, Spelling, UsageError
 from mmm.log import get_logger
 from mmm.parallel.activation_checkpoint import AC_MODES, wrap_block
+from mmm.parallel.experts import apply_ep, expert_modules
 from mmm.parallel.fsdp import DTYPES, apply_ddp, apply_fsdp
 from mmm.parallel.mesh import Mesh, ParallelDims
 from mmm.parallel.meta import has_meta_params, materialize
@@ -70,6 +75,8 @@ class ParallelSpec:
     """FSDP: free gathered parameters after forward; None: every block but the root."""
     allow_missing: bool = False
     """A TP pattern may match nothing (set for pipeline stages, which hold part of the model)."""
+    ep_plan: Mapping[str, str] | None = None
+    """Module-name patterns -> "experts": the routed experts split over ep (needed when ep > 1)."""
 
     def replace(self, **changes) -> ParallelSpec:
         return dataclasses.replace(self, **changes)
@@ -95,6 +102,13 @@ def spec_problems(spec: ParallelSpec, dims: ParallelDims) -> list[str]:
         out.append(f"unknown dtype {spec.dtype!r}; choose one of {', '.join(DTYPES)}")
     if dims.tp > 1 and not spec.tp_plan:
         out.append(f"tp={dims.tp} but the spec has no tp_plan; give one (module-name patterns -> styles)")
+    if dims.ep > 1 and not spec.ep_plan:
+        out.append(
+            f"ep={dims.ep} but the spec has no ep_plan: the model has no routed experts to split (a plan names "
+            "its experts modules, mmm.parallel.experts)"
+        )
+    if dims.ep > 1 and spec.dp != "fsdp":
+        out.append(f"ep={dims.ep} needs dp='fsdp' (got dp={spec.dp!r}): the experts are sharded over what remains")
     return out + compile_problems(spec.compile, dims)
 
 
@@ -242,6 +256,11 @@ def parallelize(
         apply_tp_plan(model, mesh["tp"], spec.tp_plan, allow_missing=spec.allow_missing)
     elif spec.tp_plan:
         resolve_plan(model, spec.tp_plan, allow_missing=spec.allow_missing)  # a bad plan fails at tp=1 too
+    experts = []
+    if mesh.ep_enabled:
+        experts = apply_ep(model, mesh, spec.ep_plan, allow_missing=spec.allow_missing)
+    elif spec.ep_plan:
+        expert_modules(model, spec.ep_plan, allow_missing=spec.allow_missing)  # checked at ep=1 too
     path = find_blocks(model, spec.blocks)
     blocks = get_submodule(model, path) if path is not None else None
     units = []
@@ -265,6 +284,9 @@ def parallelize(
             blocks=units,
             param_dtype=param_dtype,
             reshard_after_forward=spec.reshard_after_forward,
+            experts=experts,
+            experts_mesh=mesh.get("efsdp"),
+            experts_divide=mesh.size("dp_shard_cp"),
         )
         return materialize(model, device=device, seed=seed, init=init) if on_meta else model
     if on_meta:  # before DDP, which broadcasts real parameters when it wraps

@@ -244,8 +244,9 @@ def context_parallel(model: torch.nn.Module, cp_mesh, *, attn_attr: str = "attn_
     """Swap context-parallel attention over ``cp_mesh`` (``kind``: ring, or ulysses: all-to-all) into
     every submodule of ``model`` that has an ``attn_attr`` attribute: the attention hook, an
     SDPA-shaped causal ``attn(q, k, v)`` on (batch, heads, local_seq, head_dim) tensors, with k/v
-    before or after GQA expansion alike. Returns the names of the modules changed (none is an
-    error). The model must also give its positional encoding this rank's positions
+    before or after GQA expansion alike. Modules with a ``sequence_group`` attribute (statistics over
+    whole sequences, e.g. a router's sequence-wise balance loss) get the cp group. Returns the names
+    of the attention modules changed (none is an error). The model must also give its positional encoding this rank's positions
     (:func:`local_positions`), and its inputs and labels are sharded with :func:`shard_sequence`."""
     if kind not in CP_KINDS:
         raise UsageError(f"unknown context-parallel attention kind={kind!r}; choose one of {', '.join(CP_KINDS)}")
@@ -257,6 +258,9 @@ def context_parallel(model: torch.nn.Module, cp_mesh, *, attn_attr: str = "attn_
         )
     group = cp_mesh.get_group()
     attn = ring_attention_fn(group) if kind == "ring" else UlyssesAttention(group)
+    for mod in model.modules():  # per-sequence statistics (a router's) sum over the ranks of the sequence
+        if hasattr(mod, "sequence_group"):
+            mod.sequence_group = group
     for name in names:
         setattr(model.get_submodule(name), attn_attr, attn)
     return names

@@ -25,6 +25,9 @@ def apply_fsdp(
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool | None = None,
     cpu_offload: bool = False,
+    experts: list[nn.Module] = (),
+    experts_mesh: DeviceMesh | None = None,
+    experts_divide: int = 1,
 ) -> nn.Module:
     """FSDP2 each block, then the root. ``dp_mesh`` 1-D shards (FSDP); 2-D (replicate, shard) is HSDP.
 
@@ -41,6 +44,14 @@ def apply_fsdp(
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     with lean_fully_shard():  # no per-shard-rank work per parameter: flat setup as the job grows
+        for module in experts:
+            after = True if reshard_after_forward is None else reshard_after_forward
+            fully_shard(module, reshard_after_forward=after, **(kwargs | {"mesh": experts_mesh}))
+            module.set_gradient_divide_factor(float(experts_divide))
+            # gloo has no PREMUL_SUM: sum, then divide. Not on a mesh of one, where torch (2.13) would divide
+            # twice (its single-rank copy divides, and the post-division too)
+            if experts_mesh.device_type == "cpu" and experts_mesh.size() > 1:
+                module.set_force_sum_reduction_for_comms(True)
         for block in blocks:
             after = True if reshard_after_forward is None else reshard_after_forward
             fully_shard(block, reshard_after_forward=after, **kwargs)

@@ -10,6 +10,12 @@ consecutive ranks together. Flattened views built once and kept:
 
 Only axes of degree > 1 become mesh dimensions; ``mesh.get("tp")`` is None when tp is off
 and ``mesh["tp"]`` says so in its error. A world of one gets a 1-D mesh of size one.
+
+Expert parallel (``ep``) is not an axis of its own: it borrows its ranks from ``dp_shard x cp``, the
+ranks that hold different tokens of the same model (as torchtitan does), so turning it on changes no
+other degree. That group is cut into ``efsdp x ep`` (ep innermost: an expert group's ranks are
+neighbours): the routed experts are split over ``ep`` and sharded by FSDP over ``efsdp``, what
+remains of it. Views ``ep`` and ``efsdp`` (kept at size 1 too, for FSDP's sake) exist when ep > 1.
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ FLAT_VIEWS = {
     "dp_shard_cp": ("dp_shard", "cp"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
 }
+EP_VIEWS = ("ep", "efsdp")
 AXIS_TITLES = {
+    "ep": "expert parallel",
     "pp": "pipeline parallel",
     "dp_replicate": "data parallel (replicate)",
     "dp_shard": "data parallel (shard)",
@@ -61,6 +69,7 @@ def check_degrees(world_size: int, **degrees: int) -> tuple[dict[str, int], list
     the values and a fix. Unknown names are problems too.
     """
     problems: list[str] = []
+    ep = degrees.pop("ep", 1)
     unknown = sorted(set(degrees) - set(AXES))
     if unknown:
         problems.append(f"unknown mesh axis {', '.join(unknown)}; axes are {', '.join(AXES)}")
@@ -104,7 +113,28 @@ def check_degrees(world_size: int, **degrees: int) -> tuple[dict[str, int], list
             f"{expr} = {product} ranks, but the world size is {world_size}; "
             f"set one degree to -1 to infer it (e.g. dp_shard=-1) or launch {product} ranks"
         )
-    return {a: resolved.get(a, 1) for a in AXES}, problems
+    out = {a: resolved.get(a, 1) for a in AXES}
+    if not problems:
+        problems += ep_problems(ep, out)
+    return (out | {"ep": ep} if ep != 1 else out), problems
+
+
+def ep_problems(ep, degrees: dict[str, int]) -> list[str]:
+    """Expert parallel borrows its ranks from dp_shard x cp (module doc)."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        return [f"ep={ep!r} is invalid; the expert-parallel degree is a positive integer"]
+    room = degrees["dp_shard"] * degrees["cp"]
+    if room % ep:
+        valid = ", ".join(map(str, _divisors(room)))
+        return [
+            f"ep={ep} does not divide dp_shard x cp = {degrees['dp_shard']} x {degrees['cp']} = {room}: expert "
+            f"parallel borrows its ranks from them; valid ep here: {valid}"
+        ]
+    if ep > 1 and degrees["dp_replicate"] > 1:
+        return [
+            f"ep={ep} with dp_replicate={degrees['dp_replicate']} (HSDP) is not supported; use fsdp (dp_replicate=1)"
+        ]
+    return []
 
 
 @dataclass(frozen=True)
@@ -117,9 +147,11 @@ class ParallelDims:
     dp_shard: int = -1
     cp: int = 1
     tp: int = 1
+    ep: int = 1
+    """Expert parallel, borrowed from dp_shard x cp (not a factor of the world size of its own)."""
 
     def __post_init__(self) -> None:
-        resolved, problems = check_degrees(self.world_size, **{a: getattr(self, a) for a in AXES})
+        resolved, problems = check_degrees(self.world_size, **{a: getattr(self, a) for a in (*AXES, "ep")})
         if problems:
             raise MeshError(f"invalid mesh for {self.world_size} ranks: " + "; ".join(problems))
         for axis, d in resolved.items():
@@ -132,10 +164,16 @@ class ParallelDims:
 
     @property
     def degrees(self) -> dict[str, int]:
-        return {a: getattr(self, a) for a in AXES}
+        out = {a: getattr(self, a) for a in AXES}
+        return out | {"ep": self.ep} if self.ep > 1 else out
+
+    @property
+    def efsdp(self) -> int:
+        """What FSDP shards the routed experts over: dp_shard x cp / ep."""
+        return self.dp_shard * self.cp // self.ep
 
     def size(self, name: str) -> int:
-        if name in AXES:
+        if name in AXES or name in EP_VIEWS:
             return getattr(self, name)
         if name in FLAT_VIEWS:
             return math.prod(getattr(self, a) for a in FLAT_VIEWS[name])
@@ -167,6 +205,10 @@ class ParallelDims:
         return self.tp > 1
 
     @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
     def fsdp_enabled(self) -> bool:
         """Parameters are sharded (over dp_shard, and cp when CP is on)."""
         return self.dp_shard_enabled or self.cp_enabled
@@ -175,7 +217,8 @@ class ParallelDims:
         return tuple(a for a in AXES if getattr(self, a) > 1)
 
     def __str__(self) -> str:
-        return " x ".join(f"{a}={getattr(self, a)}" for a in AXES) + f" ({self.world_size} ranks)"
+        ep = f", ep={self.ep} (of dp_shard x cp)" if self.ep > 1 else ""
+        return " x ".join(f"{a}={getattr(self, a)}" for a in AXES) + f"{ep} ({self.world_size} ranks)"
 
 
 class Mesh:
@@ -251,6 +294,14 @@ class Mesh:
         return self.dims.tp_enabled
 
     @property
+    def ep(self) -> int:
+        return self.dims.ep
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.dims.ep_enabled
+
+    @property
     def fsdp_enabled(self) -> bool:
         return self.dims.fsdp_enabled
 
@@ -268,8 +319,9 @@ class Mesh:
         return tuple(self._views)
 
     def get(self, name: str) -> DeviceMesh | None:
-        if name not in AXES and name not in FLAT_VIEWS:
-            raise KeyError(f"unknown mesh name {name!r}; names are {', '.join(AXES + tuple(FLAT_VIEWS))}")
+        if name not in AXES and name not in FLAT_VIEWS and name not in EP_VIEWS:
+            names = ", ".join(AXES + tuple(FLAT_VIEWS) + EP_VIEWS)
+            raise KeyError(f"unknown mesh name {name!r}; names are {names}")
         return self._views.get(name)
 
     def __getitem__(self, name: str) -> DeviceMesh:
@@ -335,7 +387,8 @@ class Mesh:
         rank = dist.get_rank() if rank is None else rank
         width = len(str(world - 1))
         parts = [f"[{socket.gethostname()}]", f"[{rank:>{width}}/{world - 1}]"]
-        for name, (idx, size) in self.coordinates().items():
+        coords = self.coordinates() | ({"ep": (self.coord("ep"), self.ep)} if self.ep_enabled else {})
+        for name, (idx, size) in coords.items():
             if name != "cp" or self.dims.cp_enabled:
                 parts.append(f"[{name}:{idx}/{size - 1}]")
         return "".join(parts)
@@ -351,10 +404,12 @@ def init_mesh(
     cp: int = 1,
     dp_replicate: int = 1,
     dp_shard: int = -1,
+    ep: int = 1,
     device_type: str | None = None,
     log_coordinates: bool = True,
 ) -> Mesh:
-    """Build the job's named DeviceMesh: ``pp x dp_replicate x dp_shard x cp x tp``.
+    """Build the job's named DeviceMesh: ``pp x dp_replicate x dp_shard x cp x tp``, and ``ep`` taken
+    from dp_shard x cp (module doc).
 
     One degree may be -1 (default: ``dp_shard``) and is inferred from the world size.
     Every violation is reported at once, before any collective, in a :class:`MeshError`
@@ -363,7 +418,9 @@ def init_mesh(
     coordinate line (visible with ``LOG_FROM_ALL_RANKS=1``).
     """
     info = mdist.info()
-    dims = ParallelDims(world_size=info.world_size, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp)
+    dims = ParallelDims(
+        world_size=info.world_size, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep
+    )
     from torch.distributed.device_mesh import init_device_mesh
 
     device_type = device_type or info.device.type
@@ -379,6 +436,10 @@ def init_mesh(
             views[view] = views[on[0]]
         elif len(on) > 1:
             views[view] = root[on]._flatten(view)
+    if dims.ep_enabled:  # the routed experts' (efsdp, ep) mesh, cut from dp_shard x cp
+        log.info("initializing %s with size %d (of dp_shard x cp)", AXIS_TITLES["ep"], dims.ep)
+        sparse = views["dp_shard_cp"]._unflatten(0, (dims.efsdp, dims.ep), EP_VIEWS[::-1])
+        views["ep"], views["efsdp"] = sparse["ep"], sparse["efsdp"]
     mesh = Mesh(dims, root, views)
     log.info("device mesh %s over %s: %s", "x".join(map(str, shape)), device_type, dims)
     if log_coordinates:

@@ -250,18 +250,46 @@ def build_schedule(stages: list, *, schedule: str, microbatches: int, loss_fn):
     return cls(stages if multi else stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
 
 
+def _stage_class(base: type) -> type:
+    """torch's ``PipelineStage`` whose first-step shape inference (torch 2.13 runs the stage on real
+    tensors, forward and backward) leaves no trace in a router's token counts (which balance the
+    experts, :mod:`mmm.parallel.experts`): its ``counting`` is off meanwhile. Older torch infers
+    shapes on meta tensors without gradients, which routers do not count: nothing to do."""
+    if not hasattr(base, "_compute_outputs"):
+        return base
+
+    class Stage(base):
+        def _compute_outputs(self, *args, module, **kwargs):
+            counters = [m for m in module.modules() if hasattr(m, "counting")]
+            for m in counters:
+                m.counting = False
+            try:
+                return super()._compute_outputs(*args, module=module, **kwargs)
+            finally:
+                for m in counters:
+                    m.counting = True
+
+    return Stage
+
+
+def _state_buffers(mod: nn.Module) -> list[str]:
+    """The buffers of ``mod`` itself that its state_dict holds (persistent ones)."""
+    return [k for k, b in mod._buffers.items() if b is not None and k not in mod._non_persistent_buffers_set]
+
+
 class StageSet(nn.Module):
     """This rank's pipeline stages as one module whose parameters carry the full model's names
     (``layers.5.attention.wq.weight``, ``model.embed_tokens.weight``...): one optimizer over them,
     and checkpoints that load on any pipeline split, or none. Not meant to be called: the schedule
-    runs the stages. Built from the modules that own parameters, under empty parent modules."""
+    runs the stages. Built from the modules that own parameters or saved buffers (a router's balancing
+    bias), under empty parent modules."""
 
     def __init__(self, parts: Sequence[nn.Module]) -> None:
         super().__init__()
         self._parts = list(parts)  # plain list: not submodules (their parameters are registered below)
         for part in parts:
             for name, mod in part.named_modules():
-                if not name or next(mod.parameters(recurse=False), None) is None:
+                if not name or (next(mod.parameters(recurse=False), None) is None and not _state_buffers(mod)):
                     continue
                 *parents, leaf = name.split(".")
                 holder: nn.Module = self
@@ -454,7 +482,7 @@ def build_pipeline(
         )
         part = parallelize(part, mesh, stage_spec, device=device, seed=seed, init=init)
         parts.append(part)
-        stages.append(PipelineStage(part, sid, num_stages, device, group=mesh.group("pp")))
+        stages.append(_stage_class(PipelineStage)(part, sid, num_stages, device, group=mesh.group("pp")))
     sched = build_schedule(stages, schedule=schedule, microbatches=microbatches, loss_fn=loss_fn)
     return Pipeline(
         module=StageSet(parts),

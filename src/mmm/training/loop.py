@@ -36,6 +36,7 @@ def fit(
     rates: dict[str, float],
     lr_at: Callable[[int], float],
     evaluate: Callable[[int, bool], dict[str, float]] | None = None,
+    after_update: Callable[[int], dict] | None = None,
     after_step: Callable[[int], None] | None = None,
     skip_nonfinite: bool = False,
     measure_step: int | None = None,
@@ -49,6 +50,9 @@ def fit(
     - ``lr_at(step)``: the step's learning rate, set on every param group and recorded;
     - ``evaluate(step, last)``: values recorded with the step (``{"val_loss": ...}``), ``{}`` when
       none is due; the time it takes is recorded as ``dt_eval`` and left out of the step's ``dt``;
+    - ``after_update(step)``: runs after the optimizer step, part of the step (its ``dt``) and before
+      any checkpoint of it (e.g. a mixture of experts' balancing); returns values recorded with the step
+      (0-d tensors read with the loss);
     - ``after_step(step)``: runs once the step is recorded and saved (e.g. an epoch's summary);
     - ``skip_nonfinite``: a non-finite loss skips the update instead of stopping the run;
     - ``measure_step``: the step ``--measure`` watches (communication by ``mesh`` axis, activations).
@@ -78,6 +82,7 @@ def fit(
                     after_backward=(lambda: run.capture_memory(engine)) if last else None,
                 )
             values: dict[str, float] = {}
+            updated = after_update(step) if after_update is not None else {}
             if evaluate is not None:
                 t_eval = time.perf_counter()
                 values = evaluate(step, last)
@@ -93,6 +98,7 @@ def fit(
                 rates=rates,
                 grad_norm=engine.grad_norm,
                 lr=lr,
+                **updated,
                 **values,
             )
             if checkpoints.due(step, last=last, stopping=stopping):

@@ -73,6 +73,8 @@ class Loop:
     - ``lr_at(step)``: the step's learning rate;
     - ``batch(step)``: this rank's (inputs, targets) of the step's global batch, from ``ctx.start`` on;
     - ``evaluate(step, last)``: values recorded with the step (``{}`` when none is due);
+    - ``after_update(step)``: after the optimizer step, within the step's time and before its
+      checkpoint; values recorded with the step;
     - ``after_step(step)``: runs once the step is recorded and saved;
     - ``meta``: what a checkpoint records beyond the common fields (a resume must match it);
       ``extra_at(step)``: what each checkpoint records of its step;
@@ -83,6 +85,7 @@ class Loop:
     lr_at: Callable[[int], float]
     batch: Callable[[int], Batch]
     evaluate: Callable[[int, bool], dict[str, float]] | None = None
+    after_update: Callable[[int], dict] | None = None
     after_step: Callable[[int], None] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     extra_at: Callable[[int], dict[str, Any]] | None = None

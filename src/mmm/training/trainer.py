@@ -148,6 +148,7 @@ def train(recipe: Recipe, config: Config, info, outdir, startup: Startup, *, pic
         rates={recipe.rate: per_step},
         lr_at=loop.lr_at,
         evaluate=loop.evaluate,
+        after_update=loop.after_update,
         after_step=loop.after_step,
         skip_nonfinite=config.run.on_nonfinite == "skip",
         measure_step=recipe.measure_step(config),

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmm.models.llama.moe import GroupedExperts, MoE, Router
+
 
 @dataclass
 class LlamaConfig:
@@ -37,6 +39,18 @@ class LlamaConfig:
     """The SwiGLU hidden width itself (a Hugging Face config's intermediate_size); overrides the rule above."""
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    moe_experts: int = 0
+    """Routed experts per block (0: a dense SwiGLU feed-forward): :mod:`mmm.models.llama.moe`."""
+    moe_top_k: int = 2
+    """Experts each token goes to."""
+    moe_hidden: int | None = None
+    """Each expert's SwiGLU width (default: the dense width / top_k, so the active FLOPs stay about the dense model's)."""
+    moe_shared: int = 0
+    """Shared experts (a dense SwiGLU of moe_shared x moe_hidden every token goes through)."""
+    moe_aux: float = 0.0
+    """Weight of the sequence-wise load-balancing loss (DeepSeek-V3 uses 1e-4); 0: none."""
+    moe_bias_rate: float = 1e-3
+    """Step of the auxiliary-loss-free balancing bias per optimizer step; 0: no bias."""
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -55,9 +69,19 @@ class LlamaConfig:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * -(-hidden // self.multiple_of)
 
+    @property
+    def moe(self) -> bool:
+        return self.moe_experts > 0
+
+    @property
+    def expert_hidden(self) -> int:
+        if self.moe_hidden is not None:
+            return self.moe_hidden
+        return max(self.multiple_of, self.multiple_of * round(self.ffn_hidden / self.moe_top_k / self.multiple_of))
+
     def problems(self) -> list[str]:
         """Shape constraints that do not depend on parallelism, each naming the values."""
-        out = []
+        out = self.moe_problems()
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len"):
             if getattr(self, name) < 1:
                 out.append(f"--{name.replace('_', '-')} {getattr(self, name)} must be >= 1")
@@ -71,10 +95,36 @@ class LlamaConfig:
             out.append(f"--n-heads {self.n_heads} is not divisible by --n-kv-heads {self.n_kv_heads}")
         return out
 
-    def num_params(self, *, embedding: bool = True) -> int:
+    def moe_problems(self) -> list[str]:
+        if not self.moe:
+            given = [
+                f"--{f.replace('_', '-')}"
+                for f, default in (("moe_hidden", None), ("moe_shared", 0), ("moe_aux", 0.0))
+                if getattr(self, f) != default
+            ]
+            return [f"{', '.join(given)} only apply to a mixture of experts; add --moe-experts N"] if given else []
+        out = []
+        if not 1 <= self.moe_top_k <= self.moe_experts:
+            out.append(f"--moe-top-k {self.moe_top_k} must be between 1 and --moe-experts {self.moe_experts}")
+        if self.moe_hidden is not None and self.moe_hidden < 1:
+            out.append(f"--moe-hidden {self.moe_hidden} must be >= 1")
+        if self.moe_shared < 0:
+            out.append(f"--moe-shared {self.moe_shared} must be >= 0")
+        for name in ("moe_aux", "moe_bias_rate"):
+            value = getattr(self, name)
+            if not (value >= 0 and value < float("inf")):
+                out.append(f"--{name.replace('_', '-')} {value} must be a finite number >= 0")
+        return out
+
+    def num_params(self, *, embedding: bool = True, active: bool = False) -> int:
+        """Parameters (``active``: those one token uses: top_k of the routed experts)."""
         d, h, kv = self.dim, self.head_dim, self.n_kv_heads
         attn = d * self.n_heads * h + 2 * d * kv * h + self.n_heads * h * d
-        ffn = 3 * d * self.ffn_hidden
+        if self.moe:
+            experts = self.moe_top_k if active else self.moe_experts
+            ffn = 3 * d * self.expert_hidden * (experts + self.moe_shared) + d * self.moe_experts
+        else:
+            ffn = 3 * d * self.ffn_hidden
         block = attn + ffn + 2 * d
         total = self.n_layers * block + d + self.vocab_size * d  # final norm + output
         return total + (self.vocab_size * d if embedding else 0)
@@ -153,11 +203,23 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden)
+        if cfg.moe:  # a mixture of experts in place of the dense feed-forward
+            self.moe = MoE(
+                cfg.dim,
+                num_experts=cfg.moe_experts,
+                top_k=cfg.moe_top_k,
+                hidden=cfg.expert_hidden,
+                shared=FeedForward(cfg.dim, cfg.moe_shared * cfg.expert_hidden) if cfg.moe_shared else None,
+                aux_weight=cfg.moe_aux,
+                bias_rate=cfg.moe_bias_rate,
+            )
+        else:
+            self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope)
-        return h + self.feed_forward(self.ffn_norm(h))
+        ffn = self.moe if hasattr(self, "moe") else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
 
 
 class Llama(nn.Module):
@@ -190,6 +252,12 @@ class Llama(nn.Module):
                 nn.init.trunc_normal_(mod.w1.weight, std=0.02)
                 for lin in (mod.w2, mod.w3):
                     nn.init.trunc_normal_(lin.weight, std=depth_std)
+            elif isinstance(mod, GroupedExperts):
+                nn.init.trunc_normal_(mod.w1, std=0.02)
+                for w in (mod.w2, mod.w3):
+                    nn.init.trunc_normal_(w, std=depth_std)
+            elif isinstance(mod, Router):  # logits of about unit scale: routing far from ties
+                nn.init.trunc_normal_(mod.gate.weight, std=self.cfg.dim**-0.5)
         if isinstance(self.output, nn.Linear):
             nn.init.trunc_normal_(self.output.weight, std=self.cfg.dim**-0.5)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mmm.cli import FLAGS, Flags, flag_problems, option, positive_int
+from mmm.cli import FLAGS, Flags, flag_problems, nonnegative_int, option, positive_int
 from mmm.data import DATASETS, data_vocab_size, dataset_problems, local_batches, make_dataset
 from mmm.errors import UsageError
 from mmm.flops import llama_flops_per_token
@@ -22,6 +22,7 @@ from mmm.models.llama.model import Llama, LlamaConfig
 from mmm.models.llama.tp import llama_tp_plan, tp_problems
 from mmm.parallel.compose import ParallelSpec
 from mmm.parallel.context import cp_problems, shard_sequence
+from mmm.parallel.experts import balance_experts, ep_problems, routers
 from mmm.parallel.pipeline import pipeline_problems
 from mmm.parallel.strategy import Engine
 from mmm.training.config import Config
@@ -61,6 +62,42 @@ class LlamaTrainConfig(EvalConfig, ScheduleConfig):
         help="vocabulary; at least the data's",
     )
     seq_len: int = option(128, "--seq-len", parse=positive_int, group="model", help="tokens per sequence")
+    moe_experts: int = option(
+        0,
+        "--moe-experts",
+        parse=nonnegative_int,
+        group="model",
+        help="a mixture of experts: routed experts per block in place of the dense feed-forward (0: dense); "
+        "token-choice top-k routing, nothing dropped, balanced by DeepSeek-V3's bias (see --moe-bias-rate); "
+        "split over --ep ranks",
+    )
+    moe_top_k: int = option(2, "--moe-top-k", parse=positive_int, group="model", help="experts per token")
+    moe_hidden: int | None = option(
+        None,
+        "--moe-hidden",
+        parse=positive_int,
+        shown="the dense width / top-k",
+        group="model",
+        help="each expert's SwiGLU width",
+    )
+    moe_shared: int = option(
+        0, "--moe-shared", parse=nonnegative_int, group="model", help="shared experts every token goes through"
+    )
+    moe_aux: float = option(
+        0.0,
+        "--moe-aux",
+        metavar="W",
+        group="model",
+        help="weight of the sequence-wise load-balancing loss (DeepSeek-V3: 1e-4); 0: none",
+    )
+    moe_bias_rate: float = option(
+        1e-3,
+        "--moe-bias-rate",
+        metavar="RATE",
+        group="model",
+        help="after each step every expert's routing bias moves by this towards balance, from the token counts "
+        "of the whole global batch (auxiliary-loss-free balancing); 0: off",
+    )
     init_from: str | None = option(
         None,
         "--init-from",
@@ -148,7 +185,7 @@ class LlamaTrainConfig(EvalConfig, ScheduleConfig):
         "the pick and its reasons go to the log and summary.json",
     )
 
-    MODEL_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size")  # what --init-from decides
+    MODEL_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "moe_experts")  # --init-from's
 
     def model_config(self):
         """The model's shape: these fields (the vocabulary: ``vocab_size``, else the data's, else 256),
@@ -165,6 +202,12 @@ class LlamaTrainConfig(EvalConfig, ScheduleConfig):
             n_kv_heads=self.n_kv_heads,
             vocab_size=vocab,
             seq_len=self.seq_len,
+            moe_experts=self.moe_experts,
+            moe_top_k=self.moe_top_k,
+            moe_hidden=self.moe_hidden,
+            moe_shared=self.moe_shared,
+            moe_aux=self.moe_aux,
+            moe_bias_rate=self.moe_bias_rate,
         )
 
     def data_options(self) -> dict:
@@ -190,6 +233,11 @@ class LlamaTrainConfig(EvalConfig, ScheduleConfig):
                 )
         if self.export_hf and _is_file(self.export_hf):
             out.append(f"--export-hf {self.export_hf!r} is a file; give a directory (it is created if missing)")
+        if self.export_hf and self.moe_experts:
+            out.append(
+                "--export-hf writes a dense Hugging Face Llama; a mixture of experts (--moe-experts) has no such "
+                "checkpoint yet: drop --export-hf (mmm's own checkpoints hold it)"
+            )
         if self.export_hf and strategy.startswith("zero"):
             out.append(
                 f"--export-hf gathers the torch-sharded model; --strategy {strategy} hands the model to "
@@ -239,6 +287,19 @@ def layout_problems(config: Config[LlamaTrainConfig], world_size: int) -> list[s
             split_points=par.split_points,
             spell=FLAGS,
         )
+    if cfg.moe and dims.tp > 1:
+        out.append(
+            f"--tp {dims.tp} with --moe-experts is not supported yet: the experts are not tensor-parallel; split "
+            "them over ranks with --ep instead"
+        )
+    if dims.ep > 1 and not cfg.moe:
+        out.append(
+            f"--ep {dims.ep} splits a mixture of experts' experts; add --moe-experts N (a multiple of {dims.ep})"
+        )
+    if cfg.moe:
+        out += ep_problems(ep=dims.ep, num_experts=cfg.moe_experts, spell=FLAGS)
+    if cfg.moe and par.strategy != "fsdp":
+        out.append(f"--moe-experts with --strategy {par.strategy} is not supported yet; use --strategy fsdp")
     out += tp_problems(
         tp=dims.tp,
         n_heads=cfg.n_heads,
@@ -268,11 +329,14 @@ def _is_file(path: str) -> bool:
     return Path(path).is_file()
 
 
-def parallel_spec(how) -> ParallelSpec:
+def parallel_spec(how, cfg: LlamaConfig | None = None) -> ParallelSpec:
     """How the trainer parallelises its Llama (``how``: the ParallelConfig): TP + SP with loss parallel,
-    each block a unit of activation checkpointing, compile and FSDP; the strategy is build_engine's."""
+    each block a unit of activation checkpointing, compile and FSDP, a mixture of experts' experts split
+    over ep; the strategy is build_engine's."""
+    moe = cfg is not None and cfg.moe
     return ParallelSpec(
-        tp_plan=llama_tp_plan(),
+        tp_plan=llama_tp_plan(moe=moe),
+        ep_plan={"layers.*.moe.experts": "experts"} if moe else None,
         loss_parallel=True,
         blocks="layers",
         ac=how.ac,
@@ -337,6 +401,19 @@ def export_hf(train: LlamaTrainConfig, engine, cfg, info, run, log) -> None:
         log.info("Hugging Face checkpoint written to %s (config.json, model.safetensors)", train.export_hf)
 
 
+def expert_balance(engine, mesh):
+    """A mixture of experts' step after the update: its routers' counts over the global batch move their
+    balancing bias; the step records the load (min/max over the mean) and the auxiliary loss."""
+    modules = routers(engine.unwrapped())
+    data_group = mesh.group("dp_cp")
+    pp_group = engine.pipeline.pp_group if engine.pipeline is not None else None
+
+    def after_update(step):
+        return balance_experts(modules, data_group=data_group, pp_group=pp_group)
+
+    return after_update
+
+
 class LlamaRecipe(Recipe):
     """mmm's Llama on token data: TP + SP with loss parallel, context parallel by ring attention,
     pipelines, ``--init-from`` / ``--export-hf`` Hugging Face checkpoints, ``--pick-layout``."""
@@ -362,7 +439,7 @@ class LlamaRecipe(Recipe):
         return Llama(model_config)
 
     def spec(self, how, model_config) -> ParallelSpec:
-        return parallel_spec(how)
+        return parallel_spec(how, model_config)
 
     def loss(self, outputs, targets):
         return loss_fn(outputs, targets)
@@ -453,6 +530,7 @@ class LlamaRecipe(Recipe):
             last_step=what.max_iters,
             lr_at=schedule,
             batch=batch,
+            after_update=expert_balance(engine, mesh) if cfg.moe else None,
             evaluate=held_out,
             meta={"dataset": what.dataset, "lr_schedule": schedule.as_dict()},
             finish=finish,

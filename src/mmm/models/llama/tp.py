@@ -15,12 +15,13 @@ from typing import Any
 from mmm.errors import API, Spelling
 
 
-def llama_tp_plan(*, loss_parallel: bool = True) -> dict[str, Any]:
-    """TP + sequence parallel plan of :class:`mmm.models.llama.Llama` (patterns from the model root)."""
+def llama_tp_plan(*, loss_parallel: bool = True, moe: bool = False) -> dict[str, Any]:
+    """TP + sequence parallel plan of :class:`mmm.models.llama.Llama` (patterns from the model root);
+    ``moe``: its blocks hold a mixture of experts (no dense feed-forward to shard)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
-    return {
+    plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": "sequence_parallel",
         "output": ColwiseParallel(
@@ -42,6 +43,7 @@ def llama_tp_plan(*, loss_parallel: bool = True) -> dict[str, Any]:
         "layers.*.feed_forward.w2": "rowwise_seq",
         "layers.*.feed_forward.w3": "colwise",
     }
+    return {k: v for k, v in plan.items() if not (moe and "feed_forward" in k)}
 
 
 def tp_problems(

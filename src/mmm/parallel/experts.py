@@ -1,0 +1,172 @@
+"""Expert parallel: a mixture of experts' routed experts split over the ``ep`` ranks, tokens sent to
+their experts and back by all-to-all; and the balancing step every mixture of experts needs.
+
+A plan for experts is data, like a TP plan: module-name patterns -> ``"experts"``, naming each module
+that holds the routed experts (mmm's Llama: ``{"layers.*.moe.experts": "experts"}``). What such a
+module must be, for any model:
+
+- each of its parameters holds the experts along dim 0 (``(num_experts, ...)``), and its forward
+  runs the experts whose weights it holds, on tokens sorted by expert
+  (``forward(x, counts)``; a parameter may be a DTensor: use its ``to_local()``);
+- its parent calls ``self.run_experts(experts, x, counts)`` (``counts[e]`` tokens for expert e, all
+  experts, in order) to run it: :func:`apply_ep` swaps in :class:`ExpertParallel` there.
+
+:func:`apply_ep` makes each parameter a DTensor sharded on dim 0 over ``mesh["ep"]`` (each rank
+holds ``num_experts / ep`` consecutive experts); :func:`mmm.parallel.compose.parallelize` then
+shards them by FSDP over ``mesh["efsdp"]`` (the rest of dp_shard x cp) with the gradient divided by
+all of dp_shard x cp, as one process averages over the whole batch: every token of the group reached
+its expert. The global gradient norm counts each expert once (DTensors on their own mesh).
+
+Balancing (:func:`balance_experts`): modules with a ``tokens_per_expert`` buffer (a router; mmm's is
+:class:`mmm.models.llama.moe.Router`) count what they routed; after each optimizer step their counts
+are summed over every rank holding other tokens (data and context parallel, and the microbatches
+already), their ``expert_bias`` moved towards balance by ``bias_rate``, and the step's figures
+(tokens per expert, min and max; the auxiliary loss) returned for the record: the same on every
+layout as in one process.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mmm.errors import UsageError
+from mmm.parallel.context import all_to_all, all_to_all_autograd
+
+EP_STYLES = ("experts",)
+
+
+def _matches(name: str, pattern: str) -> bool:
+    parts, pat = name.split("."), pattern.split(".")
+    return len(parts) == len(pat) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, pat))
+
+
+def expert_modules(model: nn.Module, plan, *, allow_missing: bool = False) -> list[tuple[str, nn.Module]]:
+    """The (name, module) pairs an experts plan names, checked: every pattern matches (unless
+    ``allow_missing``: a pipeline stage holds part of the model), every style is "experts"."""
+    found: list[tuple[str, nn.Module]] = []
+    for pattern, style in plan.items():
+        if style not in EP_STYLES:
+            raise UsageError(f"experts plan {pattern!r}: unknown style {style!r}; use one of {', '.join(EP_STYLES)}")
+        hits = [(n, m) for n, m in model.named_modules() if _matches(n, pattern)]
+        if not hits and not allow_missing:
+            raise UsageError(f"experts plan pattern {pattern!r} matches no module of {type(model).__name__}")
+        found += hits
+    return found
+
+
+def ep_problems(*, ep: int, num_experts: int, spell=None) -> list[str]:
+    """What an ep degree requires of the model: its experts split evenly."""
+    if ep > 1 and num_experts % ep:
+        name = "num_experts" if spell is None else spell.name("moe_experts")
+        return [f"{name} {num_experts} is not divisible by ep={ep}; each expert-parallel rank holds as many experts"]
+    return []
+
+
+class ExpertParallel:
+    """``run_experts(experts, x, counts)`` over the ep group: send each token to the rank of its expert
+    (all-to-all, uneven), run the experts held here, send the outputs back. Model copies (pipeline
+    stages) share it."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+
+    def __deepcopy__(self, memo) -> ExpertParallel:
+        return self
+
+    def __call__(self, experts: nn.Module, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        ep, n = self.size, len(counts)
+        per = n // ep
+        mine = torch.tensor(counts, dtype=torch.int64, device=x.device).view(ep, per)  # [to rank, its expert]
+        theirs = all_to_all(mine, self.group)  # [from rank, my expert]: what each peer sends me
+        send = mine.sum(dim=1).tolist()
+        got = theirs.sum(dim=1).tolist()
+        received = all_to_all_autograd(x, self.group, send, got)  # grouped by source, then expert
+        # regroup by expert (then source) for the experts held here, and back afterwards
+        sizes = theirs.flatten().tolist()
+        starts = [0]
+        for size in sizes[:-1]:
+            starts.append(starts[-1] + size)
+        order = [
+            torch.arange(starts[s * per + e], starts[s * per + e] + sizes[s * per + e])
+            for e in range(per)
+            for s in range(ep)
+        ]
+        order = torch.cat(order).to(x.device) if order else torch.zeros(0, dtype=torch.int64, device=x.device)
+        out = experts(received.index_select(0, order), theirs.sum(dim=0).tolist())
+        back = torch.empty_like(out).index_copy(0, order, out)
+        return all_to_all_autograd(back, self.group, got, send)
+
+
+def apply_ep(model: nn.Module, mesh, plan, *, allow_missing: bool = False) -> list[nn.Module]:
+    """Split the experts ``plan`` names over ``mesh["ep"]`` (in place; on meta too) and swap
+    :class:`ExpertParallel` into their parents' ``run_experts``. Returns the experts modules (FSDP
+    shards them over ``mesh["efsdp"]``)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    ep_mesh = mesh["ep"]
+    hook = ExpertParallel(ep_mesh.get_group())
+    out = []
+    for name, module in expert_modules(model, plan, allow_missing=allow_missing):
+        parent = model.get_submodule(name.rpartition(".")[0])
+        if not hasattr(parent, "run_experts"):
+            raise UsageError(
+                f"{name}'s parent ({type(parent).__name__}) has no run_experts(experts, x, counts) hook; expert "
+                "parallel sends tokens to their experts through it (mmm.parallel.experts)"
+            )
+        for pname, param in list(module.named_parameters(recurse=False)):
+            if param.shape[0] % mesh.ep:
+                raise UsageError(f"{name}.{pname} holds {param.shape[0]} experts, not divisible by ep={mesh.ep}")
+            sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
+            module.register_parameter(pname, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        parent.run_experts = hook
+        out.append(module)
+    return out
+
+
+# --------------------------------------------------------------------------- balancing
+def routers(model: nn.Module) -> list[nn.Module]:
+    """The modules that count the tokens they route (a ``tokens_per_expert`` buffer), in model order."""
+    return [m for m in model.modules() if isinstance(getattr(m, "tokens_per_expert", None), torch.Tensor)]
+
+
+@torch.no_grad()
+def balance_experts(modules: list[nn.Module], *, data_group=None, pp_group=None) -> dict[str, torch.Tensor]:
+    """After an optimizer step, on every rank (collectives): sum the routers' counts and auxiliary-loss
+    values over ``data_group`` (the ranks holding the same layers and other tokens: data and context
+    parallel; TP peers route the same tokens and are left out), move each ``expert_bias`` by ``bias_rate``
+    towards balance, reset the counters. Returns the step's record as 0-d tensors (read with the step's
+    other values), the same on every rank, pipeline stages combined over ``pp_group``:
+    ``moe_load_min``/``moe_load_max`` (tokens of the least and the most loaded expert of any layer, over
+    the layer's mean), ``moe_aux`` (the auxiliary loss, summed over layers; without one, absent) and
+    ``moe_margin`` (the closest any token's k-th and next expert came, bias included: a near-tie there
+    may route differently on another layout)."""
+    counts = torch.stack([m.tokens_per_expert for m in modules])
+    aux = torch.stack([m.aux_sum for m in modules])
+    margin = torch.stack([m.min_margin for m in modules]).min()
+    packed = torch.cat([counts.flatten(), aux.flatten()])
+    if data_group is not None:
+        dist.all_reduce(packed, group=data_group)
+    counts = packed[: counts.numel()].view_as(counts)
+    aux = packed[counts.numel() :].view_as(aux)
+    for m, c in zip(modules, counts):
+        if m.bias_rate > 0:
+            m.expert_bias += m.bias_rate * torch.sign(c.mean() - c)
+        m.tokens_per_expert.zero_()
+        m.aux_sum.zero_()
+        m.min_margin.fill_(float("inf"))
+    load = counts / counts.mean(dim=1, keepdim=True).clamp(min=1)
+    value = (aux[:, 0] / aux[:, 1].clamp(min=1)).sum()
+    worst = torch.stack([-load.min(), load.max(), -margin])  # every rank's worst, by one MAX reduction
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    if pp_group is not None:  # the stages' layers add up
+        dist.all_reduce(value.reshape(1), group=pp_group)
+    record = {"moe_load_min": -worst[0], "moe_load_max": worst[1], "moe_margin": -worst[2]}
+    if any(m.aux_weight > 0 for m in modules):
+        record["moe_aux"] = value
+    return record
