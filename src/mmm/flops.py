@@ -48,8 +48,13 @@ PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
 
 
 def llama_flops_per_token(cfg) -> float:
-    """Training FLOPs per token of :class:`mmm.models.llama.Llama` (see the module docstring)."""
-    n = cfg.num_params(embedding=False)
+    """Training FLOPs per token of :class:`mmm.models.llama.Llama` (see the module docstring); a mixture of
+    experts counts the parameters a token uses (its top-k experts, the shared ones, the router)."""
+    n = (
+        cfg.num_params(embedding=False, active=True)
+        if getattr(cfg, "moe_experts", 0)
+        else cfg.num_params(embedding=False)
+    )
     return 6.0 * n + 12.0 * cfg.n_layers * cfg.dim * cfg.seq_len
 
 

@@ -246,8 +246,9 @@ def context_parallel(model: torch.nn.Module, cp_mesh, *, attn_attr: str = "attn_
     SDPA-shaped causal ``attn(q, k, v)`` on (batch, heads, local_seq, head_dim) tensors, with k/v
     before or after GQA expansion alike. Modules with a ``sequence_group`` attribute (statistics over
     whole sequences, e.g. a router's sequence-wise balance loss) get the cp group. Returns the names
-    of the attention modules changed (none is an error). The model must also give its positional encoding this rank's positions
-    (:func:`local_positions`), and its inputs and labels are sharded with :func:`shard_sequence`."""
+    of the attention modules changed (none is an error). The model must also give its positional
+    encoding this rank's positions (:func:`local_positions`), and its inputs and labels are sharded
+    with :func:`shard_sequence`."""
     if kind not in CP_KINDS:
         raise UsageError(f"unknown context-parallel attention kind={kind!r}; choose one of {', '.join(CP_KINDS)}")
     names = [name for name, mod in model.named_modules() if hasattr(mod, attn_attr)]

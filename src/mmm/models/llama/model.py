@@ -44,7 +44,7 @@ class LlamaConfig:
     moe_top_k: int = 2
     """Experts each token goes to."""
     moe_hidden: int | None = None
-    """Each expert's SwiGLU width (default: the dense width / top_k, so the active FLOPs stay about the dense model's)."""
+    """Each expert's SwiGLU width (default: the dense width / top_k: about the dense model's active FLOPs)."""
     moe_shared: int = 0
     """Shared experts (a dense SwiGLU of moe_shared x moe_hidden every token goes through)."""
     moe_aux: float = 0.0

@@ -414,6 +414,21 @@ def expert_balance(engine, mesh):
     return after_update
 
 
+def experts_summary(cfg: LlamaConfig, mesh, rows: list[dict]) -> dict:
+    """summary.json's ``experts``: the mixture's shape, its expert parallel, and the last step's load."""
+    last = rows[-1] if rows else {}
+    return {
+        "experts": cfg.moe_experts,
+        "top_k": cfg.moe_top_k,
+        "shared": cfg.moe_shared,
+        "expert_hidden": cfg.expert_hidden,
+        "active_params": cfg.num_params(active=True),
+        "ep": mesh.ep,
+        "experts_per_rank": cfg.moe_experts // mesh.ep,
+        **{k: last[k] for k in ("moe_load_min", "moe_load_max", "moe_aux", "moe_margin") if k in last},
+    }
+
+
 class LlamaRecipe(Recipe):
     """mmm's Llama on token data: TP + SP with loss parallel, context parallel by ring attention,
     pipelines, ``--init-from`` / ``--export-hf`` Hugging Face checkpoints, ``--pick-layout``."""
@@ -474,6 +489,15 @@ class LlamaRecipe(Recipe):
         return MEASURE_STEP if config.train.measure else None
 
     def prepare(self, model: Llama, mesh, model_config: LlamaConfig, how) -> None:
+        if mesh.ep_enabled:
+            get_logger().info(
+                "expert parallel: %d experts per block over %d ranks (%d each, tokens by all-to-all), FSDP over "
+                "the other %d of dp_shard x cp",
+                model_config.moe_experts,
+                mesh.ep,
+                model_config.moe_experts // mesh.ep,
+                mesh.dims.efsdp,
+            )
         if mesh.cp_enabled:  # context parallel: ring or all-to-all attention over the cp ranks
             kind = how.cp_attention
             apply_cp_llama(model, mesh["cp"], seq_len=model_config.seq_len, kind=kind)
@@ -523,7 +547,10 @@ class LlamaRecipe(Recipe):
 
         def finish():  # --export-hf DIR: a Hugging Face checkpoint
             export_hf(what, engine, cfg, ctx.info, ctx.run, ctx.log)
-            return {"dataset": dataset.name, "tokens_per_step": what.batch_size * cfg.seq_len}
+            out = {"dataset": dataset.name, "tokens_per_step": what.batch_size * cfg.seq_len}
+            if cfg.moe:
+                out["experts"] = experts_summary(cfg, mesh, ctx.run.hist.rows)
+            return out
 
         schedule = what.schedule(total_steps=what.max_iters)  # the step's learning rate: warmup, decay
         return Loop(
