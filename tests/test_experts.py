@@ -1,0 +1,162 @@
+"""Mixture of experts and expert parallel: the routing itself against a token-by-token reference, a
+resume on another expert-parallel degree at the exact data position, bf16 on, and the refusals.
+Layouts against one process are rows of the equivalence matrix (tests/test_equivalence.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import assert_clean_user_error, jsonl, launch, max_rel_diff, run, tiny_llama, torchrun
+from mmm.models.llama.model import Llama, LlamaConfig
+from mmm.models.llama.recipe import LLAMA
+
+MODULE = ["-m", "mmm.examples.fsdp_tp"]
+MOE = ["--moe-experts", "8", "--moe-top-k", "2", "--moe-shared", "1", "--moe-aux", "1e-2", "--moe-bias-rate", "1e-2"]
+MODEL = [*tiny_llama(max_iters=6, lr="3e-3", seed=2), *MOE, "--log-every", "100"]
+
+
+def tiny_moe(**changes) -> Llama:
+    cfg = LlamaConfig(dim=32, n_layers=1, n_heads=4, seq_len=16, moe_experts=4, moe_top_k=2, **changes)
+    torch.manual_seed(0)
+    return Llama(cfg)
+
+
+def test_routing_matches_a_token_by_token_reference():
+    """Every token goes to exactly its top-k experts (nothing dropped), weighted by its renormalised
+    softmax scores; the shared expert is added; the bias moves choice, not weights."""
+    model = tiny_moe(moe_shared=1)
+    moe = model.layers["0"].moe
+    moe.router.expert_bias.copy_(torch.tensor([0.0, 0.3, -0.3, 0.0]))
+    x = torch.randn(3, 16, 32)
+    got = moe(x)
+    r, e = moe.router, moe.experts
+    want = torch.empty_like(x)
+    for b in range(3):
+        for t in range(16):
+            xt = x[b, t]
+            scores = F.linear(xt, r.gate.weight).softmax(-1)
+            top = (scores + r.expert_bias).topk(2).indices
+            w = scores[top] / scores[top].sum()
+            out = sum(
+                wi * F.linear(F.silu(F.linear(xt, e.w1[i])) * F.linear(xt, e.w3[i]), e.w2[i]) for wi, i in zip(w, top)
+            )
+            want[b, t] = out + moe.shared(xt)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert r.tokens_per_expert.sum() == 3 * 16 * 2  # k per token, counted once
+    assert r.tokens_per_expert[2] < r.tokens_per_expert[1]  # the bias steered choices
+
+
+def test_auxiliary_loss_trains_the_router_and_balancing_moves_the_bias():
+    """The sequence-wise loss reaches the router's gradient through the activations (no term in the loss);
+    a balance step moves the bias towards the under-loaded experts and resets the counters."""
+    from mmm.parallel.experts import balance_experts, routers
+
+    grads = {}
+    for aux in (0.0, 1.0):
+        model = tiny_moe(moe_aux=aux, moe_bias_rate=0.1)
+        tokens = torch.randint(0, 256, (2, 16))
+        model(tokens).float().square().mean().backward()
+        grads[aux] = model.layers["0"].moe.router.gate.weight.grad.clone()
+    assert not torch.allclose(grads[0.0], grads[1.0])
+    (router,) = routers(model)
+    counts = router.tokens_per_expert.clone()
+    record = balance_experts([router])
+    assert torch.equal(torch.sign(router.expert_bias), torch.sign(counts.mean() - counts))
+    assert router.tokens_per_expert.sum() == 0 and router.aux_sum.sum() == 0
+    assert record["moe_load_max"] == counts.max() / counts.mean() and record["moe_aux"] > 0
+
+
+@pytest.mark.parametrize(
+    "argv, world, needle",
+    [
+        (["--ep", "2"], 4, "--ep 2 splits a mixture of experts' experts; add --moe-experts N"),
+        (["--moe-experts", "6", "--ep", "4"], 4, "--moe-experts 6 is not divisible by ep=4"),
+        (["--moe-experts", "6", "--ep", "3"], 4, "ep=3 does not divide dp_shard x cp = 4 x 1 = 4"),
+        (["--moe-experts", "8", "--ep", "2", "--dp-shard", "1", "--pp", "4"], 4, "ep=2 does not divide dp_shard"),
+        (["--moe-experts", "4", "--moe-top-k", "5"], 2, "--moe-top-k 5 must be between 1 and --moe-experts 4"),
+        (["--moe-experts", "8", "--tp", "2"], 4, "--tp 2 with --moe-experts is not supported yet"),
+        (["--moe-aux", "0.1"], 2, "--moe-aux only apply to a mixture of experts; add --moe-experts N"),
+        (["--moe-experts", "8", "--moe-aux", "nan"], 2, "--moe-aux nan must be a finite number >= 0"),
+        (["--moe-experts", "8", "--strategy", "ddp"], 2, "--moe-experts with --strategy ddp is not supported yet"),
+        (["--moe-experts", "8", "--export-hf", "x"], 2, "--export-hf writes a dense Hugging Face Llama"),
+    ],
+)
+def test_refusals_name_the_value(argv, world, needle):
+    config = LLAMA.command_line().parse([*tiny_llama(), *argv])
+    problems = LLAMA.problems(config, world)
+    assert any(needle in p for p in problems), problems
+
+
+def test_a_refusal_ends_every_rank_in_one_line():
+    res = run(launch("--launcher", "local", "-n", "4", "python3", *MODULE, *tiny_llama(), "--ep", "2"), timeout=90)
+    assert_clean_user_error(res, "--ep 2 splits a mixture of experts' experts; add --moe-experts N")
+
+
+def test_resume_on_another_expert_parallel_degree(tmp_path):
+    """Saved on ep 2 (4 ranks) at step 3, resumed on ep 4 and on ep 1 (2 ranks): the same steps 4-6 as
+    the run that never stopped, which equals one process (the matrix): expert weights resharded, the
+    balancing bias (a saved buffer, moved every step) restored, the data where it stopped."""
+    full, ck = tmp_path / "full", tmp_path / "ck"
+    res = run(
+        torchrun(
+            4,
+            *MODULE,
+            *MODEL,
+            "--ep",
+            "2",
+            "--checkpoint-dir",
+            str(ck),
+            "--checkpoint-every",
+            "3",
+            "--outdir",
+            str(full),
+        ),
+        timeout=240,
+    )
+    assert res.returncode == 0, res.output
+    reference = jsonl(full / "history.jsonl")[3:]
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = next(p for p in ck.rglob(".metadata"))
+    keys = FileSystemReader(str(saved.parent)).read_metadata().state_dict_metadata
+    assert any(k.endswith("layers.1.moe.router.expert_bias") for k in keys), sorted(keys)[:20]
+    for n, ep in ((4, 4), (2, 1)):
+        out = tmp_path / f"ep{ep}"
+        flags = ["--ep", str(ep)] if ep > 1 else []
+        cmd = launch(
+            "-n",
+            str(n),
+            "python3",
+            *MODULE,
+            *MODEL,
+            *flags,
+            "--checkpoint-dir",
+            str(ck),
+            "--resume",
+            "3",
+            "--outdir",
+            str(out),
+        )
+        res = run(cmd, timeout=240)
+        assert res.returncode == 0, res.output
+        got = jsonl(out / "history.jsonl")
+        assert [r for r in jsonl(out / "history.jsonl", "iter")] == [4, 5, 6]
+        assert max_rel_diff(got, reference) <= 1e-5, (ep, got, reference)
+        rows = jsonl(out / "history.jsonl", key=None)
+        want = jsonl(full / "history.jsonl", key=None)[3:]
+        assert [r["moe_load_max"] for r in rows] == pytest.approx([r["moe_load_max"] for r in want], rel=1e-6)
+
+
+def test_bf16_is_on_for_the_experts(tmp_path):
+    """bf16 under expert parallel moves the losses off fp32's (it is on) and stays near them."""
+    fp32, bf16 = tmp_path / "fp32", tmp_path / "bf16"
+    for out, extra in ((fp32, []), (bf16, ["--dtype", "bf16"])):
+        res = run(torchrun(2, *MODULE, *MODEL, "--ep", "2", *extra, "--outdir", str(out)), timeout=240)
+        assert res.returncode == 0, res.output
+    a, b = jsonl(fp32 / "history.jsonl"), jsonl(bf16 / "history.jsonl")
+    assert 1e-5 < max_rel_diff(b, a) < 2e-2, (a, b)
+    assert json.loads((bf16 / "summary.json").read_text())["dtype"] == "bf16"
