@@ -34,9 +34,15 @@ def test_load_balanced_positions():
     ]
 
 
-def test_context_parallel_needs_an_attention_hook():
+def test_context_parallel_needs_an_attention_hook_and_positions():
     with pytest.raises(UsageError, match="no module of Linear has an 'attn_fn' attribute"):
         context_parallel(torch.nn.Linear(2, 2), None)
+    hooked = torch.nn.Linear(2, 2)
+    hooked.attn_fn = None
+    with pytest.raises(UsageError, match="Linear has no shard_positions\\(positions\\) method"):
+        context_parallel(hooked, None, seq_len=16)
+    with pytest.raises(UsageError, match="unknown context-parallel attention kind='spiral'"):
+        context_parallel(hooked, None, kind="spiral")
 
 
 @pytest.mark.parametrize("n", [2, 4])

@@ -45,15 +45,39 @@ def test_a_tolerance_of_zero_fails_with_a_one_line_error():
 @pytest.mark.parametrize(
     "flags, needle",
     [
-        (["--model", "nosuch"], "--model 'nosuch': use one of llama, vit, hf-llama, or module:NAME"),
+        (["--model", "nosuch"], "--model 'nosuch': use one of llama, llama-moe, vit, hf-llama, or module:NAME"),
         (["--model", "nosuch_module:build"], "--model 'nosuch_module:build': No module named 'nosuch_module'"),
-        (["--cp", "2"], "--cp 2: verify does not run context parallel"),
+        (["--model", "vit", "--cp", "2"], "cp=2: context parallel splits token sequences (batch, seq)"),
+        (["--ep", "2"], "ep=2 but the spec has no ep_plan: the model has no routed experts to split"),
+        (
+            ["--model", "own_lm:build", "--tp-plan", "own_lm:TP_PLAN", "--cp", "2"],
+            "no module of TinyLM has an 'attn_fn' attribute",
+        ),
         (["--strategy", "ddp", "--tp", "2"], "--strategy ddp does not compose with tp"),
     ],
 )
 def test_bad_input(flags, needle):
-    res = run(launch("--launcher", "local", "-n", "2", *VERIFY, *flags), timeout=60)
+    env = clean_env(PYTHONPATH=os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]))
+    res = run(launch("--launcher", "local", "-n", "2", *VERIFY, *flags), env=env, timeout=60)
     assert_clean_user_error(res, needle)
+
+
+@pytest.mark.parametrize(
+    "flags, layout",
+    [
+        (["--model", "llama", "--cp", "2"], "dp=2 x cp=2 (ring attention)"),
+        (["--model", "llama", "--cp", "4", "--dp-shard", "1", "--cp-attention", "ulysses"], "cp=4 (ulysses attention)"),
+        (["--model", "llama-moe", "--ep", "2", "--pp", "2"], "pp=2 x dp=2 x ep=2"),
+        (["--model", "llama-moe", "--ep", "4", "--cp", "2", "--cp-attention", "ulysses"], "dp=2 x cp=2 x ep=4"),
+    ],
+    ids=["ring-dp2-cp2", "ulysses-cp4", "moe-pp2-ep2", "moe-ulysses-cp2-ep4"],
+)
+def test_context_and_expert_parallel(flags, layout):
+    """verify runs context parallel (both kinds: the model's attn_fn hook and shard_positions) and expert
+    parallel (the model's experts plan) against one process."""
+    res = run(launch("-n", "4", *VERIFY, *flags), timeout=180)
+    assert res.returncode == 0, res.output
+    assert f"PASS: {layout}" in res.stdout, res.stdout
 
 
 def test_a_hugging_face_model_without_a_tp_plan_uses_its_configs():

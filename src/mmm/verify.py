@@ -3,9 +3,11 @@ gradient norm, side by side, with a clear PASS/FAIL.
 
     launch -n 4 python3 -m mmm.verify --model llama --tp 2                 # mmm's Llama, dp 2 x tp 2
     launch -n 4 python3 -m mmm.verify --model hf-llama --pp 2              # transformers' LlamaForCausalLM
+    launch -n 4 python3 -m mmm.verify --model llama --cp 4 --cp-attention ulysses   # all-to-all context parallel
+    launch -n 4 python3 -m mmm.verify --model llama-moe --ep 2             # mixture of experts, expert parallel
     launch -n 4 python3 -m mmm.verify --model mypkg.models:build --tp-plan mypkg.models:TP_PLAN --tp 2
 
-``--model`` is ``llama``, ``vit``, ``hf-llama`` or ``module:NAME``: a function of no arguments
+``--model`` is ``llama``, ``llama-moe``, ``vit``, ``hf-llama`` or ``module:NAME``: a function of no arguments
 returning your ``nn.Module`` (a language model taking tokens and returning logits, or an object
 with ``.logits``), or a recipe (:class:`mmm.training.recipe.Recipe`: its model at its defaults, its
 TP plan and loss, random batches shaped as its own). The same seed gives every rank, and the
@@ -47,6 +49,7 @@ from mmm.parallel import (
     parallelize,
 )
 from mmm.parallel.compose import find_blocks, get_submodule
+from mmm.parallel.context import context_parallel, cp_problems, shard_sequence
 from mmm.parallel.mesh import AXES
 from mmm.parallel.pipeline import pipeline_problems
 from mmm.parallel.tensor import hf_tp_plan, loss_parallel_context
@@ -54,7 +57,7 @@ from mmm.training import mean_over
 from mmm.training.config import ParallelConfig
 from mmm.training.recipe import Recipe
 
-BUILTIN = ("llama", "vit", "hf-llama")
+BUILTIN = ("llama", "llama-moe", "vit", "hf-llama")
 
 
 @dataclass
@@ -147,12 +150,17 @@ def verify(
     microbatches: int | None = None,
     pp_schedule: str = "1f1b",
     stages_per_rank: int = 1,
+    cp_attention: str = "ring",
     device=None,
 ) -> Verdict:
     """Train ``model_fn()`` for ``steps`` AdamW steps in one process (rank 0) and on ``mesh`` with
     ``spec``, on the global batches ``batch_fn(step)`` (each dp rank its slice), and compare the
     per-step loss and global gradient norm. Collective: call it on every rank. Every rank gets the
-    same :class:`Verdict`."""
+    same :class:`Verdict`.
+
+    Context parallel (``cp_attention`` ring or ulysses) needs a model with the ``attn_fn`` hook and a
+    ``shard_positions(positions)`` method (:func:`mmm.parallel.context.context_parallel`): each cp rank
+    then trains its load-balanced share of every sequence."""
     spec = spec or ParallelSpec()
     problems = compose_problems(spec, mesh.dims)  # before the reference run, not after it
     if mesh.pp_enabled:
@@ -167,14 +175,20 @@ def verify(
             stages_per_rank=stages_per_rank,
             microbatches=microbatches or mesh.pp,
         )
+    seq_len = 0
+    if mesh.cp_enabled:
+        example = batch_fn(1)[0]
+        if example.dim() != 2 or example.is_floating_point():
+            problems.append(
+                f"cp={mesh.cp}: context parallel splits token sequences (batch, seq) of a causal language model; "
+                f"this model's inputs are {example.dtype} of shape {tuple(example.shape)}"
+            )
+        else:
+            seq_len = example.shape[1]
+            problems += cp_problems(cp=mesh.cp, seq_len=seq_len, tp=mesh.tp, kind=cp_attention)
     if problems:
         raise UsageError("; ".join(problems))
     device = device or (current().device if current() is not None else torch.device("cpu"))
-    if mesh.cp_enabled:
-        raise UsageError(
-            "verify does not run context parallel (cp > 1): a model's positions must be sharded "
-            "its own way; check CP with the trainer (python -m mmm.examples.fsdp_tp --cp N)"
-        )
     rank = tdist.get_rank() if tdist.is_initialized() else 0
 
     ref = torch.zeros(2, steps, dtype=torch.float64)
@@ -198,6 +212,8 @@ def verify(
 
     torch.manual_seed(seed)
     model = model_fn().to(device)
+    if mesh.cp_enabled:  # ring or all-to-all attention in its hooks, this rank's positions
+        context_parallel(model, mesh["cp"], kind=cp_attention, seq_len=seq_len)
     pipe = None
     if mesh.pp_enabled:
         pipe = build_pipeline(
@@ -224,6 +240,9 @@ def verify(
             )
         dp_rank, local = mesh.coord("dp"), inputs.shape[0] // mesh.dp
         inputs, targets = (t[dp_rank * local : (dp_rank + 1) * local].to(device) for t in (inputs, targets))
+        if mesh.cp_enabled:
+            cp_rank = mesh.coord("cp")
+            inputs, targets = (shard_sequence(t, cp_rank, mesh.cp) for t in (inputs, targets))
         if pipe is not None:
             loss = pipe.step(inputs, targets)
         else:
@@ -231,10 +250,11 @@ def verify(
                 loss = loss_fn(model(inputs), targets)
                 loss.backward()
         norms.append(clip_grad_norm_(model.parameters(), 0.0, pp_group=mesh.group("pp")))
-        losses.append(mean_over(loss, mesh.group("dp")))
+        losses.append(mean_over(loss, mesh.group("dp_cp")))
         opt.step()
         opt.zero_grad()
-    layout = " x ".join(f"{a}={mesh.size(a)}" for a in ("pp", "dp", "tp") if mesh.size(a) > 1) or "1 rank"
+    layout = " x ".join(f"{a}={mesh.size(a)}" for a in ("pp", "dp", "cp", "tp", "ep") if mesh.size(a) > 1) or "1 rank"
+    layout += f" ({cp_attention} attention)" if mesh.cp_enabled else ""
     return Verdict(ref[0].tolist(), ref[1].tolist(), losses, norms, rtol=rtol, layout=f"{layout}, dp={spec.dp}")
 
 
@@ -281,7 +301,10 @@ COMMAND_LINE = Flags(
     doc=__doc__,
     sections={
         "check": (VerifyConfig, None),
-        "parallel": (VerifyParallel, (*AXES, "strategy", "ac", "microbatches", "pp_schedule", "stages_per_rank")),
+        "parallel": (
+            VerifyParallel,
+            (*AXES, "ep", "cp_attention", "strategy", "ac", "microbatches", "pp_schedule", "stages_per_rank"),
+        ),
     },
     titles={"check": "what to check"},
 )
@@ -304,11 +327,17 @@ def _load(ref: str, what: str):
 def target(check: VerifyConfig):
     """(model factory, spec options, batch_fn, loss_fn) for what ``check`` names."""
     tokens = token_batches(check.vocab_size, check.seq_len, check.batch_size, check.seed)
-    if check.model == "llama":
+    if check.model in ("llama", "llama-moe"):
+        moe = check.model == "llama-moe"  # 8 experts, top-2, one shared; the sequence-wise balance loss
         cfg = LlamaConfig(
             dim=64, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=check.vocab_size, seq_len=check.seq_len
         )
-        return (lambda: Llama(cfg)), {"tp_plan": llama_tp_plan(), "loss_parallel": True}, tokens, lm_loss
+        if moe:
+            cfg = LlamaConfig(**{**vars(cfg), "moe_experts": 8, "moe_top_k": 2, "moe_shared": 1, "moe_aux": 1e-2})
+        options = {"tp_plan": llama_tp_plan(moe=moe), "loss_parallel": True}
+        if moe:
+            options["ep_plan"] = {"layers.*.moe.experts": "experts"}
+        return (lambda: Llama(cfg)), options, tokens, lm_loss
     if check.model == "vit":
         cfg = ViTConfig(img_size=16, patch_size=4, depth=4, num_heads=4, head_dim=8)
 
@@ -376,7 +405,7 @@ def recipe_target(recipe: Recipe, check: VerifyConfig):
         g = torch.Generator().manual_seed(check.seed * 1_000_003 + step)
         return random_like(inputs, g), random_like(targets, g)
 
-    options = {"tp_plan": spec.tp_plan, "loss_parallel": spec.loss_parallel}
+    options = {"tp_plan": spec.tp_plan, "loss_parallel": spec.loss_parallel, "ep_plan": spec.ep_plan}
     return (lambda: recipe.build(cfg)), options, batch, recipe.loss
 
 
@@ -403,10 +432,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     info = dist.setup(seed=check.seed)
     if check.model not in BUILTIN and ":" not in check.model:
         raise UsageError(f"--model {check.model!r}: use one of {', '.join(BUILTIN)}, or module:NAME")
-    if par.cp != 1:
-        raise UsageError(
-            f"--cp {par.cp}: verify does not run context parallel; check it with python -m mmm.examples.fsdp_tp --cp N"
-        )
     problems = par.problems(info.world_size)
     if problems:
         raise UsageError("; ".join(problems))
@@ -428,6 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         microbatches=par.microbatches,
         pp_schedule=par.pipeline_schedule,
         stages_per_rank=par.stages_per_rank,
+        cp_attention=par.cp_attention,
         device=info.device,
     )
     if info.is_main:

@@ -107,6 +107,11 @@ def spec_problems(spec: ParallelSpec, dims: ParallelDims) -> list[str]:
             f"ep={dims.ep} but the spec has no ep_plan: the model has no routed experts to split (a plan names "
             "its experts modules, mmm.parallel.experts)"
         )
+    if dims.tp > 1 and spec.ep_plan:
+        out.append(
+            f"tp={dims.tp} with routed experts (ep_plan) is not supported yet: the experts are not tensor-parallel; "
+            "split them over ranks with ep instead"
+        )
     if dims.ep > 1 and spec.dp != "fsdp":
         out.append(f"ep={dims.ep} needs dp='fsdp' (got dp={spec.dp!r}): the experts are sharded over what remains")
     return out + compile_problems(spec.compile, dims)

@@ -240,15 +240,20 @@ class UlyssesAttention(RingAttention):
         return ulysses_attention(q, k, v, group=self.group)
 
 
-def context_parallel(model: torch.nn.Module, cp_mesh, *, attn_attr: str = "attn_fn", kind: str = "ring") -> list[str]:
+def context_parallel(
+    model: torch.nn.Module, cp_mesh, *, attn_attr: str = "attn_fn", kind: str = "ring", seq_len: int | None = None
+) -> list[str]:
     """Swap context-parallel attention over ``cp_mesh`` (``kind``: ring, or ulysses: all-to-all) into
     every submodule of ``model`` that has an ``attn_attr`` attribute: the attention hook, an
     SDPA-shaped causal ``attn(q, k, v)`` on (batch, heads, local_seq, head_dim) tensors, with k/v
     before or after GQA expansion alike. Modules with a ``sequence_group`` attribute (statistics over
     whole sequences, e.g. a router's sequence-wise balance loss) get the cp group. Returns the names
-    of the attention modules changed (none is an error). The model must also give its positional
-    encoding this rank's positions (:func:`local_positions`), and its inputs and labels are sharded
-    with :func:`shard_sequence`."""
+    of the attention modules changed (none is an error).
+
+    Positions: the hook carries none, so the model must encode its tokens' global positions itself.
+    With ``seq_len`` (the full sequence), every module with a ``shard_positions(positions)`` method is
+    told this rank's (:func:`local_positions`; mmm's Llama re-indexes its rotary table), and a model
+    with none is refused. Shard inputs and labels with :func:`shard_sequence`."""
     if kind not in CP_KINDS:
         raise UsageError(f"unknown context-parallel attention kind={kind!r}; choose one of {', '.join(CP_KINDS)}")
     names = [name for name, mod in model.named_modules() if hasattr(mod, attn_attr)]
@@ -257,11 +262,22 @@ def context_parallel(model: torch.nn.Module, cp_mesh, *, attn_attr: str = "attn_
             f"no module of {type(model).__name__} has an {attn_attr!r} attribute; give its attention "
             f"an {attn_attr}(q, k, v) hook (causal SDPA by default) for context parallel"
         )
+    takers = [m for m in model.modules() if callable(getattr(m, "shard_positions", None))]
+    if seq_len is not None and not takers:
+        raise UsageError(
+            f"{type(model).__name__} has no shard_positions(positions) method: under context parallel each "
+            "rank holds the tokens at mmm.parallel.context.local_positions(), and the model must encode those "
+            "positions (give the module that adds positional information that method)"
+        )
     group = cp_mesh.get_group()
     attn = ring_attention_fn(group) if kind == "ring" else UlyssesAttention(group)
     for mod in model.modules():  # per-sequence statistics (a router's) sum over the ranks of the sequence
         if hasattr(mod, "sequence_group"):
             mod.sequence_group = group
+    if seq_len is not None:
+        positions = local_positions(seq_len, cp_mesh.get_local_rank(), cp_mesh.size())
+        for mod in takers:
+            mod.shard_positions(positions)
     for name in names:
         setattr(model.get_submodule(name), attn_attr, attn)
     return names

@@ -117,6 +117,9 @@ def plan(
     bad = [s for s in strategies if s not in STRATEGIES]
     if bad:
         raise UsageError(f"unknown strategy {', '.join(map(repr, bad))}; choose from: {', '.join(STRATEGIES)}")
+    unplanned = recipe.plan_problems(config)
+    if unplanned:
+        raise UsageError("; ".join(unplanned))
     fixed = {k: v for k, v in (fixed or {}).items() if v is not None}
     out: list[Combo] = []
     for shape in _factorizations(world, len(AXES)):

@@ -96,6 +96,9 @@ def simulate_rank(
     from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's test helper: load it only here
 
     what, how, recipe = config.train, config.parallel, config.recipe
+    unplanned = recipe.plan_problems(config)
+    if unplanned:
+        raise UsageError("; ".join(unplanned))
     if how.strategy.startswith("zero") or how.strategy == "ddp":
         why = (
             "DDP compares parameters across ranks with real collectives when it wraps the model"

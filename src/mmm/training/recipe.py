@@ -189,6 +189,11 @@ class Recipe:
             "fewer blocks (write Recipe.with_blocks)"
         )
 
+    def plan_problems(self, config: Config) -> list[str]:
+        """What the planner cannot model of ``config`` (refused by ``python -m mmm.plan`` and its simulator,
+        rather than planned as something else)."""
+        return []
+
     def estimate(self, config: Config, world: int) -> tuple[dict[str, float], dict[str, float]] | None:
         """Closed-form per-rank (memory bytes, communication bytes by group) of ``config`` on ``world``
         ranks, for ``python -m mmm.plan``; None: the recipe has no such model (the simulator has)."""

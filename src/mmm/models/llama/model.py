@@ -261,6 +261,11 @@ class Llama(nn.Module):
         if isinstance(self.output, nn.Linear):
             nn.init.trunc_normal_(self.output.weight, std=self.cfg.dim**-0.5)
 
+    def shard_positions(self, positions: torch.Tensor) -> None:
+        """This model sees the tokens at ``positions`` of each sequence (context parallel's share): the
+        rotary table keeps their rows."""
+        self.rope = self.rope[positions.to(self.rope.device)]
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
