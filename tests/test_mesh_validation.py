@@ -48,8 +48,25 @@ def test_fixed_degrees_that_cannot_be_completed():
 
 
 def test_unknown_axis_and_bad_types():
-    _, problems = check_degrees(4, ep=2, tp=2.0)
-    assert "unknown mesh axis ep" in problems[0]
+    _, problems = check_degrees(4, sp=2, tp=2.0)
+    assert "unknown mesh axis sp" in problems[0]
     assert "tp=2.0 is invalid" in problems[1]
+
+
+def test_expert_parallel_borrows_from_dp_shard_and_cp():
+    resolved, problems = check_degrees(8, dp_shard=-1, cp=2, ep=4)
+    assert not problems and resolved["ep"] == 4 and resolved["dp_shard"] == 4
+    _, problems = check_degrees(8, dp_shard=-1, tp=4, ep=4)
+    assert problems == [
+        "ep=4 does not divide dp_shard x cp = 2 x 1 = 2: expert parallel borrows its ranks from them; "
+        "valid ep here: 1, 2"
+    ]
+    _, problems = check_degrees(8, dp_shard=-1, ep=0)
+    assert problems == ["ep=0 is invalid; the expert-parallel degree is a positive integer"]
+    _, problems = check_degrees(8, dp_shard=-1, dp_replicate=2, ep=2)
+    assert "ep=2 with dp_replicate=2 (HSDP) is not supported" in problems[0]
+    dims = ParallelDims(world_size=8, cp=2, ep=4)
+    assert (dims.ep, dims.efsdp, dims.size("ep"), dims.degrees["ep"]) == (4, 2, 4, 4)
+    assert str(dims).endswith("ep=4 (of dp_shard x cp) (8 ranks)")
     _, problems = check_degrees(0)
     assert problems == ["world size 0 must be a positive integer"]

@@ -28,6 +28,7 @@ stage's shapes are inferred).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -130,8 +131,6 @@ class Router(nn.Module):
         counts.scatter_add_(1, experts.flatten(1), torch.ones_like(experts.flatten(1), dtype=counts.dtype))
         tokens = seq
         if self.sequence_group is not None:
-            import torch.distributed as dist
-
             dist.all_reduce(counts, group=self.sequence_group)
             tokens = seq * dist.get_world_size(self.sequence_group)
         f = counts * (self.num_experts / (self.top_k * tokens))
