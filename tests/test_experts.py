@@ -160,3 +160,15 @@ def test_bf16_is_on_for_the_experts(tmp_path):
     a, b = jsonl(fp32 / "history.jsonl"), jsonl(bf16 / "history.jsonl")
     assert 1e-5 < max_rel_diff(b, a) < 2e-2, (a, b)
     assert json.loads((bf16 / "summary.json").read_text())["dtype"] == "bf16"
+
+
+def test_the_router_stays_fp32_under_bf16():
+    """Routing decides which weights a token meets: under a bf16 autocast (mmm's bf16 without FSDP) the
+    router's scores are the fp32 ones, bit for bit; FSDP gives the router a unit of its own, in fp32."""
+    router = tiny_moe().layers["0"].moe.router
+    x = torch.randn(2, 16, 32)
+    want = router(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = router(x)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert type(router).keep_fp32 is True

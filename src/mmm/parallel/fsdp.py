@@ -44,6 +44,11 @@ def apply_fsdp(
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     with lean_fully_shard():  # no per-shard-rank work per parameter: flat setup as the job grows
+        if param_dtype != torch.float32:
+            fp32 = {**kwargs, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=reduce_dtype)}
+            for module in model.modules():
+                if getattr(module, "keep_fp32", False):
+                    fully_shard(module, reshard_after_forward=True, **fp32)
         for module in experts:
             after = True if reshard_after_forward is None else reshard_after_forward
             fully_shard(module, reshard_after_forward=after, **(kwargs | {"mesh": experts_mesh}))

@@ -2,7 +2,8 @@
 
 Routing (token choice, nothing dropped): every token goes to the ``top_k`` experts of highest
 ``softmax(router logits) + expert_bias``; its output is the experts' outputs weighted by their softmax
-scores, renormalised over the k chosen. The router runs in fp32.
+scores, renormalised over the k chosen. The router runs in fp32, its weights too under bf16
+(``keep_fp32``: FSDP makes it a unit of its own, and autocast is off inside it).
 
 Load balance (DeepSeek-V3's two mechanisms):
 
@@ -84,6 +85,8 @@ class Router(nn.Module):
     """Top-k token-choice router in fp32 (see the module doc): ``gate`` logits, ``expert_bias`` for
     choosing, per-step counters for balancing and the record."""
 
+    keep_fp32 = True  # under bf16 too: FSDP keeps this module's weights fp32 in compute
+
     def __init__(self, dim: int, num_experts: int, top_k: int, *, aux_weight: float, bias_rate: float) -> None:
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
@@ -100,7 +103,8 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``x`` (batch, seq, dim) -> (weights (N, k), experts (N, k), aux loss or None), N = batch x seq."""
         bsz, seq, _ = x.shape
-        logits = F.linear(x.reshape(-1, x.shape[-1]).float(), local(self.gate.weight).float())
+        with torch.autocast(x.device.type, enabled=False):  # fp32 even under an autocast (mmm's bf16 off FSDP)
+            logits = F.linear(x.reshape(-1, x.shape[-1]).float(), local(self.gate.weight).float())
         scores = logits.softmax(dim=-1)
         ranked = (scores + self.expert_bias).detach()
         chosen = ranked.topk(self.top_k + (self.top_k < self.num_experts), dim=-1)
