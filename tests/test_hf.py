@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import jsonl, launch, max_rel_diff, run
+from conftest import clean_env, jsonl, launch, max_rel_diff, run
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'mmm[hf]')")
 
@@ -67,3 +67,66 @@ def test_hf_llama_layouts_match_one_process(reference, tmp_path, flags):
     for key in ("loss", "grad_norm"):
         assert max_rel_diff([r[key] for r in got], [r[key] for r in reference]) <= RTOL, key
     assert "Traceback" not in res.stderr and "Warning" not in res.stderr and "redistributing" not in res.stderr
+
+
+# --------------------------------------------------------------------------- a mixture of experts
+HF_TRAINER = ["-m", "mmm.training.trainer", "--recipe", "hf", "--seq-len", "32", "--batch-size", "8"]
+HF_TRAINER += ["--max-iters", "4", "--lr", "3e-3", "--seed", "2", "--no-plots"]
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    """A tiny Qwen3-MoE config.json (8 experts, top-2) and its one-process run (random weights)."""
+    path = tmp_path_factory.mktemp("qwen3moe")
+    transformers.Qwen3MoeConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    ).save_pretrained(path)
+    out = path / "single"
+    res = run([sys.executable, *HF_TRAINER, "--hf-config", str(path), "--outdir", str(out)], timeout=180)
+    assert res.returncode == 0, res.output
+    return path, jsonl(out / "history.jsonl", key=None)
+
+
+@pytest.mark.parametrize(
+    "flags", [["--ep", "2"], ["--ep", "2", "--pp", "2", "--microbatches", "2"]], ids=["dp4-ep2", "pp2-dp2-ep2"]
+)
+def test_hf_mixture_of_experts_with_expert_parallel_matches_one_process(qwen3_moe, tmp_path, flags):
+    """transformers' Qwen3-MoE experts split over ep by its config's own experts plan (base_model_ep_plan):
+    their forward sends tokens by all-to-all; loss and grad norm equal one process's."""
+    config, reference = qwen3_moe
+    cmd = launch("-n", "4", "python3", *HF_TRAINER, "--hf-config", str(config), *flags, "--outdir", str(tmp_path))
+    res = run(cmd, timeout=240)
+    assert res.returncode == 0, res.output
+    got = jsonl(tmp_path / "history.jsonl", key=None)
+    for key in ("loss", "grad_norm"):
+        assert max_rel_diff([r[key] for r in got], [r[key] for r in reference]) <= RTOL, key
+    assert "efsdp:_StridedShard(0), ep:Shard(0)" in res.stdout  # the experts' placement in the sharding table
+
+
+def test_hf_mixture_of_experts_through_verify(qwen3_moe, tmp_path):
+    """mmm.verify of a transformers MoE with --ep: the experts plan comes from its config, and says so."""
+    config, _ = qwen3_moe
+    (tmp_path / "qwen_moe_lm.py").write_text(
+        "from transformers import AutoConfig, AutoModelForCausalLM\n\ndef build():\n"
+        f"    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained({str(config)!r}))\n"
+    )
+    env = clean_env(PYTHONPATH=str(tmp_path))
+    res = run(
+        launch("-n", "4", "python3", "-m", "mmm.verify", "--model", "qwen_moe_lm:build", "--ep", "2"),
+        env=env,
+        timeout=240,
+    )
+    assert res.returncode == 0, res.output
+    assert "no --ep-plan given: using the experts plan Qwen3MoeForCausalLM's config carries" in res.output
+    assert "PASS: dp=4 x ep=2" in res.stdout

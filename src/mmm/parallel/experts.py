@@ -11,6 +11,12 @@ module must be, for any model:
 - its parent calls ``self.run_experts(experts, x, counts)`` (``counts[e]`` tokens for expert e, all
   experts, in order) to run it: :func:`apply_ep` swaps in :class:`ExpertParallel` there.
 
+A Hugging Face experts module (transformers 5: Qwen3-MoE, Mixtral, ...: ``gate_up_proj`` (E, 2I, D)
+with gate and up concatenated, ``down_proj`` (E, D, I), ``act_fn``, called as
+``experts(hidden_states, top_k_index, top_k_weights)``) needs no hook: :func:`apply_ep` gives it a
+forward that sorts its tokens by expert and sends them through :class:`ExpertParallel`; its config's
+``base_model_ep_plan`` names it (``"layers.*.mlp.experts": "ep_dispatch_experts"``, :func:`hf_ep_plan`).
+
 :func:`apply_ep` makes each parameter a DTensor sharded on dim 0 over ``mesh["ep"]`` (each rank
 holds ``num_experts / ep`` consecutive experts); :func:`mmm.parallel.compose.parallelize` then
 shards them by FSDP over ``mesh["efsdp"]`` (the rest of dp_shard x cp) with the gradient divided by
@@ -78,7 +84,8 @@ class ExpertParallel:
     def __deepcopy__(self, memo) -> ExpertParallel:
         return self
 
-    def __call__(self, experts: nn.Module, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def __call__(self, experts, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """``experts(x, counts)`` runs the experts held here on their tokens, sorted by expert."""
         ep, n = self.size, len(counts)
         per = n // ep
         mine = torch.tensor(counts, dtype=torch.int64, device=x.device).view(ep, per)  # [to rank, its expert]
@@ -113,19 +120,86 @@ def apply_ep(model: nn.Module, mesh, plan, *, allow_missing: bool = False) -> li
     out = []
     for name, module in expert_modules(model, plan, allow_missing=allow_missing):
         parent = model.get_submodule(name.rpartition(".")[0])
-        if not hasattr(parent, "run_experts"):
+        hf = hf_experts_problem(module) is None
+        if not hasattr(parent, "run_experts") and not hf:
             raise UsageError(
-                f"{name}'s parent ({type(parent).__name__}) has no run_experts(experts, x, counts) hook; expert "
-                "parallel sends tokens to their experts through it (mmm.parallel.experts)"
+                f"{name}'s parent ({type(parent).__name__}) has no run_experts(experts, x, counts) hook, and "
+                f"{type(module).__name__} is not a Hugging Face experts module mmm runs "
+                f"({hf_experts_problem(module)}); expert parallel sends tokens to their experts through one of "
+                "them (mmm.parallel.experts)"
             )
         for pname, param in list(module.named_parameters(recurse=False)):
             if param.shape[0] % mesh.ep:
                 raise UsageError(f"{name}.{pname} holds {param.shape[0]} experts, not divisible by ep={mesh.ep}")
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
             module.register_parameter(pname, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        parent.run_experts = hook
+        if hasattr(parent, "run_experts"):
+            parent.run_experts = hook
+        else:
+            module.forward = _HFExpertsForward(module, hook)
         out.append(module)
     return out
+
+
+# --------------------------------------------------------------------------- Hugging Face experts
+def hf_experts_problem(module: nn.Module) -> str | None:
+    """Why ``module`` is not a Hugging Face experts module expert parallel can run (None: it is)."""
+    up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not isinstance(up, torch.Tensor) or not isinstance(down, torch.Tensor) or not hasattr(module, "act_fn"):
+        return "no gate_up_proj, down_proj and act_fn"
+    if up.dim() != 3 or down.dim() != 3:
+        return f"gate_up_proj {tuple(up.shape)} and down_proj {tuple(down.shape)} are not 3-D (experts first)"
+    layout = {k: getattr(module, k, d) for k, d in (("has_bias", False), ("is_transposed", False))}
+    layout |= {k: getattr(module, k, d) for k, d in (("is_concatenated", True), ("has_gate", True))}
+    if layout != {"has_bias": False, "is_transposed": False, "is_concatenated": True, "has_gate": True}:
+        return f"its layout {layout} is not gate and up concatenated, untransposed, without bias"
+    return None
+
+
+def hf_ep_plan(config, prefix: str = "") -> dict[str, str]:
+    """An experts plan from a transformers config's ``base_model_ep_plan``: the modules it dispatches
+    tokens to (``ep_dispatch_experts``), rooted at ``prefix`` (e.g. ``"model."``); {} when it has none."""
+    plan = dict(getattr(config, "base_model_ep_plan", None) or {})
+    return {f"{prefix}{k}": "experts" for k, v in plan.items() if v == "ep_dispatch_experts"}
+
+
+class _HFExpertsForward:
+    """``experts(hidden_states, top_k_index, top_k_weights)`` of a Hugging Face experts module, its tokens
+    sorted by expert and sent through ``hook`` (expert parallel); the weighted sum over each token's k."""
+
+    def __init__(self, module: nn.Module, hook: ExpertParallel) -> None:
+        self.module, self.hook = module, hook
+
+    def __deepcopy__(self, memo) -> _HFExpertsForward:  # a pipeline stage's copy gets its own module's
+        return _HFExpertsForward(memo.get(id(self.module), self.module), self.hook)
+
+    def run(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The experts held here, on their tokens sorted by expert (the module's own weights and activation)."""
+        experts = self.module
+        up = experts.gate_up_proj.to_local() if hasattr(experts.gate_up_proj, "to_local") else experts.gate_up_proj
+        down = experts.down_proj.to_local() if hasattr(experts.down_proj, "to_local") else experts.down_proj
+        outs = []
+        for e, xe in enumerate(torch.split(x, counts)):
+            if xe.shape[0]:
+                gate, upx = torch.nn.functional.linear(xe, up[e]).chunk(2, dim=-1)
+                outs.append(torch.nn.functional.linear(experts.act_fn(gate) * upx, down[e]))
+        if not outs:  # keep every expert weight in the graph (a peer waits on its gradient)
+            return x.new_zeros((0, down.shape[1])) + 0.0 * (up.sum() + down.sum()).to(x.dtype)
+        return torch.cat(outs)
+
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        k = top_k_index.shape[-1]
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.hook_experts()).tolist()
+        routed = self.hook(self.run, hidden_states[order // k], counts)
+        slots = torch.empty_like(routed).index_copy(0, order, routed)
+        weighted = slots.view(-1, k, slots.shape[-1]) * top_k_weights.unsqueeze(-1).to(slots.dtype)
+        return weighted.sum(dim=1).to(hidden_states.dtype)
+
+    def hook_experts(self) -> int:
+        """Every expert of the model (this rank holds 1/ep of them)."""
+        return self.module.gate_up_proj.shape[0]
 
 
 # --------------------------------------------------------------------------- balancing

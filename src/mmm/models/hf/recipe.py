@@ -25,6 +25,7 @@ from mmm.cli import FLAGS, flag_problems, option, positive_int
 from mmm.data import DATASETS, dataset_problems, local_batches, make_dataset
 from mmm.errors import UsageError
 from mmm.parallel.compose import ParallelSpec
+from mmm.parallel.experts import hf_ep_plan
 from mmm.parallel.pipeline import pipeline_problems
 from mmm.training.config import Config
 from mmm.training.evaluation import EvalConfig, perplexity
@@ -157,6 +158,7 @@ class HFCausalLMRecipe(Recipe):
         "compile",
         "ac",
         "reshard_after_forward",
+        "ep",
         "microbatches",
         "pp_schedule",
         "stages_per_rank",
@@ -182,6 +184,15 @@ class HFCausalLMRecipe(Recipe):
             return [*out, "--recipe hf needs transformers: pip install 'mmm[hf]'"]
         plan = dict(getattr(cfg, "base_model_tp_plan", None) or {})
         dims = par.dims(world_size)
+        if dims is not None and dims.ep > 1:
+            experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+            if not hf_ep_plan(cfg):
+                out.append(
+                    f"--ep {dims.ep}: {type(cfg).__name__} carries no experts plan (base_model_ep_plan with "
+                    "ep_dispatch_experts): no experts to split; use --ep 1"
+                )
+            elif experts and experts % dims.ep:
+                out.append(f"--ep {dims.ep} does not divide the model's {experts} experts; use a divisor of {experts}")
         if dims is not None and dims.tp > 1:
             if not plan:
                 out.append(f"--tp {dims.tp}: {type(cfg).__name__} carries no TP plan (base_model_tp_plan); use --tp 1")
@@ -237,9 +248,10 @@ class HFCausalLMRecipe(Recipe):
         return {"model_type": c.model_type, **shape, "seq_len": model_config.seq_len}
 
     def spec(self, how, model_config: HFModel) -> ParallelSpec:
-        plan = dict(getattr(model_config.config, "base_model_tp_plan", None) or {})
+        plan = dict(getattr(model_config.config, "base_model_tp_plan", None) or {}) if how.tp != 1 else {}
         return ParallelSpec(
             tp_plan={f"model.{k}": v for k, v in plan.items()},  # rooted at the causal LM's base model
+            ep_plan=hf_ep_plan(model_config.config, "model.") if how.ep != 1 else None,
             blocks="model.layers",
             ac=how.ac,
             compile=how.compile,
