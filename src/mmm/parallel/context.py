@@ -167,6 +167,21 @@ def ring_attention_fn(group) -> RingAttention:
     return RingAttention(group)
 
 
+class SequenceSum:
+    """``sequence_sum(t)``: sums ``t`` in place over the ranks that hold parts of the same sequences
+    (the cp group) and returns how many they are. Shared by model copies (pipeline stages)."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def __call__(self, t: torch.Tensor) -> int:
+        dist.all_reduce(t, group=self.group)
+        return dist.get_world_size(self.group)
+
+    def __deepcopy__(self, memo) -> SequenceSum:
+        return self
+
+
 class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` along dim 0 (rows ``in_splits`` out, ``out_splits`` in); backward sends
     the gradient back the same way, splits swapped. Even splits when none are given."""
@@ -246,8 +261,9 @@ def context_parallel(
     """Swap context-parallel attention over ``cp_mesh`` (``kind``: ring, or ulysses: all-to-all) into
     every submodule of ``model`` that has an ``attn_attr`` attribute: the attention hook, an
     SDPA-shaped causal ``attn(q, k, v)`` on (batch, heads, local_seq, head_dim) tensors, with k/v
-    before or after GQA expansion alike. Modules with a ``sequence_group`` attribute (statistics over
-    whole sequences, e.g. a router's sequence-wise balance loss) get the cp group. Returns the names
+    before or after GQA expansion alike. Modules with a ``sequence_sum`` attribute (statistics over
+    whole sequences, e.g. a router's sequence-wise balance loss) get a :class:`SequenceSum` over the cp
+    group. Returns the names
     of the attention modules changed (none is an error).
 
     Positions: the hook carries none, so the model must encode its tokens' global positions itself.
@@ -272,8 +288,8 @@ def context_parallel(
     group = cp_mesh.get_group()
     attn = ring_attention_fn(group) if kind == "ring" else UlyssesAttention(group)
     for mod in model.modules():  # per-sequence statistics (a router's) sum over the ranks of the sequence
-        if hasattr(mod, "sequence_group"):
-            mod.sequence_group = group
+        if hasattr(mod, "sequence_sum"):
+            mod.sequence_sum = SequenceSum(group)
     if seq_len is not None:
         positions = local_positions(seq_len, cp_mesh.get_local_rank(), cp_mesh.size())
         for mod in takers:

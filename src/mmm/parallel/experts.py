@@ -80,6 +80,7 @@ class ExpertParallel:
     def __init__(self, group) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
+        self.planned = False  # a simulated step: every peer routes as this rank does (no values to read)
 
     def __deepcopy__(self, memo) -> ExpertParallel:
         return self
@@ -90,21 +91,21 @@ class ExpertParallel:
         per = n // ep
         mine = torch.tensor(counts, dtype=torch.int64, device=x.device).view(ep, per)  # [to rank, its expert]
         theirs = all_to_all(mine, self.group)  # [from rank, my expert]: what each peer sends me
-        send = mine.sum(dim=1).tolist()
-        got = theirs.sum(dim=1).tolist()
+        if self.planned:  # no values to read: every peer routes as this rank does
+            r = dist.get_rank(self.group)
+            sizes = counts[r * per : (r + 1) * per] * ep
+        else:
+            sizes = theirs.flatten().tolist()
+        send = [sum(counts[i * per : (i + 1) * per]) for i in range(ep)]
+        got = [sum(sizes[s * per : (s + 1) * per]) for s in range(ep)]
         received = all_to_all_autograd(x, self.group, send, got)  # grouped by source, then expert
         # regroup by expert (then source) for the experts held here, and back afterwards
-        sizes = theirs.flatten().tolist()
         starts = [0]
         for size in sizes[:-1]:
             starts.append(starts[-1] + size)
-        order = [
-            torch.arange(starts[s * per + e], starts[s * per + e] + sizes[s * per + e])
-            for e in range(per)
-            for s in range(ep)
-        ]
-        order = torch.cat(order).to(x.device) if order else torch.zeros(0, dtype=torch.int64, device=x.device)
-        out = experts(received.index_select(0, order), theirs.sum(dim=0).tolist())
+        spans = [(starts[s * per + e], sizes[s * per + e]) for e in range(per) for s in range(ep)]
+        order = torch.cat([torch.arange(a, a + size, device=x.device) for a, size in spans])
+        out = experts(received.index_select(0, order), [sum(sizes[s * per + e] for s in range(ep)) for e in range(per)])
         back = torch.empty_like(out).index_copy(0, order, out)
         return all_to_all_autograd(back, self.group, got, send)
 
@@ -167,8 +168,9 @@ class _HFExpertsForward:
     """``experts(hidden_states, top_k_index, top_k_weights)`` of a Hugging Face experts module, its tokens
     sorted by expert and sent through ``hook`` (expert parallel); the weighted sum over each token's k."""
 
-    def __init__(self, module: nn.Module, hook: ExpertParallel) -> None:
+    def __init__(self, module: nn.Module, hook) -> None:
         self.module, self.hook = module, hook
+        self.planned_counts = None  # a simulated step: (token slots, experts) -> tokens per expert
 
     def __deepcopy__(self, memo) -> _HFExpertsForward:  # a pipeline stage's copy gets its own module's
         return _HFExpertsForward(memo.get(id(self.module), self.module), self.hook)
@@ -191,7 +193,10 @@ class _HFExpertsForward:
         k = top_k_index.shape[-1]
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.hook_experts()).tolist()
+        if self.planned_counts is not None:
+            counts = self.planned_counts(flat.numel(), self.hook_experts())
+        else:
+            counts = torch.bincount(flat, minlength=self.hook_experts()).tolist()
         routed = self.hook(self.run, hidden_states[order // k], counts)
         slots = torch.empty_like(routed).index_copy(0, order, routed)
         weighted = slots.view(-1, k, slots.shape[-1]) * top_k_weights.unsqueeze(-1).to(slots.dtype)
@@ -200,6 +205,57 @@ class _HFExpertsForward:
     def hook_experts(self) -> int:
         """Every expert of the model (this rank holds 1/ep of them)."""
         return self.module.gate_up_proj.shape[0]
+
+
+# --------------------------------------------------------------------------- a simulated step
+def planned_counts(slots: int, experts: int, *, load: float = 1.0) -> list[int]:
+    """``slots`` token slots (tokens x top_k) over ``experts``: expert 0 gets ``load`` x the mean (capped at
+    all of them), the others share the rest evenly (the first ones one more where it does not divide)."""
+    hot = min(slots, round(load * slots / experts))
+    rest, others = slots - hot, experts - 1
+    if not others:
+        return [slots]
+    return [hot] + [rest // others + (i < rest % others) for i in range(others)]
+
+
+class _LocalExperts:
+    """``run_experts`` of a Hugging Face experts module without expert parallel: every expert is here."""
+
+    planned = True
+
+    def __call__(self, experts, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        return experts(x, counts)
+
+
+def plan_routing(model: nn.Module, *, load: float = 1.0) -> int:
+    """Route every mixture of experts in ``model`` by a plan instead of by its router's values, for a
+    step simulated on tensors that have none (:mod:`mmm.plan.fake`): each rank sends ``load`` x the
+    mean to its first expert and the rest evenly (:func:`planned_counts`), every rank alike (so the
+    ep rank holding expert 0 receives ``load`` x its share); routers count nothing. Returns the number
+    of mixtures planned (0: the model has none)."""
+    import functools
+
+    plan = functools.partial(planned_counts, load=load)
+    found = 0
+    for module in model.modules():
+        if hasattr(module, "counting"):
+            module.counting = False
+        if hasattr(module, "planned_counts"):
+            module.planned_counts = plan
+            found += 1
+        run = getattr(module, "run_experts", None)
+        if isinstance(run, ExpertParallel):
+            run.planned = True
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, _HFExpertsForward):
+            forward.hook.planned = True
+            forward.planned_counts = plan
+            found += 1
+        elif hf_experts_problem(module) is None and hasattr(module, "gate_up_proj"):
+            module.forward = _HFExpertsForward(module, _LocalExperts())  # its own forward reads values
+            module.forward.planned_counts = plan
+            found += 1
+    return found
 
 
 # --------------------------------------------------------------------------- balancing

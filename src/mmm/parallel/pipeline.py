@@ -260,14 +260,14 @@ def _stage_class(base: type) -> type:
 
     class Stage(base):
         def _compute_outputs(self, *args, module, **kwargs):
-            counters = [m for m in module.modules() if hasattr(m, "counting")]
-            for m in counters:
+            counters = [(m, m.counting) for m in module.modules() if hasattr(m, "counting")]
+            for m, _ in counters:
                 m.counting = False
             try:
                 return super()._compute_outputs(*args, module=module, **kwargs)
             finally:
-                for m in counters:
-                    m.counting = True
+                for m, was in counters:
+                    m.counting = was
 
     return Stage
 
@@ -302,6 +302,11 @@ class StageSet(nn.Module):
                         raise ValueError(f"two stages of this rank both hold {name!r}")
                     continue
                 holder.add_module(leaf, mod)
+
+    @property
+    def parts(self) -> list[nn.Module]:
+        """This rank's stages, whole (every module, not only those that own state)."""
+        return list(self._parts)
 
     def train(self, mode: bool = True) -> StageSet:
         """Train/eval mode reaches every module of the stages (dropout, too), not only parameter owners."""

@@ -48,15 +48,16 @@ class Combo:
         """``pp1-dpr1-dps2-cp1-tp2-fsdp``: a stable name, used for output folders (``-mb8``: 8 microbatches)."""
         short = {"pp": "pp", "dp_replicate": "dpr", "dp_shard": "dps", "cp": "cp", "tp": "tp"}
         mb = f"-mb{self.microbatches}" if self.microbatches else ""
-        return "-".join(f"{short[a]}{self.degrees[a]}" for a in AXES) + f"-{self.strategy}{mb}"
+        ep = f"-ep{self.degrees['ep']}" if self.degrees.get("ep", 1) > 1 else ""
+        return "-".join(f"{short[a]}{self.degrees[a]}" for a in AXES) + f"{ep}-{self.strategy}{mb}"
 
     @property
     def flags(self) -> list[str]:
         """The trainer flags that select this layout: its degrees other than 1 (dp_shard is inferred from
         the rest), so that a recipe whose trainer has no flag for an axis it does not use takes them."""
         out = []
-        for a in AXES:
-            if a != "dp_shard" and self.degrees[a] != 1:
+        for a in (*AXES, "ep"):
+            if a != "dp_shard" and self.degrees.get(a, 1) != 1:
                 out += [f"--{a.replace('_', '-')}", str(self.degrees[a])]
         mb = ["--microbatches", str(self.microbatches)] if self.microbatches else []
         return out + ["--strategy", self.strategy, *mb]
@@ -117,32 +118,50 @@ def plan(
     bad = [s for s in strategies if s not in STRATEGIES]
     if bad:
         raise UsageError(f"unknown strategy {', '.join(map(repr, bad))}; choose from: {', '.join(STRATEGIES)}")
-    unplanned = recipe.plan_problems(config)
-    if unplanned:
-        raise UsageError("; ".join(unplanned))
     fixed = {k: v for k, v in (fixed or {}).items() if v is not None}
     out: list[Combo] = []
+    try:
+        experts = recipe.experts(recipe.model_config(config.train))
+    except UsageError:  # the model's own problem: every layout says it
+        experts = 0
     for shape in _factorizations(world, len(AXES)):
-        degrees = dict(zip(AXES, shape))
-        if any(degrees[k] != v for k, v in fixed.items()):
-            continue
-        for strategy in strategies:
-            trial = replace(config, parallel=replace(config.parallel, **degrees, strategy=strategy))
-            found = recipe.problems(trial, world)
-            if not found and strategy == "ddp" and degrees["dp_replicate"] > 1:
-                found = [
-                    f"same as dp_shard={degrees['dp_replicate'] * degrees['dp_shard']} with ddp: DDP "
-                    "replicates over the flattened dp group, so dp_replicate changes nothing"
-                ]
-            combo = Combo(degrees, strategy, found)
-            estimates = recipe.estimate(trial, world) if combo.valid else None
-            if estimates is not None:
-                combo.memory, combo.comm = estimates
-            out.append(combo)
+        for degrees in _with_ep(dict(zip(AXES, shape)), experts):
+            if any(degrees.get(k, 1) != v for k, v in fixed.items()):
+                continue
+            out += _combos(config, world, degrees, strategies)
     out.sort(key=lambda c: not c.valid)
     if fixed and not out:
         raise UsageError(
             f"no layout of {world} ranks has {', '.join(f'{k}={v}' for k, v in fixed.items())}: "
             f"the degrees must multiply to {world}"
         )
+    return out
+
+
+def _with_ep(degrees: dict[str, int], experts: int) -> list[dict[str, int]]:
+    """``degrees``, and for a mixture of ``experts`` (> 0) once per ep that splits dp_shard x cp and the
+    experts (an ``ep`` key then, 1 too)."""
+    if not experts:
+        return [degrees]
+    room = degrees["dp_shard"] * degrees["cp"]
+    return [{**degrees, "ep": e} for e in range(1, room + 1) if room % e == 0 and experts % e == 0]
+
+
+def _combos(config: Config, world: int, degrees: dict[str, int], strategies) -> list[Combo]:
+    """The layout of ``degrees`` with each strategy, checked by the recipe (and estimated where it can)."""
+    out = []
+    recipe = config.recipe
+    for strategy in strategies:
+        trial = replace(config, parallel=replace(config.parallel, **degrees, strategy=strategy))
+        found = recipe.problems(trial, world)
+        if not found and strategy == "ddp" and degrees["dp_replicate"] > 1:
+            found = [
+                f"same as dp_shard={degrees['dp_replicate'] * degrees['dp_shard']} with ddp: DDP "
+                "replicates over the flattened dp group, so dp_replicate changes nothing"
+            ]
+        combo = Combo(degrees, strategy, found)
+        estimates = recipe.estimate(trial, world) if combo.valid else None
+        if estimates is not None:
+            combo.memory, combo.comm = estimates
+        out.append(combo)
     return out

@@ -27,6 +27,7 @@ from mmm.errors import UsageError
 from mmm.log import get_logger
 from mmm.measure import CommCounter, DeviceWork, PeakMemory, SavedActivations
 from mmm.parallel import init_mesh, meta_init
+from mmm.parallel.experts import plan_routing
 from mmm.parallel.pipeline import stage_ids, stage_layer_ranges
 from mmm.parallel.tensor import loss_parallel_context
 from mmm.plan.hardware import Hardware
@@ -87,18 +88,18 @@ def simulate_rank(
     mailbox: dict | None = None,
     blocks: int | None = None,
     shapes_only: bool = False,
+    expert_load: float = 1.0,
 ) -> RankReport | None:
     """Rank ``rank`` of a ``world``-rank job with ``config`` (of ``config.recipe``'s model), simulated in
     this process: it joins a fake process group of ``world`` ranks, which it leaves before returning (so
     the next rank can). ``blocks``: a model of that many blocks (checked at its full size elsewhere).
     ``shapes_only``: a pipeline rank that only sends its stages' shapes into ``mailbox`` (what a rank
-    simulated after it waits for); no report."""
+    simulated after it waits for); no report. A mixture of experts routes by plan (tensors have no
+    values): ``expert_load`` x the mean to each rank's first expert, the rest evenly
+    (:func:`mmm.parallel.experts.plan_routing`)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's test helper: load it only here
 
     what, how, recipe = config.train, config.parallel, config.recipe
-    unplanned = recipe.plan_problems(config)
-    if unplanned:
-        raise UsageError("; ".join(unplanned))
     if how.strategy.startswith("zero") or how.strategy == "ddp":
         why = (
             "DDP compares parameters across ranks with real collectives when it wraps the model"
@@ -140,6 +141,8 @@ def simulate_rank(
     engine = recipe.make_engine(model, mesh, config, device=torch.device("meta"), spec=spec)
     del model
     module = engine.module
+    for whole in module.parts if engine.pipeline is not None else [module]:  # stages: every module
+        plan_routing(whole, load=expert_load)  # a mixture of experts: tokens per expert by plan
     times["parallelize"] = time.perf_counter() - t0
     params = [p for p in module.parameters() if p.requires_grad]
     param_bytes = sum(_local_bytes(p) for p in module.parameters())
@@ -210,7 +213,13 @@ def predict_rank(step: dict, axes: dict, config, cfg, world: int, hardware: Hard
 
 
 def simulate_by_blocks(
-    config: Config, *, world: int, ranks: Sequence[int], devices_per_node: int = 8, hardware: Hardware | None = None
+    config: Config,
+    *,
+    world: int,
+    ranks: Sequence[int],
+    devices_per_node: int = 8,
+    hardware: Hardware | None = None,
+    expert_load: float = 1.0,
 ) -> list[RankReport]:
     """:func:`simulate_ranks` for a model of many identical blocks, at a fraction of the cost: each rank
     is simulated holding three blocks per pipeline stage and holding four, and what grows with the blocks
@@ -229,13 +238,27 @@ def simulate_by_blocks(
     n_blocks = recipe.shape(cfg).blocks
     sizes = [b - a for a, b in stage_layer_ranges(n_blocks, chunks, how.split_points)] if n_blocks else [0]
     if min(sizes) <= 4:
-        return simulate_ranks(config, world=world, ranks=ranks, devices_per_node=devices_per_node, hardware=hardware)
+        return simulate_ranks(
+            config,
+            world=world,
+            ranks=ranks,
+            devices_per_node=devices_per_node,
+            hardware=hardware,
+            expert_load=expert_load,
+        )
     found = recipe.problems(config, world)
     if found:
         raise UsageError("; ".join(found))
     even = replace(config, parallel=replace(how, split_points=None))  # k blocks in every stage
     one, two = (
-        simulate_ranks(even, world=world, ranks=ranks, devices_per_node=devices_per_node, blocks=k * chunks)
+        simulate_ranks(
+            even,
+            world=world,
+            ranks=ranks,
+            devices_per_node=devices_per_node,
+            blocks=k * chunks,
+            expert_load=expert_load,
+        )
         for k in (3, 4)
     )
 

@@ -18,6 +18,7 @@ from mmm.measure import CommCounter, DeviceWork
 from mmm.parallel import ParallelDims, init_mesh, meta_init, parallelize
 from mmm.parallel.compose import shards_parameters
 from mmm.parallel.context import ring_attention
+from mmm.parallel.experts import plan_routing
 from mmm.parallel.pipeline import stage_ids, stage_layer_ranges
 from mmm.parallel.strategy import state_bytes_per_param
 from mmm.parallel.tensor import loss_parallel_context
@@ -149,6 +150,7 @@ def _blocks_once(recipe, cfg, how, seqs: int, tp: int, fsdp: bool) -> int:
                 with meta_init():
                     model = recipe.build(recipe.with_blocks(cfg, blocks))
                 parallelize(model, mesh, spec, device=torch.device("meta"), seed=0)
+                plan_routing(model)  # a mixture of experts: its tokens per expert by plan (no values to route by)
                 for module in model.modules():
                     for name, p in module._parameters.items():
                         if p is not None and p.dtype != dtype:

@@ -100,7 +100,7 @@ def _simulate_layout(task) -> tuple[list[RankReport] | None, str | None, str | N
     activation checkpointing chosen (the first of ``acs`` whose peak fits; None: ``config``'s). With
     ``stops`` (each AC's floor) and ``best``: no reports (nor reason) once the AC to try next has a floor
     no faster than ``best`` (the layout cannot be the pick with that much recomputation or more)."""
-    config, combo, world, per_node, hardware, acs, stops, best = task
+    config, combo, world, per_node, hardware, acs, stops, best, expert_load = task
     # rank 0 (FSDP's first shards are the largest when a dimension does not split evenly); under a
     # pipeline also the rank of the same coordinates in the last stage (rank 0's first step waits for
     # its shapes: it is simulated first, once)
@@ -111,7 +111,9 @@ def _simulate_layout(task) -> tuple[list[RankReport] | None, str | None, str | N
             return None, None, ac
         try:
             trial = trial_config(config, combo, ac)
-            reports = simulate_by_blocks(trial, world=world, ranks=ranks, devices_per_node=per_node, hardware=hardware)
+            reports = simulate_by_blocks(
+                trial, world=world, ranks=ranks, devices_per_node=per_node, hardware=hardware, expert_load=expert_load
+            )
         except UsageError as e:
             return None, str(e), ac
         if all(r.prediction["fits"] for r in reports):  # less recomputation is faster: the first that fits
@@ -136,7 +138,16 @@ def end_with_parent(parent: int) -> None:
 
 
 def _simulate_layouts(
-    combos, config, world: int, per_node: int, hardware, jobs: int | None, acs=None, stops=None, best=math.inf
+    combos,
+    config,
+    world: int,
+    per_node: int,
+    hardware,
+    jobs: int | None,
+    acs=None,
+    stops=None,
+    best=math.inf,
+    expert_load: float = 1.0,
 ):
     """Each of ``combos`` simulated (:func:`_simulate_layout`), paired with its result. ``jobs``: processes
     at once (``None``: decided here, by how long the first, cheapest layout took). ``stops``: each
@@ -145,7 +156,7 @@ def _simulate_layouts(
     # cheapest layout first (it decides whether to use more processes), the rest longest first
     combos = sorted(combos, key=lambda c: c.degrees["cp"] * c.degrees["pp"])
     stops = stops or {}
-    tasks = [(config, c, world, per_node, hardware, acs, stops.get(c.label), best) for c in combos]
+    tasks = [(config, c, world, per_node, hardware, acs, stops.get(c.label), best, expert_load) for c in combos]
     first = []
     if jobs is None and tasks:  # the first layout here; the others at once if they take longer than starting processes
         t0 = time.perf_counter()
@@ -175,6 +186,7 @@ def rank_layouts(
     every: bool = False,
     choose_ac: bool = False,
     choose_microbatches: bool = False,
+    expert_load: float = 1.0,
 ) -> list[Ranked]:
     """Every valid layout of ``world`` ranks that the simulator runs (fsdp or hsdp), each simulated (its
     first and last pipeline stage, one step, :func:`mmm.plan.fake.simulate_by_blocks`) and predicted on
@@ -189,7 +201,8 @@ def rank_layouts(
     :data:`AC_ORDER` (none, selective, full) whose peak fits, rather than the one in ``config`` (its
     floor counts none: the lowest). ``choose_microbatches``: a pipeline layout is also ranked with 2 and
     4 microbatches per stage (:data:`MICROBATCHES_PER_STAGE`; a smaller bubble, smaller microbatches)
-    where the trainer takes them."""
+    where the trainer takes them. A mixture of experts is also ranked over its ep degrees (those that
+    split its experts), routing by plan (``expert_load``: the first expert's tokens over the mean)."""
     per_node = devices_per_node or hardware.devices_per_node
     combos = [c for c in plan(world, config, strategies=list(strategies), fixed=fixed) if c.valid]
     if not combos:
@@ -222,7 +235,7 @@ def rank_layouts(
     # their step is simulated) does not already make them slower than the best of those
     acs = AC_ORDER if choose_ac else None
     plain = [c for c in combos if c.degrees["pp"] == 1 and c.degrees["cp"] == 1]
-    done = _simulate_layouts(plain, config, world, per_node, hardware, jobs, acs)
+    done = _simulate_layouts(plain, config, world, per_node, hardware, jobs, acs, expert_load=expert_load)
     best = min((r.step_s for r in (Ranked(c, rep) for c, (rep, _, _) in done if rep) if r.fits), default=math.inf)
     floor_config = replace(config, parallel=replace(config.parallel, ac=AC_ORDER[0])) if choose_ac else config
     others = [c for c in combos if c not in plain]
@@ -275,7 +288,7 @@ def rank_layouts(
         revived = revived[:REVIVED_AT_MOST]
     # jobs given or decided again: by the pace of this batch's own first layout and its own count
     left = [c for c in others if c not in slower] + revived
-    more = _simulate_layouts(left, config, world, per_node, hardware, jobs, acs, stops_for(left), best)
+    more = _simulate_layouts(left, config, world, per_node, hardware, jobs, acs, stops_for(left), best, expert_load)
     # then the pipelines' variants with more microbatches that could beat the best: the simulated step
     # less the bubble they save (the rest of the step does not fall with more microbatches), or, where
     # the step needed more activation checkpointing than the least (a variant's smaller microbatches
@@ -307,7 +320,7 @@ def rank_layouts(
             sum(len(vs) for vs in variants.values()),
             best * 1e3,
         )
-    more += _simulate_layouts(tried, config, world, per_node, hardware, jobs, acs, stops_for(tried), best)
+    more += _simulate_layouts(tried, config, world, per_node, hardware, jobs, acs, stops_for(tried), best, expert_load)
     out, refused_by_reason, stopped = [], {}, []
     for combo, (reports, refused, ac) in [*done, *more]:
         if refused:  # refused once built (the planner's checks passed): out of the ranking, said why

@@ -118,9 +118,18 @@ def build_parser(recipe=None) -> ArgumentParser:
         help="with --pick: also simulate the layouts with a pipeline or context parallel whose floor shows they "
         "cannot be the pick (to compare every layout's prediction; the pick is the same)",
     )
+    g.add_argument(
+        "--expert-load",
+        type=float,
+        default=None,
+        metavar="F",
+        help="a mixture of experts (its tensors have no values to route by): each rank sends F x the mean of its "
+        "tokens to its first expert and the rest evenly, so the ep rank holding expert 0 gets F x its share [1: "
+        "balanced]",
+    )
     g.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="also write the reports as JSON")
     # given or not: --pick holds what is given
-    p.set_defaults(tp=None, pp=None, cp=None, dp_replicate=None, dp_shard=None, strategy=None)
+    p.set_defaults(tp=None, pp=None, cp=None, dp_replicate=None, dp_shard=None, ep=None, strategy=None)
     return p
 
 
@@ -201,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     recipe, argv = recipe_from_argv(argv)
     parser = build_parser(recipe)
     ns = parser.parse_args(argv)
-    own = {"--world", "--ranks", "--devices-per-node", "--json", "--hardware", "--jobs"}
+    own = {"--world", "--ranks", "--devices-per-node", "--json", "--hardware", "--jobs", "--expert-load"}
     # the trainer's flags, typed and checked as the trainer does
     config = recipe.command_line().parse(without_flags(argv, own, {"--no-step", "--pick", "--every"}))
     if recipe.picks_layout(config):
@@ -218,6 +227,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             "the run, not its step: not simulated",
             file=sys.stderr,
         )
+    expert_load = 1.0 if ns.expert_load is None else ns.expert_load
+    if ns.expert_load is not None:
+        experts = recipe.experts(recipe.model_config(config.train))
+        if not experts:
+            raise UsageError(f"--expert-load {ns.expert_load:g} applies to a mixture of experts; this model has none")
+        if not 1 <= ns.expert_load <= experts:
+            raise UsageError(
+                f"--expert-load {ns.expert_load:g} must be between 1 (balanced) and {experts} (every token to one "
+                "expert)"
+            )
     hardware = load_hardware(ns.hardware) if ns.hardware else None
     if hardware is not None and not ns.step:
         raise UsageError("--hardware predicts from the simulated step; drop --no-step")
@@ -227,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError("--pick ranks layouts by predicted step time: give --hardware (a preset or a file)")
         if ns.ranks:
             raise UsageError("--pick simulates the first and last rank of each layout; drop --ranks")
-        fixed = {axis: vars(ns)[axis] for axis in AXES if vars(ns).get(axis) is not None}
+        fixed = {axis: vars(ns)[axis] for axis in (*AXES, "ep") if vars(ns).get(axis) is not None}
         strategies = [ns.strategy] if ns.strategy else ["fsdp", "hsdp"]
         if ns.strategy and ns.strategy not in ("fsdp", "hsdp"):
             raise UsageError(f"--pick: --strategy {ns.strategy} is not simulated; give fsdp or hsdp, or leave it out")
@@ -242,6 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             every=ns.every,
             choose_ac=not _given(argv, "--ac"),  # --ac given holds
             choose_microbatches=not _given(argv, "--microbatches"),
+            expert_load=expert_load,
         )
         print(format_ranking(ranked, hardware))
         if ns.json_path:
@@ -260,7 +280,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UsageError("--every simulates every layout --pick ranks; without --pick drop it")
     ranks = _ranks(ns.ranks, ns.world)
     reports = simulate_ranks(
-        config, world=ns.world, ranks=ranks, devices_per_node=per_node, step=ns.step, hardware=hardware
+        config,
+        world=ns.world,
+        ranks=ranks,
+        devices_per_node=per_node,
+        step=ns.step,
+        hardware=hardware,
+        expert_load=expert_load,
     )
     print(format_reports(reports))
     if ns.json_path:

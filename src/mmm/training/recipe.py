@@ -189,10 +189,9 @@ class Recipe:
             "fewer blocks (write Recipe.with_blocks)"
         )
 
-    def plan_problems(self, config: Config) -> list[str]:
-        """What the planner cannot model of ``config`` (refused by ``python -m mmm.plan`` and its simulator,
-        rather than planned as something else)."""
-        return []
+    def experts(self, model_config) -> int:
+        """Routed experts per block of the model (0: none); the planner ranks ep degrees that split them."""
+        return 0
 
     def estimate(self, config: Config, world: int) -> tuple[dict[str, float], dict[str, float]] | None:
         """Closed-form per-rank (memory bytes, communication bytes by group) of ``config`` on ``world``

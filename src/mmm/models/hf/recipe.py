@@ -259,6 +259,10 @@ class HFCausalLMRecipe(Recipe):
             reshard_after_forward=how.reshard,
         )
 
+    def experts(self, model_config: HFModel) -> int:
+        c = model_config.config
+        return (getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None) or 0) if hf_ep_plan(c) else 0
+
     def loss(self, outputs, targets):
         logits = outputs.logits if hasattr(outputs, "logits") else outputs
         return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())

@@ -17,19 +17,19 @@ Load balance (DeepSeek-V3's two mechanisms):
   the mean score of expert i over the sequence's T tokens; averaged over the sequences. It is linear
   in the sequences, so data parallel and microbatches give one process's loss as they do for the
   cross-entropy; a sequence split by context parallel sums its counts over the cp ranks first
-  (``sequence_group``). Its gradient joins through the activations (:class:`AuxLoss`), so a pipeline
+  (``sequence_sum``). Its gradient joins through the activations (:class:`AuxLoss`), so a pipeline
   stage in the middle trains it too; its value is recorded (``aux_sum``), not added to the loss shown.
 
 Hooks for parallelism, set from outside (:mod:`mmm.parallel.experts`): ``run_experts(experts, x, counts)``
 runs the experts on tokens sorted by expert (``counts`` per expert; expert parallel swaps in the
-all-to-all), ``sequence_group`` (context parallel's group), ``counting`` (off while a pipeline
-stage's shapes are inferred).
+all-to-all), ``sequence_sum`` (context parallel: sums a tensor over the ranks of each sequence),
+``counting`` (off while a pipeline stage's shapes are inferred), ``planned_counts`` (the planner's
+simulated step, on tensors without values: how many tokens each expert gets).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -97,7 +97,7 @@ class Router(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
         self.register_buffer("aux_sum", torch.zeros(2), persistent=False)  # (sum of aux values, forwards)
         self.register_buffer("min_margin", torch.full((), float("inf")), persistent=False)
-        self.sequence_group = None  # context parallel: the ranks that hold the rest of each sequence
+        self.sequence_sum = None  # context parallel: sums over the ranks holding the rest of each sequence
         self.counting = True  # off while a pipeline infers its stages' shapes
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -134,9 +134,8 @@ class Router(nn.Module):
         counts = torch.zeros(scores.shape[0], self.num_experts, device=scores.device)
         counts.scatter_add_(1, experts.flatten(1), torch.ones_like(experts.flatten(1), dtype=counts.dtype))
         tokens = seq
-        if self.sequence_group is not None:
-            dist.all_reduce(counts, group=self.sequence_group)
-            tokens = seq * dist.get_world_size(self.sequence_group)
+        if self.sequence_sum is not None:
+            tokens = seq * self.sequence_sum(counts)
         f = counts * (self.num_experts / (self.top_k * tokens))
         p = scores.mean(dim=1)  # this rank's tokens; the mean over cp ranks is the sequence's
         return self.aux_weight * (f * p).sum(dim=-1).mean()
@@ -162,6 +161,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(num_experts, dim, hidden)
         self.shared = shared
         self.run_experts = run_local  # expert parallel: all-to-all dispatch (mmm.parallel.experts)
+        self.planned_counts = None  # a simulated step (no values): (token slots, experts) -> tokens per expert
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, dim = x.shape
@@ -169,7 +169,10 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, dim)
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.router.num_experts).tolist()
+        if self.planned_counts is not None:
+            counts = self.planned_counts(flat.numel(), self.router.num_experts)
+        else:
+            counts = torch.bincount(flat, minlength=self.router.num_experts).tolist()
         routed = self.run_experts(self.experts, tokens[order // experts.shape[1]], counts)
         slots = torch.empty_like(routed).index_copy_(0, order, routed)  # back to (token, slot) order
         out = (slots.view(-1, experts.shape[1], dim) * weights.unsqueeze(-1).to(slots.dtype)).sum(dim=1)
