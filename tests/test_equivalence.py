@@ -105,7 +105,7 @@ MATRIX = [
     # rank over 4 cp ranks)
     C("ulysses-cp2", "llama", 2, "--cp 2 --dp-shard 1 --cp-attention ulysses", "torchrun"),
     C("ulysses-cp4", "llama", 4, "--cp 4 --dp-shard 1 --cp-attention ulysses"),
-    C("ulysses-dp2-cp2-tp2", "llama", 8, "--cp 2 --tp 2 --cp-attention ulysses"),
+    C("ulysses-cp2-tp2", "llama", 4, "--cp 2 --tp 2 --cp-attention ulysses"),
     C("ulysses-cp4-tp2", "llama", 8, "--cp 4 --tp 2 --cp-attention ulysses", "torchrun"),
     C("pp2-cp2-tp2", "llama", 8, "--pp 2 --cp 2 --tp 2 --microbatches 2", "torchrun"),
     # pipeline parallel
