@@ -123,13 +123,13 @@ MATRIX = [
     C("pp4-interleaved", "llama8", 4, "--pp 4 --pp-schedule interleaved-1f1b --stages-per-rank 2 --microbatches 4"),
     C("pp2-dp2", "llama8", 4, "--pp 2 --microbatches 2", "torchrun"),
     C("hosts2-pp2-dp2", "llama8", 4, "--pp 2 --pp-schedule 1f1b --microbatches 2", "pbs/mpich"),
-    C("pp2-dp2-tp2", "llama8", 8, "--pp 2 --tp 2 --microbatches 2"),
     C("pp2-split-at-3", "llama8", 2, "--pp 2 --pp-schedule gpipe --split-points 3 --microbatches 2", "torchrun"),
     # a mixture of experts, expert parallel (ep borrows its ranks from dp_shard x cp): alone, under FSDP over
-    # the rest, across a pipeline, with ring and all-to-all context parallel
+    # the rest, across a pipeline, with the experts' width over tp, with ring and all-to-all context parallel
     C("moe-dp2-ep2", "moe", 2, "--ep 2"),
     C("moe-dp4-ep2", "moe", 4, "--ep 2", "torchrun"),
     C("moe-pp2-dp2-ep2", "moe", 4, "--pp 2 --ep 2 --microbatches 2"),
+    C("moe-ep2-tp2", "moe", 4, "--tp 2 --ep 2", "torchrun"),
     C("moe-dp2-cp2-ep2", "moe", 4, "--cp 2 --ep 2", "torchrun"),
     C("moe-dp2-ulysses-cp2-ep4", "moe", 4, "--cp 2 --cp-attention ulysses --ep 4"),
     # the ViT: every strategy on 4 ranks, and TP x FSDP

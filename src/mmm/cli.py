@@ -160,8 +160,9 @@ class MeshConfig:
 
     @property
     def degrees(self) -> dict[str, int]:
-        """The degrees by axis, outermost first, and ep (``init_mesh(**degrees)``)."""
-        return {a: getattr(self, a) for a in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")}
+        """The degrees by axis, outermost first, and ep when given (``init_mesh(**degrees)``)."""
+        out = {a: getattr(self, a) for a in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
+        return out | {"ep": self.ep} if self.ep != 1 else out
 
 
 def flag_fields(cls: type, only: Collection[str] | None = None) -> list[Field]:

@@ -335,7 +335,7 @@ def target(check: VerifyConfig):
         )
         if moe:
             cfg = LlamaConfig(**{**vars(cfg), "moe_experts": 8, "moe_top_k": 2, "moe_shared": 1, "moe_aux": 1e-2})
-        options = {"tp_plan": llama_tp_plan(moe=moe), "loss_parallel": True}
+        options = {"tp_plan": llama_tp_plan(moe=moe, shared=moe), "loss_parallel": True}
         if moe:
             options["ep_plan"] = {"layers.*.moe.experts": "experts"}
         return (lambda: Llama(cfg)), options, tokens, lm_loss

@@ -107,11 +107,6 @@ def spec_problems(spec: ParallelSpec, dims: ParallelDims) -> list[str]:
             f"ep={dims.ep} but the spec has no ep_plan: the model has no routed experts to split (a plan names "
             "its experts modules, mmm.parallel.experts)"
         )
-    if dims.tp > 1 and spec.ep_plan:
-        out.append(
-            f"tp={dims.tp} with routed experts (ep_plan) is not supported yet: the experts are not tensor-parallel; "
-            "split them over ranks with ep instead"
-        )
     if dims.ep > 1 and spec.dp != "fsdp":
         out.append(f"ep={dims.ep} needs dp='fsdp' (got dp={spec.dp!r}): the experts are sharded over what remains")
     return out + compile_problems(spec.compile, dims)
@@ -262,7 +257,7 @@ def parallelize(
     elif spec.tp_plan:
         resolve_plan(model, spec.tp_plan, allow_missing=spec.allow_missing)  # a bad plan fails at tp=1 too
     experts = []
-    if mesh.ep_enabled:
+    if spec.ep_plan and (mesh.ep_enabled or mesh.tp_enabled):  # split over ep, and their width over tp
         experts = apply_ep(model, mesh, spec.ep_plan, allow_missing=spec.allow_missing)
     elif spec.ep_plan:
         expert_modules(model, spec.ep_plan, allow_missing=spec.allow_missing)  # checked at ep=1 too

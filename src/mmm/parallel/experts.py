@@ -34,6 +34,7 @@ layout as in one process.
 from __future__ import annotations
 
 import fnmatch
+import functools
 
 import torch
 import torch.distributed as dist
@@ -110,14 +111,72 @@ class ExpertParallel:
         return all_to_all_autograd(back, self.group, got, send)
 
 
+class _CopyToTP(torch.autograd.Function):
+    """Forward: as is; backward: the gradient summed over the TP group (each TP rank's experts hold part of
+    the hidden width, so each sees part of the input's gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _SumOverTP(torch.autograd.Function):
+    """Forward: the experts' partial outputs summed over the TP group; backward: the gradient as is (every
+    TP rank holds the whole output)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class ExpertTensorParallel:
+    """``run_experts(experts, x, counts)`` with the experts' hidden width split over the TP group: every
+    TP rank routes the same tokens (the mixture's input is gathered over the sequence first), runs its
+    part of each expert (``w1``/``w3`` by rows, ``w2`` by columns), and the parts are summed; under
+    expert parallel too (``inner``: the all-to-all that brings each expert its tokens)."""
+
+    def __init__(self, group, inner: ExpertParallel | None = None) -> None:
+        self.group, self.inner = group, inner
+        self.planned = False
+
+    def __deepcopy__(self, memo) -> ExpertTensorParallel:
+        return self
+
+    def __call__(self, experts, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        def run(tokens: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
+            return _SumOverTP.apply(experts(_CopyToTP.apply(tokens, self.group), per_expert), self.group)
+
+        return self.inner(run, x, counts) if self.inner is not None else run(x, counts)
+
+
 def apply_ep(model: nn.Module, mesh, plan, *, allow_missing: bool = False) -> list[nn.Module]:
-    """Split the experts ``plan`` names over ``mesh["ep"]`` (in place; on meta too) and swap
-    :class:`ExpertParallel` into their parents' ``run_experts``. Returns the experts modules (FSDP
-    shards them over ``mesh["efsdp"]``)."""
+    """Split the experts ``plan`` names over ``mesh["ep"]`` (each rank holds experts / ep of them) and,
+    with tp > 1, their hidden width over ``mesh["tp"]`` (in place; on meta too), and swap the dispatch
+    into their parents' ``run_experts`` (:class:`ExpertParallel`, :class:`ExpertTensorParallel`).
+    Returns the experts modules that FSDP shards apart, over ``mesh["efsdp"]`` (with ep > 1; else
+    none: they are sharded with their block)."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    ep_mesh = mesh["ep"]
-    hook = ExpertParallel(ep_mesh.get_group())
+    ep, tp = mesh.ep, mesh.tp
+    if ep > 1 and tp > 1:
+        experts_mesh = mesh["ep_etp"]
+    else:
+        experts_mesh = mesh["ep"] if ep > 1 else mesh["tp"]
+    inner = ExpertParallel(mesh["ep"].get_group()) if ep > 1 else None
+    hook = ExpertTensorParallel(mesh["tp"].get_group(), inner) if tp > 1 else inner
     out = []
     for name, module in expert_modules(model, plan, allow_missing=allow_missing):
         parent = model.get_submodule(name.rpartition(".")[0])
@@ -129,16 +188,30 @@ def apply_ep(model: nn.Module, mesh, plan, *, allow_missing: bool = False) -> li
                 f"({hf_experts_problem(module)}); expert parallel sends tokens to their experts through one of "
                 "them (mmm.parallel.experts)"
             )
+        split = getattr(module, "tensor_parallel_dims", None)
+        if tp > 1 and (split is None or not hasattr(parent, "run_experts")):
+            raise UsageError(
+                f"tp={tp}: {name} ({type(module).__name__}) does not say how its experts split over TP ranks (a "
+                "tensor_parallel_dims mapping of parameter name -> its hidden dimension); use tp=1"
+            )
         for pname, param in list(module.named_parameters(recurse=False)):
-            if param.shape[0] % mesh.ep:
-                raise UsageError(f"{name}.{pname} holds {param.shape[0]} experts, not divisible by ep={mesh.ep}")
-            sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
+            if param.shape[0] % ep:
+                raise UsageError(f"{name}.{pname} holds {param.shape[0]} experts, not divisible by ep={ep}")
+            placements = [Shard(0)] if ep > 1 else []
+            if tp > 1:
+                if param.shape[split[pname]] % tp:
+                    raise UsageError(
+                        f"{name}.{pname}: its hidden width {param.shape[split[pname]]} is not divisible by tp={tp}"
+                    )
+                placements.append(Shard(split[pname]))
+            sharded = distribute_tensor(param.data, experts_mesh, placements, src_data_rank=None)
             module.register_parameter(pname, nn.Parameter(sharded, requires_grad=param.requires_grad))
         if hasattr(parent, "run_experts"):
             parent.run_experts = hook
         else:
             module.forward = _HFExpertsForward(module, hook)
-        out.append(module)
+        if ep > 1:
+            out.append(module)
     return out
 
 
@@ -233,8 +306,6 @@ def plan_routing(model: nn.Module, *, load: float = 1.0) -> int:
     mean to its first expert and the rest evenly (:func:`planned_counts`), every rank alike (so the
     ep rank holding expert 0 receives ``load`` x its share); routers count nothing. Returns the number
     of mixtures planned (0: the model has none)."""
-    import functools
-
     plan = functools.partial(planned_counts, load=load)
     found = 0
     for module in model.modules():
@@ -244,6 +315,8 @@ def plan_routing(model: nn.Module, *, load: float = 1.0) -> int:
             module.planned_counts = plan
             found += 1
         run = getattr(module, "run_experts", None)
+        if isinstance(run, ExpertTensorParallel):
+            run = run.inner
         if isinstance(run, ExpertParallel):
             run.planned = True
         forward = module.__dict__.get("forward")

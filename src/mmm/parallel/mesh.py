@@ -41,6 +41,7 @@ FLAT_VIEWS = {
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
 }
 EP_VIEWS = ("ep", "efsdp")
+EXPERT_VIEWS = (*EP_VIEWS, "ep_etp")  # ep_etp: (ep, tp) for experts split over both
 AXIS_TITLES = {
     "ep": "expert parallel",
     "pp": "pipeline parallel",
@@ -319,8 +320,8 @@ class Mesh:
         return tuple(self._views)
 
     def get(self, name: str) -> DeviceMesh | None:
-        if name not in AXES and name not in FLAT_VIEWS and name not in EP_VIEWS:
-            names = ", ".join(AXES + tuple(FLAT_VIEWS) + EP_VIEWS)
+        if name not in AXES and name not in FLAT_VIEWS and name not in EXPERT_VIEWS:
+            names = ", ".join(AXES + tuple(FLAT_VIEWS) + EXPERT_VIEWS)
             raise KeyError(f"unknown mesh name {name!r}; names are {names}")
         return self._views.get(name)
 
@@ -348,9 +349,9 @@ class Mesh:
         return 0 if sub is None else sub.get_local_rank()
 
     def group(self, name: str):
-        """The process group of a sub-mesh (None when the axis has degree 1)."""
+        """The process group of a sub-mesh (None when the axis has degree 1, or the view has two dimensions)."""
         sub = self.get(name)
-        return None if sub is None else sub.get_group()
+        return None if sub is None or sub.ndim > 1 else sub.get_group()
 
     def named_groups(self) -> dict[str, object]:
         """Every distinct process group of the mesh by name: axes first, then flattened views that span
@@ -359,7 +360,7 @@ class Mesh:
         seen: set[int] = set()
         for name in self._views:
             group = self.group(name)
-            if id(group) not in seen:
+            if group is not None and id(group) not in seen:
                 seen.add(id(group))
                 out[name] = group
         return out
@@ -436,9 +437,18 @@ def init_mesh(
             views[view] = views[on[0]]
         elif len(on) > 1:
             views[view] = root[on]._flatten(view)
-    if dims.ep_enabled:  # the routed experts' (efsdp, ep) mesh, cut from dp_shard x cp
+    if dims.ep_enabled:  # the routed experts' (efsdp, ep) mesh, cut from dp_shard x cp (and tp beside it)
         log.info("initializing %s with size %d (of dp_shard x cp)", AXIS_TITLES["ep"], dims.ep)
-        sparse = views["dp_shard_cp"]._unflatten(0, (dims.efsdp, dims.ep), EP_VIEWS[::-1])
+        if dims.tp_enabled:
+            on = tuple(a for a in ("dp_shard", "cp") if getattr(dims, a) > 1) + ("tp",)
+            sparse = (
+                root[on]
+                ._flatten("dp_shard_cp_tp")
+                ._unflatten(0, (dims.efsdp, dims.ep, dims.tp), EP_VIEWS[::-1] + ("etp",))
+            )
+            views["ep_etp"] = sparse["ep", "etp"]
+        else:
+            sparse = views["dp_shard_cp"]._unflatten(0, (dims.efsdp, dims.ep), EP_VIEWS[::-1])
         views["ep"], views["efsdp"] = sparse["ep"], sparse["efsdp"]
     mesh = Mesh(dims, root, views)
     log.info("device mesh %s over %s: %s", "x".join(map(str, shape)), device_type, dims)

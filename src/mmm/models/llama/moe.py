@@ -41,7 +41,10 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU feed-forwards as 3-D weights (expert first): ``w1``/``w3`` (E, hidden, dim),
-    ``w2`` (E, dim, hidden). Expert parallel shards dim 0; this module runs whichever experts it holds."""
+    ``w2`` (E, dim, hidden). Expert parallel shards dim 0, tensor parallel the hidden width
+    (``tensor_parallel_dims``); this module runs whichever experts, and whatever width of them, it holds."""
+
+    tensor_parallel_dims = {"w1": 1, "w2": 2, "w3": 1}  # each weight's hidden dimension
 
     def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
         super().__init__()

@@ -288,10 +288,14 @@ def layout_problems(config: Config[LlamaTrainConfig], world_size: int) -> list[s
             spell=FLAGS,
         )
     if cfg.moe and dims.tp > 1:
-        out.append(
-            f"--tp {dims.tp} with --moe-experts is not supported yet: the experts are not tensor-parallel; split "
-            "them over ranks with --ep instead"
-        )
+        for name, width in (
+            ("--moe-hidden", cfg.expert_hidden),
+            ("the shared experts' width", cfg.moe_shared * cfg.expert_hidden),
+        ):
+            if width % dims.tp:
+                out.append(
+                    f"{name} {width} is not divisible by --tp {dims.tp}: the experts' width is split over TP ranks"
+                )
     if dims.ep > 1 and not cfg.moe:
         out.append(
             f"--ep {dims.ep} splits a mixture of experts' experts; add --moe-experts N (a multiple of {dims.ep})"
@@ -335,7 +339,7 @@ def parallel_spec(how, cfg: LlamaConfig | None = None) -> ParallelSpec:
     over ep; the strategy is build_engine's."""
     moe = cfg is not None and cfg.moe
     return ParallelSpec(
-        tp_plan=llama_tp_plan(moe=moe),
+        tp_plan=llama_tp_plan(moe=moe, shared=moe and cfg.moe_shared > 0),
         ep_plan={"layers.*.moe.experts": "experts"} if moe else None,
         loss_parallel=True,
         blocks="layers",

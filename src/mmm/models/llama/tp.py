@@ -15,11 +15,20 @@ from typing import Any
 from mmm.errors import API, Spelling
 
 
-def llama_tp_plan(*, loss_parallel: bool = True, moe: bool = False) -> dict[str, Any]:
+def llama_tp_plan(*, loss_parallel: bool = True, moe: bool = False, shared: bool = False) -> dict[str, Any]:
     """TP + sequence parallel plan of :class:`mmm.models.llama.Llama` (patterns from the model root);
-    ``moe``: its blocks hold a mixture of experts (no dense feed-forward to shard)."""
+    ``moe``: its blocks hold a mixture of experts (``shared``: with a shared expert) in place of the dense
+    feed-forward. The mixture gets its input gathered over the sequence (every TP rank routes the same
+    tokens) and gives back its whole output, cut along the sequence again; the shared expert is split as
+    the dense feed-forward is; the routed experts' width is split by :mod:`mmm.parallel.experts` (the
+    experts plan)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        RowwiseParallel,
+    )
 
     plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -43,7 +52,21 @@ def llama_tp_plan(*, loss_parallel: bool = True, moe: bool = False) -> dict[str,
         "layers.*.feed_forward.w2": "rowwise_seq",
         "layers.*.feed_forward.w3": "colwise",
     }
-    return {k: v for k, v in plan.items() if not (moe and "feed_forward" in k)}
+    if not moe:
+        return plan
+    plan = {k: v for k, v in plan.items() if "feed_forward" not in k}
+    plan["layers.*.moe"] = PrepareModuleInputOutput(
+        input_layouts=(Shard(1),),
+        desired_input_layouts=(Replicate(),),
+        use_local_input=True,
+        output_layouts=(Replicate(),),
+        desired_output_layouts=(Shard(1),),
+        use_local_output=True,  # the residual stream is this rank's part of the sequence, as a plain tensor
+    )
+    if shared:
+        plan |= {"layers.*.moe.shared.w1": "colwise", "layers.*.moe.shared.w3": "colwise"}
+        plan["layers.*.moe.shared.w2"] = "rowwise"
+    return plan
 
 
 def tp_problems(
