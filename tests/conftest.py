@@ -373,18 +373,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("machine"))
         elif item.path.name not in _SHARED_RUNS_SPREAD and _reads_a_shared_run(item):
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
-    # longest first (by group: a group runs on one worker), so that no long test starts last and leaves the
-    # other workers idle at the end; the order within a group, and of equal times, stays the collection's
-    totals: dict[str, float] = {}
-    for item in items:
-        totals[_group(item)] = totals.get(_group(item), 0.0) + seconds[item]
-    items.sort(key=lambda item: -totals[_group(item)])
-
-
-def _group(item) -> str:
-    """The xdist group an item runs in (its own id when it has none)."""
-    marker = item.get_closest_marker("xdist_group")
-    return f"group:{marker.args[0]}" if marker and marker.args else item.nodeid
 
 
 def pytest_configure(config):

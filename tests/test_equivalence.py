@@ -64,11 +64,13 @@ class Case:
         return self.launcher.startswith("pbs/")
 
     def run(self, outdir, request) -> Result:
-        args = [*BASES[self.base], *self.flags, "--outdir", str(outdir)]
+        # a stuck collective ends the run within 150 s, saying which (mmm's own timeout), and its output is
+        # kept: before pytest's 300 s would end the test with nothing to read
+        args = [*BASES[self.base], *self.flags, "--timeout", "150", "--outdir", str(outdir)]
         if self.launcher == "torchrun":
-            return run(torchrun(self.ranks, *args), timeout=300)
+            return run(torchrun(self.ranks, *args), timeout=280)
         if not self.two_hosts:
-            return run(launch("-n", str(self.ranks), "python3", *args), timeout=300)
+            return run(launch("-n", str(self.ranks), "python3", *args), timeout=280)
         # launch on the first host of a 2-host PBS job; mpiexec reaches the second through the agent
         hosts = request.getfixturevalue("two_hosts")
         flavor = self.launcher.split("/")[1]

@@ -53,7 +53,7 @@ from mmm.parallel.context import context_parallel, cp_problems, shard_sequence
 from mmm.parallel.experts import hf_ep_plan
 from mmm.parallel.mesh import AXES
 from mmm.parallel.pipeline import pipeline_problems
-from mmm.parallel.tensor import hf_tp_plan, loss_parallel_context
+from mmm.parallel.tensor import hf_experts_plan, hf_tp_plan, loss_parallel_context
 from mmm.training import mean_over
 from mmm.training.config import ParallelConfig
 from mmm.training.recipe import Recipe
@@ -427,14 +427,15 @@ def config_tp_plan(model_fn, say: bool) -> dict | None:
     return plan
 
 
-def config_ep_plan(model_fn, say: bool) -> dict | None:
-    """The experts plan a Hugging Face MoE's config carries (``base_model_ep_plan``), rooted at the model;
-    None when it has none (the spec check then says there are no experts to split)."""
+def config_ep_plan(model_fn, say: bool, *, tp: bool = False) -> dict | None:
+    """The experts plan a Hugging Face MoE's config carries (``base_model_ep_plan``; with ``tp``, the
+    ``moe_tp_experts`` modules of its TP plan), rooted at the model; None when it has none (the spec check
+    then says there are no experts to split, or none is needed)."""
     with meta_init():
         probe = model_fn()
     prefix = getattr(probe, "base_model_prefix", "")
     prefix = f"{prefix}." if prefix and getattr(probe, prefix, None) is not None else ""
-    plan = hf_ep_plan(getattr(probe, "config", None), prefix)
+    plan = hf_experts_plan(probe) if tp else hf_ep_plan(getattr(probe, "config", None), prefix)
     if plan and say:
         get_logger().info(
             "no --ep-plan given: using the experts plan %s's config carries (base_model_ep_plan: %s)",
@@ -457,8 +458,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_fn, options, batch_fn, loss_fn = target(check)
     if par.tp > 1 and not options.get("tp_plan"):
         options["tp_plan"] = config_tp_plan(model_fn, info.is_main)
-    if par.ep > 1 and not options.get("ep_plan"):
-        options["ep_plan"] = config_ep_plan(model_fn, info.is_main)
+    if (par.ep > 1 or par.tp > 1) and not options.get("ep_plan"):  # experts: split over ep, their width over tp
+        options["ep_plan"] = config_ep_plan(model_fn, info.is_main, tp=par.tp > 1)
     spec = ParallelSpec(blocks=check.blocks, ac=par.ac, dp=par.strategy, **options)
     verdict = verify(
         model_fn,

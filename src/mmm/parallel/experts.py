@@ -169,6 +169,7 @@ def apply_ep(model: nn.Module, mesh, plan, *, allow_missing: bool = False) -> li
     Returns the experts modules that FSDP shards apart, over ``mesh["efsdp"]`` (with ep > 1; else
     none: they are sharded with their block)."""
     from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     ep, tp = mesh.ep, mesh.tp
     if ep > 1 and tp > 1:
@@ -188,8 +189,10 @@ def apply_ep(model: nn.Module, mesh, plan, *, allow_missing: bool = False) -> li
                 f"({hf_experts_problem(module)}); expert parallel sends tokens to their experts through one of "
                 "them (mmm.parallel.experts)"
             )
-        split = getattr(module, "tensor_parallel_dims", None)
-        if tp > 1 and (split is None or not hasattr(parent, "run_experts")):
+        split = (
+            HF_TP_DIMS if hf and not hasattr(parent, "run_experts") else getattr(module, "tensor_parallel_dims", None)
+        )
+        if tp > 1 and split is None:
             raise UsageError(
                 f"tp={tp}: {name} ({type(module).__name__}) does not say how its experts split over TP ranks (a "
                 "tensor_parallel_dims mapping of parameter name -> its hidden dimension); use tp=1"
@@ -199,11 +202,11 @@ def apply_ep(model: nn.Module, mesh, plan, *, allow_missing: bool = False) -> li
                 raise UsageError(f"{name}.{pname} holds {param.shape[0]} experts, not divisible by ep={ep}")
             placements = [Shard(0)] if ep > 1 else []
             if tp > 1:
-                if param.shape[split[pname]] % tp:
-                    raise UsageError(
-                        f"{name}.{pname}: its hidden width {param.shape[split[pname]]} is not divisible by tp={tp}"
-                    )
-                placements.append(Shard(split[pname]))
+                dim, packed = split[pname] if isinstance(split[pname], tuple) else (split[pname], 1)
+                if param.shape[dim] % (tp * packed):
+                    raise UsageError(f"{name}.{pname}: its hidden width {param.shape[dim]} does not split over tp={tp}")
+                # a packed weight (gate and up, one after the other) gives each rank its rows of both
+                placements.append(_StridedShard(dim, split_factor=packed) if packed > 1 else Shard(dim))
             sharded = distribute_tensor(param.data, experts_mesh, placements, src_data_rank=None)
             module.register_parameter(pname, nn.Parameter(sharded, requires_grad=param.requires_grad))
         if hasattr(parent, "run_experts"):
@@ -216,6 +219,11 @@ def apply_ep(model: nn.Module, mesh, plan, *, allow_missing: bool = False) -> li
 
 
 # --------------------------------------------------------------------------- Hugging Face experts
+HF_TP_DIMS = {"gate_up_proj": (1, 2), "down_proj": 2}
+"""How a Hugging Face experts module splits over TP ranks: gate_up_proj's rows, packed (gate, then up: each
+rank takes its rows of both), down_proj's columns."""
+
+
 def hf_experts_problem(module: nn.Module) -> str | None:
     """Why ``module`` is not a Hugging Face experts module expert parallel can run (None: it is)."""
     up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)

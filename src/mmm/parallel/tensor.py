@@ -92,11 +92,12 @@ def apply_tp_plan(
 
 
 # --------------------------------------------------------------------------- Hugging Face plans
-def hf_tp_plan(model: nn.Module) -> dict[str, str]:
-    """The TP plan a Hugging Face model's config carries (``base_model_tp_plan``), rooted at ``model``.
+HF_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", "moe_tp_experts", "packed_colwise")
+"""The styles of a Hugging Face TP plan mmm maps (``packed_colwise`` and ``rowwise`` on the parameters of a
+``moe_tp_experts`` module: the experts' own split, :mod:`mmm.parallel.experts`)."""
 
-    Only the ``colwise``/``rowwise`` styles are understood; any other is refused by name.
-    """
+
+def _hf_base_plan(model: nn.Module) -> dict[str, Any]:
     config = getattr(model, "config", None)
     base = dict(getattr(config, "base_model_tp_plan", None) or {})
     if not base:
@@ -104,13 +105,52 @@ def hf_tp_plan(model: nn.Module) -> dict[str, str]:
     prefix = getattr(model, "base_model_prefix", "")
     if prefix and getattr(model, prefix, None) is not None:
         base = {f"{prefix}.{k}": v for k, v in base.items()}
-    unknown = sorted({v for v in base.values() if v not in ("colwise", "rowwise")})
+    return base
+
+
+def hf_tp_plan(model: nn.Module) -> dict[str, Any]:
+    """The TP plan a Hugging Face model's config carries (``base_model_tp_plan``), rooted at ``model``.
+
+    ``colwise``/``rowwise`` as themselves; ``replicated_with_grad_allreduce`` (q_norm/k_norm on
+    (batch, seq, heads, head_dim) shards of the heads) as ``SequenceParallel(sequence_dim=2)``: weights
+    replicated, their gradient summed over the TP ranks; a ``moe_tp_experts`` module and its parameters'
+    entries are left to the experts plan (:func:`hf_experts_plan`). A family's plan names every kind of
+    block it has: patterns that match no module of this model are dropped. Any other style is refused by
+    name."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    base = _hf_base_plan(model)
+    unknown = sorted({v for v in base.values() if v not in HF_STYLES})
     if unknown:
         raise UsageError(
             f"{type(model).__name__}'s TP plan uses style(s) {', '.join(unknown)}, which mmm does not "
             "map; pass your own tp_plan"
         )
-    return base
+    experts = [p for p, v in base.items() if v == "moe_tp_experts"]
+    names = [n for n, _ in model.named_modules() if n]
+    plan: dict[str, Any] = {}
+    for pattern, st in base.items():
+        if pattern in experts or any(pattern.startswith(e + ".") for e in experts):
+            continue
+        if st == "packed_colwise":
+            raise UsageError(f"{type(model).__name__}'s TP plan packs {pattern!r} outside an experts module")
+        if any(_matches(pattern, n) for n in names):
+            plan[pattern] = (
+                SequenceParallel(sequence_dim=2, use_local_output=True) if st == STYLE_GRAD_ALLREDUCE else st
+            )
+    return plan
+
+
+STYLE_GRAD_ALLREDUCE = "replicated_with_grad_allreduce"
+
+
+def hf_experts_plan(model: nn.Module) -> dict[str, str]:
+    """The experts modules a Hugging Face model's TP plan splits (``moe_tp_experts``), as an experts plan
+    (:mod:`mmm.parallel.experts`), rooted at ``model``; {} when it has none."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "base_model_tp_plan", None):
+        return {}
+    return {p: "experts" for p, v in _hf_base_plan(model).items() if v == "moe_tp_experts"}
 
 
 # --------------------------------------------------------------------------- loss

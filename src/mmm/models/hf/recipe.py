@@ -26,7 +26,9 @@ from mmm.data import DATASETS, dataset_problems, local_batches, make_dataset
 from mmm.errors import UsageError
 from mmm.parallel.compose import ParallelSpec
 from mmm.parallel.experts import hf_ep_plan
+from mmm.parallel.meta import meta_init
 from mmm.parallel.pipeline import pipeline_problems
+from mmm.parallel.tensor import HF_STYLES, hf_experts_plan, hf_tp_plan
 from mmm.training.config import Config
 from mmm.training.evaluation import EvalConfig, perplexity
 from mmm.training.recipe import Context, Loop, Recipe, Shape
@@ -34,7 +36,7 @@ from mmm.training.schedule import ScheduleConfig
 from mmm.training.startup import batch_problems
 from mmm.training.step import evaluate
 
-STYLES = ("colwise", "rowwise")  # the TP plan styles mmm maps (mmm.parallel.tensor)
+STYLES = HF_STYLES  # the TP plan styles mmm maps (mmm.parallel.tensor)
 
 
 @dataclass
@@ -248,10 +250,16 @@ class HFCausalLMRecipe(Recipe):
         return {"model_type": c.model_type, **shape, "seq_len": model_config.seq_len}
 
     def spec(self, how, model_config: HFModel) -> ParallelSpec:
-        plan = dict(getattr(model_config.config, "base_model_tp_plan", None) or {}) if how.tp != 1 else {}
+        tp_plan, ep_plan = {}, None
+        if how.tp != 1:  # the config's plan, mapped and matched against the model (built on meta: no memory)
+            with meta_init():
+                probe = self.build(model_config)
+            tp_plan, ep_plan = hf_tp_plan(probe), hf_experts_plan(probe) or None
+        if how.ep != 1:
+            ep_plan = hf_ep_plan(model_config.config, "model.")
         return ParallelSpec(
-            tp_plan={f"model.{k}": v for k, v in plan.items()},  # rooted at the causal LM's base model
-            ep_plan=hf_ep_plan(model_config.config, "model.") if how.ep != 1 else None,
+            tp_plan=tp_plan,
+            ep_plan=ep_plan,
             blocks="model.layers",
             ac=how.ac,
             compile=how.compile,
