@@ -203,10 +203,10 @@ def layout_floor(
 ) -> float:
     """What the predicted step of ``combo`` cannot go under (:func:`mmm.plan.predict.step_floor`), known
     before its step is simulated: the matrix multiplies, the pipeline's bubble over them; under context
-    parallel the ring attention's part of the step (:func:`ring_attention_step`: its memory-bound ops,
-    its messages at the link rank 0's cp group crosses), under a pipeline without it its blocks'
-    memory-bound ops (:func:`block_step`). Either is simulated only when the floor without it is under
-    ``below``; ``cache`` keeps each ring or block run by its shapes."""
+    parallel by ring attention the ring's part of the step (:func:`ring_attention_step`: its memory-bound
+    ops, its messages at the link rank 0's cp group crosses; all-to-all attention: none, the bare floor),
+    under a pipeline without it its blocks' memory-bound ops (:func:`block_step`). Either is simulated only
+    when the floor without it is under ``below``; ``cache`` keeps each ring or block run by its shapes."""
     trial = trial_config(config, combo)
     terms = step_terms(trial, trial.recipe.model_config(trial.train), world)
     per_node = min(world, devices_per_node)  # as predict_rank counts a node's ranks
@@ -219,6 +219,8 @@ def layout_floor(
             return bare
         moved = block_step(trial, world, combo, cache=cache)
         return step_floor(hardware, **terms, ranks_per_node=per_node, memory_bytes=moved)
+    if trial.parallel.cp_attention != "ring":  # all-to-all attention: the ring's part is no floor of it
+        return bare
     ring = ring_attention_step(trial, world, combo, cache=cache)
     crosses = (cp - 1) * tp // devices_per_node > 0  # rank 0's cp group: ranks 0, tp, ..., (cp - 1) tp
     comm = axis_time(hardware, ring["comm_by_kind"], ring["comm_calls"], size=cp, crosses_nodes=crosses)
