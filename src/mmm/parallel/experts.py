@@ -150,7 +150,6 @@ class ExpertTensorParallel:
 
     def __init__(self, group, inner: ExpertParallel | None = None) -> None:
         self.group, self.inner = group, inner
-        self.planned = False
 
     def __deepcopy__(self, memo) -> ExpertTensorParallel:
         return self
@@ -302,10 +301,16 @@ def planned_counts(slots: int, experts: int, *, load: float = 1.0) -> list[int]:
 class _LocalExperts:
     """``run_experts`` of a Hugging Face experts module without expert parallel: every expert is here."""
 
-    planned = True
-
     def __call__(self, experts, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         return experts(x, counts)
+
+
+def _plan_dispatch(hook) -> None:
+    """The all-to-all under a ``run_experts`` hook (beneath tensor parallel's, if any) routes by plan."""
+    if isinstance(hook, ExpertTensorParallel):
+        hook = hook.inner
+    if isinstance(hook, ExpertParallel):
+        hook.planned = True
 
 
 def plan_routing(model: nn.Module, *, load: float = 1.0) -> int:
@@ -322,14 +327,10 @@ def plan_routing(model: nn.Module, *, load: float = 1.0) -> int:
         if hasattr(module, "planned_counts"):
             module.planned_counts = plan
             found += 1
-        run = getattr(module, "run_experts", None)
-        if isinstance(run, ExpertTensorParallel):
-            run = run.inner
-        if isinstance(run, ExpertParallel):
-            run.planned = True
+        _plan_dispatch(getattr(module, "run_experts", None))
         forward = module.__dict__.get("forward")
         if isinstance(forward, _HFExpertsForward):
-            forward.hook.planned = True
+            _plan_dispatch(forward.hook)
             forward.planned_counts = plan
             found += 1
         elif hf_experts_problem(module) is None and hasattr(module, "gate_up_proj"):

@@ -95,6 +95,7 @@ def apply_tp_plan(
 HF_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", "moe_tp_experts", "packed_colwise")
 """The styles of a Hugging Face TP plan mmm maps (``packed_colwise`` and ``rowwise`` on the parameters of a
 ``moe_tp_experts`` module: the experts' own split, :mod:`mmm.parallel.experts`)."""
+STYLE_GRAD_ALLREDUCE = "replicated_with_grad_allreduce"
 
 
 def _hf_base_plan(model: nn.Module) -> dict[str, Any]:
@@ -139,9 +140,6 @@ def hf_tp_plan(model: nn.Module) -> dict[str, Any]:
                 SequenceParallel(sequence_dim=2, use_local_output=True) if st == STYLE_GRAD_ALLREDUCE else st
             )
     return plan
-
-
-STYLE_GRAD_ALLREDUCE = "replicated_with_grad_allreduce"
 
 
 def hf_experts_plan(model: nn.Module) -> dict[str, str]:

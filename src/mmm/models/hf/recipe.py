@@ -36,8 +36,6 @@ from mmm.training.schedule import ScheduleConfig
 from mmm.training.startup import batch_problems
 from mmm.training.step import evaluate
 
-STYLES = HF_STYLES  # the TP plan styles mmm maps (mmm.parallel.tensor)
-
 
 @dataclass
 class HFTrainConfig(EvalConfig, ScheduleConfig):
@@ -198,11 +196,11 @@ class HFCausalLMRecipe(Recipe):
         if dims is not None and dims.tp > 1:
             if not plan:
                 out.append(f"--tp {dims.tp}: {type(cfg).__name__} carries no TP plan (base_model_tp_plan); use --tp 1")
-            unknown = sorted({v for v in plan.values() if v not in STYLES})
+            unknown = sorted({v for v in plan.values() if v not in HF_STYLES})
             if unknown:
                 out.append(
                     f"--tp {dims.tp}: {type(cfg).__name__}'s TP plan uses style(s) {', '.join(unknown)}, which mmm "
-                    f"does not map (only {', '.join(STYLES)}); use --tp 1"
+                    f"does not map (only {', '.join(HF_STYLES)}); use --tp 1"
                 )
             heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
             for what, n in (("attention heads", heads), ("key/value heads", kv)):

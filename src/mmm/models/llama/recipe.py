@@ -34,6 +34,7 @@ from mmm.training.step import evaluate
 
 EXAMPLE = "fsdp_tp"
 DEFAULT_VOCAB = 256  # bytes: the vocabulary when neither --vocab-size nor the data gives one
+MOE_FIELDS = ("moe_experts", "moe_top_k", "moe_hidden", "moe_shared", "moe_aux", "moe_bias_rate")  # as LlamaConfig's
 MEASURE_STEP = 2  # --measure watches this step (a warmup step with the default --warmup 2)
 
 
@@ -202,12 +203,7 @@ class LlamaTrainConfig(EvalConfig, ScheduleConfig):
             n_kv_heads=self.n_kv_heads,
             vocab_size=vocab,
             seq_len=self.seq_len,
-            moe_experts=self.moe_experts,
-            moe_top_k=self.moe_top_k,
-            moe_hidden=self.moe_hidden,
-            moe_shared=self.moe_shared,
-            moe_aux=self.moe_aux,
-            moe_bias_rate=self.moe_bias_rate,
+            **{name: getattr(self, name) for name in MOE_FIELDS},
         )
 
     def data_options(self) -> dict:
