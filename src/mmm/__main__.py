@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from mmm.cli import ArgumentParser, MeshConfig, add_flags, from_flags
+from mmm.cli import ArgumentParser, MeshConfig, add_flags, from_flags, nonempty_text
 
 
 def build_parser() -> ArgumentParser:
@@ -34,7 +34,7 @@ def build_parser() -> ArgumentParser:
     )
     p.add_argument(
         "--report-dir",
-        type=Path,
+        type=nonempty_text,
         default=None,
         metavar="DIR",
         help="write each rank's report (coordinates, group members, checks) to DIR/rank<N>.json",
@@ -55,6 +55,7 @@ def _spans(ranks: list[int]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.report_dir = Path(args.report_dir) if args.report_dir is not None else None
     if args.report_dir is not None and args.report_dir.exists() and not args.report_dir.is_dir():
         from mmm.errors import UsageError
 

@@ -7,6 +7,8 @@ Configuration is typed: dataclasses whose fields carry their flags (:func:`optio
 from __future__ import annotations
 
 import argparse
+import math
+import shlex
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, TypeVar
@@ -26,13 +28,33 @@ __all__ = [
     "add_flags",
     "degree",
     "flag_problems",
+    "fraction",
     "from_flags",
     "int_list",
     "nonnegative_int",
     "option",
     "override",
+    "nonnegative_float",
+    "positive_float",
     "positive_int",
+    "refuses",
+    "seconds",
+    "shell_words",
+    "random_seed",
+    "nonempty_text",
 ]
+
+
+def refuses(*bad: str) -> Callable[[Callable[[str], T]], Callable[[str], T]]:
+    """Mark a flag parser with values it refuses: the bad-input campaign (tests/test_bad_input.py) tries
+    each on every flag that uses the parser, and every flag of every command must have such a parser
+    (or choices, or be a switch), so a new flag cannot go untried."""
+
+    def mark(parse: Callable[[str], T]) -> Callable[[str], T]:
+        parse.bad = bad  # type: ignore[attr-defined]
+        return parse
+
+    return mark
 
 
 def _integer(text: str) -> int:
@@ -42,6 +64,17 @@ def _integer(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
 
 
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+@refuses("x", "", "1.5", "0", "-1")
 def positive_int(text: str) -> int:
     value = _integer(text)
     if value < 1:
@@ -49,6 +82,7 @@ def positive_int(text: str) -> int:
     return value
 
 
+@refuses("x", "", "1.5", "-1")
 def nonnegative_int(text: str) -> int:
     value = _integer(text)
     if value < 0:
@@ -56,6 +90,16 @@ def nonnegative_int(text: str) -> int:
     return value
 
 
+@refuses("x", "", "-1", str(2**64))
+def random_seed(text: str) -> int:
+    """A random seed: an integer from 0 to 2**63 - 1 (what torch.manual_seed takes)."""
+    value = _integer(text)
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"{value} is not a seed: use an integer from 0 to 2**63 - 1")
+    return value
+
+
+@refuses("x", "", "0", "-2")
 def degree(text: str) -> int:
     value = _integer(text)
     if value < 1 and value != -1:
@@ -63,14 +107,72 @@ def degree(text: str) -> int:
     return value
 
 
+@refuses("x", "1,y", ",")
 def int_list(text: str) -> list[int]:
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        out = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not out:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers")
+    return out
 
 
-CHECKED = (positive_int, nonnegative_int, degree)  # parsers whose range :func:`flag_problems` re-checks
+@refuses("x", "", "0", "-1", "inf", "nan")
+def positive_float(text: str) -> float:
+    value = _number(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value:g} must be > 0")
+    return value
+
+
+@refuses("x", "", "-1", "inf", "nan")
+def nonnegative_float(text: str) -> float:
+    value = _number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value:g} must be >= 0")
+    return value
+
+
+@refuses("x", "", "-0.1", "1", "nan")
+def fraction(text: str) -> float:
+    """A probability or share: 0 <= value < 1."""
+    value = _number(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{value:g} must be in [0, 1)")
+    return value
+
+
+MAX_SECONDS = 2_000_000.0  # 23 days: what a C int of milliseconds holds (gloo's and NCCL's timeouts)
+
+
+@refuses("x", "", "0", "-5", "inf", "nan", "1e20")
+def seconds(text: str) -> float:
+    """A duration: more than 0 and at most :data:`MAX_SECONDS`."""
+    value = _number(text)
+    if not 0 < value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"{value:g} must be a number of seconds in (0, {MAX_SECONDS:.0f}]")
+    return value
+
+
+@refuses("", " ")
+def nonempty_text(value: str) -> str:
+    """Any text but an empty one (a name, a path, a pattern)."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("an empty value; give one, or leave the flag out")
+    return value
+
+
+@refuses('"x', "a'b")
+def shell_words(value: str) -> list[str]:
+    """Flags for another program in one string, split as a shell would (``"--cpu-bind depth -d 8"``)."""
+    try:
+        return shlex.split(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{value!r} cannot be split as a shell would ({e}); close the quote") from None
+
+
+CHECKED = (positive_int, nonnegative_int, random_seed, degree, positive_float, nonnegative_float, fraction, seconds)
 
 
 # --------------------------------------------------------------------------- config fields as flags
@@ -211,14 +313,15 @@ def add_flags(
             if isinstance(f.default, bool):
                 kw["action"] = "store_true"
             else:
-                parse = m["parse"] or (type(f.default) if f.default is not None else str)
+                typed = f.default is not None and not isinstance(f.default, str)
+                parse = m["parse"] or (type(f.default) if typed else nonempty_text)
                 if m["choices"] is not None:
                     kw["choices"] = list(m["choices"])
-                if parse is not str:
+                if m["choices"] is None or m["parse"] is not None:
                     kw["type"] = parse
                 if m["metavar"] is not None:
                     kw["metavar"] = m["metavar"]
-                elif m["choices"] is None and parse in (int, *CHECKED):
+                elif m["choices"] is None and parse in (int, positive_int, nonnegative_int, random_seed, degree):
                     kw["metavar"] = "N"
                 if m["const"] is not None:
                     kw.update(nargs="?", const=m["const"])

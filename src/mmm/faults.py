@@ -33,6 +33,7 @@ import re
 import signal
 import time
 
+from mmm import env
 from mmm.errors import UsageError
 
 KINDS = ("kill", "stop", "term", "term2", "nan", "exit")
@@ -59,8 +60,7 @@ def inject(step: int, rank: int) -> bool:
     """Carry out the faults set for ``step`` on ``rank``; True when this step's loss must be NaN."""
     global _PARSED
     if _PARSED is None:  # a job relaunched by `launch --retries` runs without faults: it can finish
-        restarted = os.environ.get("MMM_RESTART", "0") not in ("", "0")
-        _PARSED = {} if restarted else parse(os.environ.get("MMM_FAULT", ""))
+        _PARSED = {} if not _first_attempt() else parse(env.get("MMM_FAULT", ""))
     poison = False
     for kind, who in _PARSED.get(step, ()):
         if who is not None and who != rank:
@@ -80,13 +80,13 @@ def inject(step: int, rank: int) -> bool:
 
 
 def _first_attempt() -> bool:
-    return os.environ.get("MMM_RESTART", "0") in ("", "0")
+    return env.get("MMM_RESTART", 0) == 0
 
 
 def save_fault(stage: str, step: int | None = None, *, rank: int = 0) -> bool:
     """Whether ``MMM_SAVE_FAULT`` kills ``rank`` at ``stage`` of saving ``step`` (first attempt only).
     Unset: one dict lookup."""
-    spec = os.environ.get("MMM_SAVE_FAULT")
+    spec = env.get("MMM_SAVE_FAULT")
     if not spec or not _first_attempt():
         return False
     m = _SAVE_SPEC.fullmatch(spec)

@@ -20,11 +20,11 @@ same share of the cores as training did.
 
 from __future__ import annotations
 
-import os
 import platform
 import time
 from typing import Any
 
+from mmm import env
 from mmm.dist import gather_objects
 
 # (substring of the device name, case-insensitive) -> {dtype: FLOP/s}; first match wins.
@@ -127,12 +127,9 @@ def peak_flops(device, dtype: str = "fp32") -> tuple[float | None, str]:
     """This rank's peak FLOP/s and where the figure came from (``env``, ``table``, ``calibrated``,
     or ``unknown`` with None). Calibration is a collective-free local measurement; call it on every
     rank at the same moment so that ranks sharing cores measure their share."""
-    env = os.environ.get("MMM_PEAK_TFLOPS")
-    if env:
-        try:
-            return float(env) * 1e12, "env"
-        except ValueError:
-            pass
+    tflops = env.get("MMM_PEAK_TFLOPS")
+    if tflops is not None:
+        return tflops * 1e12, "env"
     if device.type == "cpu":
         return calibrate_cpu(dtype), "calibrated"
     peak = table_peak(device_name(device), dtype)

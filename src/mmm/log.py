@@ -13,12 +13,14 @@ import os
 import sys
 import warnings
 
+from mmm import env as mmm_env
+
 LOGGER_NAME = "mmm"
 _TRUE = {"1", "true", "yes", "on"}
 
 
 def env_flag(name: str, env=os.environ) -> bool:
-    return env.get(name, "").strip().lower() in _TRUE
+    return bool(mmm_env.get(name, False, env=env))
 
 
 def all_ranks_requested(env=os.environ) -> bool:
@@ -50,7 +52,7 @@ def configure(
     logger = get_logger()
     if all_ranks is None:
         all_ranks = all_ranks_requested()
-    level = level or os.environ.get("MMM_LOG_LEVEL", "INFO")
+    level = level or mmm_env.get("MMM_LOG_LEVEL", "INFO")
     for h in list(logger.handlers):
         if getattr(h, "_mmm", False):
             logger.removeHandler(h)
@@ -73,9 +75,9 @@ def configure(
 def rich_wanted(env=os.environ) -> bool:
     """Whether output is rich-rendered: ``MMM_RICH=0/1`` when set, else on a terminal outside MPI."""
     # MPI launchers hand ranks a pseudo-terminal even when the job writes to a file.
-    forced = env.get("MMM_RICH", "").strip().lower()
-    if forced:
-        return forced in _TRUE
+    forced = mmm_env.get("MMM_RICH", env=env)
+    if forced is not None:
+        return forced
     under_mpi = any(v in env for v in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PALS_RANKID", "PMIX_RANK"))
     return sys.stdout.isatty() and not under_mpi
 

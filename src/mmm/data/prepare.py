@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mmm.cli import fraction, nonempty_text
 from mmm.errors import ArgumentParser, UsageError
 
 PROG = "python -m mmm.data prepare"
@@ -36,16 +37,23 @@ def build_parser() -> ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("inputs", nargs="+", metavar="FILE", help="text files (UTF-8), or directories of *.txt files")
-    p.add_argument("--out", required=True, metavar="DIR", help="directory to write train.bin, val.bin, meta.json to")
+    p.add_argument(
+        "--out",
+        required=True,
+        type=nonempty_text,
+        metavar="DIR",
+        help="directory to write train.bin, val.bin, meta.json to",
+    )
     p.add_argument(
         "--tokenizer",
+        type=nonempty_text,
         default="bytes",
         metavar="PATH|bytes",
         help="a Hugging Face tokenizers tokenizer.json, or 'bytes' for UTF-8 bytes (vocab 256) [bytes]",
     )
     p.add_argument(
         "--val-fraction",
-        type=float,
+        type=fraction,
         default=0.1,
         help="share of the tokens (the last ones) written to val.bin; 0: no val.bin [0.1]",
     )

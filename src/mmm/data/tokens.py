@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mmm import env
 from mmm.data import _step_generator
 from mmm.errors import UsageError
 from mmm.log import get_logger
@@ -376,8 +377,8 @@ TOKEN_CACHE = ".mmm-tokens"  # beside the dataset (shared by every node), else M
 def token_cache_dir(data_dir: Path) -> Path:
     """Where tokenised splits are kept: ``MMM_TOKEN_CACHE``, else ``<data-dir>/.mmm-tokens`` when the
     dataset's folder is writable, else ``~/.cache/mmm/tokens``."""
-    if os.environ.get("MMM_TOKEN_CACHE"):
-        return Path(os.environ["MMM_TOKEN_CACHE"])
+    if env.is_set("MMM_TOKEN_CACHE"):
+        return Path(env.get("MMM_TOKEN_CACHE"))
     if os.access(data_dir, os.W_OK):
         return data_dir / TOKEN_CACHE
     return Path.home() / ".cache" / "mmm" / "tokens"

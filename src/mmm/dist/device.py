@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from mmm import env
 from mmm.errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -35,7 +36,7 @@ def pick_device(local_rank: int = 0, requested: str | None = None) -> torch.devi
     import torch
 
     origin = "requested" if requested else "MMM_DEVICE"
-    kind = (requested or os.environ.get("MMM_DEVICE") or "auto").strip().lower()
+    kind = (requested or env.get("MMM_DEVICE") or "auto").strip().lower()
     if kind not in DEVICE_CHOICES:
         raise UsageError(f"unknown device {kind!r} ({origin}); choose one of: {', '.join(DEVICE_CHOICES)}")
     if kind == "auto":
@@ -54,7 +55,7 @@ def pick_device(local_rank: int = 0, requested: str | None = None) -> torch.devi
 
 def pick_backend(device: torch.device) -> str:
     """Process-group backend for a device: nccl for cuda, xccl (or oneCCL's ccl) for xpu, else gloo."""
-    forced = os.environ.get("MMM_BACKEND")
+    forced = env.get("MMM_BACKEND")
     if forced:
         return forced
     if device.type == "xpu":
@@ -74,15 +75,11 @@ def pick_backend(device: torch.device) -> str:
 
 
 def timeout_seconds(value: float | None = None) -> float:
-    raw = value if value is not None else os.environ.get("MMM_TIMEOUT", DEFAULT_TIMEOUT_S)
-    try:
-        seconds = float(raw)
-    except (TypeError, ValueError):
-        raise UsageError(f"MMM_TIMEOUT={raw!r} is not a number of seconds") from None
-    if not seconds > 0:
-        where = f"--timeout {seconds:g}" if value is not None else f"MMM_TIMEOUT={raw}"
-        raise UsageError(f"{where}: the collective timeout must be a positive number of seconds")
-    return seconds
+    if value is None:
+        return env.get("MMM_TIMEOUT", DEFAULT_TIMEOUT_S)
+    if not 0 < value <= env.MAX_SECONDS:  # a value given in code (the trainers' --timeout is checked when parsed)
+        raise UsageError(f"timeout={value!r}: the collective timeout takes {env.SECONDS.what}")
+    return float(value)
 
 
 HOST_MMAP_THRESHOLD = 1 << 20  # bytes
@@ -102,7 +99,7 @@ def return_freed_host_memory(model_bytes: int | None = None) -> bool:
     models of ``model_bytes`` >= 256 MiB (:func:`mmm.parallel.materialize` asks), always with
     ``MMM_HOST_MALLOC=return``, never with ``MMM_HOST_MALLOC=default`` or when the user set
     ``MALLOC_MMAP_THRESHOLD_`` (glibc then honours theirs). True when applied."""
-    choice = os.environ.get("MMM_HOST_MALLOC", "auto")
+    choice = env.get("MMM_HOST_MALLOC", "auto")
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") or choice == "default":
         return False
     if choice != "return" and (model_bytes is None or model_bytes < LARGE_MODEL_BYTES):

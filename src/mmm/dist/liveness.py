@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from mmm import env
 from mmm.dist.rankwatch import start_host_watcher
 
 # The watcher's idle store request: a wait that times out makes the store client print two C++ warnings
@@ -264,11 +265,11 @@ def record_pid(rank: int, local_size: int = 1) -> None:
     names launch's host and port) the folder is made here when missing, and the first rank of the host
     starts the host's watcher (:mod:`mmm.dist.rankwatch`). Nothing without ``MMM_PID_DIR``."""
     global _pid_file
-    folder = os.environ.get("MMM_PID_DIR")
+    folder = env.get("MMM_PID_DIR")
     if not folder:
         return
-    me, watch = socket.gethostname(), os.environ.get("MMM_WATCH", "")
-    remote = bool(watch) and watch.split(":", 1)[0] != me
+    me, watch = socket.gethostname(), env.get("MMM_WATCH")
+    remote = watch is not None and watch[0] != me
     try:
         if remote:
             os.makedirs(folder, mode=0o700, exist_ok=True)

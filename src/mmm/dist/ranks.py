@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from mmm import env as mmm_env
 from mmm.errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -68,26 +69,15 @@ _MPI_HINTS = ("PMIX_RANK", "PMI_FD", "PMI_RANK", "PALS_RANKID", "HYDI_CONTROL_FD
 
 
 def _int_var(env: Mapping[str, str], name: str) -> int:
-    raw = env[name]
-    try:
-        return int(raw.strip())
-    except ValueError:
-        raise UsageError(f"{name}={raw!r} is not an integer; fix or unset it", same_on_all_ranks=False) from None
+    value = mmm_env.get(name, env=env)
+    if value is None:
+        raise UsageError(f"{name} is empty; the launcher sets it, so unset it or start the job with launch")
+    return value
 
 
 def parse_tasks_per_node(spec: str) -> list[int]:
-    """Slurm's ``SLURM_STEP_TASKS_PER_NODE`` form: ``"4(x2),3"`` -> ``[4, 4, 3]``."""
-    out: list[int] = []
-    for part in spec.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        if "(x" in part:
-            count, reps = part.rstrip(")").split("(x")
-            out += [int(count)] * int(reps)
-        else:
-            out.append(int(part))
-    return out
+    """Slurm's ``SLURM_STEP_TASKS_PER_NODE`` form: ``"4(x2),3"`` -> ``[4, 4, 3]`` (ValueError if malformed)."""
+    return mmm_env.TASKS_PER_NODE.parse(spec)
 
 
 def _slurm_ranks(env: Mapping[str, str]) -> RankInfo | None:
@@ -100,12 +90,10 @@ def _slurm_ranks(env: Mapping[str, str]) -> RankInfo | None:
     rank, world = _int_var(env, "SLURM_PROCID"), _int_var(env, size_var)
     local_rank = _int_var(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
     local_size = world
-    tpn = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-    if tpn:
-        per_node = parse_tasks_per_node(tpn)
-        node = int(env.get("SLURM_NODEID", "0"))
-        if per_node:
-            local_size = per_node[min(node, len(per_node) - 1)]
+    per_node = mmm_env.get("SLURM_STEP_TASKS_PER_NODE", env=env) or mmm_env.get("SLURM_TASKS_PER_NODE", env=env)
+    if per_node:
+        node = mmm_env.get("SLURM_NODEID", 0, env=env)
+        local_size = per_node[min(node, len(per_node) - 1)]
     return RankInfo(rank, world, local_rank, local_size, "slurm")
 
 
@@ -193,7 +181,7 @@ def _checked(info: RankInfo, rank_v: str, size_v: str) -> RankInfo:
 
 def _mpi_comm():
     """COMM_WORLD from mpi4py, or None if mpi4py is not installed."""
-    if os.environ.get("MMM_NO_MPI4PY", "") in {"1", "true"}:
+    if mmm_env.get("MMM_NO_MPI4PY", False):
         return None
     try:
         with warnings.catch_warnings():  # another MPI's mpiexec: rendezvous names the mismatch in one line

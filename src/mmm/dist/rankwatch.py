@@ -20,6 +20,7 @@ import errno
 import json
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -187,6 +188,7 @@ def _serve_launch(folder: Path, expected: int, address: str) -> None:
         sock = socket.create_connection((host, int(port)), timeout=10)
     except (OSError, ValueError):
         return
+    sock.settimeout(None)  # launch's signal lines come at any time
 
     def send(message: dict) -> None:
         try:
@@ -196,11 +198,34 @@ def _serve_launch(folder: Path, expected: int, address: str) -> None:
 
     watch = HostWatch(folder, expected, host=me, until_gone=True)
     send({"host": me, "token": token, "t": time.time()})  # the hello: who, and the clock launch takes out
+    threading.Thread(target=_relay_signals, args=(sock, watch), name="mmm-rank-watch-signals", daemon=True).start()
     watch.on_batch = lambda b: send({"batch": b, "seen": len(watch.rank_of), "blind": watch.blind})
     watch.on_found = lambda n: send({"seen": n})
     watch.run()  # in this thread
     send({"seen": len(watch.rank_of), "blind": watch.blind})
     sock.close()
+
+
+RELAYED = {getattr(signal, name) for name in ("SIGUSR1", "SIGUSR2") if hasattr(signal, name)}
+
+
+def _relay_signals(sock: socket.socket, watch: HostWatch) -> None:
+    """Signals launch asks this host's ranks to get (``{"signal": N}`` lines; its launcher does not pass
+    them on): sent to each rank of this host that has not ended. Only SIGUSR1 and SIGUSR2."""
+    try:
+        with sock.makefile("r", encoding="utf-8", errors="replace") as f:
+            while line := f.readline(1024):
+                signum = json.loads(line).get("signal")
+                if signum not in RELAYED:
+                    continue
+                ended = {pid for pids in list(watch.ended) for pid in pids}
+                for pid in [p for p in list(watch.rank_of) if p not in ended]:
+                    try:
+                        os.kill(pid, signum)
+                    except OSError:
+                        pass
+    except (OSError, ValueError, AttributeError):
+        return  # launch gone, or not a line of launch's
 
 
 def _host_of(name: str) -> str:
@@ -216,7 +241,7 @@ def _main(argv: list[str]) -> int:
     folder, expected = Path(argv[0]), int(argv[1])
     me = socket.gethostname()
     try:
-        address = os.environ.get("MMM_WATCH", "")
+        address = os.environ.get("MMM_WATCH", "")  # launch's own value (checked by the rank that started this)
         if address and hasattr(os, "pidfd_open"):
             _serve_launch(folder, expected, address)
     finally:  # this host's notes go with its watcher; the folder too when nothing else is in it

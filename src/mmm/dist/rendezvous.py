@@ -9,6 +9,7 @@ import socket
 import zlib
 from collections.abc import Mapping
 
+from mmm import env as mmm_env
 from mmm.dist.ranks import RankInfo, _mpi_comm, expand_nodelist
 from mmm.errors import UsageError
 
@@ -64,14 +65,11 @@ def _job_key(env: Mapping[str, str]) -> str | None:
 def rendezvous(info: RankInfo, env: Mapping[str, str] | None = None) -> tuple[str, int]:
     """MASTER_ADDR and MASTER_PORT for this job, the same on every rank."""
     env = os.environ if env is None else env
-    addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+    addr, port = mmm_env.get("MASTER_ADDR", env=env), mmm_env.get("MASTER_PORT", env=env)
     if port and not addr and info.source == "slurm":  # `launch` under srun: the port, not rank 0's host
         addr = slurm_rank0_host(env)
     if addr and port:
-        try:
-            return addr, int(port)
-        except ValueError:
-            raise UsageError(f"MASTER_PORT={port!r} is not a port number") from None
+        return addr, port
     if info.world_size == 1:
         return "127.0.0.1", free_port()
     if info.source in {"openmpi", "mpich", "pals", "mpi4py"}:

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from mmm import env
 from mmm.dist import liveness
 from mmm.dist.device import DEFAULT_TIMEOUT_S, pick_backend, pick_device, timeout_seconds
 from mmm.dist.ranks import RankInfo, discover_ranks
@@ -94,11 +95,7 @@ def banner(di: DistInfo | None = None) -> str:
 
 def launch_time() -> float | None:
     """Wall-clock time ``launch`` started (``MMM_LAUNCH_TIME``), if launched by it."""
-    raw = os.environ.get("MMM_LAUNCH_TIME")
-    try:
-        return float(raw) if raw else None
-    except ValueError:
-        return None
+    return env.get("MMM_LAUNCH_TIME")
 
 
 def setup(
@@ -119,6 +116,7 @@ def setup(
     if _INFO is not None:
         return _INFO
     t0 = time.perf_counter()
+    env.check()  # every mmm variable's value, before any work (one read late would fail a finished run)
     ranks = discover_ranks()
     liveness.record_pid(ranks.rank, ranks.local_world_size)
     from mmm import log as mlog
@@ -132,7 +130,7 @@ def setup(
     timings = {"import_torch_s": time.perf_counter() - t_import}
     dev = pick_device(ranks.local_rank, device)
     bind_device(dev)
-    if dev.type == "cpu" and os.environ.get("MMM_HOST_MALLOC") == "return":  # see the function
+    if dev.type == "cpu" and env.get("MMM_HOST_MALLOC") == "return":  # see the function
         from mmm.dist.device import return_freed_host_memory
 
         return_freed_host_memory()
@@ -147,7 +145,7 @@ def setup(
         backend = dist.get_backend()
     if seed is not None:
         seed_all(seed)
-    launcher = os.environ.get("MMM_LAUNCHER") or ranks.source
+    launcher = env.get("MMM_LAUNCHER") or ranks.source
     _INFO = DistInfo(
         rank=ranks.rank,
         world_size=ranks.world_size,
@@ -163,8 +161,8 @@ def setup(
     )
     timings["setup_s"] = time.perf_counter() - t0
     if backend not in (None, "fake") and ranks.world_size > 1:  # "fake": one simulated rank (mmm.plan)
-        if os.environ.get("MMM_STACK_DIR"):
-            liveness.set_stack_dir(os.environ["MMM_STACK_DIR"], ranks.rank)
+        if env.is_set("MMM_STACK_DIR"):
+            liveness.set_stack_dir(env.get("MMM_STACK_DIR"), ranks.rank)
         liveness.start_watcher(ranks.rank)
     atexit.register(_atexit_teardown)
     log.debug("setup: %s", _INFO)

@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmm.dist.ranks import expand_nodelist, parse_tasks_per_node
-from mmm.errors import UsageError
+from mmm import env as mmm_env
+from mmm.dist.ranks import expand_nodelist
 from mmm.launch.hosts import read_hostfile
 
 
@@ -31,11 +31,9 @@ class Allocation:
 def count_accelerators(env: Mapping[str, str] | None = None) -> int:
     """Accelerators on this host without importing torch (fast)."""
     env = os.environ if env is None else env
-    if env.get("MMM_GPUS_PER_NODE"):
-        try:
-            return int(env["MMM_GPUS_PER_NODE"])
-        except ValueError:
-            raise UsageError(f"MMM_GPUS_PER_NODE={env['MMM_GPUS_PER_NODE']!r} is not an integer") from None
+    forced = mmm_env.get("MMM_GPUS_PER_NODE", env=env)
+    if forced is not None:
+        return forced
     for var in ("CUDA_VISIBLE_DEVICES", "ZE_AFFINITY_MASK"):
         if var in env:
             return len([d for d in env[var].split(",") if d.strip() and d.strip() != "-1"])
@@ -59,12 +57,9 @@ def detect_allocation(env: Mapping[str, str] | None = None, hostfile: str | None
             nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or socket.gethostname()
             hosts = expand_nodelist(nodelist)
             per = None
-            tpn = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+            tpn = mmm_env.get("SLURM_NTASKS_PER_NODE", env=env) or mmm_env.get("SLURM_TASKS_PER_NODE", env=env)
             if tpn:
-                try:
-                    per = max(parse_tasks_per_node(tpn))
-                except ValueError:
-                    per = None
+                per = max(tpn)
         return Allocation("slurm", hosts, per, accel, hostfile, env.get("SLURM_JOB_ID"))
     if hostfile:
         hosts, slots = read_hostfile(hostfile)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 from collections.abc import Mapping, Sequence
 
+from mmm import env as mmm_env
+from mmm.cli import nonempty_text, nonnegative_int, positive_int, shell_words
 from mmm.errors import ArgumentParser, UsageError, print_error
 from mmm.launch.hostloss import plan_hosts
 from mmm.launch.plan import LAUNCHERS, LaunchPlan, plan_launch
@@ -31,20 +32,21 @@ def build_parser() -> ArgumentParser:
         "--nproc",
         "--np",
         dest="nproc",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="total ranks (default: hosts x ranks per host)",
     )
     p.add_argument(
         "--ppn",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="ranks per host (default: accelerators per host, else scheduler slots, else up to 4 CPU ranks)",
     )
     p.add_argument(
         "--hostfile",
+        type=nonempty_text,
         default=None,
         metavar="FILE",
         help="hosts to use instead of the scheduler's (one per line; 'host slots=N' or 'host:N')",
@@ -57,13 +59,14 @@ def build_parser() -> ArgumentParser:
     )
     p.add_argument(
         "--mpi-args",
-        default="",
+        type=shell_words,
+        default=[],
         metavar="ARGS",
         help='extra launcher flags, one quoted string (e.g. "--cpu-bind depth -d 8")',
     )
     p.add_argument(
         "--retries",
-        type=int,
+        type=nonnegative_int,
         default=0,
         metavar="N",
         help="relaunch a failed job up to N times in the same allocation (fresh rendezvous port, "
@@ -87,6 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _unignore_stop_signals()
     try:
         args = build_parser().parse_args(argv)
+        mmm_env.check()  # the values every rank would refuse, refused here before any starts
         command = args.command[1:] if args.command[:1] == ["--"] else args.command
         plan = plan_launch(
             command,
@@ -94,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ppn=args.ppn,
             hostfile=args.hostfile,
             launcher=args.launcher,
-            mpi_args=shlex.split(args.mpi_args),
+            mpi_args=args.mpi_args,
             dry_run=args.dry_run,
         )
         if args.retries < 0:
@@ -130,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ppn=args.ppn or plan.ppn,
                 hostfile=hostfile or args.hostfile,
                 launcher=plan.launcher,
-                mpi_args=shlex.split(args.mpi_args),
+                mpi_args=args.mpi_args,
                 env=env,
                 flavor=plan.mpi_flavor,
             )

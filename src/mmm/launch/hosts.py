@@ -13,24 +13,50 @@ def read_hostfile(path: str | os.PathLike) -> tuple[list[str], list[int]]:
     """Hosts in first-seen order and slots per host, from a PBS nodefile or an MPI hostfile.
 
     Accepts one host per line (repeats count as slots, as in ``PBS_NODEFILE``),
-    ``host slots=N`` (Open MPI) and ``host:N`` (Hydra). ``#`` starts a comment.
+    ``host slots=N [max_slots=M]`` (Open MPI) and ``host:N`` (Hydra). ``#`` starts a comment. Anything
+    else is refused in one line naming the file, the line and the fix (an IPv6 address among them: the
+    ``host:N`` form cannot tell its colons apart).
     """
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"hostfile {str(path)!r} does not exist or is not a file")
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise UsageError(f"hostfile {str(path)!r} cannot be read: {e.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(
+            f"hostfile {str(path)!r} is not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}); "
+            "list one host name per line"
+        ) from None
     slots: dict[str, int] = {}
-    for raw in p.read_text().splitlines():
+    for number, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
+
+        def bad(why: str) -> UsageError:
+            return UsageError(f"hostfile {str(path)!r} line {number} ({line!r}): {why}")
+
         fields_ = line.split()
         host, n = fields_[0], 1
+        if host.count(":") > 1 or host.startswith("["):
+            raise bad("an IPv6 address; list host names (or IPv4 addresses) instead")
         if ":" in host:
             host, _, count = host.partition(":")
-            n = int(count) if count.isdigit() else 1
+            if not count.isdigit() or int(count) < 1:
+                raise bad(f"{count!r} after ':' is not a number of slots >= 1 (host:N)")
+            n = int(count)
+        if not host:
+            raise bad("no host name")
         for f in fields_[1:]:
-            if f.startswith(("slots=", "max_slots=")) and f.split("=", 1)[1].isdigit():
-                n = int(f.split("=", 1)[1]) if f.startswith("slots=") else n
+            key, _, value = f.partition("=")
+            if key not in ("slots", "max_slots") or not value.isdigit() or int(value) < 1:
+                raise bad(f"{f!r} is not slots=N or max_slots=N with N >= 1")
+            if key == "slots":
+                n = int(value)
         slots[host] = slots.get(host, 0) + n
     if not slots:
         raise UsageError(f"hostfile {str(path)!r} lists no hosts")

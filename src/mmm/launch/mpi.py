@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from mmm import env as mmm_env
 from mmm.errors import UsageError
 
 
@@ -35,6 +36,9 @@ class Flavor:
     oversubscribe: tuple[str, ...]  # more ranks than cores on this machine
     exit_box: str = ""  # in the box it prints after a rank's non-zero exit (dropped after a usage error)
     watch_ranks: bool = False  # it kills every rank at once and names none: launch names the first to die
+    # the signals of launch's SIGUSR1/SIGUSR2 promise it passes on to the ranks; launch delivers the others
+    # itself (through its rank watch: needs watch_ranks)
+    passes_on: tuple[str, ...] = ("SIGUSR1", "SIGUSR2")
     hostfile_line: str = "{host} slots={slots}"  # a line of a hostfile launch writes (after a host is lost)
 
 
@@ -64,6 +68,7 @@ FLAVORS: dict[str, Flavor] = {  # in the order `mpiexec --version` is matched
         as_root=(),
         oversubscribe=(),
         watch_ranks=True,
+        passes_on=("SIGUSR1",),  # its mpiexec dies of SIGUSR2, taking the job with it
         hostfile_line="{host}:{slots}",  # Hydra refuses Open MPI's "slots="
     ),
     "pals": Flavor(  # Cray/HPE
@@ -96,10 +101,8 @@ def find_mpiexec() -> str | None:
 def mpi_flavor(mpiexec: str) -> str:
     """openmpi, hydra (MPICH, Intel MPI) or pals (Cray/HPE), from ``mpiexec --version``;
     ``MMM_MPI_FLAVOR`` overrides."""
-    forced = os.environ.get("MMM_MPI_FLAVOR")
+    forced = mmm_env.get("MMM_MPI_FLAVOR")
     if forced:
-        if forced not in FLAVORS:
-            raise UsageError(f"MMM_MPI_FLAVOR={forced!r}; choose one of: {', '.join(MPI_FLAVORS)}")
         return forced
     try:
         out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=20)

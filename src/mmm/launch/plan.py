@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mmm import env as mmm_env
 from mmm.dist.rendezvous import free_port
 from mmm.errors import UsageError
 from mmm.launch.allocation import Allocation, detect_allocation
@@ -129,7 +130,7 @@ def plan_launch(
         # else srun places rank 0 (on the step's first node, which need not be hosts[0]): each rank
         # reads rank 0's host from the step itself (mmm.dist.rendezvous)
         add_env["MASTER_PORT"] = str(free_port())
-    per_task = env.get("SLURM_CPUS_PER_TASK", "") if launcher == "srun" else ""
+    per_task = str(mmm_env.get("SLURM_CPUS_PER_TASK", "", env=env)) if launcher == "srun" else ""
     if not env.get("OMP_NUM_THREADS"):
         add_env["OMP_NUM_THREADS"] = (
             per_task

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -17,7 +18,7 @@ from mmm.launch.hostloss import lost_hosts, plan_hosts, write_hostfile
 from mmm.launch.mpi import FLAVORS, Flavor
 from mmm.launch.output import ExitBoxFilter
 from mmm.launch.plan import LaunchPlan
-from mmm.launch.signals import PROG, _wait_forwarding
+from mmm.launch.signals import _PASSED_ON, PROG, _wait_forwarding
 from mmm.launch.spawn import spawn_local
 from mmm.launch.watch import RankWatch
 
@@ -53,7 +54,7 @@ def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) 
     watcher = None
     if flavor is not None and flavor.watch_ranks and hasattr(os, "pidfd_open"):
         several = len(plan_hosts(plan)) > 1  # each other host's first rank starts a watcher that reports here
-        watcher = RankWatch(tempfile.mkdtemp(prefix="mmm-pids-"), plan.nproc, listen=several)
+        watcher = RankWatch(tempfile.mkdtemp(prefix="mmm-pids-"), plan.nproc, listen=several, hosts=plan_hosts(plan))
         env = {**env, "MMM_PID_DIR": str(watcher.folder), **({"MMM_WATCH": watcher.address} if several else {})}
     box = ExitBoxFilter(flavor.exit_box) if flavor is not None and flavor.exit_box else None
     child: list[subprocess.Popen] = []
@@ -63,6 +64,7 @@ def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) 
             lambda: _start_child(plan.argv, env, watcher, box, child),
             signalled,
             stuck=watcher.stuck if watcher is not None else None,
+            relay=_relay(flavor, watcher),
         )
         return rc
     finally:
@@ -78,6 +80,15 @@ def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) 
                     print_error(named, prog=PROG)
         if watcher is not None:
             watcher.close()
+
+
+def _relay(flavor: Flavor | None, watcher: RankWatch | None) -> tuple[set[int], Callable[[int], object]] | None:
+    """The signals of launch's promise that this launcher does not pass on to the ranks, and how launch
+    delivers them itself (its rank watch: this host's ranks by process id, the others by their watcher)."""
+    if flavor is None or watcher is None:
+        return None
+    missing = {getattr(signal, name) for name in _PASSED_ON if name not in flavor.passes_on and hasattr(signal, name)}
+    return (missing, watcher.signal_ranks) if missing else None
 
 
 def _start_child(

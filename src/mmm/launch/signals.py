@@ -60,13 +60,15 @@ def _wait_forwarding(
     *,
     grace_s: float = ESCALATE_AFTER_S,
     stuck: Callable[[], tuple[str, int] | None] | None = None,
+    relay: tuple[set[int], Callable[[int], object]] | None = None,
 ) -> int:
     """Start the child and wait for it, passing on the signals launch gets (as when the child had taken
     launch's place). The handlers go in before the child starts, so it begins with the default handling
     of each (never an "ignore" launch inherited); a signal launch inherited as ignored (nohup's SIGHUP)
     is left alone. ``stuck()``, asked while the child runs, returns why the child is waiting for
     nothing (e.g. an mpiexec waiting on a host that is gone) and the exit code to report: the child is
-    then stopped (SIGTERM, SIGKILL after ``KILL_AFTER_S``)."""
+    then stopped (SIGTERM, SIGKILL after ``KILL_AFTER_S``). ``relay``: (signals, deliver): signals the child
+    would not pass on to the ranks (Hydra's mpiexec dies of SIGUSR2), delivered by ``deliver`` instead."""
     holder: list[subprocess.Popen] = []
 
     def forward(signum, frame):
@@ -74,7 +76,9 @@ def _wait_forwarding(
             signalled.append(signum)
         if signum == signal.SIGINT and _ctrl_c_reached_the_child():
             return  # a second SIGINT would make mpiexec abort instead of stopping the ranks
-        if holder and holder[0].poll() is None:
+        if relay is not None and signum in relay[0]:
+            relay[1](signum)
+        elif holder and holder[0].poll() is None:
             holder[0].send_signal(signum)
 
     sigs = [getattr(signal, name) for name in (*_STOPPING, *_PASSED_ON) if hasattr(signal, name)]

@@ -9,7 +9,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from mmm.errors import UsageError, print_error
-from mmm.launch.signals import ESCALATE_AFTER_S, PROG, _Escalation
+from mmm.launch.signals import _PASSED_ON, _STOPPING, ESCALATE_AFTER_S, PROG, _Escalation
 
 
 def spawn_local(
@@ -34,7 +34,8 @@ def spawn_local(
     signalled = [] if signalled is None else signalled  # the signals forwarded (the caller may watch)
 
     def forward(signum, frame):
-        signalled.append(signum)
+        if signal.Signals(signum).name in _STOPPING:  # SIGUSR1/2 ask the ranks something; they go on
+            signalled.append(signum)
         for p in procs:
             if p.poll() is None:
                 try:
@@ -44,7 +45,11 @@ def spawn_local(
 
     # before the ranks start: exec gives a caught signal its default handling in the child, while an
     # inherited "ignore" (a background job's SIGINT) would stay and make the forwarded signal a no-op
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    # SIGINT and SIGTERM always; the others (SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2) unless launch inherited them
+    # ignored (nohup's SIGHUP): the ranks then keep ignoring them too
+    sigs = [getattr(signal, name) for name in (*_STOPPING, *_PASSED_ON) if hasattr(signal, name)]
+    mine = (signal.SIGINT, signal.SIGTERM)
+    old = {s: signal.signal(s, forward) for s in sigs if s in mine or signal.getsignal(s) != signal.SIG_IGN}
     for rank in range(nproc):
         rank_env = {
             **base,

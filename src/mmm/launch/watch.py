@@ -3,11 +3,14 @@ names none (MPICH's and Intel MPI's Hydra)."""
 
 from __future__ import annotations
 
+import hmac
 import json
+import os
 import secrets
 import socket
 import threading
 import time
+from collections.abc import Sequence
 
 from mmm.dist.rankwatch import Batch, HostWatch, exit_of, first_silent
 
@@ -28,7 +31,7 @@ class RankWatch(HostWatch):
     its host. It stays silent rather than guess: a host whose watcher did not report every rank, a kernel
     without pidfds, a note it could not read, ends on different hosts too close in time to order."""
 
-    def __init__(self, folder: str, nproc: int, *, listen: bool = False) -> None:
+    def __init__(self, folder: str, nproc: int, *, listen: bool = False, hosts: Sequence[str] = ()) -> None:
         super().__init__(folder, nproc)
         self.nproc = nproc
         self.remote: dict[str, dict] = {}  # host -> {"batches": [...], "seen": n, "blind": bool, "offset": s}
@@ -37,8 +40,8 @@ class RankWatch(HostWatch):
         self._conns: list[socket.socket] = []
         self._token = secrets.token_hex(16)
         self.address = ""
-        if listen:
-            self._server = socket.create_server(("", 0), backlog=128)
+        if listen:  # on the interface the job's other hosts reach this one by, not on every interface
+            self._server = socket.create_server((job_interface(hosts), 0), backlog=128)
             self.address = f"{socket.gethostname()}:{self._server.getsockname()[1]}:{self._token}"
             threading.Thread(target=self._accept, name="mmm-rank-watch-listen", daemon=True).start()
 
@@ -84,7 +87,8 @@ class RankWatch(HostWatch):
             conn.settimeout(30.0)  # the hello comes at once
             with conn.makefile("r", encoding="utf-8", errors="replace") as f:
                 hello = json.loads(f.readline(MAX_LINE))
-                if not isinstance(hello, dict) or hello.get("token") != self._token:
+                token = hello.get("token") if isinstance(hello, dict) else None
+                if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self._token.encode()):
                     return
                 host, offset = str(hello["host"]), time.time() - float(hello["t"])  # skew + one-way latency
                 conn.settimeout(None)
@@ -103,7 +107,33 @@ class RankWatch(HostWatch):
                 with self._lock:  # one of the job's watchers whose report broke off: its order is not known
                     self.remote.setdefault(host, {"batches": [], "seen": 0, "blind": False})["blind"] = True
         finally:
+            with self._lock:  # a closed connection leaves room for another (MAX_CONNECTIONS)
+                if conn in self._conns:
+                    self._conns.remove(conn)
             conn.close()
+
+    def signal_ranks(self, signum: int) -> int:
+        """Send ``signum`` to every rank of the job that has not ended: this host's by their noted process
+        ids, every other host's through its watcher (which only passes on SIGUSR1 and SIGUSR2). For a launcher
+        that does not pass a signal on itself (Hydra's mpiexec dies of SIGUSR2). Returns the ranks reached here."""
+        with self._lock:
+            ended = {pid for pids in self.ended for pid in pids}
+            pids = [pid for pid in self.rank_of if pid not in ended]
+            conns = list(self._conns)
+        reached = 0
+        for pid in pids:
+            try:
+                os.kill(pid, signum)
+                reached += 1
+            except OSError:
+                pass
+        line = (json.dumps({"signal": int(signum)}) + "\n").encode()
+        for conn in conns:
+            try:
+                conn.sendall(line)
+            except OSError:
+                pass
+        return reached
 
     def stuck(self) -> tuple[str, int] | None:
         """Why the launcher waits for nothing, once it has, and the exit code to report: every rank of
@@ -112,24 +142,35 @@ class RankWatch(HostWatch):
         on a host that is gone (no TCP reset comes from a host that lost power or its link), which it
         would do forever. The code is the ranks' own when they share one (2: bad input, 143: stopped...),
         else 1."""
-        with self._lock:
-            if self.blind or not self.rank_of or len(self.rank_of) < self.expected:
-                return None
-            ended = {pid: t for pids, t in zip(list(self.ended), list(self.times)) for pid in pids}
-            if len(ended) < len(self.rank_of):
-                return None
-            notes = {exit_of(self.folder, self.host, p) for p in ended}
+        for host, notes, last in self._ended_hosts():
             codes = {int(n) for n in notes if n is not None and n.lstrip("-").isdigit()}
             if None not in notes and not codes - {0}:
-                return None  # every rank left by its own hand, none with an error ("atexit": unknown, not stuck)
-            last = max(ended.values())
-        if time.time() - last < STUCK_AFTER_S:
-            return None
-        why = (
-            f"every rank of this host ({self.host}) ended, one with a failure, {STUCK_AFTER_S:.0f} s ago, and the "
-            "launcher still waits (on a host that is gone?)"
-        )
-        return why, (codes.pop() if None not in notes and len(codes) == 1 else 1)
+                continue  # every rank left by its own hand, none with an error ("atexit": unknown, not stuck)
+            if time.time() - last < STUCK_AFTER_S:
+                continue
+            where = "this host" if host == self.host else "host"
+            why = (
+                f"every rank of {where} ({host}) ended, one with a failure, {STUCK_AFTER_S:.0f} s ago, and the "
+                "launcher still waits (on a host that is gone?)"
+            )
+            return why, (codes.pop() if None not in notes and len(codes) == 1 else 1)
+        return None
+
+    def _ended_hosts(self) -> list[tuple[str, list[str | None], float]]:
+        """(host, its ranks' exit notes, when its last rank ended) for every host whose ranks have all ended:
+        this one from its own watch, the others from their watchers' reports (launch's host may run none)."""
+        out = []
+        with self._lock:
+            if not self.blind and self.rank_of and len(self.rank_of) >= self.expected:
+                ended = {pid: t for pids, t in zip(list(self.ended), list(self.times)) for pid in pids}
+                if len(ended) >= len(self.rank_of):
+                    notes = [exit_of(self.folder, self.host, p) for p in ended]
+                    out.append((self.host, notes, max(ended.values())))
+            for host, r in self.remote.items():
+                entries = [(t, how) for t, batch in r["batches"] for _, _, how in batch]
+                if not r["blind"] and r["seen"] and len(entries) >= r["seen"]:
+                    out.append((host, [how for _, how in entries], max(t for t, _ in entries)))
+        return out
 
     def _settled(self) -> bool:
         with self._lock:
@@ -160,3 +201,20 @@ class RankWatch(HostWatch):
                 if others and min(others) - t0 < LEAD_S:
                     return None
         return first_silent(batches, name_hosts=bool(self.remote))
+
+
+def job_interface(hosts: Sequence[str]) -> str:
+    """The address of this machine's interface toward the job's other hosts (where launch's rank watch
+    listens): the one the kernel routes to the first host that is not this one; every interface ("")
+    when no such host resolves."""
+    me = {socket.gethostname(), socket.gethostname().split(".")[0], "localhost"}
+    for host in hosts:
+        if host in me:
+            continue
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((socket.gethostbyname(host), 9))  # UDP: no packet is sent; the route is chosen
+                return s.getsockname()[0]
+        except OSError:
+            continue
+    return ""

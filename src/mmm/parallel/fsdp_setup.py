@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import os
 import threading
 from collections.abc import Iterator, Sequence
 
 import torch
 
-from mmm.errors import UsageError
+from mmm import env
 
 __all__ = ["LazyChunks", "lean_fully_shard"]
 
@@ -83,12 +82,7 @@ def _targets():
 
 
 def _wanted() -> bool:
-    value = os.environ.get("MMM_LEAN_FSDP_SETUP", "1").strip().lower()
-    if value not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
-        raise UsageError(
-            f"MMM_LEAN_FSDP_SETUP={value!r}: use 1 (mmm's lean fully_shard setup, the default) or 0 (torch's as is)"
-        )
-    return value in ("1", "true", "yes", "on")
+    return env.get("MMM_LEAN_FSDP_SETUP", True)
 
 
 _LOCK = threading.RLock()  # one swap at a time: a thread must not take another's wrappers for torch's

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mmm import dist as mdist
+from mmm import env
 from mmm.errors import UsageError
 
 ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
@@ -39,7 +40,7 @@ def import_deepspeed():
             f"the zero1/zero2/zero3 strategies need DeepSpeed, which is not installed: {INSTALL_HINT}; "
             "or use the fsdp strategy"
         ) from None
-    level = logging.DEBUG if os.environ.get("MMM_LOG_LEVEL", "").upper() == "DEBUG" else logging.WARNING
+    level = logging.DEBUG if env.get("MMM_LOG_LEVEL") == "DEBUG" else logging.WARNING
     deepspeed.utils.logger.setLevel(level)
     # DeepSpeed calls the tensor collectives torch has renamed; their FutureWarnings say nothing to users.
     warnings.filterwarnings(
@@ -93,7 +94,7 @@ def _skip_inference_shm_kernel(deepspeed) -> None:
     """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce kernel at init (20 s to
     minutes on a fresh machine) that only its inference all-reduce uses; training collectives go
     through torch.distributed. Skip building it on CPU unless ``MMM_DS_SHM=1``."""
-    if os.environ.get("MMM_DS_SHM") == "1":
+    if env.get("MMM_DS_SHM", False):
         return
     # by module name: the attribute deepspeed.comm.torch is the torch package itself (deepspeed.comm
     # imports torch), so `import deepspeed.comm.torch as m` would patch torch, and the kernel still built

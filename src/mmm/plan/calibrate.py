@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from mmm import dist as mdist
-from mmm.cli import ArgumentParser, positive_int, without_flags
+from mmm.cli import ArgumentParser, nonempty_text, positive_int, without_flags
 from mmm.errors import UsageError, print_error
 from mmm.flops import calibrate_cpu
 from mmm.history import atomic_write_text
@@ -48,7 +48,7 @@ def build_parser(recipe: Recipe | None = None) -> ArgumentParser:
     p.epilog = __doc__.split("\n\n", 2)[2]
     g = p.add_argument_group("calibration")
     g.add_argument("--ranks", type=positive_int, default=4, help="ranks to start here, as the job will [4]")
-    g.add_argument("--out", required=True, metavar="PATH", help="the hardware file to write (JSON)")
+    g.add_argument("--out", required=True, type=nonempty_text, metavar="PATH", help="the hardware file to write (JSON)")
     g.add_argument("--probe", action="store_true", help="(internal) the measuring rank")
     return p
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmm.cli import ArgumentParser, positive_int
+from mmm.cli import ArgumentParser, nonempty_text, positive_int
 from mmm.errors import UsageError, print_error
 from mmm.history import atomic_write_text
 from mmm.parallel.strategy import STRATEGIES
@@ -48,6 +48,7 @@ def build_parser(recipe: Recipe | None = None) -> ArgumentParser:
     g.add_argument("--world", type=positive_int, required=True, help="number of ranks (processes) to plan for")
     g.add_argument(
         "--strategies",
+        type=nonempty_text,
         default=None,
         metavar="S,S,...",
         help="data-parallel strategies to consider, comma-separated [all]",
@@ -56,6 +57,7 @@ def build_parser(recipe: Recipe | None = None) -> ArgumentParser:
     g.add_argument(
         "--json",
         dest="json_path",
+        type=nonempty_text,
         default=None,
         metavar="PATH",
         help="also write every layout with its estimates or problems as JSON ('-' for stdout)",

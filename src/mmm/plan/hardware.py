@@ -25,6 +25,7 @@ measurement of your own.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -184,9 +185,14 @@ def load_hardware(spec: str) -> Hardware:
         raise UsageError(f'--hardware {spec}: peak_tflops is a map of dtype to TFLOP/s, e.g. {{"bf16": 989.4}}')
 
     def positive(name, value):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
             raise UsageError(f"--hardware {spec}: {name} {value!r} must be a positive number")
         return float(value)
+
+    def count(name, value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise UsageError(f"--hardware {spec}: {name} {value!r} must be a whole number (0 or more)")
+        return value
 
     efficiency = {}
     for name, default in (("matmul_efficiency", 0.6), ("memory_efficiency", 0.6)):
@@ -196,7 +202,7 @@ def load_hardware(spec: str) -> Hardware:
     bandwidth = data.get("memory_bandwidth_gbps")
     return Hardware(
         name=str(data.get("name", path.stem)),
-        devices_per_node=int(positive("devices_per_node", data["devices_per_node"])),
+        devices_per_node=count("devices_per_node", data["devices_per_node"]) or int(positive("devices_per_node", 0)),
         memory_bytes=positive("memory_gb", data["memory_gb"]) * GB,
         peak_flops={k: positive(f"peak_tflops[{k!r}]", v) * 1e12 for k, v in peaks.items()},
         intra_node_bps=positive("intra_node_gbps", data["intra_node_gbps"]) * GB,
@@ -206,5 +212,5 @@ def load_hardware(spec: str) -> Hardware:
         matmul_efficiency=efficiency["matmul_efficiency"],
         memory_bps=positive("memory_bandwidth_gbps", bandwidth) * GB if bandwidth is not None else 0.0,
         memory_efficiency=efficiency["memory_efficiency"],
-        cores_per_node=int(data.get("cores_per_node", 0)) if data.get("cores_per_node") else 0,
+        cores_per_node=count("cores_per_node", data.get("cores_per_node", 0)),
     )

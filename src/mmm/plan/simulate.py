@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from mmm.cli import ArgumentParser, flag_fields, positive_int, without_flags
+from mmm.cli import ArgumentParser, flag_fields, nonempty_text, positive_float, positive_int, without_flags
 from mmm.errors import UsageError, print_error
 from mmm.history import atomic_write_text
 from mmm.log import configure
@@ -72,6 +72,7 @@ def build_parser(recipe=None) -> ArgumentParser:
     g.add_argument("--world", type=positive_int, required=True, help="ranks of the job to simulate")
     g.add_argument(
         "--ranks",
+        type=nonempty_text,
         default=None,
         metavar="R,R,...",
         help="which ranks to simulate, comma-separated [0 and the last: the first and last pipeline stage]",
@@ -84,6 +85,7 @@ def build_parser(recipe=None) -> ArgumentParser:
     )
     g.add_argument(
         "--hardware",
+        type=nonempty_text,
         default=None,
         metavar="NAME|FILE",
         help="predict the step time and whether memory fits on: h100, h200, a100, pvc, mi250x, or a JSON file "
@@ -120,14 +122,21 @@ def build_parser(recipe=None) -> ArgumentParser:
     )
     g.add_argument(
         "--expert-load",
-        type=float,
+        type=positive_float,
         default=None,
         metavar="F",
         help="a mixture of experts (its tensors have no values to route by): each rank sends F x the mean of its "
         "tokens to its first expert and the rest evenly, so the ep rank holding expert 0 gets F x its share [1: "
         "balanced]",
     )
-    g.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="also write the reports as JSON")
+    g.add_argument(
+        "--json",
+        dest="json_path",
+        type=nonempty_text,
+        default=None,
+        metavar="PATH",
+        help="also write the reports as JSON",
+    )
     # given or not: --pick holds what is given
     p.set_defaults(tp=None, pp=None, cp=None, dp_replicate=None, dp_shard=None, ep=None, strategy=None)
     return p

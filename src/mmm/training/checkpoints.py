@@ -3,13 +3,12 @@ last good one a stop can name (:class:`CheckpointPolicy`); the full model gather
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from mmm import dist
+from mmm import dist, env
 from mmm.log import get_logger
 from mmm.parallel.checkpoint import Checkpointer
 from mmm.parallel.checkpoint_folder import latest_step, step_dir
@@ -37,7 +36,7 @@ def resume(checkpointer, which: str | None, startup: Startup | None = None) -> i
     if checkpointer is not None and restart_attempt():
         # the newest checkpoint this job saved; before its first save, where it started (a rollback to
         # an earlier step must not continue the abandoned branch that is still on disk)
-        lineage = os.environ.get("MMM_RUN_STAMP") or None
+        lineage = env.get("MMM_RUN_STAMP")
         which = which or "latest"
         if dist.info().is_main:
             get_logger().info(

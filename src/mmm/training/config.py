@@ -22,7 +22,18 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any, Generic, TypeVar
 
-from mmm.cli import FLAGS, Flags, MeshConfig, flag_problems, int_list, nonnegative_int, option, positive_int
+from mmm.cli import (
+    FLAGS,
+    Flags,
+    MeshConfig,
+    flag_problems,
+    int_list,
+    nonnegative_int,
+    option,
+    positive_int,
+    random_seed,
+    seconds,
+)
 from mmm.parallel.activation_checkpoint import AC_MODES
 from mmm.parallel.checkpoint_folder import checkpoint_problems
 from mmm.parallel.compose import compile_problems, shards_parameters
@@ -179,7 +190,7 @@ class ParallelConfig(MeshConfig):
 class RunConfig:
     """How to run: the seed, the output folder and what goes there, trackers, checkpoints, failures."""
 
-    seed: int = option(0, "--seed", group="training", help="seed of weights and data")
+    seed: int = option(0, "--seed", parse=random_seed, group="training", help="seed of weights and data")
     outdir: str | None = option(
         None, "--outdir", metavar="DIR", shown="outputs/{example}/<UTC timestamp>", group="output", help="output folder"
     )
@@ -257,7 +268,7 @@ class RunConfig:
     timeout: float | None = option(
         None,
         "--timeout",
-        parse=float,
+        parse=seconds,
         metavar="SECONDS",
         shown="MMM_TIMEOUT or 600",
         group="failures",

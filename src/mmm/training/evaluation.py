@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mmm.cli import option
+from mmm.cli import nonnegative_int, option, positive_int
 
 
 @dataclass
@@ -22,12 +22,18 @@ class EvalConfig:
     eval_every: int = option(
         0,
         "--eval-every",
+        parse=nonnegative_int,
         metavar="N",
         group="eval",
         help="evaluate on the held-out split every N steps and after the last; 0: never",
     )
     eval_iters: int = option(
-        4, "--eval-iters", metavar="K", group="eval", help="global batches per evaluation (the same K each time)"
+        4,
+        "--eval-iters",
+        parse=positive_int,
+        metavar="K",
+        group="eval",
+        help="global batches per evaluation (the same K each time)",
     )
 
     def eval_due(self, step: int, *, last: bool) -> bool:

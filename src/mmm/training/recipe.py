@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mmm.cli import nonempty_text
 from mmm.errors import UsageError
 from mmm.parallel.compose import ParallelSpec
 from mmm.parallel.strategy import Engine, build_engine
@@ -322,7 +323,9 @@ def recipe_from_argv(argv: Sequence[str]) -> tuple[Recipe, list[str]]:
 
 def add_recipe_flag(parser) -> None:
     """``--recipe`` in a command's --help (it is read before the parser: :func:`recipe_from_argv`)."""
-    parser.add_argument_group("model recipe").add_argument("--recipe", metavar="NAME", help=RECIPE_HELP)
+    parser.add_argument_group("model recipe").add_argument(
+        "--recipe", type=nonempty_text, metavar="NAME", help=RECIPE_HELP
+    )
 
 
 def recipe_named(name: str | None) -> Recipe:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed
 
+from mmm import env
 from mmm.dist import set_stack_dir
 from mmm.errors import DivergedError
 from mmm.history import History
@@ -154,7 +154,7 @@ class Recorder:
         if self.trackers:
             self.hist.hooks.append(self.trackers.log_row)
         self.rank_timings = self.options.rank_timings  # an all-gather on logging steps
-        if info.world_size > 1 and not os.environ.get("MMM_STACK_DIR"):
+        if info.world_size > 1 and not env.is_set("MMM_STACK_DIR"):
             # where each rank was, written when a collective fails and on SIGUSR1 (mmm.dist.liveness)
             set_stack_dir(outdir / "stacks", info.rank)
 

@@ -16,7 +16,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from mmm.cli import option
+from mmm.cli import nonnegative_float, nonnegative_int, option, positive_float, positive_int
 
 SCHEDULES = ("constant", "cosine", "linear")
 
@@ -53,13 +53,14 @@ class LRSchedule:
 class ScheduleConfig:
     """The learning rate and its schedule: part of every trainer's train config."""
 
-    lr: float = option(3e-3, "--lr", group="training", help="AdamW learning rate")
+    lr: float = option(3e-3, "--lr", parse=positive_float, group="training", help="AdamW learning rate")
     lr_schedule: str | None = option(
         None, "--lr-schedule", choices=SCHEDULES, shown="constant", group="schedule", help="decay after the warmup"
     )
     warmup_steps: int = option(
         0,
         "--warmup-steps",
+        parse=nonnegative_int,
         metavar="N",
         group="schedule",
         help="linear learning-rate warmup over the first N steps (not --warmup, the steps left out of the timing "
@@ -68,7 +69,7 @@ class ScheduleConfig:
     min_lr: float | None = option(
         None,
         "--min-lr",
-        parse=float,
+        parse=nonnegative_float,
         metavar="LR",
         shown="lr/10 for cosine and linear",
         group="schedule",
@@ -77,7 +78,7 @@ class ScheduleConfig:
     lr_decay_steps: int | None = option(
         None,
         "--lr-decay-steps",
-        parse=int,
+        parse=positive_int,
         metavar="N",
         shown="--max-iters",
         group="schedule",

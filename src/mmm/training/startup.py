@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mmm import dist
+from mmm import dist, env
 from mmm.dist import launch_time
 from mmm.errors import UsageError
 from mmm.log import get_logger
@@ -156,9 +156,7 @@ def keep_earlier_run(run, outdir: Path, info) -> None:
 def resolve_outdir(outdir: str | os.PathLike | None, example: str) -> Path:
     """``--outdir`` or ``outputs/<example>/<UTC timestamp>``; a path that is a file is an error."""
     if outdir is None:
-        stamp = os.environ.get("MMM_RUN_STAMP") or datetime.datetime.now(datetime.timezone.utc).strftime(
-            "%Y%m%d-%H%M%S"
-        )
+        stamp = env.get("MMM_RUN_STAMP") or datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
         return Path("outputs") / example / stamp
     path = Path(outdir)
     if path.exists() and not path.is_dir():
@@ -175,10 +173,9 @@ def resolve_outdir(outdir: str | os.PathLike | None, example: str) -> Path:
 
 def dropped_hosts() -> list[str]:
     """Hosts ``launch --drop-lost-hosts`` left out of this relaunch: they did not answer after a failure."""
-    return [h for h in os.environ.get("MMM_DROPPED_HOSTS", "").split(",") if h]
+    return env.get("MMM_DROPPED_HOSTS", [])
 
 
 def restart_attempt() -> int:
     """Which relaunch of the job this is (``MMM_RESTART`` set by ``launch --retries``; 0: the first run)."""
-    raw = os.environ.get("MMM_RESTART", "")
-    return int(raw) if raw.isdigit() else 0
+    return env.get("MMM_RESTART", 0)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mmm.cli import flag_problems, option, override, positive_int
+from mmm.cli import flag_problems, fraction, option, override, positive_float, positive_int
 from mmm.data import rank_rows
 from mmm.data.images import Digits, epoch_batches, load_digits_data, padded_shard
 from mmm.errors import UsageError
@@ -56,12 +56,12 @@ class DigitsTrainConfig(ScheduleConfig):
     gamma: float | None = option(
         None,
         "--gamma",
-        parse=float,
+        parse=positive_float,
         shown="0.7",
         group="training",
         help="with --lr-schedule epoch: learning-rate factor after each epoch",
     )
-    dropout: float = option(0.0, "--dropout", group="training", help="dropout probability")
+    dropout: float = option(0.0, "--dropout", parse=fraction, group="training", help="dropout probability")
     data_dir: str | None = option(
         None,
         "--data-dir",

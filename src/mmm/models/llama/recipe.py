@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mmm.cli import FLAGS, Flags, flag_problems, nonnegative_int, option, positive_int
+from mmm.cli import FLAGS, Flags, flag_problems, nonnegative_float, nonnegative_int, option, positive_int
 from mmm.data import DATASETS, data_vocab_size, dataset_problems, local_batches, make_dataset
 from mmm.errors import UsageError
 from mmm.flops import llama_flops_per_token
@@ -87,6 +87,7 @@ class LlamaTrainConfig(EvalConfig, ScheduleConfig):
     moe_aux: float = option(
         0.0,
         "--moe-aux",
+        parse=nonnegative_float,
         metavar="W",
         group="model",
         help="weight of the sequence-wise load-balancing loss (DeepSeek-V3: 1e-4); 0: none",
@@ -94,6 +95,7 @@ class LlamaTrainConfig(EvalConfig, ScheduleConfig):
     moe_bias_rate: float = option(
         1e-3,
         "--moe-bias-rate",
+        parse=nonnegative_float,
         metavar="RATE",
         group="model",
         help="after each step every expert's routing bias moves by this towards balance, from the token counts "
@@ -127,10 +129,13 @@ class LlamaTrainConfig(EvalConfig, ScheduleConfig):
     max_iters: int = option(
         40, "--max-iters", "--max_iters", parse=positive_int, group="training", help="optimizer steps"
     )
-    weight_decay: float = option(0.0, "--weight-decay", group="training", help="AdamW weight decay")
+    weight_decay: float = option(
+        0.0, "--weight-decay", parse=nonnegative_float, group="training", help="AdamW weight decay"
+    )
     grad_clip: float = option(
         0.0,
         "--grad-clip",
+        parse=nonnegative_float,
         group="training",
         help="clip the global gradient L2 norm (over all shards and pipeline stages); 0 = off",
     )
