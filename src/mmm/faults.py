@@ -17,7 +17,8 @@ complete is lost (tests/test_faults.py):
 DCP files written), rng (its RNG file written), meta (rank 0: mmm.json written, not yet renamed),
 rename (rank 0: between the two renames of a re-save), prune (rank 0: half-way through deleting a
 pruned folder), export (rank 0: the export written beside DIR, not yet in place), history (rank 0:
-half-way through writing step STEP's line of history.jsonl).
+half-way through writing step STEP's line of history.jsonl), prepare (``python -m mmm.data prepare``: its
+token files renamed into place, its meta.json not yet).
 
 Several faults of MMM_FAULT are separated by commas. Faults fire in a job's first attempt only (not after a
 relaunch by ``launch --retries``, ``MMM_RESTART`` >= 1), so a recovered job can finish. The trainers
@@ -37,7 +38,7 @@ from mmm import env
 from mmm.errors import UsageError
 
 KINDS = ("kill", "stop", "term", "term2", "nan", "exit")
-SAVE_STAGES = ("shards", "rng", "meta", "rename", "prune", "export", "history")
+SAVE_STAGES = ("shards", "rng", "meta", "rename", "prune", "export", "history", "prepare")
 _SAVE_SPEC = re.compile(r"(?P<stage>[a-z]+)(?:@(?P<step>\d+))?(?::(?P<rank>\d+|all))?")
 _SPEC = re.compile(r"^(?P<kind>[a-z0-9]+)@(?P<step>\d+)(?::(?P<rank>\d+))?$")
 _PARSED: dict[int, list[tuple[str, int | None]]] | None = None

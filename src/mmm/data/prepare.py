@@ -25,6 +25,7 @@ import numpy as np
 
 from mmm.cli import fraction, nonempty_text
 from mmm.errors import ArgumentParser, UsageError
+from mmm.faults import crash_point
 
 PROG = "python -m mmm.data prepare"
 
@@ -91,7 +92,7 @@ def prepare(
     dtype: str = "auto",
 ) -> dict:
     """Tokenise ``inputs`` into ``out``/train.bin (+ val.bin) and meta.json; returns the meta."""
-    from mmm.data.tokens import encode_documents, get_tokenizer, token_dtype
+    from mmm.data.tokens import encode_documents, fingerprint, get_tokenizer, token_dtype
 
     if not 0 <= val_fraction < 1:
         raise UsageError(f"--val-fraction {val_fraction} must be in [0, 1)")
@@ -126,14 +127,22 @@ def prepare(
     n_train = total - n_val
     tokens = np.memmap(stream, dtype=dtype, mode="r")
     max_token = {"train": int(tokens[:n_train].max()) if n_train else None}
+    # every file is written and on disk under a temporary name before any is renamed; meta.json goes last
+    # and records each file's count and fingerprint, so a kill between the renames leaves files that
+    # meta.json does not describe: refused at the next start, never read with the wrong meta
+    written = {"train": _write(out / "train.bin", tokens[:n_train])}
     if n_val:
         max_token["val"] = int(tokens[n_train:].max())
-        _write(out / "val.bin", tokens[n_train:])
-    elif (out / "val.bin").exists():
-        (out / "val.bin").unlink()  # from an earlier prepare into the same directory
-    _write(out / "train.bin", tokens[:n_train])
+        written["val"] = _write(out / "val.bin", tokens[n_train:])
     del tokens
     stream.unlink()
+    fingerprints = {}
+    for split, tmp in written.items():
+        fingerprints[split] = fingerprint(tmp)
+        os.replace(tmp, out / f"{split}.bin")
+    if not n_val and (out / "val.bin").exists():
+        (out / "val.bin").unlink()  # from an earlier prepare into the same directory
+    crash_point("prepare")
     for stale in (f"{s}.{d}.bin" for s in ("train", "val") for d in ("uint16", "uint32")):
         if (out / stale).exists():  # would make the split ambiguous
             (out / stale).unlink()
@@ -144,6 +153,7 @@ def prepare(
         "eos_id": tok.eos_id,
         "eos_token": tok.eos_token,
         "tokens": {"train": n_train, "val": n_val},
+        "fingerprints": fingerprints,
         "max_token": max_token,
         "documents": len(files),
     }
@@ -152,15 +162,27 @@ def prepare(
         os.replace(out / "tokenizer.json.tmp", out / "tokenizer.json")
         meta["tokenizer"] = "tokenizer.json"
     tmp = out / "meta.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=1) + "\n")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(meta, indent=1) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, out / "meta.json")
+    fd = os.open(out, os.O_RDONLY)  # the renames themselves on disk
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     return meta
 
 
-def _write(path: Path, tokens) -> None:
+def _write(path: Path, tokens) -> Path:
+    """``tokens`` in ``<path>.tmp``, on disk (fsync); the temporary file's path."""
     tmp = path.with_name(path.name + ".tmp")
-    tokens.tofile(tmp)
-    os.replace(tmp, path)
+    with open(tmp, "wb") as f:
+        tokens.tofile(f)
+        f.flush()
+        os.fsync(f.fileno())
+    return tmp
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -131,7 +131,50 @@ def read_meta(data_dir: Path) -> dict:
     vocab = meta.get("vocab_size")
     if vocab is not None and (not isinstance(vocab, int) or vocab < 1):
         raise UsageError(f"{file}: vocab_size {vocab!r} is not a positive integer")
+    for key, what in (("tokens", "a count of tokens"), ("max_token", "the largest token id (or null)")):
+        value = meta.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise UsageError(f'{file}: {key} {value!r} is not a map of split to {what}, e.g. {{"train": 1000}}')
+        for split, n in value.items():
+            if not (n is None and key == "max_token") and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+                raise UsageError(f"{file}: {key}[{split!r}] {n!r} is not {what}; rerun python -m mmm.data prepare")
     return {**meta, "_file": str(file)}
+
+
+FINGERPRINT_BYTES = 1 << 20  # a token file's fingerprint reads this much at each end
+
+
+def fingerprint(path: Path) -> str:
+    """A token file's size and a hash of its first and last MiB: what meta.json records of each split, so
+    that a file cut short, or replaced by another ``prepare`` whose meta.json never came, is refused
+    (reading 2 MiB, not the whole file, at every start)."""
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(FINGERPRINT_BYTES))
+        if size > FINGERPRINT_BYTES:
+            f.seek(max(FINGERPRINT_BYTES, size - FINGERPRINT_BYTES))
+            h.update(f.read())
+    return f"{size}:{h.hexdigest()[:16]}"
+
+
+def check_recorded(meta: dict, path: Path, split: str, tokens) -> None:
+    """The split's token file is the one meta.json describes (its count and fingerprint, when recorded)."""
+    fix = "copy it again, or rerun python -m mmm.data prepare"
+    recorded = (meta.get("tokens") or {}).get(split)
+    if recorded is not None and recorded != len(tokens):
+        raise UsageError(
+            f"{path} holds {len(tokens)} tokens but {meta['_file']} records {recorded} (a copy cut short, or a "
+            f"prepare that did not finish): {fix}"
+        )
+    print_ = (meta.get("fingerprints") or {}).get(split)
+    if print_ is not None and print_ != fingerprint(path):
+        raise UsageError(
+            f"{path} is not the file {meta['_file']} describes (its fingerprint differs: another prepare's "
+            f"tokens, or a prepare that did not finish): {fix}"
+        )
 
 
 def bin_file(data_dir: Path, split: str) -> tuple[Path, str]:
@@ -201,10 +244,11 @@ def bin_tokens(data_dir, *, seq_len: int, vocab_size: int, split: str = "train")
     meta = read_meta(data_dir)
     if path.name == f"{split}.bin" and not meta.get("dtype"):
         check_guessed_dtype(tokens, path, vocab_size)
-    # prepare records each split's largest id with its token count: trusted when the count still
-    # matches the file, so a large file is not scanned on every rank at every start
+    check_recorded(meta, path, split, tokens)
+    # prepare records each split's largest id with its token count (checked above): a large file is not
+    # scanned on every rank at every start
     recorded = (meta.get("max_token") or {}).get(split)
-    if recorded is not None and (meta.get("tokens") or {}).get(split) != len(tokens):
+    if (meta.get("tokens") or {}).get(split) is None:
         recorded = None
     return TokenWindows(
         tokens,

@@ -47,6 +47,7 @@ from mmm.parallel.checkpoint_folder import (
     recover,
     step_dir,
     steps_by_recency,
+    writable_by_others,
 )
 
 # what must match to resume: the model, what defines the data of each step (a run resumed with another
@@ -249,6 +250,10 @@ class Checkpointer:
             f = path / name
             if not f.exists() or f.is_file() and f.stat().st_size == 0:
                 return f"{name} is {'empty' if f.exists() else 'missing'}"
+        if saved.get("format") == "dcp":
+            from mmm.parallel.checkpoint_files import dcp_damage  # torch.distributed.checkpoint: when needed
+
+            return dcp_damage(path)  # every shard file as long as the metadata says
         return None
 
     def check_compatible(self, saved: dict[str, Any], path: Path) -> None:
@@ -304,6 +309,11 @@ class Checkpointer:
             path = step_dir(self.root, step)
             saved = json.loads((path / META).read_text())
             self.check_compatible(saved, path)
+            if (loose := writable_by_others(path)) is not None:
+                raise UsageError(
+                    f"checkpoint {str(path)!r}: {loose!r} can be written by any user (mode o+w), so what is loaded "
+                    f"from it could be anyone's; remove that permission (chmod -R o-w {str(self.root)!r})"
+                )
             rank, world = rank_world()
             if self.ds is not None:
                 self.ds.load_checkpoint(str(path), tag="deepspeed", load_module_strict=True)
@@ -312,9 +322,11 @@ class Checkpointer:
             from torch.distributed.checkpoint.api import CheckpointException
             from torch.distributed.checkpoint.state_dict import set_state_dict
 
+            from mmm.parallel.checkpoint_files import SafeLoadPlanner, SafeReader
+
             state = self._state()
-            try:
-                dcp.load(state, checkpoint_id=str(path))  # a read error on any rank raises on every rank
+            try:  # a read error on any rank raises on every rank
+                dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
             except CheckpointException as e:
                 if which != "latest" or not _damaged_files(e):
                     raise  # not damage (a changed model, out of memory...): keep the traceback

@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import threading
 import time
 from pathlib import Path
@@ -163,6 +164,21 @@ def no_space(e: BaseException) -> bool:
         return True
     text = str(e)
     return "No space left on device" in text or "Disk quota exceeded" in text
+
+
+def writable_by_others(folder: Path) -> str | None:
+    """The first of a checkpoint folder, its parent (the checkpoint root) and the files and folders in it
+    that any user may write to (mode o+w): anyone could then put their own ``.metadata`` or shards there.
+    A group-writable folder (a project's shared space) is the group's: allowed."""
+    folder = Path(folder)
+    for path in [folder.parent, folder, *folder.rglob("*")]:
+        try:
+            mode = path.lstat().st_mode
+        except OSError:
+            continue
+        if mode & stat.S_IWOTH and not stat.S_ISLNK(mode):
+            return str(path)
+    return None
 
 
 def fsync_path(path: Path) -> None:

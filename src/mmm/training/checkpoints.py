@@ -3,15 +3,18 @@ last good one a stop can name (:class:`CheckpointPolicy`); the full model gather
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from mmm import dist, env
+from mmm.errors import RunError
 from mmm.log import get_logger
 from mmm.parallel.checkpoint import Checkpointer
-from mmm.parallel.checkpoint_folder import latest_step, step_dir
+from mmm.parallel.checkpoint_folder import disk_full, fsync_path, latest_step, no_space, step_dir
 from mmm.training.startup import Startup, restart_attempt
 
 
@@ -97,10 +100,27 @@ def save_full_model(engine, path, *, is_main: bool) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(engine.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if is_main:
+
+    def write() -> None:  # rank 0; its failure (a full disk) raised on every rank at once
         tmp = path.with_name(f".{path.name}.tmp")
-        torch.save({k: v.detach().cpu() for k, v in state.items()}, tmp)
-        tmp.replace(path)
+        try:
+            with open(tmp, "wb") as f:
+                torch.save({k: v.detach().cpu() for k, v in state.items()}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)  # an earlier model.pt is replaced only by a whole one
+            fsync_path(path.parent)
+        except BaseException as e:
+            tmp.unlink(missing_ok=True)
+            if no_space(e) or disk_full(path.parent):
+                free = shutil.disk_usage(path.parent).free / 2**20
+                raise RunError(
+                    f"saving the model to {str(path)!r}: no space left ({free:.1f} MiB free); an earlier model there "
+                    "is intact: free space and rerun"
+                ) from None
+            raise
+
+    dist.on_rank0(write)  # a collective: every rank calls save_full_model (``is_main``: rank 0 writes)
 
 
 def open_checkpoints(engine, options, *, meta: dict[str, Any], startup: Startup | None = None, extra_at=None, log=None):

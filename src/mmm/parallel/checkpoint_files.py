@@ -1,0 +1,105 @@
+"""A DCP checkpoint's files read without running code from them, and checked for damage before a load.
+
+torch's own reader unpickles ``.metadata`` with plain ``pickle`` and its planner loads non-tensor values
+with ``weights_only=False``: a checkpoint folder someone else could write to would run their code on every
+rank. :class:`SafeReader` unpickles ``.metadata`` allowing only the classes DCP writes there, and
+:class:`SafeLoadPlanner` loads non-tensor values with ``weights_only=True`` (numbers, strings, lists,
+dicts: what an optimizer's param groups hold). With the metadata read, :func:`dcp_damage` checks that
+every shard file is as long as it says: a shard cut short (a copy interrupted, a node lost while
+writing) is damage, found before the load, so ``--resume latest`` takes the checkpoint saved before it.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from mmm.errors import UsageError, first_line
+
+METADATA = ".metadata"
+_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+            ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}  # fmt: skip
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (module, name) in _ALLOWED or module in _ALLOWED_MODULES and not name.startswith("__")
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            allowed = True
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not something DCP writes in {METADATA}")
+        return super().find_class(module, name)
+
+
+def read_metadata(folder: Path) -> Metadata:
+    """A checkpoint's ``.metadata``, unpickled allowing only DCP's own classes (UsageError otherwise)."""
+    path = Path(folder) / METADATA
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
+        raise UsageError(f"{path} is not a DCP checkpoint's metadata ({e}); it was not loaded") from None
+    if not isinstance(metadata, Metadata):
+        raise UsageError(f"{path} holds a {type(metadata).__name__}, not a DCP checkpoint's metadata")
+    return metadata
+
+
+def dcp_damage(folder: Path) -> str | None:
+    """What is wrong with a DCP checkpoint's files: metadata that does not read, a shard file missing or
+    shorter than the data the metadata places in it; None when every file is whole."""
+    try:
+        metadata = read_metadata(folder)
+    except (UsageError, OSError) as e:
+        return str(e)
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = str(info.relative_path)
+        ends[name] = max(ends.get(name, 0), int(info.offset) + int(info.length))
+    for name, end in sorted(ends.items()):
+        f = Path(folder) / name
+        if not f.is_file():
+            return f"{name} is missing"
+        size = f.stat().st_size
+        if size < end:
+            return f"{name} is cut short ({size} of {end} bytes)"
+    return None
+
+
+class SafeReader(FileSystemReader):
+    """torch's file reader, its ``.metadata`` read by :func:`read_metadata`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        if rank is not None:  # a per-rank metadata file (not what mmm writes): torch's own reader's name for it
+            raise UsageError(f"{self.path}: per-rank DCP metadata (__{rank}{METADATA}) is not read by mmm")
+        metadata = read_metadata(Path(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """torch's load planner, its non-tensor values loaded with ``weights_only=True``."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise UsageError(
+                f"a value of the checkpoint ({read_item.dest_index.fqn}) is not plain data ({first_line(e)}); "
+                "it was not loaded"
+            ) from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
