@@ -262,6 +262,7 @@ def _rank_for_messages() -> int | None:
 
 
 TEARDOWN_AFTER_FAILURE_S = 30.0
+EXIT_HANDLERS_S = 330.0  # the atexit handlers' bound: a background checkpoint delete waits up to 300 s
 
 
 def _collective_timeout() -> float:
@@ -272,8 +273,8 @@ def _collective_timeout() -> float:
         return 600.0
 
 
-def _leave_now(code: int, grace: float) -> None:
-    print_error(f"teardown did not finish within {grace:.0f} s (a peer's host gone?); leaving with code {code}")
+def _leave_now(code: int, grace: float, what: str = "teardown did not finish") -> None:
+    print_error(f"{what} within {grace:.0f} s (a peer's host gone?); leaving with code {code}")
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -302,6 +303,14 @@ def finish(code: int = 0, *, together: bool | None = None) -> NoReturn:
         print_error(f"teardown: {first_line(e)}")
         code = code or 1
     finally:
+        # teardown is over: the atexit handlers (a pruned checkpoint's background delete waits up to
+        # EXIT_WAIT_S) get their own bound, and a finished run that outlasts it still leaves with its code
+        watchdog.cancel()
+        late = threading.Timer(
+            EXIT_HANDLERS_S, _leave_now, args=(code, EXIT_HANDLERS_S, "exit handlers did not finish")
+        )
+        late.daemon = True
+        late.start()
         try:  # the program's own atexit handlers still run (os._exit would skip them)
             atexit._run_exitfuncs()
         except BaseException:  # pragma: no cover - _run_exitfuncs prints a handler's error itself

@@ -54,7 +54,7 @@ _ENV_SOURCES: tuple[tuple[str, str, str, str, tuple[str, ...]], ...] = (
 _LAUNCHER_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "PALS_", "SLURM_", "HYDI_", "HYDRA_", "MPI_", "I_MPI_", "TORCHELASTIC_")
 _LAUNCHER_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 # what mmm's launch gives its ranks: the rank watch's folder and address, the stack folder, the attempt
-_LAUNCHER_NAMES += ("MMM_PID_DIR", "MMM_WATCH", "MMM_STACK_DIR", "MMM_RESTART", "MMM_DROPPED_HOSTS")
+_LAUNCHER_NAMES += ("MMM_PID_DIR", "MMM_WATCH", "MMM_STACK_DIR", "MMM_RESTART", "MMM_DROPPED_HOSTS", "MMM_RUN_ID")
 
 
 def without_launcher_vars(env: Mapping[str, str] | None = None) -> dict[str, str]:

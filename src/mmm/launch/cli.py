@@ -11,7 +11,7 @@ from mmm import env as mmm_env
 from mmm.cli import nonempty_text, nonnegative_int, positive_int, shell_words
 from mmm.errors import ArgumentParser, UsageError, print_error
 from mmm.launch.hostloss import plan_hosts
-from mmm.launch.plan import LAUNCHERS, LaunchPlan, plan_launch
+from mmm.launch.plan import LAUNCHERS, LaunchPlan, new_run_id, plan_launch
 from mmm.launch.run import find_lost_hosts, lost_hosts_message, run_attempt, run_with_retries, stays_parent
 from mmm.launch.signals import PROG, _unignore_stop_signals
 
@@ -92,8 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         mmm_env.check()  # the values every rank would refuse, refused here before any starts
         command = args.command[1:] if args.command[:1] == ["--"] else args.command
+        run_id = new_run_id()
         plan = plan_launch(
             command,
+            run_id=run_id,
             nproc=args.nproc,
             ppn=args.ppn,
             hostfile=args.hostfile,
@@ -130,6 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         def replan(env: Mapping[str, str], *, hostfile: str | None = None, nproc: int | None = None) -> LaunchPlan:
             return plan_launch(
                 command,
+                run_id=run_id,
                 nproc=nproc or args.nproc,
                 ppn=args.ppn or plan.ppn,
                 hostfile=hostfile or args.hostfile,

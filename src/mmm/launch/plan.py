@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import shlex
 import shutil
 import sys
@@ -27,6 +28,7 @@ FORWARDED_ENV = (  # passed on to every rank by an MPI launcher, when set
     "OMP_NUM_THREADS",
     "MMM_LAUNCHER",
     "MMM_RUN_STAMP",
+    "MMM_RUN_ID",
     "MMM_RESTART",
     "MMM_DROPPED_HOSTS",
 )
@@ -69,6 +71,11 @@ def _resolve_python(cmd: list[str]) -> list[str]:
     return cmd
 
 
+def new_run_id() -> str:
+    """A launch's own id: its UTC time and 8 random hex digits."""
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(4)
+
+
 def plan_launch(
     command: Sequence[str],
     *,
@@ -80,9 +87,11 @@ def plan_launch(
     env: Mapping[str, str] | None = None,
     flavor: str | None = None,
     dry_run: bool = False,
+    run_id: str | None = None,
 ) -> LaunchPlan:
     """How to start ``command`` on this allocation. ``dry_run``: only to print it, so a launcher
-    missing from PATH (a login node, a module not loaded) is named as is, not refused."""
+    missing from PATH (a login node, a module not loaded) is named as is, not refused. ``run_id``: this
+    launch's ``MMM_RUN_ID`` (the same for all its attempts; a fresh one when None)."""
     env = os.environ if env is None else env
     if not command:
         raise UsageError("no command to launch; e.g. `launch -n 4 python3 -m mmm --tp 2`")
@@ -140,6 +149,9 @@ def plan_launch(
     if not env.get("MMM_LAUNCH_TIME"):  # an outer harness may have started the clock already
         add_env["MMM_LAUNCH_TIME"] = repr(time.time())
     add_env["MMM_LAUNCHER"] = f"launch/{launcher}"
+    # which launch this is, never taken from the environment: a relaunch resumes only what its own job saved
+    # (MMM_RUN_STAMP is kept when set, and may be exported across jobs)
+    add_env["MMM_RUN_ID"] = run_id or new_run_id()
     if not env.get("MMM_RUN_STAMP"):  # one default output folder for every rank and every attempt
         add_env["MMM_RUN_STAMP"] = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     cmd = _resolve_python(list(command))

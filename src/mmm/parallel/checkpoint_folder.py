@@ -255,7 +255,7 @@ def commit(root: Path, step: int, tmp: Path, meta: dict[str, Any], *, keep_last:
         "saved_at": time.time(),
         # the order of saves, whatever the clocks of the hosts rank 0 ran on say
         "save_seq": 1 + max((meta_of(root, s).get("save_seq", 0) for s in complete_steps(root)), default=0),
-        "run": env.get("MMM_RUN_STAMP"),  # the job (all its relaunches) that saved it
+        "run": env.get("MMM_RUN_ID") or env.get("MMM_RUN_STAMP"),  # the job (all its relaunches) that saved it
     }
     with open(tmp / META, "w") as f:
         json.dump(meta, f, indent=1, default=str)

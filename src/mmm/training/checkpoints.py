@@ -39,7 +39,7 @@ def resume(checkpointer, which: str | None, startup: Startup | None = None) -> i
     if checkpointer is not None and restart_attempt():
         # the newest checkpoint this job saved; before its first save, where it started (a rollback to
         # an earlier step must not continue the abandoned branch that is still on disk)
-        lineage = env.get("MMM_RUN_STAMP")
+        lineage = env.get("MMM_RUN_ID") or env.get("MMM_RUN_STAMP")
         which = which or "latest"
         if dist.info().is_main:
             get_logger().info(

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import secrets
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -97,9 +99,40 @@ def start(example: str, config: Config, problems: Callable[[Config, int], list[s
     found = problems(config, info.world_size)
     if found:
         raise UsageError("; ".join(found))
+    if config.run.checkpoint_dir and info.num_nodes > 1:
+        check_shared(config.run.checkpoint_dir, "--checkpoint-dir")
     outdir = resolve_outdir(config.run.outdir, example)
     keep_earlier_run(config.run, outdir, info)
     return info, outdir, startup
+
+
+def check_shared(folder: str | os.PathLike, flag: str) -> None:
+    """Every rank sees ``folder`` where rank 0 does (a collective): refused at startup when some hosts
+    do not, instead of failing at the first save after ``--checkpoint-every`` steps of work. Rank 0 writes
+    a marker in ``folder``, or in its nearest existing parent when it does not exist yet (nothing is made),
+    every rank looks for it, and rank 0 removes it."""
+    token = secrets.token_hex(8)
+
+    def place() -> str | None:
+        where = Path(folder).absolute()
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        marker = where / f".mmm-shared-{token}"
+        try:
+            marker.write_text(socket.gethostname())
+        except OSError:
+            return None  # not writable here: the save will say so
+        return str(marker)
+
+    marker = dist.on_rank0(place)
+    seen = dist.gather_objects((socket.gethostname(), marker is None or os.path.exists(marker)))
+    dist.on_rank0(lambda: marker is not None and Path(marker).unlink(missing_ok=True))
+    blind = sorted({host for host, ok in seen if not ok})
+    if blind:
+        raise UsageError(
+            f"{flag} {str(folder)!r} is not shared by every host: {', '.join(blind)} do not see what rank 0 "
+            f"({seen[0][0]}) writes there (a node-local disk?); give a folder on a file system every host mounts"
+        )
 
 
 def earlier_run(run, outdir: Path) -> dict[str, str]:
