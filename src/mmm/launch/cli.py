@@ -87,6 +87,15 @@ def build_parser() -> ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``launch``: its exit code (the job's, 2 for bad input, 130 for a Ctrl-C outside the job)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # between attempts, or while probing hosts: every probe already stopped
+        print_error("interrupted (Ctrl-C); nothing is left running", prog=PROG)
+        return 130
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
     _unignore_stop_signals()
     try:
         args = build_parser().parse_args(argv)

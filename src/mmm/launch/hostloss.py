@@ -49,35 +49,57 @@ def lost_hosts(
     process group of its own (a probe that times out is killed with whatever it started); order as in
     the plan."""
     hosts = plan_hosts(plan)
+    children: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory(prefix="mmm-probe-") as folder:
 
         def answers(host: str) -> bool:
             hostfile = write_hostfile(plan, Path(folder), [host], 1, name=f"probe-{host}")
+            errors = Path(folder) / f"probe-{host}.err"
             try:
                 p = probe_plan(str(hostfile), env)
-                child = subprocess.Popen(
-                    p.argv,
-                    env={**env, **p.env},
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                    start_new_session=True,
-                )
+                with open(errors, "wb") as err:
+                    child = subprocess.Popen(
+                        p.argv,
+                        env={**env, **p.env},
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.DEVNULL,
+                        stderr=err,
+                        start_new_session=True,
+                    )
+                children.append(child)
             except (OSError, UsageError):
                 return False
             try:
                 return child.wait(timeout=timeout_s) == 0
             except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(child.pid, signal.SIGKILL)
-                except OSError:
-                    pass
-                child.wait()
-                return False
+                _stop(child)
+                # held up by the scheduler, not by the host: the scheduler vouches for it (srun: "Requested
+                # nodes are busy", "step creation temporarily disabled"); the relaunch will wait as this did
+                said = errors.read_text(errors="replace").lower() if errors.exists() else ""
+                return any(words in said for words in BUSY)
 
-        with ThreadPoolExecutor(max_workers=min(PROBES_AT_ONCE, max(1, len(hosts)))) as pool:
+        pool = ThreadPoolExecutor(max_workers=min(PROBES_AT_ONCE, max(1, len(hosts))))
+        try:
             answered = dict(zip(hosts, pool.map(answers, hosts)))
+        except KeyboardInterrupt:  # Ctrl-C while probing: stop every probe now, then leave as asked
+            for child in children:
+                _stop(child)
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
     return [h for h in hosts if not answered[h]]
+
+
+BUSY = ("nodes are busy", "temporarily disabled", "resources are busy")
+
+
+def _stop(child: subprocess.Popen) -> None:
+    """A probe and whatever it started (its own process group), killed and reaped."""
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    child.wait()
 
 
 def plan_hosts(plan: LaunchPlan) -> list[str]:

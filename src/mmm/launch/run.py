@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from mmm.dist.ranks import without_launcher_vars
 from mmm.dist.rendezvous import free_port
 from mmm.errors import DIVERGED_EXIT, UsageError, print_error
 from mmm.launch.hostloss import lost_hosts, plan_hosts, write_hostfile
@@ -146,6 +147,38 @@ def run_with_retries(
             shutil.rmtree(folder, ignore_errors=True)  # launch's own hostfiles
 
 
+CHECK_TIMEOUT_S = 120.0
+TRAINERS = ("mmm.examples.", "mmm.training.trainer")  # commands that answer MMM_CHECK_WORLD
+
+
+def trainer_refuses(argv: Sequence[str], world: int, env: Mapping[str, str]) -> str | None:
+    """Whether the mmm trainer ``argv`` runs (its module after ``-m``) would refuse ``world`` ranks (a global
+    batch the new data-parallel degree does not divide, an explicit ``--dp-shard``...): the trainer is run
+    once here with ``MMM_CHECK_WORLD=<world>``, which parses and checks its flags and starts nothing. Its
+    one line when it refuses; None when it fits, or when the command is not an mmm trainer (not run), or the
+    check could not tell."""
+    argv = list(argv)
+    module = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "-m"), "")
+    if not module.startswith(TRAINERS):
+        return None
+    start = argv.index("-m") - 1  # the python that runs it (after mpiexec's or srun's own flags)
+    try:
+        res = subprocess.run(
+            argv[start:],
+            env={**without_launcher_vars(env), "MMM_CHECK_WORLD": str(world)},
+            capture_output=True,
+            text=True,
+            timeout=CHECK_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if res.returncode != 2:
+        return None
+    lines = [ln.split("error: ", 1)[1] for ln in res.stderr.splitlines() if "error: " in ln]
+    return lines[0] if lines else "it exits 2"
+
+
 def find_lost_hosts(
     plan: LaunchPlan,
     env: Mapping[str, str],
@@ -204,6 +237,15 @@ def _attempts(replan, first, retries, quiet, probe, drop, folder, fresh_port, ch
                 base["MMM_DROPPED_HOSTS"] = ",".join(dropped)
                 if not alive:
                     print_error(f"no host answered after the failure ({', '.join(lost)}); giving up", prog=PROG)
+                    return code
+                refused = trainer_refuses(plan.argv, plan.ppn * len(alive), base)
+                if refused is not None:
+                    print_error(
+                        f"host{'s' if len(lost) > 1 else ''} {', '.join(lost)} did not answer after the failure; "
+                        f"not relaunched on the {len(alive)} host(s) left ({plan.ppn * len(alive)} ranks): the "
+                        f"trainer refuses them: {refused}",
+                        prog=PROG,
+                    )
                     return code
                 where = {
                     "hostfile": str(write_hostfile(plan, Path(folder), alive, plan.ppn)),

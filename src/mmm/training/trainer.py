@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mmm import dist
+from mmm import dist, env
 from mmm.errors import UsageError
 from mmm.log import get_logger
 from mmm.parallel import describe_sharding, init_mesh, meta_init
@@ -41,6 +41,14 @@ def main(
     check the config, train. ``pick``: how a run that asks for the planner's layout gets it."""
     argv = list(sys.argv[1:] if argv is None else argv)
     config = recipe.command_line(doc, prog).parse(argv)  # the flags, parsed once into typed configs
+    check_world = env.get("MMM_CHECK_WORLD")
+    if check_world is not None:  # launch asks whether this job would run on that many ranks: nothing starts
+        check = recipe.layout_free_problems if recipe.picks_layout(config) else recipe.problems
+        found = check(config, check_world)
+        if found:
+            raise UsageError("; ".join(found))
+        print(f"{recipe.name}: the flags fit {check_world} ranks")
+        return 0
     if recipe.picks_layout(config) and pick is None:
         raise UsageError(
             f"--pick-layout: this command takes no planner's pick; use python -m mmm.examples.{recipe.name}"
