@@ -313,6 +313,7 @@ def slurm_on_two_hosts(two_hosts, tmp_path_factory):
 
 
 _FAULT_ROWS: list[tuple[str, str, str]] = []
+_BAD_INPUT_ROWS: list[tuple] = []  # rows of the bad-input campaign (tests/test_bad_input.py)
 
 # tests that share this machine's global resources (network namespaces and their /24, the Slurm
 # daemons' ports, the MPI environments built under .venvs/) run one at a time, on one xdist worker
@@ -397,6 +398,7 @@ def pytest_runtest_logreport(report):
     _DURATIONS[node] = _DURATIONS.get(node, 0.0) + report.duration
     if report.when == "call":
         _FAULT_ROWS.extend(tuple(value) for name, value in report.user_properties if name == "fault_outcome")
+        _BAD_INPUT_ROWS.extend(tuple(value) for name, value in report.user_properties if name == "bad_input")
 
 
 def pytest_sessionfinish(session):
@@ -411,13 +413,20 @@ def pytest_sessionfinish(session):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """The fault campaign's table (tests/test_faults.py), after the run."""
+    """The fault campaign's table (tests/test_faults.py) and the bad-input campaign's (tests/test_bad_input.py),
+    after the run."""
     rows = _FAULT_ROWS
     if rows:
         width = max(len(f) for f, _, _ in rows)
         terminalreporter.write_sep("-", "fault campaign: fault / outcome / lost")
         for fault, outcome, lost in rows:
             terminalreporter.write_line(f"{fault:<{width}}  {outcome} / lost: {lost}")
+    if _BAD_INPUT_ROWS:
+        rows = sorted(_BAD_INPUT_ROWS, key=lambda r: r[0])
+        width = min(60, max(len(r[0]) for r in rows))
+        terminalreporter.write_sep("-", "bad-input campaign: input / exit / seconds / the one line")
+        for what, line, code, seconds in rows:
+            terminalreporter.write_line(f"{what:<{width}}  exit {code}  {seconds:5.2f}s  {line}")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,42 +1,366 @@
-"""Bad input across every trainer and `launch`: one line naming the value, non-zero exit, fast, no traceback.
+"""The bad-input campaign: every flag of every command, every variable mmm reads, malformed files; each ends in
+one line naming the input and the fix, a non-zero exit, fast, nothing left running, nothing written.
 
-Trainers run on 2 ranks under `launch --launcher local`, which stops the job at the first rank's
-exit and returns its code: rank 0 reports the problem once, every rank exits non-zero.
+The table is generated from the code's own surfaces, so a new flag or variable cannot go untried:
+
+- every valued flag of every command has a parser that declares the values it refuses (``mmm.cli.refuses``:
+  ``positive_int`` refuses ``0``, ``-1``, ``x``, ...), or choices (``bogus``); each such value is tried on each
+  flag in this process (argparse's own error path, one line);
+- every environment variable mmm reads is declared with its kind in ``mmm.env`` (the source is scanned for
+  reads that bypass it); each kind's bad values are tried on each variable;
+- hand rows: checks that need the world size, files (hostfiles, hardware files, token folders, checkpoint
+  folders), and launch's own; in this process where the check is a function;
+- one real multi-rank run per distinct error path (parsing, the config checks after setup, a variable a rank
+  reads, a token folder, a checkpoint that does not fit, launch's own refusal): every rank's exit note
+  non-zero, within 10 s of the start on an idle machine, nothing left running, no output written.
+
+Each test records its rows; conftest.py prints the table at the end of the run, beside the fault campaign's.
+Bad input and bugs stay apart: tests/test_failures.py shows a real bug keeps its traceback.
 """
 
 from __future__ import annotations
 
+import argparse
+import io
+import json
+import os
+import re
 import sys
+import time
+from contextlib import redirect_stderr
 
+import numpy as np
 import pytest
 
-from conftest import clean_env, launch, run
+from conftest import ROOT, clean_env, group_alive, launch, run, spawn
+from mmm import env as mmm_env
+from mmm.errors import UsageError
 
+TIMELY_S = 10.0  # a bad input is refused within this of the start (launch and both ranks' imports included)
+LOADED_S = 30.0  # the same, asserted with the suite's three workers sharing two cores (the table shows each)
+
+
+@pytest.fixture
+def rows(record_property):
+    """Rows of the campaign's table (input, the line, exit, seconds): they travel with the test's report (also
+    from an xdist worker) to conftest's summary at the end of the run."""
+
+    def add(what: str, line: str, code: int, seconds: float) -> None:
+        record_property("bad_input", [what, line, code, round(seconds, 2)])
+
+    return add
+
+
+# --------------------------------------------------------------------------- every flag of every command
+def _commands() -> dict[str, tuple[argparse.ArgumentParser, list[str], list[str]]]:
+    """command -> (its parser, flags it needs before the tried one, arguments after it)."""
+    from mmm.__main__ import build_parser as smoke
+    from mmm.data.prepare import build_parser as prepare
+    from mmm.examples import fsdp, fsdp_tp, vit
+    from mmm.launch.cli import build_parser as launcher
+    from mmm.plan.calibrate import build_parser as calibrate
+    from mmm.plan.cli import build_parser as planner
+    from mmm.plan.simulate import build_parser as simulate
+    from mmm.training.recipe import recipe_named
+    from mmm.verify import build_parser as verify
+
+    return {
+        "launch": (launcher(), [], ["python3", "-c", "pass"]),
+        "python -m mmm": (smoke(), [], []),
+        "python -m mmm.data prepare": (prepare(), ["--out", "d"], ["in.txt"]),
+        "python -m mmm.verify": (verify(), [], []),
+        "python -m mmm.plan": (planner(), ["--world", "8"], []),
+        "python -m mmm.plan.calibrate": (calibrate(), ["--out", "hw.json"], []),
+        "python -m mmm.plan.simulate": (simulate(), ["--world", "8"], []),
+        "python -m mmm.examples.fsdp_tp": (fsdp_tp.build_parser(), [], []),
+        "python -m mmm.examples.vit": (vit.build_parser(), [], []),
+        "python -m mmm.examples.fsdp": (fsdp.build_parser(), [], []),
+        "python -m mmm.training.trainer --recipe hf": (recipe_named("hf").command_line().parser(), [], []),
+    }
+
+
+def _bad_values(action: argparse.Action) -> list[str] | None:
+    """The values a flag must refuse: its parser's declared ones, or a choice it does not offer."""
+    if action.choices is not None:
+        return ["bogus", ""]
+    return list(getattr(action.type, "bad", [])) or None
+
+
+def test_every_flag_of_every_command_refuses_its_bad_values(rows):
+    t0 = time.perf_counter()
+    undeclared, accepted, unclear, tried = [], [], [], 0
+    for name, (parser, before, after) in _commands().items():
+        t_cmd, n_cmd, flags, example = time.perf_counter(), 0, 0, ""
+        for action in parser._actions:
+            if not action.option_strings or action.nargs == 0 or isinstance(action, argparse._HelpAction):
+                continue
+            values = _bad_values(action)
+            flag = action.option_strings[0]
+            if values is None:
+                undeclared.append(f"{name} {flag}")
+                continue
+            flags += 1
+            for value in values:
+                tried += 1
+                n_cmd += 1
+                with _Refused() as caught:
+                    parser.parse_args([*before, flag, value, *after])
+                if caught.error is None:
+                    accepted.append(f"{name} {flag} {value!r}")
+                    continue
+                line = str(caught.error)
+                named = any(s in line for s in action.option_strings)
+                shows = not value.strip() or value in line or repr(value) in line or _number_shown(value, line)
+                if "\n" in line or not named or not shows:
+                    unclear.append(f"{name} {flag} {value!r}: {line}")
+                example = example or f"{flag} {value!r} -> {line}"
+        rows(f"{name}: {n_cmd} bad values on {flags} flags", example, 2, time.perf_counter() - t_cmd)
+    assert not undeclared, f"flags with no declared bad values (give their parser mmm.cli.refuses): {undeclared}"
+    assert not accepted, f"bad values accepted: {accepted}"
+    assert not unclear, f"not one line naming the flag and the value: {unclear}"
+    assert tried > 500, tried  # the surfaces are all there (11 commands)
+    assert time.perf_counter() - t0 < 60
+
+
+class _Refused:
+    """Catches the UsageError a parser raises (argparse's error path) or notes that none came."""
+
+    error: UsageError | None = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb):
+        if isinstance(value, UsageError):
+            self.error = value
+            return True
+        return False
+
+
+def _number_shown(value: str, line: str) -> bool:
+    """argparse's messages show a number as parsed (1e20 -> 1e+20)."""
+    try:
+        return f"{float(value):g}" in line
+    except ValueError:
+        return False
+
+
+# --------------------------------------------------------------------------- every variable mmm reads
+def test_every_variable_refuses_the_bad_values_of_its_kind(rows):
+    t0, tried, problems = time.perf_counter(), 0, []
+    for name, var in mmm_env.VARIABLES.items():
+        for value in var.kind.bad:
+            tried += 1
+            try:
+                mmm_env.get(name, env={name: value})
+            except UsageError as e:
+                line = str(e)
+                if "\n" in line or f"{name}={value!r}" not in line or var.kind.what not in line:
+                    problems.append(line)
+            else:
+                problems.append(f"{name}={value!r} accepted")
+    assert not problems, problems
+    assert tried > 100, tried
+    example = "MMM_TIMEOUT=inf -> " + _refusal("MMM_TIMEOUT", "inf")
+    rows(f"environment: {tried} bad values on {len(mmm_env.VARIABLES)} variables", example, 2, time.perf_counter() - t0)
+
+
+def _refusal(name: str, value: str) -> str:
+    with pytest.raises(UsageError) as e:
+        mmm_env.get(name, env={name: value})
+    return str(e.value)
+
+
+READ = re.compile(r"""(?:environ\.get\(|environ\[|getenv\(|\benv\.get\(|\benv\[)\s*["']([A-Z][A-Z0-9_]*)["']""")
+
+
+def test_every_variable_is_read_through_its_kind_and_documented():
+    """No read of a declared variable (or of any MMM_ one) bypasses mmm.env.get; every MMM_ variable mmm reads
+    is in docs/environment.md."""
+    bypass = []
+    for path in sorted((ROOT / "src" / "mmm").rglob("*.py")):
+        if path.name == "env.py":
+            continue
+        text = path.read_text()
+        module = re.search(r"^from mmm import (?:.*, )?env(?:,|$)", text, re.M) is not None  # env.get: mmm.env's
+        for n, line in enumerate(text.splitlines(), 1):
+            if re.search(r"\]\s*=[^=]|setdefault|\.pop\(", line):
+                continue  # a write
+            if module:
+                line = re.sub(r"\benv\.get\(", "", line)
+            for name in READ.findall(line):
+                if name in mmm_env.VARIABLES or name.startswith("MMM_"):
+                    bypass.append(f"{path.relative_to(ROOT)}:{n}: {name}")
+    assert not bypass, f"read without mmm.env.get (its kind unchecked): {bypass}"
+    documented = set(re.findall(r"`(MMM_[A-Z0-9_]+)`", (ROOT / "docs" / "environment.md").read_text()))
+    missing = sorted(n for n in mmm_env.VARIABLES if n.startswith("MMM_") and n not in documented)
+    assert not missing, f"not in docs/environment.md: {missing}"
+
+
+# --------------------------------------------------------------------------- hand rows, in this process
+def _trainer_refusal(trainer: str, flags: list[str], world: int = 2) -> str:
+    from mmm.training.recipe import recipe_named
+
+    recipe = recipe_named({"fsdp_tp": "llama", "fsdp": "cnn", "vit": "vit"}[trainer])
+    config = recipe.command_line().parse(flags)
+    found = recipe.problems(config, world)
+    assert found, (trainer, flags)
+    return "; ".join(found)
+
+
+CONFIG_CASES = [
+    # (trainer, flags, words the line must contain): checks that need the world size (2 ranks)
+    ("fsdp_tp", ["--tp", "3"], ["tp=3", "valid tp"]),
+    ("fsdp_tp", ["--batch-size", "7"], ["--batch-size 7"]),
+    ("fsdp_tp", ["--pp", "2", "--n-layers", "3"], ["--n-layers 3"]),
+    ("fsdp_tp", ["--pp", "2", "--microbatches", "3"], ["--microbatches 3"]),
+    ("fsdp_tp", ["--cp", "2", "--seq-len", "30"], ["30"]),
+    ("fsdp_tp", ["--strategy", "zero1", "--on-nonfinite", "skip"], ["--on-nonfinite skip", "zero1"]),
+    ("fsdp_tp", ["--moe-experts", "3", "--ep", "2"], ["3"]),
+    ("fsdp_tp", ["--cp-attention", "ulysses"], ["--cp-attention"]),
+    ("fsdp", ["--batch-size", "5"], ["--batch-size 5"]),
+    ("vit", ["--num-heads", "3", "--tp", "2"], ["3"]),
+]
+
+
+def test_config_checks_name_the_value_and_the_fix(rows):
+    for trainer, flags, needles in CONFIG_CASES:
+        t0 = time.perf_counter()
+        line = _trainer_refusal(trainer, flags)
+        assert "\n" not in line and all(n in line for n in needles), (flags, line)
+        rows(f"{trainer} {' '.join(flags)} (2 ranks)", line, 2, time.perf_counter() - t0)
+
+
+def _launch_main(argv: list[str], monkeypatch, **environ: str) -> tuple[int, str, float]:
+    from mmm.launch.cli import main
+
+    for name in ("SLURM_JOB_ID", "PBS_NODEFILE", "MMM_GPUS_PER_NODE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    err = io.StringIO()
+    t0 = time.perf_counter()
+    with redirect_stderr(err):
+        code = main(argv)
+    return code, err.getvalue(), time.perf_counter() - t0
+
+
+def test_launch_refuses_bad_files_and_variables_in_one_line(tmp_path, monkeypatch, rows):
+    """launch's own checks (files, variables, launcher variables), through its main in this process."""
+    files = {
+        "not UTF-8": b"\xff\xfe node1\n",
+        "an IPv6 host": b"fe80::1 slots=2\n",
+        "host:x": b"node1:x\n",
+        "slots=0": b"node1 slots=0\n",
+        "an unknown field": b"node1 cpus=4\n",
+        "no host": b"# only a comment\n",
+    }
+    cases = []
+    for what, data in files.items():
+        path = tmp_path / f"hosts-{len(cases)}"
+        path.write_bytes(data)
+        cases.append((f"hostfile: {what}", ["--hostfile", str(path), "-n", "2", "--dry-run", "python3"], {}, str(path)))
+    unreadable = tmp_path / "unreadable"
+    unreadable.mkdir()
+    cases += [
+        ("hostfile: a folder", ["--hostfile", str(unreadable), "-n", "2", "python3"], {}, str(unreadable)),
+        ("MMM_GPUS_PER_NODE=-1", ["--launcher", "local", "python3", "-c", "pass"], {"MMM_GPUS_PER_NODE": "-1"},
+         "MMM_GPUS_PER_NODE='-1'"),
+        ("MMM_TIMEOUT=inf", ["-n", "2", "python3"], {"MMM_TIMEOUT": "inf"}, "MMM_TIMEOUT='inf'"),
+        ("MMM_LOG_LEVEL=bogus", ["-n", "2", "python3"], {"MMM_LOG_LEVEL": "bogus"}, "MMM_LOG_LEVEL='bogus'"),
+        ("MASTER_PORT=70000", ["-n", "2", "python3"], {"MASTER_PORT": "70000"}, "MASTER_PORT='70000'"),
+        ("SLURM_TASKS_PER_NODE=x", ["-n", "2", "--dry-run", "python3"],
+         {"SLURM_JOB_ID": "1", "SLURM_TASKS_PER_NODE": "x"}, "SLURM_TASKS_PER_NODE='x'"),
+        ("SLURM_CPUS_PER_TASK=0", ["--launcher", "srun", "-n", "2", "--dry-run", "python3"],
+         {"SLURM_JOB_ID": "1", "SLURM_CPUS_PER_TASK": "0"}, "SLURM_CPUS_PER_TASK='0'"),
+        ("--mpi-args '\"x'", ["--mpi-args", '"x', "-n", "2", "python3"], {}, "--mpi-args"),
+        ("no command", ["-n", "2"], {}, "command"),
+        ("--launcher pbs", ["--launcher", "pbs", "python3"], {}, "pbs"),
+        ("--drop-lost-hosts without --retries", ["--drop-lost-hosts", "python3"], {}, "--retries"),
+    ]  # fmt: skip
+    for what, argv, environ, needle in cases:
+        with monkeypatch.context() as m:
+            code, err, seconds = _launch_main(argv, m, **environ)
+        lines = [ln for ln in err.splitlines() if "error:" in ln]
+        assert code == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in err, (what, code, err)
+        rows(f"launch: {what}", lines[0].split("error: ", 1)[1], code, seconds)
+
+
+def test_hardware_files_and_token_folders_refused_in_one_line(tmp_path, rows):
+    from mmm.data.tokens import bin_tokens
+    from mmm.plan.hardware import load_hardware
+
+    good = {"devices_per_node": 4, "memory_gb": 80, "peak_tflops": {"bf16": 900}, "intra_node_gbps": 300,
+            "inter_node_gbps": 25}  # fmt: skip
+    hardware = {
+        '"cores_per_node": "x"': {**good, "cores_per_node": "x"},
+        '"devices_per_node": 1.5': {**good, "devices_per_node": 1.5},
+        '"memory_gb": -1': {**good, "memory_gb": -1},
+        "a list": [1, 2],
+        '"peak_tflops": 5': {**good, "peak_tflops": 5},
+    }
+    for what, data in hardware.items():
+        path = tmp_path / "hw.json"
+        path.write_text(json.dumps(data))
+        t0 = time.perf_counter()
+        with pytest.raises(UsageError) as e:
+            load_hardware(str(path))
+        assert "\n" not in str(e.value) and "--hardware" in str(e.value), str(e.value)
+        rows(f"hardware file: {what}", str(e.value), 2, time.perf_counter() - t0)
+    path.write_text("{not json")
+    with pytest.raises(UsageError, match="not valid JSON"):
+        load_hardware(str(path))
+
+    folder = tmp_path / "tokens"
+    folder.mkdir()
+    np.arange(4096, dtype=np.uint16).__mod__(200).astype(np.uint16).tofile(folder / "train.bin")
+    meta = {"dtype": "uint16", "vocab_size": 256, "tokens": {"train": 4096}, "max_token": {"train": 199}}
+    metas = {
+        '"max_token": 5': {**meta, "max_token": 5},
+        '"tokens": "x"': {**meta, "tokens": "x"},
+        '"tokens": {"train": -1}': {**meta, "tokens": {"train": -1}},
+        "a count the file does not hold": {**meta, "tokens": {"train": 5000}},
+        '"dtype": "int8"': {**meta, "dtype": "int8"},
+        '"vocab_size": 0': {**meta, "vocab_size": 0},
+    }
+    for what, data in metas.items():
+        (folder / "meta.json").write_text(json.dumps(data))
+        t0 = time.perf_counter()
+        with pytest.raises(UsageError) as e:
+            bin_tokens(folder, seq_len=16, vocab_size=256)
+        assert "\n" not in str(e.value) and "meta.json" in str(e.value), str(e.value)
+        rows(f"token folder: meta.json {what}", str(e.value), 2, time.perf_counter() - t0)
+    (folder / "meta.json").write_text(json.dumps(meta))
+    assert len(bin_tokens(folder, seq_len=16, vocab_size=256)) > 0  # the same folder, whole, trains
+
+
+# --------------------------------------------------------------------------- one real run per error path
 FILE = "<file>"  # replaced by a path that is a file
 CKPT = "<ckpt>"  # replaced by a folder holding a checkpoint of a (different) fsdp_tp model
 EMPTY = "<empty>"  # replaced by an empty folder
+TOKENS = "<tokens>"  # replaced by a token folder whose train.bin lost its last 2 KiB
 
-TRAINER_CASES = [
-    # (trainer, flags, env, words the error line must contain)
-    ("fsdp_tp", ["--tp", "3"], {}, ["tp=3", "valid tp"]),
-    ("fsdp_tp", ["--batch-size", "7"], {}, ["--batch-size 7"]),
-    ("fsdp_tp", ["--pp", "2", "--n-layers", "3"], {}, ["--n-layers 3"]),
-    ("fsdp_tp", ["--pp", "2", "--microbatches", "3"], {}, ["--microbatches 3"]),
-    ("fsdp_tp", ["--cp", "2", "--seq-len", "30"], {}, ["30"]),
-    ("fsdp_tp", ["--outdir", FILE], {}, [FILE]),
-    ("fsdp_tp", ["--checkpoint-dir", FILE + "/sub"], {}, [FILE]),
-    ("fsdp_tp", ["--checkpoint-dir", EMPTY, "--resume", "7"], {}, ["--resume 7", "none"]),
-    ("fsdp_tp", ["--dim", "128", "--checkpoint-dir", CKPT, "--resume", "latest"], {}, ["dim=64 (now 128)"]),
-    ("fsdp_tp", ["--timeout", "0"], {}, ["--timeout 0"]),
-    ("fsdp_tp", ["--strategy", "zero1", "--on-nonfinite", "skip"], {}, ["--on-nonfinite skip", "zero1"]),
-    ("fsdp_tp", [], {"MMM_DEVICE": "cuda"}, ["cuda"]),
-    ("fsdp_tp", [], {"MMM_FAULT": "boom@3"}, ["boom@3"]),
-    ("fsdp", ["--batch-size", "5"], {}, ["--batch-size 5"]),
-    ("fsdp", ["--dropout", "1.5"], {}, ["--dropout 1.5"]),
-    ("fsdp", ["--data-dir", EMPTY + "/missing"], {}, ["missing"]),
-    ("vit", ["--num-heads", "3", "--tp", "2"], {}, ["3"]),
-    ("vit", ["--checkpoint-dir", CKPT, "--resume", "latest"], {}, ["does not fit this run"]),
-]
+BASE = {
+    "fsdp_tp": ["--dim", "64", "--n-layers", "2", "--seq-len", "32", "--max-iters", "4"],
+    "fsdp": ["--epochs", "1", "--steps-per-epoch", "2"],
+    "vit": ["--depth", "2", "--max-iters", "4"],
+}
+REAL_CASES = [
+    # (path, trainer, flags, env, words the error line must contain): one per distinct error path
+    ("parsing", "fsdp_tp", ["--dim", "0"], {}, ["--dim", "0"]),
+    ("config checks after setup", "fsdp_tp", ["--tp", "3"], {}, ["tp=3", "valid tp"]),
+    ("a variable every rank reads", "fsdp_tp", [], {"LOG_FROM_ALL_RANKS": "maybe"}, ["LOG_FROM_ALL_RANKS='maybe'"]),
+    ("a fault spec", "fsdp_tp", [], {"MMM_FAULT": "boom@3"}, ["boom@3"]),
+    ("a device this machine lacks", "fsdp_tp", [], {"MMM_DEVICE": "cuda"}, ["cuda"]),
+    ("an output folder that is a file", "fsdp_tp", ["--outdir", FILE], {}, [FILE]),
+    ("a checkpoint that does not fit", "fsdp_tp", ["--dim", "128", "--checkpoint-dir", CKPT, "--resume", "latest"],
+     {}, ["dim=64 (now 128)"]),
+    ("a step that is not there", "fsdp_tp", ["--checkpoint-dir", EMPTY, "--resume", "7"], {}, ["--resume 7", "none"]),
+    ("a token file cut short", "fsdp_tp", ["--dataset", "bin", "--data-dir", TOKENS], {}, ["train.bin", "records"]),
+    ("a data folder that is missing", "fsdp", ["--data-dir", EMPTY + "/missing"], {}, ["missing"]),
+    ("a ViT checkpoint that does not fit", "vit", ["--checkpoint-dir", CKPT, "--resume", "latest"], {},
+     ["does not fit this run"]),
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -47,28 +371,18 @@ def paths(tmp_path_factory):
     empty = root / "empty"
     empty.mkdir()
     ckpt = root / "ckpt"
-    res = run(
-        [
-            sys.executable,
-            "-m",
-            "mmm.examples.fsdp_tp",
-            "--dim",
-            "64",
-            "--n-layers",
-            "2",
-            "--seq-len",
-            "32",
-            "--max-iters",
-            "1",
-            "--no-plots",
-            "--checkpoint-dir",
-            str(ckpt),
-            "--outdir",
-            str(root / "o"),
-        ]
-    )
+    args = ["--dim", "64", "--n-layers", "2", "--seq-len", "32", "--max-iters", "1", "--no-plots"]
+    res = run([sys.executable, "-m", "mmm.examples.fsdp_tp", *args, "--checkpoint-dir", str(ckpt), "--outdir",
+               str(root / "o")])  # fmt: skip
     assert res.returncode == 0, res.output
-    return {FILE: str(f), CKPT: str(ckpt), EMPTY: str(empty)}
+    text = root / "text.txt"
+    text.write_text(" ".join(["alpha", "beta", "gamma"] * 4000))
+    tokens = root / "tokens"
+    res = run([sys.executable, "-m", "mmm.data", "prepare", "--out", str(tokens), str(text)])
+    assert res.returncode == 0, res.output
+    with open(tokens / "train.bin", "r+b") as fh:  # an interrupted copy
+        fh.truncate((tokens / "train.bin").stat().st_size - 2048)
+    return {FILE: str(f), CKPT: str(ckpt), EMPTY: str(empty), TOKENS: str(tokens)}
 
 
 def _fill(items, paths):
@@ -80,72 +394,67 @@ def _fill(items, paths):
     return out
 
 
-def assert_one_clean_line(res, needles):
-    assert res.returncode != 0, res.output
-    assert res.seconds < 30, res.seconds
-    assert "Traceback" not in res.output, res.output
-    lines = [ln for ln in res.stderr.splitlines() if "error:" in ln]
-    assert len(lines) == 1, res.stderr  # reported once, by rank 0
-    for needle in needles:
+@pytest.mark.parametrize("path, trainer, flags, env, needles", REAL_CASES, ids=[c[0] for c in REAL_CASES])
+def test_one_real_run_per_error_path(paths, tmp_path, path, trainer, flags, env, needles, rows):
+    """2 ranks under launch's local spawner, each wrapped to note its exit code: every rank exits non-zero,
+    rank 0 says it once, within seconds (the table's), nothing left running, nothing written."""
+    notes, out, ck = tmp_path / "exits", tmp_path / "out", tmp_path / "ck"
+    notes.mkdir()
+    given = _fill(flags, paths)
+    own = [] if "--outdir" in given else ["--outdir", str(out)]
+    own += [] if "--checkpoint-dir" in given else ["--checkpoint-dir", str(ck)]
+    note = [str(ROOT / "tests" / "scripts" / "exit_note.py"), str(notes)]
+    cmd = launch("--launcher", "local", "-n", "2", "python3", *note, sys.executable, "-m", f"mmm.examples.{trainer}",
+                 "--no-plots", *BASE[trainer], *own, *given)  # fmt: skip
+    with spawn(cmd, env=clean_env(**env), stdout=-1, stderr=-1) as p:
+        t0 = time.monotonic()
+        try:
+            stdout, stderr = p.communicate(timeout=60)
+        except Exception:
+            pytest.fail(f"no exit within 60 s: {cmd}")
+        seconds = time.monotonic() - t0
+        time.sleep(0.3)
+        left = group_alive(p.pid)
+    output = stdout + stderr
+    lines = [ln for ln in stderr.splitlines() if "error:" in ln]
+    assert p.returncode != 0 and "Traceback" not in output, output
+    assert len(lines) == 1, output  # reported once, by rank 0
+    for needle in _fill(needles, paths):
         assert needle in lines[0], (needle, lines[0])
+    codes = {f.name: int(f.read_text()) for f in notes.iterdir()}
+    assert len(codes) == 2 and all(codes.values()), codes  # every rank's exit note: non-zero
+    assert not left, f"left running: {left}"
+    assert not ck.exists() and not (out / "history.jsonl").exists(), "written although refused"
+    assert seconds < LOADED_S, seconds
+    rows(f"{trainer} {' '.join(flags) or ' '.join(f'{k}={v}' for k, v in env.items())} (2 ranks)",
+         lines[0].split("error: ", 1)[1], p.returncode, seconds)  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "trainer, flags, env, needles",
-    TRAINER_CASES,
-    ids=[f"{t}:{' '.join(f) or next(iter(e), '')}" for t, f, e, _ in TRAINER_CASES],
-)
-def test_trainer_bad_input(paths, trainer, flags, env, needles):
-    base = {
-        "fsdp_tp": ["--dim", "64", "--n-layers", "2", "--seq-len", "32", "--max-iters", "4"],
-        "fsdp": ["--epochs", "1", "--steps-per-epoch", "2"],
-        "vit": ["--depth", "2", "--max-iters", "4"],
-    }[trainer]
-    # the case's flags come last, so they win over the small defaults
-    cmd = launch(
-        "--launcher",
-        "local",
-        "-n",
-        "2",
-        "python3",
-        "-m",
-        f"mmm.examples.{trainer}",
-        "--no-plots",
-        *base,
-        *_fill(flags, paths),
-    )
-    res = run(cmd, env=clean_env(**env), timeout=60)
-    assert_one_clean_line(res, _fill(needles, paths))
-
-
-LAUNCH_CASES = [
-    (["-n", "0", "python3", "-c", "pass"], ["-n", "0"]),
-    (["--launcher", "pbs", "-n", "2", "python3", "-c", "pass"], ["pbs"]),
-    (["--hostfile", "/no/such/hostfile", "-n", "2", "python3", "-c", "pass"], ["/no/such/hostfile"]),
-    (["-n", "2"], ["command"]),
-]
-
-
-@pytest.mark.parametrize("flags, needles", LAUNCH_CASES, ids=[" ".join(f[:2]) for f, _ in LAUNCH_CASES])
-def test_launch_bad_input(flags, needles):
-    res = run(launch(*flags), timeout=60)
-    assert_one_clean_line(res, needles)
-
-
-def test_launch_of_a_missing_script_fails_fast_without_traceback():
+def test_launch_of_a_missing_script_fails_fast_without_traceback(rows):
     res = run(launch("--launcher", "local", "-n", "2", "python3", "/no/such/script.py"), timeout=60)
-    assert res.returncode != 0 and res.seconds < 30, res.output
+    assert res.returncode != 0 and res.seconds < LOADED_S, res.output
     assert "Traceback" not in res.output and "/no/such/script.py" in res.stderr, res.output
+    rows("launch -n 2 python3 /no/such/script.py", "python3: can't open file '/no/such/script.py'", res.returncode,
+         res.seconds)  # fmt: skip
+
+
+def test_launch_refuses_before_any_rank_starts(tmp_path, rows):
+    """A variable every rank would refuse is refused by launch itself, in one line, before any rank starts."""
+    marker = tmp_path / "started"
+    res = run(launch("--launcher", "local", "-n", "2", "python3", "-c", f"open({str(marker)!r}, 'w')"),
+              env=clean_env(MMM_TIMEOUT="1e20"), timeout=60)  # fmt: skip
+    lines = [ln for ln in res.stderr.splitlines() if "error:" in ln]
+    assert res.returncode == 2 and len(lines) == 1 and "MMM_TIMEOUT='1e20'" in lines[0], res.output
+    assert not marker.exists()
+    rows("MMM_TIMEOUT=1e20 launch -n 2 ...", lines[0].split("error: ", 1)[1], res.returncode, res.seconds)
 
 
 def test_flag_checks_in_process():
-    """The checks behind the table, without processes: each message names the value and a fix."""
+    """The library names its arguments; the trainers pass FLAGS to name their flags."""
     from mmm.cli import FLAGS
-    from mmm.errors import UsageError
     from mmm.faults import parse
     from mmm.parallel.checkpoint_folder import checkpoint_problems
 
-    # the library names its arguments; the trainers pass FLAGS to name their flags
     assert checkpoint_problems(None, "latest", 0, 0) == [
         "resume='latest' needs checkpoint_dir (the folder holding step-NNNNNNNN checkpoints)"
     ]
@@ -157,3 +466,7 @@ def test_flag_checks_in_process():
     assert parse("kill@5:1, nan@7") == {5: [("kill", 1)], 7: [("nan", None)]}
     with pytest.raises(UsageError, match="'kill@x'"):
         parse("kill@x")
+    assert mmm_env.get("SLURM_TASKS_PER_NODE", env={"SLURM_TASKS_PER_NODE": "4(x2),3"}) == [4, 4, 3]
+    assert mmm_env.get("MMM_BACKEND", env={"MMM_BACKEND": "cpu:gloo,cuda:nccl"}) == "cpu:gloo,cuda:nccl"
+    assert mmm_env.get("MMM_TIMEOUT", 600.0, env={"MMM_TIMEOUT": " "}) == 600.0  # blank: unset
+    assert os.environ.get("MMM_NOT_A_VARIABLE") is None

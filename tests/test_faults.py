@@ -161,3 +161,53 @@ def test_a_full_disk_stops_the_save_and_keeps_the_checkpoints_before(reference, 
         same_run(jsonl(out / "history.jsonl", key=None), reference)
     finally:
         subprocess.run(["umount", "-l", str(ck)], capture_output=True)
+
+
+def test_a_shard_cut_short_is_passed_over(reference, tmp_path, outcome):
+    """Step 4's complete checkpoint has a DCP shard cut short (a copy interrupted, a node lost while its file
+    server wrote): `--resume latest` names the damage and resumes step 2, and the run ends with one process's
+    numbers; a relaunch does not fail the same way again and again."""
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    args = [*TINY, "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--outdir", str(out)]
+    res = run(launch("--launcher", "local", "-n", "2", "python3", *args, "--max-iters", "4"), timeout=180)
+    assert res.returncode == 0, res.output
+    shard = sorted(step_dir(ck, 4).glob("*.distcp"))[-1]
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 100)
+    assert "cut short" in (Checkpointer(ck).damage(4) or ""), Checkpointer(ck).damage(4)
+    res = run(launch("--launcher", "local", "-n", "2", "python3", *args, "--max-iters", str(STEPS), "--resume"),
+              timeout=180)  # fmt: skip
+    damaged = [ln for ln in res.stdout.splitlines() if "is damaged" in ln]
+    outcome("a DCP shard cut short (step 4)", f"resumed {resumed_steps(res.stdout)}, said: {len(damaged)} line",
+            "nothing" if res.returncode == 0 and resumed_steps(res.stdout) == [2] else "the run")  # fmt: skip
+    assert res.returncode == 0 and resumed_steps(res.stdout) == [2], res.output
+    assert len(damaged) == 1 and shard.name in damaged[0], res.stdout
+    same_run(jsonl(out / "history.jsonl", key=None), reference)
+
+
+def test_token_files_cut_short_or_left_by_a_killed_prepare_are_refused(tmp_path, outcome):
+    """A train.bin that lost its last 2 KiB (an interrupted copy), and a folder where `prepare` was killed
+    between renaming its new token files in and writing their meta.json (MMM_SAVE_FAULT=prepare): each run
+    is refused in one line before any step (never trained on the wrong tokens or with the wrong meta); a
+    prepare run again makes the folder whole."""
+    text = tmp_path / "corpus.txt"
+    text.write_text(" ".join(["alpha", "beta", "gamma", "delta"] * 5000))
+    data = tmp_path / "tokens"
+    prepare = [sys.executable, "-m", "mmm.data", "prepare", "--out", str(data), str(text)]
+    assert run(prepare).returncode == 0
+    train = [sys.executable, *TINY, "--max-iters", "2", "--dataset", "bin", "--data-dir", str(data)]
+    meta_before = (data / "meta.json").read_text()
+    with open(data / "train.bin", "r+b") as f:
+        f.truncate((data / "train.bin").stat().st_size - 2048)
+    cut = run([*train, "--outdir", str(tmp_path / "a")])
+    killed = run([*prepare, "--val-fraction", "0.3"], env=clean_env(MMM_SAVE_FAULT="prepare"))
+    assert killed.returncode != 0 and (data / "meta.json").read_text() == meta_before, killed.output
+    mixed = run([*train, "--outdir", str(tmp_path / "b")])
+    assert run(prepare).returncode == 0
+    whole = run([*train, "--outdir", str(tmp_path / "c")])
+    for what, res in (("a train.bin cut short", cut), ("a kill between prepare's renames and its meta.json", mixed)):
+        lines = [ln for ln in res.stderr.splitlines() if "error:" in ln]
+        outcome(what, f"refused (rc {res.returncode}): {len(lines)} line", "nothing (no step ran)")
+        assert res.returncode == 2 and len(lines) == 1 and "train.bin" in lines[0], res.output
+        assert "Traceback" not in res.output and "step 1" not in res.stdout, res.output
+    assert whole.returncode == 0, whole.output

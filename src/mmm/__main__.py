@@ -9,12 +9,12 @@ every check passed on every rank.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from mmm import env as mmm_env
 from mmm.cli import ArgumentParser, MeshConfig, add_flags, from_flags, nonempty_text
 
 
@@ -135,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "coordinate_line": mesh.describe(rank),
             "groups": {c["name"]: c["members"] for c in checks},
             "checks": checks,
-            "env_master": [os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")],
+            "env_master": [mmm_env.get("MASTER_ADDR"), mmm_env.get("MASTER_PORT")],
         }
         (args.report_dir / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
     if n_failed:

@@ -203,6 +203,12 @@ for _name in ("SLURM_TASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS
     _var(_name, TASKS_PER_NODE, "Slurm's tasks per node")
 
 
+def declare(name: str, kind: Kind) -> None:
+    """Give variable ``name`` the kind its own module parses it as (e.g. :mod:`mmm.faults`' specs)."""
+    old = VARIABLES[name]
+    VARIABLES[name] = Variable(name, kind, old.what, old.per_rank)
+
+
 def get(name: str, default: Any = None, env: Mapping[str, str] | None = None) -> Any:
     """Variable ``name`` of ``env`` (this process's) parsed as its kind, or ``default`` when unset or
     empty; a value its kind refuses is a :class:`~mmm.errors.UsageError` naming it and what it takes."""

@@ -57,6 +57,27 @@ def parse(text: str) -> dict[int, list[tuple[str, int | None]]]:
     return out
 
 
+def _save_spec(text: str) -> str:
+    m = _SAVE_SPEC.fullmatch(text.strip())
+    if m is None or m["stage"] not in SAVE_STAGES or m["stage"] == "history" and (m["rank"] or "0") != "0":
+        raise ValueError(text)
+    return text.strip()
+
+
+def _fault_spec(text: str) -> str:
+    try:
+        parse(text)
+    except UsageError:
+        raise ValueError(text) from None
+    return text
+
+
+env.declare("MMM_FAULT", env.Kind(f"KIND@STEP[:RANK], comma-separated, KIND one of {', '.join(KINDS)}", _fault_spec,
+                                  ("boom@3", "kill@x", "kill")))  # fmt: skip
+env.declare("MMM_SAVE_FAULT", env.Kind(f"STAGE[@STEP][:RANK|:all], STAGE one of {', '.join(SAVE_STAGES)}",
+                                       _save_spec, ("boom", "rng@x", "history@2:1")))  # fmt: skip
+
+
 def inject(step: int, rank: int) -> bool:
     """Carry out the faults set for ``step`` on ``rank``; True when this step's loss must be NaN."""
     global _PARSED

@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from mmm import env as mmm_env
+
 # (time, [(pid, rank, exit note or None)]) for each wake-up of a watch
 Batch = tuple[float, list[tuple[int, str, str | None]]]
 
@@ -181,12 +183,12 @@ def start_host_watcher(folder: Path, local_size: int) -> None:
         (folder / f"{socket.gethostname()}.watcher").unlink(missing_ok=True)
 
 
-def _serve_launch(folder: Path, expected: int, address: str) -> None:
-    host, port, token = (address.split(":") + ["", ""])[:3]
+def _serve_launch(folder: Path, expected: int, address: tuple[str, int, str]) -> None:
+    host, port, token = address
     me = socket.gethostname()
     try:
-        sock = socket.create_connection((host, int(port)), timeout=10)
-    except (OSError, ValueError):
+        sock = socket.create_connection((host, port), timeout=10)
+    except OSError:
         return
     sock.settimeout(None)  # launch's signal lines come at any time
 
@@ -241,8 +243,8 @@ def _main(argv: list[str]) -> int:
     folder, expected = Path(argv[0]), int(argv[1])
     me = socket.gethostname()
     try:
-        address = os.environ.get("MMM_WATCH", "")  # launch's own value (checked by the rank that started this)
-        if address and hasattr(os, "pidfd_open"):
+        address = mmm_env.get("MMM_WATCH")  # (host, port, token): launch's own value
+        if address is not None and hasattr(os, "pidfd_open"):
             _serve_launch(folder, expected, address)
     finally:  # this host's notes go with its watcher; the folder too when nothing else is in it
         try:

@@ -132,7 +132,7 @@ def plan_launch(
     nodes = -(-total // ppn)
     hosts = alloc.hosts[:nodes]
     add_env: dict[str, str] = {}
-    if not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
+    if not (mmm_env.is_set("MASTER_ADDR", env) and mmm_env.get("MASTER_PORT", env=env)):
         local = on_this_machine or nodes == 1 and is_this_host(hosts[0])
         if local or launcher != "srun":
             add_env["MASTER_ADDR"] = "127.0.0.1" if local else hosts[0]
@@ -146,13 +146,13 @@ def plan_launch(
             if per_task.isdigit()
             else str(max(1, cpus // ppn if not on_this_machine else cpus // max(total, 1)))
         )
-    if not env.get("MMM_LAUNCH_TIME"):  # an outer harness may have started the clock already
+    if mmm_env.get("MMM_LAUNCH_TIME", env=env) is None:  # an outer harness may have started the clock already
         add_env["MMM_LAUNCH_TIME"] = repr(time.time())
     add_env["MMM_LAUNCHER"] = f"launch/{launcher}"
     # which launch this is, never taken from the environment: a relaunch resumes only what its own job saved
     # (MMM_RUN_STAMP is kept when set, and may be exported across jobs)
     add_env["MMM_RUN_ID"] = run_id or new_run_id()
-    if not env.get("MMM_RUN_STAMP"):  # one default output folder for every rank and every attempt
+    if mmm_env.get("MMM_RUN_STAMP", env=env) is None:  # one default output folder for every rank and every attempt
         add_env["MMM_RUN_STAMP"] = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     cmd = _resolve_python(list(command))
 
