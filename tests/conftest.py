@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -203,6 +204,50 @@ def jsonl(path, key: str | None = "loss") -> list:
 def max_rel_diff(a, b) -> float:
     assert len(a) == len(b) and a, (a, b)
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+SIGNALS_RANK = str(ROOT / "tests" / "scripts" / "signals_rank.py")
+
+
+def _signal_ranks_left() -> list[str]:
+    return subprocess.run(["pgrep", "-f", SIGNALS_RANK], capture_output=True, text=True).stdout.split()
+
+
+def signal_promise(
+    launch_cmd: list[str], env: dict[str, str], out, stop: signal.Signals, *, srun: bool = False
+) -> None:
+    """launch's signal promise (docs/launch.md) under ``launch_cmd`` (2 ranks of tests/scripts/signals_rank.py):
+    SIGUSR1 and SIGUSR2 sent to launch reach every rank, the job going on; ``stop`` ends every rank, nothing
+    is left running, ``--retries 1`` does not relaunch."""
+    out.mkdir()
+    env = {**env, "MMM_STACK_DIR": str(out), "MMM_TIMEOUT": "60"}
+    cmd = [*launch_cmd, "-n", "2", "--retries", "1", "python3", SIGNALS_RANK, str(out)]
+    with spawn(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as p:
+        lines: list[str] = []
+        threading.Thread(target=lambda: lines.extend(iter(p.stdout.readline, "")), daemon=True).start()
+        deadline = time.monotonic() + 90
+        while "".join(lines).count("READY") < 2 and time.monotonic() < deadline and p.poll() is None:
+            time.sleep(0.1)
+        assert "".join(lines).count("READY") == 2, (lines, p.poll())
+        time.sleep(0.5)  # under Hydra, launch's rank watch finds the ranks' notes
+        want = [out / f"rank-{r}.txt" for r in (0, 1)] + [out / f"usr2-rank{r}" for r in (0, 1)]
+        for sig in (signal.SIGUSR1, signal.SIGUSR2):
+            p.send_signal(sig)
+            time.sleep(0.3)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not all(f.exists() and f.stat().st_size >= 0 for f in want):
+            time.sleep(0.1)
+        got = sorted(f.name for f in out.iterdir())
+        assert all(f.exists() for f in want) and p.poll() is None, (got, p.poll())
+        assert "signals_rank.py" in (out / "rank-0.txt").read_text()  # SIGUSR1: the stacks of a live rank
+        p.send_signal(stop)
+        try:
+            _, stderr = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{stop.name} did not stop the job")
+        time.sleep(1.0 if srun else 0.3)
+        assert p.returncode != 0 and "relaunching" not in stderr, (p.returncode, stderr)
+        assert not group_alive(p.pid) and not _signal_ranks_left(), "ranks left running"
 
 
 # --------------------------------------------------------------------------- a real Slurm cluster

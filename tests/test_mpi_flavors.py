@@ -8,12 +8,13 @@ kept under ``.venvs/``. Open MPI, the main venv's, runs throughout the rest of t
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import assert_clean_user_error, env_of, mpi_env, run
+from conftest import assert_clean_user_error, env_of, mpi_env, run, signal_promise
 
 TINY = ["--dim", "64", "--n-layers", "2", "--seq-len", "32", "--batch-size", "8", "--no-plots", "--log-every", "100"]
 FLAVORS = {"mpich": "HYDRA build details", "impi": "Intel(R) MPI"}  # what `mpiexec --version` says
@@ -144,3 +145,12 @@ def test_mpi4py_of_another_mpi_is_named_not_a_hang(mpi):
     assert res.returncode != 0 and res.seconds < 60, res.output
     assert_clean_user_error(res, "sees a world of 1 rank(s) but the launcher (mpich) started 2")
     assert "suspicious MPI execution environment" not in res.output
+
+
+def test_signals_reach_every_rank_and_stop_the_job(mpi, tmp_path):
+    """launch's signal promise under Hydra: SIGUSR1 passes through mpiexec; SIGUSR2, which kills Hydra's
+    mpiexec, launch delivers itself (its rank watch: each rank's noted process); SIGHUP (MPICH) and SIGQUIT
+    (Intel MPI) stop the job with nothing left running."""
+    name, envdir = mpi
+    cmd = [str(envdir / "bin" / "python"), "-m", "mmm.launch", "--launcher", "mpiexec"]
+    signal_promise(cmd, env_of(envdir), tmp_path / "out", signal.SIGQUIT if name == "impi" else signal.SIGHUP)

@@ -2,13 +2,14 @@
 plain srun (with and without PMI-2), sbatch of the shipped job script, and a rank killed mid-run."""
 
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import BIN, jsonl, run
+from conftest import BIN, jsonl, run, signal_promise
 
 REPO = Path(__file__).resolve().parents[1]
 JOB_SCRIPT = REPO / "examples" / "jobs" / "slurm.sbatch"
@@ -125,3 +126,9 @@ def test_a_killed_rank_under_srun_ends_the_job_fast_naming_only_it(slurm_cluster
     assert set(named) == {"1"}, "\n".join(lines)  # the dead rank, and no live one
     assert "Traceback" not in res.stderr, res.stderr
     assert jsonl(tmp_path / "history.jsonl", "iter")[:2] == [1, 2]  # the finished steps are on disk
+
+
+def test_signals_reach_every_rank_and_stop_the_job(slurm_cluster, tmp_path):
+    """launch's signal promise under srun (which passes SIGUSR1, SIGUSR2 and SIGHUP on to its tasks)."""
+    cmd = slurm_cluster.command([str(BIN / "launch"), "--launcher", "srun"])
+    signal_promise(cmd, slurm_cluster.environ(), tmp_path / "out", signal.SIGHUP, srun=True)

@@ -39,6 +39,8 @@ class Flavor:
     # the signals of launch's SIGUSR1/SIGUSR2 promise it passes on to the ranks; launch delivers the others
     # itself (through its rank watch: needs watch_ranks)
     passes_on: tuple[str, ...] = ("SIGUSR1", "SIGUSR2")
+    # a stopping signal it does not survive with its ranks, and the one launch sends it instead
+    instead: tuple[tuple[str, str], ...] = ()
     hostfile_line: str = "{host} slots={slots}"  # a line of a hostfile launch writes (after a host is lost)
 
 
@@ -55,6 +57,7 @@ FLAVORS: dict[str, Flavor] = {  # in the order `mpiexec --version` is matched
         as_root=("--allow-run-as-root",),
         oversubscribe=("--oversubscribe",),
         exit_box="detected that one or more processes exited with non-zero status",
+        instead=(("SIGQUIT", "SIGTERM"),),  # its prterun dies of SIGQUIT and leaves the ranks running
     ),
     "hydra": Flavor(  # MPICH, Intel MPI
         version_says=("hydra", "intel(r) mpi", "mpich"),

@@ -66,6 +66,7 @@ def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) 
             signalled,
             stuck=watcher.stuck if watcher is not None else None,
             relay=_relay(flavor, watcher),
+            instead={getattr(signal, a): getattr(signal, b) for a, b in flavor.instead} if flavor is not None else None,
         )
         return rc
     finally:

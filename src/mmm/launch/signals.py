@@ -61,6 +61,7 @@ def _wait_forwarding(
     grace_s: float = ESCALATE_AFTER_S,
     stuck: Callable[[], tuple[str, int] | None] | None = None,
     relay: tuple[set[int], Callable[[int], object]] | None = None,
+    instead: dict[int, int] | None = None,
 ) -> int:
     """Start the child and wait for it, passing on the signals launch gets (as when the child had taken
     launch's place). The handlers go in before the child starts, so it begins with the default handling
@@ -68,7 +69,9 @@ def _wait_forwarding(
     is left alone. ``stuck()``, asked while the child runs, returns why the child is waiting for
     nothing (e.g. an mpiexec waiting on a host that is gone) and the exit code to report: the child is
     then stopped (SIGTERM, SIGKILL after ``KILL_AFTER_S``). ``relay``: (signals, deliver): signals the child
-    would not pass on to the ranks (Hydra's mpiexec dies of SIGUSR2), delivered by ``deliver`` instead."""
+    would not pass on to the ranks (Hydra's mpiexec dies of SIGUSR2), delivered by ``deliver`` instead.
+    ``instead``: a signal the child would not survive with its ranks, and the one to send it in its place
+    (Open MPI's prterun dies of SIGQUIT, leaving the ranks behind: it gets SIGTERM)."""
     holder: list[subprocess.Popen] = []
 
     def forward(signum, frame):
@@ -79,7 +82,7 @@ def _wait_forwarding(
         if relay is not None and signum in relay[0]:
             relay[1](signum)
         elif holder and holder[0].poll() is None:
-            holder[0].send_signal(signum)
+            holder[0].send_signal((instead or {}).get(signum, signum))
 
     sigs = [getattr(signal, name) for name in (*_STOPPING, *_PASSED_ON) if hasattr(signal, name)]
     mine = (signal.SIGINT, signal.SIGTERM)  # always launch's to forward, even if inherited as ignored
