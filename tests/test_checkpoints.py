@@ -328,14 +328,21 @@ def test_a_fresh_start_never_overwrites_an_earlier_run(saved_run, tmp_path):
 def test_a_relaunch_resumes_its_own_lineage_not_the_abandoned_branch(saved_run, tmp_path):
     """Rolled back to step 2 of a run that also saved 4 and 6 (still on disk), the job loses a rank at
     step 3, before its first save: the relaunch resumes step 2 again (its own starting point), not 6
-    (the most recent on disk, the branch the user abandoned)."""
+    (the most recent on disk, the branch the user abandoned). Both jobs export the same MMM_RUN_STAMP (a job
+    script that names its output folder with it): each launch's own MMM_RUN_ID tells them apart."""
     ck = tmp_path / "ck"
-    ok("--max-iters", "6", "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--outdir", str(tmp_path / "a"))
+    first = run(
+        launch("--launcher", "local", "-n", "2", "python3", *TINY, "--max-iters", "6", "--checkpoint-dir", str(ck),
+               "--checkpoint-every", "2", "--outdir", str(tmp_path / "a")),
+        env=clean_env(MMM_RUN_STAMP="project-run"),
+        timeout=240,
+    )  # fmt: skip
+    assert first.returncode == 0, first.output
     res = run(
         launch("--launcher", "local", "--retries", "1", "-n", "2", "python3", *TINY, "--max-iters", "6",
                "--checkpoint-dir", str(ck), "--checkpoint-every", "4", "--resume", "2",
                "--outdir", str(tmp_path / "b")),
-        env=clean_env(MMM_FAULT="kill@3:1", MMM_TIMEOUT="60"),
+        env=clean_env(MMM_FAULT="kill@3:1", MMM_TIMEOUT="60", MMM_RUN_STAMP="project-run"),
         timeout=240,
     )  # fmt: skip
     assert res.returncode == 0, res.output

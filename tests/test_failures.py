@@ -333,3 +333,18 @@ def test_a_teardown_that_hangs_is_cut_short():
     res = run([sys.executable, "-c", code], timeout=60)
     assert res.returncode == 3 and res.seconds < 30, res.output
     assert "teardown did not finish within 1 s" in res.stderr, res.output
+
+
+def test_a_finished_run_whose_exit_handlers_outlast_the_teardown_bound_exits_0():
+    """The teardown watchdog bounds teardown only: a finished run's atexit handlers (a pruned checkpoint's
+    background delete waits up to 300 s) outlasting it must not turn the run's 0 into 1 (which would make
+    `launch --retries` relaunch a finished job and Slurm mark it FAILED)."""
+    code = (
+        "import atexit, time\n"
+        "from mmm.dist import exits\n"
+        "exits.TEARDOWN_AFTER_FAILURE_S = 1.0\n"  # with MMM_TIMEOUT=1: the watchdog's bound is 2 s
+        "atexit.register(lambda: time.sleep(3))  # a long background delete being waited for\n"
+        "exits.finish(0)\n"
+    )
+    res = run([sys.executable, "-c", code], env=clean_env(MMM_TIMEOUT="1"), timeout=60)
+    assert res.returncode == 0 and "did not finish" not in res.stderr, res.output
