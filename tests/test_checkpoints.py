@@ -350,3 +350,41 @@ def test_a_relaunch_resumes_its_own_lineage_not_the_abandoned_branch(saved_run, 
     assert len(resumed) == 2 and all("step-00000002" in ln for ln in resumed), resumed
     rows = [json.loads(x)["iter"] for x in (tmp_path / "b" / "history.jsonl").read_text().splitlines()]
     assert rows == [3, 4, 5, 6], rows
+
+
+class _Planted:
+    """What someone who can write to a checkpoint folder could leave as its ``.metadata``: unpickling runs
+    a command."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_checkpoint_runs_no_code_and_others_cannot_write_to_it(tmp_path):
+    """A planted ``.metadata`` is never unpickled (DCP's own reader would run it): the step is damaged and
+    `latest` takes the one before; a folder any user can write to is refused in one line."""
+    import pickle
+
+    from mmm.errors import UsageError
+
+    root = tmp_path / "ck"
+    ck = saver(root)
+    ck.save(1)
+    ck.save(2)
+    marker = tmp_path / "ran"
+    (step_dir(root, 2) / ".metadata").write_bytes(pickle.dumps(_Planted(marker)))
+    again = saver(root)
+    assert "posix.system is not something DCP writes" in (again.damage(2) or ""), again.damage(2)
+    assert again.load("latest")["step"] == 1 and not marker.exists()
+    with pytest.raises(UsageError, match="is damaged"):
+        saver(root).load("2")
+    assert not marker.exists()
+    os.chmod(step_dir(root, 1), 0o777)
+    with pytest.raises(UsageError, match=r"can be written by any user \(mode o\+w\).*chmod -R o-w"):
+        saver(root).load("1")
+    os.chmod(step_dir(root, 1), 0o755)
+    os.chmod(root, 0o775)  # group-writable (a project's shared folder): the group's, allowed
+    assert saver(root).load("1")["step"] == 1

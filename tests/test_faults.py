@@ -10,6 +10,7 @@ what was lost: computed from the files, not assumed); conftest.py prints the tab
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -211,3 +212,43 @@ def test_token_files_cut_short_or_left_by_a_killed_prepare_are_refused(tmp_path,
         assert res.returncode == 2 and len(lines) == 1 and "train.bin" in lines[0], res.output
         assert "Traceback" not in res.output and "step 1" not in res.stdout, res.output
     assert whole.returncode == 0, whole.output
+
+
+def test_a_full_disk_while_saving_the_model_keeps_the_earlier_one(tmp_path, outcome):
+    """`--save-model`'s model.pt on a full disk: one line naming the path and the fix, the earlier model.pt
+    whole (written under a temporary name, fsynced, renamed over it), no temporary file left."""
+    if shutil.which("mount") is None or os.geteuid() != 0:
+        pytest.skip("a size-limited tmpfs needs root and mount")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    code = (
+        "import sys, types, torch\n"
+        "from pathlib import Path\n"
+        "from mmm.errors import RunError\n"
+        "from mmm.training.checkpoints import save_full_model\n"
+        "torch.manual_seed(0)\n"
+        "size = int(sys.argv[2])\n"
+        "engine = types.SimpleNamespace(strategy='ddp', module=torch.nn.Linear(size, size))\n"
+        "try:\n"
+        "    save_full_model(engine, Path(sys.argv[1]), is_main=True)\n"
+        "except RunError as e:\n"
+        "    print('error:', e); sys.exit(1)\n"
+    )
+    try:
+        path = disk / "model.pt"
+        small = run([sys.executable, "-c", code, str(path), "64"], timeout=60)
+        assert small.returncode == 0 and path.exists(), small.output
+        before = path.read_bytes()
+        big = run([sys.executable, "-c", code, str(path), "1024"], timeout=60)  # 4 MiB: does not fit
+        lines = [ln for ln in big.stdout.splitlines() if ln.startswith("error:")]
+        intact = path.read_bytes() == before and sorted(p.name for p in disk.iterdir()) == ["model.pt"]
+        outcome("full disk saving --save-model's model.pt", f"{len(lines)} line (rc {big.returncode})",
+                "nothing" if intact else "model.pt")  # fmt: skip
+        assert big.returncode == 1 and "Traceback" not in big.output, big.output
+        assert len(lines) == 1 and "no space left" in lines[0] and str(path) in lines[0], big.output
+        assert intact
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)

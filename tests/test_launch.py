@@ -1,9 +1,12 @@
 """`launch`: scheduler detection, host lists, the commands it builds, and its errors."""
 
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -11,6 +14,7 @@ import pytest
 from conftest import clean_env, launch, run
 from mmm import launch as L
 from mmm.errors import UsageError
+from mmm.launch import watch as W
 from mmm.launch.output import ExitBoxFilter
 
 
@@ -347,3 +351,105 @@ def test_drop_lost_hosts_is_refused_where_it_cannot_act():
     ):
         res = run([sys.executable, "-m", "mmm.launch", *argv], timeout=30)
         assert res.returncode == 2 and needle in res.stderr, res.output
+
+
+# --------------------------------------------------------------------------- the rank watch's channel
+def _watcher(w, host: str, token: str) -> socket.socket:
+    """A connection to launch's rank watch, as another host's watcher makes it (its hello sent)."""
+    _, port, _ = w.address.rsplit(":", 2)
+    s = socket.create_connection(("127.0.0.1", int(port)), timeout=10)
+    s.sendall((json.dumps({"host": host, "token": token, "t": time.time()}) + "\n").encode())
+    return s
+
+
+def _until(condition, seconds: float = 10) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+def test_rank_watch_channel_stuck_from_other_hosts_connections_and_signals(tmp_path, monkeypatch):
+    """launch's host may run no rank (Hydra with a hostfile, from a login node): a host whose ranks all
+    ended with a failure long ago, by its watcher's reports, makes the launcher stuck all the same. Closed
+    connections leave room for new ones; a stranger (a wrong token) is dropped; signals launch relays go to
+    every watcher; the server listens on the job's interface, not on every one."""
+    monkeypatch.setattr(W, "MAX_CONNECTIONS", 3)
+    w = L.RankWatch(str(tmp_path), 2, listen=True, hosts=["127.0.0.2"])
+    try:
+        assert w._server.getsockname()[0] == "127.0.0.1"  # the route to the job's other host, not 0.0.0.0
+        token = w.address.rsplit(":", 1)[1]
+        for _ in range(5):  # more than MAX_CONNECTIONS, each closed: none is kept
+            _watcher(w, "nodeX", "wrong").close()
+        assert _until(lambda: not w._conns), w._conns
+        s = _watcher(w, "node2", token)
+        s.sendall((json.dumps({"seen": 2}) + "\n").encode())
+        assert _until(lambda: "node2" in w.remote) and w.stuck() is None  # its 2 ranks run
+        long_ago = time.time() - W.STUCK_AFTER_S - 5
+        s.sendall((json.dumps({"batch": [long_ago, [[11, "0", None], [12, "1", "1"]]], "seen": 2}) + "\n").encode())
+        assert _until(lambda: w.stuck() is not None), w.remote
+        why, code = w.stuck()
+        assert "node2" in why and code == 1, (why, code)
+        w.signal_ranks(signal.SIGUSR2)
+        s.settimeout(10)
+        assert json.loads(s.makefile().readline()) == {"signal": int(signal.SIGUSR2)}
+        s.close()
+    finally:
+        w.close()
+    assert not w._conns
+
+
+def test_a_watcher_passes_launchs_signals_to_its_hosts_ranks(tmp_path):
+    """The other side: a host's watcher sends SIGUSR1/SIGUSR2 from launch to each of its live ranks, and
+    nothing else."""
+    from mmm.dist.rankwatch import HostWatch, _relay_signals
+
+    got = tmp_path / "got"
+    code = (
+        "import signal, sys, time\n"
+        f"signal.signal(signal.SIGUSR2, lambda *a: open({str(got)!r}, 'w').close())\n"
+        "signal.signal(signal.SIGTERM, lambda *a: sys.exit(5))\n"
+        "print('ready', flush=True); time.sleep(30)\n"
+    )
+    rank = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout.readline().strip() == "ready"
+        watch = HostWatch(tmp_path, 1)
+        watch.rank_of[rank.pid] = "0"
+        ours, launchs = socket.socketpair()
+        t = threading.Thread(target=_relay_signals, args=(ours, watch), daemon=True)
+        t.start()
+        launchs.sendall(b'{"signal": 15}\n' + f'{{"signal": {int(signal.SIGUSR2)}}}\n'.encode())  # SIGTERM: refused
+        assert _until(got.exists), "SIGUSR2 not passed on"
+        assert rank.poll() is None  # the SIGTERM line was not
+        launchs.close()
+        t.join(timeout=5)
+    finally:
+        rank.kill()
+        rank.wait()
+
+
+def test_a_probe_held_up_by_a_busy_scheduler_keeps_its_host(tmp_path):
+    """After a failure, launch probes each host; a probe that times out is a lost host, unless the scheduler
+    said it was only busy (srun: "Requested nodes are busy"): that host stays."""
+    from mmm.launch.allocation import Allocation
+    from mmm.launch.hostloss import lost_hosts
+    from mmm.launch.plan import LaunchPlan
+
+    busy = tmp_path / "busy.sh"
+    busy.write_text("#!/bin/sh\necho 'srun: Job 7 step creation temporarily disabled, retrying (Requested nodes are "
+                    "busy)' >&2\nsleep 30\n")  # fmt: skip
+    silent = tmp_path / "silent.sh"
+    silent.write_text("#!/bin/sh\nsleep 30\n")
+    for f in (busy, silent):
+        f.chmod(0o755)
+    alloc = Allocation("slurm", ["node1", "node2"], 2, 0)
+    plan = LaunchPlan("srun", ["srun", "python3"], 4, 2, alloc)
+
+    def probe(hostfile, env):
+        host = open(hostfile).read().split()[0]
+        return LaunchPlan("srun", [str(busy if host == "node1" else silent)], 1, 1, alloc)
+
+    t0 = time.monotonic()
+    assert lost_hosts(plan, {}, probe, timeout_s=1.0) == ["node2"]
+    assert time.monotonic() - t0 < 10
