@@ -116,6 +116,12 @@ class Hosts:
         """The host's node-local temporary folder (its ``TMPDIR``)."""
         return self.state / "tmp" / host
 
+    @property
+    def local(self) -> Path:
+        """A node-local disk: one path, a folder of each host's own behind it (a bind mount in the host's
+        mount namespace), as ``/local/scratch`` is on a cluster's nodes."""
+        return self.state / "local"
+
     def _index(self, host: str) -> int:
         if host not in self.names:
             raise ValueError(f"no host {host!r} in this cluster; hosts: {', '.join(self.names)}")
@@ -160,6 +166,8 @@ class Hosts:
             outer, inner = f"mmm{self.id}v{i}", f"mmm{self.id}p{i}"
             self.tmp(h).mkdir(parents=True, exist_ok=True)
             self.tmp(h).chmod(0o1777)
+            (self.state / "local-disks" / h).mkdir(parents=True, exist_ok=True)
+            self.local.mkdir(exist_ok=True)
             _ip("netns", "add", ns)
             _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
             _ip("link", "set", outer, "master", self.bridge)
@@ -199,6 +207,7 @@ class Hosts:
         virtual environment may live there)."""
         setup = (
             f"hostname {host} && mount --bind {shlex.quote(str(self.state / 'etc-hosts'))} /etc/hosts && "
+            f"mount --bind {shlex.quote(str(self.state / 'local-disks' / host))} {shlex.quote(str(self.local))} && "
             f'TMPDIR={shlex.quote(str(self.tmp(host)))} exec "$@"'
         )
         return [

@@ -17,11 +17,13 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from conftest import BIN, ROOT, clean_env, env_of, kill_group, mpi_env, pbs_job, run, spawn
 from mmm.dist import free_port
+from mmm.parallel.checkpoint_folder import complete_steps
 
 RANKS_PER_HOST = 2
 
@@ -382,3 +384,49 @@ def _own_hosts(n: int):
         yield hosts, d
     finally:
         hosts.down()
+
+
+def test_a_checkpoint_folder_on_node_local_disks_is_refused_at_startup(two_hosts, shared_dir):
+    """--checkpoint-dir on each host's own disk (node-local): refused in one line at startup, naming the host
+    that does not see rank 0's folder, instead of failing at the first save after --checkpoint-every steps."""
+    local = str(two_hosts.local / "ck")  # each host's own disk behind one path
+    cmd = [str(BIN / "launch"), "python3", *TRAIN, "--checkpoint-dir", local, "--checkpoint-every", "4",
+           "--outdir", str(shared_dir / "out")]  # fmt: skip
+    res = run(two_hosts.command("node1", cmd), env=pbs_job(two_hosts, shared_dir, MMM_TIMEOUT="60"), timeout=120)
+    lines = [ln for ln in res.stderr.splitlines() if "error:" in ln]
+    assert res.returncode == 2 and "Traceback" not in res.output, res.output
+    assert len(lines) == 1 and f"--checkpoint-dir '{local}' is not shared by every host: node2" in lines[0], lines
+    assert "step 1" not in res.stdout and not Path(local).exists()
+
+
+def test_a_relaunch_the_trainer_would_refuse_is_not_made(shared_dir_3, tmp_path, record_property):
+    """3 hosts x 2 ranks (dp 3 x tp 2), global batch 9; node3 is lost. On the 2 hosts left dp would be 2, which
+    does not divide 9: launch asks the trainer first (MMM_CHECK_WORLD), says so in one line and gives up,
+    instead of relaunching a job that exits 2 at once (and is then not retried)."""
+    hosts, shared = shared_dir_3
+    out, ck = shared / "out", shared / "ck"
+    flags = [*TRAIN[:-1], "40", "--batch-size", "9", "--tp", "2", "--log-every", "1"]
+    cmd = [str(BIN / "launch"), "--retries", "1", "--drop-lost-hosts", "python3", *flags,
+           "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--outdir", str(out)]  # fmt: skip
+    with spawn(hosts.command("node1", cmd), env=pbs_job(hosts, shared, MMM_TIMEOUT="60"),
+               stdout=subprocess.PIPE, stderr=subprocess.PIPE) as p:  # fmt: skip
+        deadline = time.monotonic() + 180
+        hist = out / "history.jsonl"
+        while time.monotonic() < deadline and p.poll() is None:
+            if hist.exists() and any(json.loads(x)["iter"] >= 3 for x in hist.read_text().splitlines() if x):
+                break  # step 2's checkpoint saved
+            time.sleep(0.1)
+        assert p.poll() is None, p.communicate()
+        assert hosts.lose("node3"), "nothing ran on node3"
+        try:
+            stdout, stderr = p.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            pytest.fail("launch did not end after losing a host")
+    said = [ln for ln in stderr.splitlines() if "not relaunched" in ln]
+    kept = complete_steps(ck)
+    record_property("fault_outcome", ["a lost host; the trainer would refuse the relaunch (--drop-lost-hosts)",
+                                      f"given up in {len(said)} line (rc {p.returncode})",
+                                      "nothing" if kept else "the checkpoints"])  # fmt: skip
+    assert p.returncode not in (0, 2) and "relaunching" not in stderr, stderr
+    assert len(said) == 1 and "node3" in said[0] and "--batch-size 9 is not divisible by 2" in said[0], stderr
+    assert kept, "the checkpoints saved before are kept"
