@@ -209,8 +209,9 @@ def max_rel_diff(a, b) -> float:
 SIGNALS_RANK = str(ROOT / "tests" / "scripts" / "signals_rank.py")
 
 
-def _signal_ranks_left() -> list[str]:
-    return subprocess.run(["pgrep", "-f", SIGNALS_RANK], capture_output=True, text=True).stdout.split()
+def _signal_ranks_left(out) -> list[str]:
+    """The ranks of this job (their command names its own ``out``) still running."""
+    return subprocess.run(["pgrep", "-f", f"{SIGNALS_RANK} {out}"], capture_output=True, text=True).stdout.split()
 
 
 def signal_promise(
@@ -247,7 +248,7 @@ def signal_promise(
             pytest.fail(f"{stop.name} did not stop the job")
         time.sleep(1.0 if srun else 0.3)
         assert p.returncode != 0 and "relaunching" not in stderr, (p.returncode, stderr)
-        assert not group_alive(p.pid) and not _signal_ranks_left(), "ranks left running"
+        assert not group_alive(p.pid) and not _signal_ranks_left(out), "ranks left running"
 
 
 # --------------------------------------------------------------------------- a real Slurm cluster

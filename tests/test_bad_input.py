@@ -41,12 +41,14 @@ LOADED_S = 30.0  # the same, asserted with the suite's three workers sharing two
 
 
 @pytest.fixture
-def rows(record_property):
+def rows(record_property, tmp_path_factory):
     """Rows of the campaign's table (input, the line, exit, seconds): they travel with the test's report (also
-    from an xdist worker) to conftest's summary at the end of the run."""
+    from an xdist worker) to conftest's summary at the end of the run. Temporary paths are shown as <tmp>."""
+    tmp = str(tmp_path_factory.getbasetemp())
 
     def add(what: str, line: str, code: int, seconds: float) -> None:
-        record_property("bad_input", [what, line, code, round(seconds, 2)])
+        line = line.replace(tmp, "<tmp>")
+        record_property("bad_input", [what, line[:300] + (" ..." if len(line) > 300 else ""), code, round(seconds, 2)])
 
     return add
 

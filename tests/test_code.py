@@ -44,7 +44,7 @@ OWN_DEFERRED = {
 }
 # the layers, lowest first: a module may import its own layer and those below, never above
 LAYERS = [
-    ("mmm.errors", "mmm.log", "mmm.cli", "mmm.faults", "mmm.dist"),
+    ("mmm.errors", "mmm.env", "mmm.log", "mmm.cli", "mmm.faults", "mmm.dist"),
     ("mmm.parallel", "mmm.models", "mmm.data", "mmm.measure", "mmm.flops"),
     ("mmm.history", "mmm.tracking", "mmm.training"),
     ("mmm.examples", "mmm.trainer", "mmm.plan", "mmm.verify", "mmm.launch", "mmm.__main__"),

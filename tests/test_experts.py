@@ -81,7 +81,6 @@ def test_auxiliary_loss_trains_the_router_and_balancing_moves_the_bias():
         (["--moe-experts", "4", "--moe-top-k", "5"], 2, "--moe-top-k 5 must be between 1 and --moe-experts 4"),
         (["--moe-experts", "8", "--moe-hidden", "33", "--tp", "2"], 4, "--moe-hidden 33 is not divisible by --tp 2"),
         (["--moe-aux", "0.1"], 2, "--moe-aux only apply to a mixture of experts; add --moe-experts N"),
-        (["--moe-experts", "8", "--moe-aux", "nan"], 2, "--moe-aux nan must be a finite number >= 0"),
         (["--moe-experts", "8", "--strategy", "ddp"], 2, "--moe-experts with --strategy ddp is not supported yet"),
         (["--moe-experts", "8", "--export-hf", "x"], 2, "--export-hf writes a dense Hugging Face Llama"),
     ],

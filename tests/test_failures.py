@@ -71,7 +71,7 @@ def test_every_rank_exits_nonzero_on_bad_input():
     "device, needle",
     [
         ("cuda", "device 'cuda' was MMM_DEVICE but this machine has none"),
-        ("gpu", "unknown device 'gpu' (MMM_DEVICE); choose one of: auto, cpu, cuda, xpu, mps"),
+        ("gpu", "MMM_DEVICE='gpu': the device takes one of auto, cpu, cuda, xpu, mps"),  # refused by launch
     ],
 )
 def test_unavailable_or_unknown_device(device, needle):

@@ -190,7 +190,7 @@ def test_dry_run_in_a_slurm_job_without_srun_on_path_prints_the_command(tmp_path
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["-n", "0", "python3"], "-n/--nproc 0 must be >= 1"),
+        (["-n", "0", "python3"], "argument -n/--nproc/--np: 0 must be >= 1"),
         (["--launcher", "pbs", "python3"], "argument --launcher: invalid choice: 'pbs'"),
         ([], "no command to launch"),
         (["--hostfile", "/nonexistent/hosts", "python3"], "hostfile '/nonexistent/hosts' does not exist"),

@@ -80,7 +80,7 @@ def test_parse_tasks_per_node():
     [
         ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x'"),
         ({"RANK": "4", "WORLD_SIZE": "4"}, "RANK=4 with WORLD_SIZE=4"),
-        ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "0"}, "OMPI_COMM_WORLD_SIZE=0"),
+        ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "0"}, "OMPI_COMM_WORLD_SIZE='0'"),
     ],
 )
 def test_malformed_variables_are_named(env, needle):

@@ -171,9 +171,9 @@ _var("MMM_LOG_LEVEL", LOG_LEVEL, "the log level")
 _var("MMM_RICH", SWITCH, "rich rendering")
 _var("MMM_HOST_MALLOC", choice("auto", "return", "default"), "host allocations of 1 MiB and more by mmap")
 _var("MMM_PEAK_TFLOPS", TFLOPS, "this rank's peak TFLOP/s")
-_var("MMM_FAULT", TEXT, "fault injection (parsed by mmm.faults)")
-_var("MMM_SAVE_FAULT", TEXT, "save-fault injection (parsed by mmm.faults)")
-_var("MMM_GPUS_PER_NODE", POSITIVE_INT, "ranks per host")
+_var("MMM_FAULT", TEXT, "fault injection")
+_var("MMM_SAVE_FAULT", TEXT, "save-fault injection")
+_var("MMM_GPUS_PER_NODE", NONNEGATIVE_INT, "ranks per host (0: count no accelerators)")
 _var("MMM_MPI_FLAVOR", choice("openmpi", "hydra", "pals", case=True), "the mpiexec flavour")
 _var("MMM_NO_MPI4PY", SWITCH, "no mpi4py")
 _var("MMM_DS_SHM", SWITCH, "DeepSpeed's CPU shared-memory kernel")
@@ -194,11 +194,11 @@ _var("MASTER_PORT", PORT, "the rendezvous port")
 for _name in ("RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "PALS_RANKID",
               "PALS_LOCAL_RANKID", "PMI_RANK", "MPI_LOCALRANKID", "SLURM_PROCID", "SLURM_LOCALID",
               "SLURM_NODEID"):  # fmt: skip
-    _var(_name, NONNEGATIVE_INT, "a rank or node id the launcher gives", per_rank=True)
+    _var(_name, NONNEGATIVE_INT, "a rank or node id launchers set", per_rank=True)
 for _name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_SIZE",
               "PALS_LOCAL_SIZE", "PMI_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS",
               "SLURM_CPUS_PER_TASK"):  # fmt: skip
-    _var(_name, POSITIVE_INT, "a count the launcher gives")
+    _var(_name, POSITIVE_INT, "a count launchers set")
 for _name in ("SLURM_TASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"):
     _var(_name, TASKS_PER_NODE, "Slurm's tasks per node")
 

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from mmm.dist.exits import all_ok, on_rank0, uninterrupted
 from mmm.errors import RunError, UsageError
+from mmm.parallel.checkpoint_files import SafeLoadPlanner, SafeReader, dcp_damage
 from mmm.parallel.checkpoint_folder import (
     META,
     commit,
@@ -251,8 +252,6 @@ class Checkpointer:
             if not f.exists() or f.is_file() and f.stat().st_size == 0:
                 return f"{name} is {'empty' if f.exists() else 'missing'}"
         if saved.get("format") == "dcp":
-            from mmm.parallel.checkpoint_files import dcp_damage  # torch.distributed.checkpoint: when needed
-
             return dcp_damage(path)  # every shard file as long as the metadata says
         return None
 
@@ -321,8 +320,6 @@ class Checkpointer:
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.api import CheckpointException
             from torch.distributed.checkpoint.state_dict import set_state_dict
-
-            from mmm.parallel.checkpoint_files import SafeLoadPlanner, SafeReader
 
             state = self._state()
             try:  # a read error on any rank raises on every rank
