@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import clean_env, launch, run
+from conftest import clean_env, launch, run, spawn
 from mmm import launch as L
 from mmm.errors import UsageError
 from mmm.launch import watch as W
@@ -453,3 +453,33 @@ def test_a_probe_held_up_by_a_busy_scheduler_keeps_its_host(tmp_path):
     t0 = time.monotonic()
     assert lost_hosts(plan, {}, probe, timeout_s=1.0) == ["node2"]
     assert time.monotonic() - t0 < 10
+
+
+def test_ctrl_c_while_probing_hosts_stops_every_probe(tmp_path):
+    """Ctrl-C while launch probes the hosts after a failure: every probe (and what it started) is stopped at
+    once, and launch leaves with one line and exit 130, not a traceback after the probes' 30 s."""
+    silent = tmp_path / "silent.sh"
+    silent.write_text(f"#!/bin/sh\nexec sleep 3{os.getpid() % 10}7\n")  # a probe of a host that is gone
+    silent.chmod(0o755)
+    code = (
+        "import sys\n"
+        "from mmm.launch.allocation import Allocation\n"
+        "from mmm.launch.cli import main\n"
+        "from mmm.launch import cli, hostloss\n"
+        "from mmm.launch.plan import LaunchPlan\n"
+        "alloc = Allocation('slurm', ['node1', 'node2'], 2, 0)\n"
+        "plan = LaunchPlan('srun', ['srun', 'python3'], 4, 2, alloc)\n"
+        f"probe = lambda hostfile, env: LaunchPlan('srun', [{str(silent)!r}], 1, 1, alloc)\n"
+        "cli._main = lambda argv: print('probing', flush=True) or hostloss.lost_hosts(plan, {}, probe) or 0\n"
+        "sys.exit(main([]))\n"
+    )
+    with spawn([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE) as p:
+        assert p.stdout.readline().strip() == "probing"
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=20)
+        seconds = time.monotonic() - t0
+    probes = subprocess.run(["pgrep", "-f", f"sleep 3{os.getpid() % 10}7"], capture_output=True, text=True).stdout
+    assert p.returncode == 130 and "Traceback" not in err and seconds < 5, (p.returncode, seconds, err)
+    assert "interrupted (Ctrl-C)" in err and not probes.split(), (err, probes)
