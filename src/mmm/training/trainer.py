@@ -43,6 +43,8 @@ def main(
     config = recipe.command_line(doc, prog).parse(argv)  # the flags, parsed once into typed configs
     check_world = env.get("MMM_CHECK_WORLD")
     if check_world is not None:  # launch asks whether this job would run on that many ranks: nothing starts
+        if dist.discover_ranks(use_mpi4py=False).world_size > 1:
+            raise UsageError("MMM_CHECK_WORLD is launch's, for a one-process check of the flags; unset it in the job")
         check = recipe.layout_free_problems if recipe.picks_layout(config) else recipe.problems
         found = check(config, check_world)
         if found:
