@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_clean_user_error, launch, mpiexec, run, tiny_llama
+from conftest import launch, mpiexec, run, tiny_llama
 from mmm.errors import UsageError
 from mmm.parallel.context import context_parallel, cp_problems, local_positions, shard_sequence
 
@@ -52,21 +52,3 @@ def test_own_attention_example_script(n):
     assert res.returncode == 0, res.output
     for kind in ("ring", "ulysses"):
         assert f"{kind} attention over {n} ranks matches full attention: outputs and gradients" in res.stdout
-
-
-@pytest.mark.parametrize(
-    "n, flags, needle",
-    [
-        (4, ["--cp", "4", "--seq-len", "36"], "--seq-len 36 is not divisible by 2 x cp = 8"),
-        (4, ["--cp", "2", "--tp", "2", "--seq-len", "36"], "--seq-len 36 is not divisible by 2 x cp x tp = 8"),
-        (
-            4,
-            ["--cp", "4", "--n-heads", "6", "--dim", "48", "--n-kv-heads", "2", "--cp-attention", "ulysses"],
-            "--cp-attention ulysses splits the query heads over cp=4: --n-heads 6 per TP rank is not divisible by 4",
-        ),
-        (2, ["--cp-attention", "ulysses"], "--cp-attention ulysses only applies with --cp > 1 (got cp=1)"),
-    ],
-)
-def test_cp_bad_input(n, flags, needle):
-    res = run(launch("--launcher", "local", "-n", str(n), "python3", *MODULE, *flags), timeout=90)
-    assert_clean_user_error(res, needle)

@@ -170,32 +170,6 @@ def test_old_spellings_run_the_same_programs():
     assert "--img-size" in res.stdout and "--max-iters" in res.stdout
 
 
-@pytest.mark.parametrize(
-    "module, n, flags, needles",
-    [
-        ("vit", 2, ["--strategy", "zero4"], ["argument --strategy: invalid choice: 'zero4'"]),
-        (
-            "vit",
-            4,
-            ["--strategy", "zero2", "--tp", "2"],
-            ["--strategy zero2 (DeepSpeed) runs pure data parallel here", "--tp 2"],
-        ),
-        ("fsdp", 2, ["--data-dir", "/tmp"], ["--data-dir '/tmp' holds no MNIST: missing train-images-idx3-ubyte"]),
-        ("fsdp", 4, ["--batch-size", "30"], ["--batch-size 30 is not divisible by 4 data-parallel ranks"]),
-        ("vit", 2, ["--batch-size", "5"], ["--batch-size 5 is not divisible by 2 data-parallel ranks"]),
-        ("fsdp", 2, ["--offload-optimizer"], ["--offload-optimizer needs --strategy zero1, zero2 or zero3"]),
-        ("vit", 2, ["--num-heads", "3", "--tp", "2"], ["--num-heads 3 is not divisible by tp=2"]),
-    ],
-)
-def test_bad_input(module, n, flags, needles):
-    res = run(
-        launch("--launcher", "local", "-n", str(n), "python3", "-m", f"mmm.examples.{module}", *flags), timeout=90
-    )
-    assert_clean_user_error(res, *needles)
-    assert len([line for line in res.stderr.splitlines() if "error:" in line and "launch:" not in line]) == 1
-    assert res.seconds < 30
-
-
 def test_zero_without_deepspeed_says_how_to_install(tmp_path):
     # a stand-in package that fails to import, as an absent DeepSpeed would
     (tmp_path / "deepspeed").mkdir()

@@ -137,7 +137,7 @@ def test_a_full_disk_stops_the_save_and_keeps_the_checkpoints_before(reference, 
         pytest.skip("a size-limited tmpfs needs root and mount")
     ck, out = tmp_path / "ck", tmp_path / "out"
     ck.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(ck)], capture_output=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m,mode=0755", "tmpfs", str(ck)], capture_output=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
     try:

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import assert_clean_user_error, jsonl, launch, max_rel_diff, run, tiny_llama, torchrun
+from conftest import jsonl, launch, max_rel_diff, run, tiny_llama, torchrun
 
 # Tiny but complete: GQA (8 query / 4 kv heads), 2 blocks, every TP split in the matrix valid.
 MODEL = tiny_llama(max_iters=6, lr="3e-3", seed=3)
@@ -148,45 +148,3 @@ def test_bf16_really_computes_in_bf16(reference, bf16_reference, tmp_path, n, fl
     assert max_rel_diff(got, reference) > RTOL, (got, reference)  # beyond fp32 equivalence: bf16 is not off
     assert max_rel_diff(got, bf16_reference) < 2e-2, (got, bf16_reference)
     assert json.loads((tmp_path / "summary.json").read_text())["dtype"] == "bf16"
-
-
-@pytest.mark.parametrize(
-    "n, flags, needles",
-    [
-        (4, ["--tpsize", "3"], ["tp=3 does not divide world size 4; valid tp for 4 ranks: 1, 2, 4"]),
-        (4, ["--n-heads", "6", "--tpsize", "4"], ["--n-heads 6 is not divisible by tp=4"]),
-        (2, ["--batch-size", "3"], ["--batch-size 3 is not divisible by 2 data-parallel ranks", "use a multiple of 2"]),
-        (2, ["--dtype", "fp13"], ["argument --dtype: invalid choice: 'fp13'"]),
-        (2, ["--max-iters", "0"], ["argument --max-iters/--max_iters: 0 must be >= 1"]),
-        (2, ["--strategy", "ddp", "--tp", "2"], ["--strategy ddp does not compose with tp"]),
-        (2, ["--compile", "--tp", "2"], ["--compile with --tp 2 is not supported"]),
-        (
-            2,
-            ["--microbatches", "2", "--pp-schedule", "gpipe"],
-            ["--pp-schedule, --microbatches only apply with --pp > 1 (got pp=1)"],
-        ),
-        (
-            2,
-            ["--strategy", "ddp", "--reshard-after-forward", "true"],
-            ["--reshard-after-forward true is an FSDP option; --strategy ddp with dp=2, cp=1 does not shard"],
-        ),
-        (
-            2,
-            ["--tp", "2", "--reshard-after-forward", "false"],  # fsdp, but dp = cp = 1: nothing to reshard
-            ["--reshard-after-forward false is an FSDP option; --strategy fsdp with dp=1, cp=1 does not shard"],
-        ),
-    ],
-)
-def test_bad_input_one_line_every_rank(n, flags, needles):
-    res = run(launch("--launcher", "local", "-n", str(n), "python3", *MODULE, *flags), timeout=60)
-    assert_clean_user_error(res, *needles)
-    assert res.returncode == 2
-    assert len([line for line in res.stderr.splitlines() if "error:" in line and "launch:" not in line]) == 1
-    assert res.seconds < 30
-
-
-def test_outdir_that_is_a_file(tmp_path):
-    f = tmp_path / "afile"
-    f.write_text("")
-    res = run(launch("--launcher", "local", "-n", "2", "python3", *MODULE, "--outdir", str(f)), timeout=60)
-    assert_clean_user_error(res, f"--outdir '{f}' is a file")

@@ -4,16 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import (
-    assert_clean_user_error,
-    jsonl,
-    launch,
-    max_rel_diff,
-    run,
-    run_ranks,
-    single_process_run,
-    tiny_llama,
-)
+from conftest import jsonl, launch, max_rel_diff, run, run_ranks, single_process_run, tiny_llama
 from mmm.models.llama import Llama, LlamaConfig
 from mmm.parallel.pipeline import outer_modules, pipeline_problems, split_model, stage_ids, stage_layer_ranges
 
@@ -111,19 +102,6 @@ def test_pipeline_problems_name_values(kwargs, needle):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     return jsonl(single_process_run(tmp_path_factory, "single", [*MODULE, *MODEL]) / "history.jsonl")
-
-
-@pytest.mark.parametrize(
-    "n, flags, needle",
-    [
-        (2, ["--pp", "2", "--n-layers", "3"], "--n-layers 3 does not split evenly into 2 stages"),
-        (2, ["--pp", "2", "--batch-size", "6", "--microbatches", "4"], "--microbatches 4 does not divide"),
-        (2, ["--pp", "2", "--pp-schedule", "zigzag"], "argument --pp-schedule: invalid choice: 'zigzag'"),
-    ],
-)
-def test_pipeline_bad_input(n, flags, needle):
-    res = run(launch("--launcher", "local", "-n", str(n), "python3", *MODULE, *flags), timeout=90)
-    assert_clean_user_error(res, needle)
 
 
 def test_own_model_example_script():

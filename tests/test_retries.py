@@ -53,8 +53,6 @@ def test_a_killed_rank_is_recovered_by_a_relaunch(tmp_path, launcher):
 
 
 def test_what_is_not_retried(tmp_path):
-    res = run(launch("--retries", "-1", "python3", "-c", "pass"))
-    assert res.returncode == 2 and "--retries -1 must be >= 0" in res.stderr, res.output
     # bad input fails the same way every time: one attempt, its own one-line error
     res = run(launch("--launcher", "local", "--retries", "3", "-n", "2", "python3", *TINY, "--tp", "3"), timeout=60)
     assert res.returncode == 2 and "relaunching" not in res.stderr, res.output

@@ -239,37 +239,6 @@ def test_resume_with_another_schedule_is_refused(cosine1, tmp_path, flags, needl
     assert sorted(p.name for p in ck.iterdir()) == ["step-00000005"]  # nothing saved over it
 
 
-# --------------------------------------------------------------------------- 4. bad flags
-@pytest.mark.parametrize(
-    "flags, needle",
-    [
-        (["--lr-schedule", "constant", "--min-lr", "0.001"], "--min-lr 0.001"),
-        (["--min-lr", "0.001"], "--min-lr 0.001"),  # constant is the default
-        (["--lr-schedule", "cosine", "--warmup-steps", "3", "--lr-decay-steps", "3"], "--lr-decay-steps 3"),
-        (["--lr-schedule", "linear", "--warmup-steps", "3", "--lr-decay-steps", "2"], "--lr-decay-steps 2"),
-        (["--lr-decay-steps", "5"], "--lr-decay-steps 5"),  # constant: no decay to end
-        (["--lr-schedule", "cosine", "--min-lr", "0.1"], "--min-lr 0.1"),  # above --lr
-        (["--warmup-steps", "20"], "--warmup-steps 20"),  # longer than the run
-    ],
-    ids=[
-        "min_lr-constant",
-        "min_lr-default",
-        "decay-eq-warmup",
-        "decay-lt-warmup",
-        "decay-constant",
-        "min_lr-above-lr",
-        "warmup-too-long",
-    ],
-)
-def test_bad_schedule_and_eval_flags_exit_2_naming_the_value(tmp_path, flags, needle):
-    res = run(command(1, "--max-iters", str(STEPS), *flags, "--outdir", str(tmp_path / "out")), timeout=60)
-    assert res.returncode == 2, res.output
-    assert "Traceback" not in res.output, res.output
-    lines = error_lines(res.stderr)
-    assert len(lines) == 1 and needle in lines[0], res.stderr
-    assert not (tmp_path / "out" / "history.jsonl").exists()
-
-
 # --------------------------------------------------------------------------- 5. evaluation
 @pytest.mark.parametrize("mesh", list(EVAL_MESHES))
 def test_val_loss_at_every_nth_step_and_the_last(evaluated, mesh):

@@ -17,7 +17,8 @@ import pytest
 from conftest import BIN, clean_env, signal_promise
 
 
-@pytest.mark.parametrize("stop", [signal.SIGHUP, signal.SIGQUIT], ids=["hup", "quit"])
-@pytest.mark.parametrize("launcher", ["local", "mpiexec"])
+@pytest.mark.parametrize(
+    "launcher, stop", [("local", signal.SIGHUP), ("mpiexec", signal.SIGQUIT)], ids=["local-hup", "openmpi-quit"]
+)
 def test_signals_under_launch(tmp_path, launcher, stop):
     signal_promise([str(BIN / "launch"), "--launcher", launcher], clean_env(), tmp_path / "out", stop)

@@ -85,7 +85,8 @@ def _wait_forwarding(
             holder[0].send_signal((instead or {}).get(signum, signum))
 
     sigs = [getattr(signal, name) for name in (*_STOPPING, *_PASSED_ON) if hasattr(signal, name)]
-    mine = (signal.SIGINT, signal.SIGTERM)  # always launch's to forward, even if inherited as ignored
+    # always launch's to forward, even if inherited as ignored (a background job's SIGINT and SIGQUIT)
+    mine = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGQUIT") if hasattr(signal, n))
     old = {sig: signal.signal(sig, forward) for sig in sigs if sig in mine or signal.getsignal(sig) != signal.SIG_IGN}
     escalate = _Escalation(grace_s)
     stopped_at: float | None = None
@@ -119,8 +120,11 @@ def _unignore_stop_signals() -> None:
     """A shell starts a background job (``launch ... &`` in a batch script, ``nohup make test &``) with
     SIGINT ignored, and an ignored signal stays ignored across exec: ranks started from such a launch
     would ignore the SIGINT launch forwards. SIGINT and SIGTERM are launch's to handle and forward, so
-    they start from their defaults here, whatever launch inherited."""
+    they start from their defaults here, whatever launch inherited; SIGQUIT too (a shell ignores it in a
+    background job as it does SIGINT). An ignored SIGHUP (nohup) stays ignored."""
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    if hasattr(signal, "SIGQUIT") and signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN:
+        signal.signal(signal.SIGQUIT, signal.SIG_DFL)  # a shell's background job has it ignored, as SIGINT
     if signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

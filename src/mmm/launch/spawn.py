@@ -45,10 +45,10 @@ def spawn_local(
 
     # before the ranks start: exec gives a caught signal its default handling in the child, while an
     # inherited "ignore" (a background job's SIGINT) would stay and make the forwarded signal a no-op
-    # SIGINT and SIGTERM always; the others (SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2) unless launch inherited them
+    # SIGINT, SIGTERM and SIGQUIT always; the others (SIGHUP, SIGUSR1, SIGUSR2) unless launch inherited them
     # ignored (nohup's SIGHUP): the ranks then keep ignoring them too
     sigs = [getattr(signal, name) for name in (*_STOPPING, *_PASSED_ON) if hasattr(signal, name)]
-    mine = (signal.SIGINT, signal.SIGTERM)
+    mine = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGQUIT") if hasattr(signal, n))
     old = {s: signal.signal(s, forward) for s in sigs if s in mine or signal.getsignal(s) != signal.SIG_IGN}
     for rank in range(nproc):
         rank_env = {

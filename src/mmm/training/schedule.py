@@ -16,7 +16,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from mmm.cli import nonnegative_float, nonnegative_int, option, positive_float, positive_int
+from mmm.cli import nonnegative_float, nonnegative_int, option, positive_int
 
 SCHEDULES = ("constant", "cosine", "linear")
 
@@ -53,7 +53,7 @@ class LRSchedule:
 class ScheduleConfig:
     """The learning rate and its schedule: part of every trainer's train config."""
 
-    lr: float = option(3e-3, "--lr", parse=positive_float, group="training", help="AdamW learning rate")
+    lr: float = option(3e-3, "--lr", parse=nonnegative_float, group="training", help="AdamW learning rate")
     lr_schedule: str | None = option(
         None, "--lr-schedule", choices=SCHEDULES, shown="constant", group="schedule", help="decay after the warmup"
     )
