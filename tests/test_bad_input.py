@@ -284,7 +284,7 @@ def test_launch_refuses_bad_files_and_variables_in_one_line(tmp_path, monkeypatc
         "an IPv6 host": b"fe80::1 slots=2\n",
         "host:x": b"node1:x\n",
         "slots=0": b"node1 slots=0\n",
-        "an unknown field": b"node1 cpus=4\n",
+        "a field that is not key=value": b"node1 fast\n",
         "no host": b"# only a comment\n",
     }
     cases = []

@@ -378,6 +378,10 @@ def test_rank_watch_channel_stuck_from_other_hosts_connections_and_signals(tmp_p
     w = L.RankWatch(str(tmp_path), 2, listen=True, hosts=["127.0.0.2"])
     try:
         assert w._server.getsockname()[0] == "127.0.0.1"  # the route to the job's other host, not 0.0.0.0
+        assert w.address.startswith("127.0.0.1:")  # and the address it hands out is the one it listens on
+        from mmm.dist.liveness import _is_this_host
+
+        assert _is_this_host("127.0.0.1", "elsewhere") and not _is_this_host("192.0.2.1", "elsewhere")
         token = w.address.rsplit(":", 1)[1]
         for _ in range(5):  # more than MAX_CONNECTIONS, each closed: none is kept
             _watcher(w, "nodeX", "wrong").close()

@@ -98,7 +98,7 @@ def _tasks_per_node(text: str) -> list[int]:
 
 def _backend(text: str) -> str:
     """A backend name, or torch's per-device form (``cpu:gloo,cuda:nccl``)."""
-    names = [part.rpartition(":")[2].strip() for part in text.split(",")]
+    names = [part.rpartition(":")[2].strip().lower() for part in text.split(",")]
     if not all(n in BACKENDS for n in names):
         raise ValueError(text)
     return text.strip()
@@ -137,7 +137,7 @@ STAMP = Kind("a name without '/' (a folder's name)", _stamp, ("a/b", ".."))
 HOSTS = Kind("host names, comma-separated", _hosts, ())
 TASKS_PER_NODE = Kind("counts like 4(x2),3", _tasks_per_node, ("x", "4(x", "0", "4(x0)"))
 WATCH = Kind("host:port:token (as launch sets it)", _watch, ("x", "h:70000:t", "h:1:"))
-LOG_LEVEL = choice("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_LEVEL = choice("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL", "FATAL", "NOTSET")
 
 
 @dataclass(frozen=True)

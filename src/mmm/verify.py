@@ -32,16 +32,7 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 
 from mmm import dist
-from mmm.cli import (
-    ArgumentParser,
-    Flags,
-    nonnegative_float,
-    option,
-    override,
-    positive_float,
-    positive_int,
-    random_seed,
-)
+from mmm.cli import ArgumentParser, Flags, nonnegative_float, option, override, positive_int, random_seed
 from mmm.dist import current
 from mmm.errors import RunError, UsageError
 from mmm.log import get_logger
@@ -294,7 +285,7 @@ class VerifyConfig:
     vocab_size: int = option(
         128, "--vocab-size", parse=positive_int, group="check", help="token ids are drawn below this"
     )
-    lr: float = option(1e-3, "--lr", parse=positive_float, group="check", help="AdamW learning rate")
+    lr: float = option(1e-3, "--lr", parse=nonnegative_float, group="check", help="AdamW learning rate")
     seed: int = option(0, "--seed", parse=random_seed, group="check", help="seed of weights and data")
     rtol: float = option(
         1e-5, "--rtol", parse=nonnegative_float, group="check", help="largest relative difference that passes"

@@ -306,9 +306,8 @@ def finish(code: int = 0, *, together: bool | None = None) -> NoReturn:
         # teardown is over: the atexit handlers (a pruned checkpoint's background delete waits up to
         # EXIT_WAIT_S) get their own bound, and a finished run that outlasts it still leaves with its code
         watchdog.cancel()
-        late = threading.Timer(
-            EXIT_HANDLERS_S, _leave_now, args=(code, EXIT_HANDLERS_S, "exit handlers did not finish")
-        )
+        bound = EXIT_HANDLERS_S if code == 0 else TEARDOWN_AFTER_FAILURE_S  # a failed rank frees its device soon
+        late = threading.Timer(bound, _leave_now, args=(code, bound, "exit handlers did not finish"))
         late.daemon = True
         late.start()
         try:  # the program's own atexit handlers still run (os._exit would skip them)

@@ -269,7 +269,7 @@ def record_pid(rank: int, local_size: int = 1) -> None:
     if not folder:
         return
     me, watch = socket.gethostname(), env.get("MMM_WATCH")
-    remote = watch is not None and watch[0] != me
+    remote = watch is not None and not _is_this_host(watch[0], me)
     try:
         if remote:
             os.makedirs(folder, mode=0o700, exist_ok=True)
@@ -304,3 +304,16 @@ def _write_whole(path: Path, text: str) -> None:
 
 
 _pid_file: Path | None = None
+
+
+def _is_this_host(address: str, me: str) -> bool:
+    """``address`` (a host name or an IP address, launch's in ``MMM_WATCH``) is this machine: its name, or an
+    address a socket here can bind to."""
+    if address in (me, me.split(".")[0], "localhost"):
+        return True
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind((socket.gethostbyname(address), 0))
+        return True
+    except OSError:
+        return False

@@ -13,7 +13,8 @@ def read_hostfile(path: str | os.PathLike) -> tuple[list[str], list[int]]:
     """Hosts in first-seen order and slots per host, from a PBS nodefile or an MPI hostfile.
 
     Accepts one host per line (repeats count as slots, as in ``PBS_NODEFILE``),
-    ``host slots=N [max_slots=M]`` (Open MPI) and ``host:N`` (Hydra). ``#`` starts a comment. Anything
+    ``host slots=N [max_slots=M ...]`` (Open MPI's key=value fields; ``count``/``cpu`` for slots) and
+    ``host:N`` (Hydra). ``#`` starts a comment. Anything
     else is refused in one line naming the file, the line and the fix (an IPv6 address among them: the
     ``host:N`` form cannot tell its colons apart).
     """
@@ -51,12 +52,17 @@ def read_hostfile(path: str | os.PathLike) -> tuple[list[str], list[int]]:
             n = int(count)
         if not host:
             raise bad("no host name")
-        for f in fields_[1:]:
-            key, _, value = f.partition("=")
-            if key not in ("slots", "max_slots") or not value.isdigit() or int(value) < 1:
-                raise bad(f"{f!r} is not slots=N or max_slots=N with N >= 1")
-            if key == "slots":
-                n = int(value)
+        # Open MPI's fields: key=value, spaces around "=" allowed; slots (or count, cpu) gives the slots, the
+        # others (max_slots, max-slots, slots_max...) are its own business
+        for f in " ".join(fields_[1:]).replace(" =", "=").replace("= ", "=").split():
+            key, eq, value = f.partition("=")
+            if not eq or not key:
+                raise bad(f"{f!r} is not a key=value field (e.g. slots=4)")
+            if key in ("slots", "count", "cpu", "max_slots", "max-slots", "slots_max", "slots-max"):
+                if not value.isdigit() or int(value) < 1:
+                    raise bad(f"{f!r}: {key} must be a number >= 1")
+                if key in ("slots", "count", "cpu"):
+                    n = int(value)
         slots[host] = slots.get(host, 0) + n
     if not slots:
         raise UsageError(f"hostfile {str(path)!r} lists no hosts")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -79,8 +80,8 @@ def _wait_forwarding(
             signalled.append(signum)
         if signum == signal.SIGINT and _ctrl_c_reached_the_child():
             return  # a second SIGINT would make mpiexec abort instead of stopping the ranks
-        if relay is not None and signum in relay[0]:
-            relay[1](signum)
+        if relay is not None and signum in relay[0]:  # not in the handler: the watch's lock may be held here
+            threading.Thread(target=relay[1], args=(signum,), name="mmm-relay-signal", daemon=True).start()
         elif holder and holder[0].poll() is None:
             holder[0].send_signal((instead or {}).get(signum, signum))
 

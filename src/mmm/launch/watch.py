@@ -42,7 +42,9 @@ class RankWatch(HostWatch):
         self.address = ""
         if listen:  # on the interface the job's other hosts reach this one by, not on every interface
             self._server = socket.create_server((job_interface(hosts), 0), backlog=128)
-            self.address = f"{socket.gethostname()}:{self._server.getsockname()[1]}:{self._token}"
+            host, port = self._server.getsockname()[:2]
+            # the address it listens on (other hosts may resolve launch's host name to another network)
+            self.address = f"{host if host not in ('', '0.0.0.0') else socket.gethostname()}:{port}:{self._token}"
             threading.Thread(target=self._accept, name="mmm-rank-watch-listen", daemon=True).start()
 
     def run(self) -> None:

@@ -8,6 +8,7 @@ import datetime
 import os
 import secrets
 import socket
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -99,8 +100,15 @@ def start(example: str, config: Config, problems: Callable[[Config, int], list[s
     found = problems(config, info.world_size)
     if found:
         raise UsageError("; ".join(found))
-    if config.run.checkpoint_dir and info.num_nodes > 1:
-        check_shared(config.run.checkpoint_dir, "--checkpoint-dir")
+    if config.run.checkpoint_dir:
+        root = Path(config.run.checkpoint_dir)
+        if root.is_dir() and root.stat().st_mode & stat.S_IWOTH:  # refused now, not at the first resume
+            raise UsageError(
+                f"--checkpoint-dir {str(root)!r} can be written by any user (mode o+w), so a resume would refuse "
+                f"what is saved there; give a folder of your own inside it, or remove it (chmod o-w {str(root)!r})"
+            )
+        if info.num_nodes > 1:
+            check_shared(config.run.checkpoint_dir, "--checkpoint-dir")
     outdir = resolve_outdir(config.run.outdir, example)
     keep_earlier_run(config.run, outdir, info)
     return info, outdir, startup
