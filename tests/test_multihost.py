@@ -282,6 +282,22 @@ def test_srun_arbitrary_distribution_meets_at_rank_0s_host(slurm_on_two_hosts, s
 
 
 # --------------------------------------------------------------------------- losing a whole host
+def _lose_at_step(hosts, host: str, p: subprocess.Popen, hist, step: int) -> tuple[str, str]:
+    """Once the job's history reaches ``step``, ``host`` is lost (its link cut, its processes killed); the
+    job's output once launch ends (within 300 s)."""
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and p.poll() is None:
+        if hist.exists() and any(json.loads(x)["iter"] >= step for x in hist.read_text().splitlines() if x):
+            break
+        time.sleep(0.1)
+    assert p.poll() is None, p.communicate()
+    assert hosts.lose(host), f"nothing ran on {host}"
+    try:
+        return p.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"launch did not end after losing {host}")
+
+
 def test_a_job_survives_losing_a_host(shared_dir_3, tmp_path):
     """3 hosts x 2 ranks (dp 3 x tp 2), checkpoints every 2 steps; node3 is lost at step 5 (its link cut,
     every process on it killed). `launch --retries 1 --drop-lost-hosts` probes the hosts, relaunches on
@@ -299,18 +315,7 @@ def test_a_job_survives_losing_a_host(shared_dir_3, tmp_path):
            "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--outdir", str(out)]  # fmt: skip
     env = pbs_job(hosts, shared, MMM_TIMEOUT="60")
     with spawn(hosts.command("node1", cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as p:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and p.poll() is None:
-            hist = out / "history.jsonl"
-            if hist.exists() and any(json.loads(x)["iter"] >= 5 for x in hist.read_text().splitlines() if x):
-                break
-            time.sleep(0.1)
-        assert p.poll() is None, p.communicate()
-        assert hosts.lose("node3"), "nothing ran on node3"
-        try:
-            stdout, stderr = p.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            pytest.fail("the job did not finish after losing a host")
+        stdout, stderr = _lose_at_step(hosts, "node3", p, out / "history.jsonl", 5)
     assert p.returncode == 0, stdout + stderr
     assert "host node3 did not answer after the failure: relaunching on node1, node2 (4 ranks, 2 per host" in stderr
     resumed = [ln for ln in stdout.splitlines() if "checkpoint: resumed from" in ln]
@@ -410,18 +415,7 @@ def test_a_relaunch_the_trainer_would_refuse_is_not_made(shared_dir_3, tmp_path,
            "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--outdir", str(out)]  # fmt: skip
     with spawn(hosts.command("node1", cmd), env=pbs_job(hosts, shared, MMM_TIMEOUT="60"),
                stdout=subprocess.PIPE, stderr=subprocess.PIPE) as p:  # fmt: skip
-        deadline = time.monotonic() + 180
-        hist = out / "history.jsonl"
-        while time.monotonic() < deadline and p.poll() is None:
-            if hist.exists() and any(json.loads(x)["iter"] >= 3 for x in hist.read_text().splitlines() if x):
-                break  # step 2's checkpoint saved
-            time.sleep(0.1)
-        assert p.poll() is None, p.communicate()
-        assert hosts.lose("node3"), "nothing ran on node3"
-        try:
-            stdout, stderr = p.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            pytest.fail("launch did not end after losing a host")
+        stdout, stderr = _lose_at_step(hosts, "node3", p, out / "history.jsonl", 3)  # step 2's checkpoint saved
     said = [ln for ln in stderr.splitlines() if "not relaunched" in ln]
     kept = complete_steps(ck)
     record_property("fault_outcome", ["a lost host; the trainer would refuse the relaunch (--drop-lost-hosts)",

@@ -53,13 +53,6 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _time(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(text)
-    return value
-
-
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -130,7 +123,7 @@ SECONDS = Kind(
     f"a positive number of seconds (at most {MAX_SECONDS:.0f})", _seconds, ("x", "0", "-5", "inf", "nan", "1e20")
 )
 TFLOPS = Kind("a positive number", _positive_float, ("x", "0", "-1", "inf", "nan"))
-UNIX_TIME = Kind("a Unix time in seconds (as launch sets it)", _time, ("x", "inf", "nan", "-1"))
+UNIX_TIME = Kind("a Unix time in seconds (as launch sets it)", _positive_float, ("x", "inf", "nan", "-1"))
 SWITCH = Kind("1 or 0 (true/false, yes/no, on/off)", _switch, ("maybe",))
 TEXT = Kind("any text", str, ())
 STAMP = Kind("a name without '/' (a folder's name)", _stamp, ("a/b", ".."))
