@@ -5,13 +5,13 @@
 #   usage: scripts/bootstrap.sh [VENV_DIR]      (default .venv)
 #   env:   PYTHON (interpreter to build the venv from, default python3)
 #          TORCH_SPEC (default torch==2.13.0; e.g. "torch" on a cluster that provides its own index)
-#          MMM_EXTRAS (default dev,mpi,deepspeed,hf,data,wandb,tensorboard)
+#          MMM_EXTRAS (default dev,mpi,deepspeed,hf,data,float8,wandb,tensorboard)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${1:-.venv}
 PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
-EXTRAS=${MMM_EXTRAS:-dev,mpi,deepspeed,hf,data,wandb,tensorboard}
+EXTRAS=${MMM_EXTRAS:-dev,mpi,deepspeed,hf,data,float8,wandb,tensorboard}
 
 if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
   echo "bootstrap: error: $PYTHON is missing or older than 3.10; set PYTHON=/path/to/python3.10+" >&2

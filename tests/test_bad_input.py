@@ -245,6 +245,9 @@ CONFIG_CASES = [
     ("fsdp_tp", 1, ["--max-iters", "10", "--lr-schedule", "cosine", "--min-lr", "0.1"], ["--min-lr 0.1"]),  # > --lr
     ("fsdp_tp", 1, ["--max-iters", "10", "--warmup-steps", "20"], ["--warmup-steps 20"]),  # longer than the run
     ("fsdp_tp", 2, ["--cp-attention", "ulysses"], ["--cp-attention"]),
+    ("fsdp_tp", 1, ["--float8"], ["--float8 needs --dtype bf16", "got --dtype fp32"]),
+    ("fsdp_tp", 2, ["--float8", "--dtype", "bf16", "--tp", "2"], ["--float8 with --tp 2", "use tp=1"]),
+    ("vit", 2, ["--float8", "--dtype", "bf16", "--strategy", "zero2"], ["--float8 with --strategy zero2"]),
     ("fsdp", 2, ["--batch-size", "5"], ["--batch-size 5"]),
     ("fsdp", 4, ["--batch-size", "30"], ["--batch-size 30 is not divisible by 4 data-parallel ranks"]),
     ("fsdp", 2, ["--offload-optimizer"], ["--offload-optimizer needs --strategy zero1, zero2 or zero3"]),
@@ -388,6 +391,8 @@ REAL_CASES = [
     ("a token file cut short", "fsdp_tp", ["--dataset", "bin", "--data-dir", TOKENS], {}, ["train.bin", "records"]),
     ("a data folder without MNIST", "fsdp", ["--data-dir", EMPTY], {},
      ["holds no MNIST: missing train-images-idx3-ubyte"]),
+    ("a flag this device cannot honour", "fsdp_tp", ["--float8", "--dtype", "bf16"], {},
+     ["--float8 needs a CUDA device with float8 matmuls", "this run's device is cpu"]),
 ]  # fmt: skip
 
 

@@ -22,8 +22,10 @@ What a spec says, and what happens, in this order:
    ``hsdp`` over the 2-D (dp_replicate, dp_shard) mesh; ``ddp`` replicates; ``none`` leaves it. Routed
    experts split by ``ep_plan`` are sharded over ``mesh["efsdp"]`` first, their gradients divided by all
    of dp_shard x cp.
-   ``dtype`` bf16/fp16 keeps fp32 master weights: under FSDP as its mixed-precision policy
-   (fp32 gradient reduction), elsewhere as an autocast around the model's forward.
+   ``dtype`` bf16/fp16 keeps fp32 master weights: under fsdp/hsdp as FSDP2's mixed-precision policy
+   (fp32 gradient reduction), on a mesh of one data-parallel rank too (FSDP2 then shards nothing and
+   only makes the bf16 copies); under ddp/none as an autocast around the model's forward (DDP has no
+   compute copies of its own).
 
 Nothing is silently dropped: :func:`compose_problems` names every option the mesh or the model
 cannot honour, and :func:`parallelize` raises them as one :class:`mmm.errors.UsageError`.
@@ -44,6 +46,7 @@ from mmm.errors import API, Spelling, UsageError
 from mmm.log import get_logger
 from mmm.parallel.activation_checkpoint import AC_MODES, wrap_block
 from mmm.parallel.experts import apply_ep, expert_modules
+from mmm.parallel.float8 import apply_float8, float8_device_problem, float8_problems
 from mmm.parallel.fsdp import DTYPES, apply_ddp, apply_fsdp
 from mmm.parallel.mesh import Mesh, ParallelDims
 from mmm.parallel.meta import has_meta_params, materialize
@@ -69,6 +72,9 @@ class ParallelSpec:
     """torch.compile each block."""
     dtype: str = "fp32"
     """Compute dtype: fp32, bf16, fp16 (master weights and gradient reduction stay fp32)."""
+    float8: bool = False
+    """The linear layers' matmuls in float8 (torchao; CUDA 8.9+, bf16 dtype, tp 1), the heads left in bf16
+    (:mod:`mmm.parallel.float8`)."""
     dp: str = "fsdp"
     """Data parallel: fsdp, hsdp, ddp, none."""
     reshard_after_forward: bool | None = None
@@ -85,10 +91,10 @@ class ParallelSpec:
 def compose_problems(spec: ParallelSpec, dims: ParallelDims) -> list[str]:
     """Every option of ``spec`` this mesh cannot honour, each naming the value and a fix."""
     out = dp_problems(spec.dp, dims) + spec_problems(spec, dims)
-    if spec.reshard_after_forward is not None and not shards_parameters(dims, spec.dp):
+    if spec.reshard_after_forward is not None and not fsdp_wraps(dims, spec.dp, spec.dtype):
         out.append(
-            f"reshard_after_forward={spec.reshard_after_forward} is an FSDP option, but FSDP does not shard "
-            f"here (dp={spec.dp}, dp={dims.dp}, cp={dims.cp}); drop it"
+            f"reshard_after_forward={spec.reshard_after_forward} is an FSDP option, but FSDP does not wrap "
+            f"here (dp={spec.dp}, dp={dims.dp}, cp={dims.cp}, dtype={spec.dtype}); drop it"
         )
     return out
 
@@ -109,6 +115,7 @@ def spec_problems(spec: ParallelSpec, dims: ParallelDims) -> list[str]:
         )
     if dims.ep > 1 and spec.dp != "fsdp":
         out.append(f"ep={dims.ep} needs dp='fsdp' (got dp={spec.dp!r}): the experts are sharded over what remains")
+    out += float8_problems(spec.float8, tp=dims.tp, dtype=spec.dtype, strategy=spec.dp)
     return out + compile_problems(spec.compile, dims)
 
 
@@ -164,9 +171,18 @@ def shards_parameters(dims: ParallelDims, dp: str) -> bool:
     return dp in ("fsdp", "hsdp") and (dims.dp > 1 or dims.cp > 1)
 
 
+def fsdp_wraps(dims: ParallelDims, dp: str, dtype: str = "fp32") -> bool:
+    """FSDP2 wraps the model: to shard it (:func:`shards_parameters`), or, with a single data-parallel
+    rank, for its mixed precision alone (bf16/fp16 compute copies of the fp32 weights, made once per
+    forward; the whole forward then runs in bf16, where an autocast would keep fp32 activations)."""
+    return shards_parameters(dims, dp) or (dp in ("fsdp", "hsdp") and dtype != "fp32")
+
+
 def data_parallel_mesh(mesh: Mesh, dp: str):
     """The mesh FSDP shards over: 1-D ``dp`` (``dp_cp`` with context parallel) for fsdp/ddp, 2-D
     (dp_replicate, dp_shard) for hsdp."""
+    if not (mesh.dp_enabled or mesh.cp_enabled):  # one data-parallel rank: FSDP for mixed precision only
+        return mesh.one_rank_dp()
     if dp == "hsdp":
         return mesh.root["dp_replicate", "dp_shard"]
     return mesh.get("dp_cp") if mesh.cp_enabled else mesh.get("dp")
@@ -252,6 +268,11 @@ def parallelize(
         problems.append(f"{type(model).__name__} is on the meta device: pass device= to materialise it on")
     if problems:
         raise UsageError("; ".join(problems))
+    if spec.float8:  # before the blocks are wrapped and compiled: their linear layers swapped in place
+        problem = float8_device_problem(device or _param_device(model))
+        if problem:
+            raise UsageError(problem)
+        log.info("float8: %d linear layers converted", len(apply_float8(model)))
     if mesh.tp_enabled:
         apply_tp_plan(model, mesh["tp"], spec.tp_plan, allow_missing=spec.allow_missing)
     elif spec.tp_plan:
@@ -277,14 +298,17 @@ def parallelize(
             f"compile={spec.compile}); name them with blocks='...'"
         )
     param_dtype = DTYPES[spec.dtype]
-    if shards_parameters(mesh.dims, spec.dp):
+    if fsdp_wraps(mesh.dims, spec.dp, spec.dtype):
+        reshard = spec.reshard_after_forward
+        if reshard is None and not shards_parameters(mesh.dims, spec.dp):
+            reshard = False  # one rank: FSDP only casts; backward uses the forward's bf16 copies, as under autocast
         apply_fsdp(
             model,
             data_parallel_mesh(mesh, spec.dp),
             blocks=units,
             param_dtype=param_dtype,
-            reshard_after_forward=spec.reshard_after_forward,
-            experts=experts,
+            reshard_after_forward=reshard,
+            experts=experts if mesh.get("efsdp") is not None else [],  # without ep: units of their blocks
             experts_mesh=mesh.get("efsdp"),
             experts_divide=mesh.size("dp_shard_cp"),
         )

@@ -319,6 +319,21 @@ class Mesh:
         """Every named sub-mesh this mesh has (enabled axes, then flattened views)."""
         return tuple(self._views)
 
+    def one_rank_dp(self) -> DeviceMesh:
+        """A data-parallel mesh of this rank alone (``dp_shard`` of size 1), for FSDP where dp = cp = 1:
+        its mixed precision without sharding. Cut from the root beside its other axes, so FSDP can join
+        it to tensor parallel's; made once (new groups: every rank calls it, the first time)."""
+        one = getattr(self, "_one_rank_dp", None)
+        if one is None:
+            names = self.root.mesh_dim_names or ()
+            if self.root.size() == 1:
+                one = self.root
+            else:
+                split = self.root._unflatten(0, (1, self.root.size(0)), ("dp_shard", names[0]))
+                one = split["dp_shard"]
+            self._one_rank_dp = one
+        return one
+
     def get(self, name: str) -> DeviceMesh | None:
         if name not in AXES and name not in FLAT_VIEWS and name not in EXPERT_VIEWS:
             names = ", ".join(AXES + tuple(FLAT_VIEWS) + EXPERT_VIEWS)

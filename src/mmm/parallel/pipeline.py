@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mmm.errors import API, Spelling, UsageError
-from mmm.parallel.compose import ParallelSpec, block_items, find_blocks, get_submodule, parallelize, shards_parameters
+from mmm.parallel.compose import ParallelSpec, block_items, find_blocks, fsdp_wraps, get_submodule, parallelize
 from mmm.parallel.mesh import Mesh
 from mmm.parallel.tensor import loss_parallel_context, resolve_plan
 
@@ -476,7 +476,7 @@ def build_pipeline(
     ranges = stage_layer_ranges(n_blocks, num_stages, split_points)
     mine = stage_ids(mesh.coord("pp"), pp, stages_per_rank)
     stage_spec = spec.replace(blocks=path, allow_missing=True)
-    if spec.reshard_after_forward is None and shards_parameters(mesh.dims, spec.dp):
+    if spec.reshard_after_forward is None and fsdp_wraps(mesh.dims, spec.dp, spec.dtype):
         # a stage runs forward for every microbatch before their backwards: resharding after each
         # forward would all-gather its parameters again for every microbatch, twice
         stage_spec = stage_spec.replace(reshard_after_forward=False)

@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from mmm import dist as mdist
 from mmm.measure import CommCounter, DeviceWork
 from mmm.parallel import ParallelDims, init_mesh, meta_init, parallelize
-from mmm.parallel.compose import shards_parameters
+from mmm.parallel.compose import fsdp_wraps
 from mmm.parallel.context import ring_attention
 from mmm.parallel.experts import plan_routing
 from mmm.parallel.pipeline import stage_ids, stage_layer_ranges
@@ -131,8 +131,8 @@ def _blocks_once(recipe, cfg, how, seqs: int, tp: int, fsdp: bool) -> int:
     """The bytes the memory-bound ops of one block move in one microbatch's forward and backward at
     ``tp`` (fake tensors): a model of two blocks less one of one block, each parallelised as the trainer
     does (TP and sequence parallel, its activation checkpointing) in a fake group of ``tp`` ranks,
-    without FSDP's own work: with ``fsdp`` its parameters in the compute dtype, as FSDP gathers them;
-    without, fp32 under autocast, as the trainer runs a model FSDP does not wrap."""
+    without FSDP's own work: with ``fsdp`` its parameters in the compute dtype, as FSDP gathers them
+    (also on one data-parallel rank, for its mixed precision); without (ddp), fp32 under autocast."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dtype = torch.bfloat16 if how.dtype == "bf16" and fsdp else torch.float32
@@ -183,7 +183,7 @@ def block_step(config: Config, world: int, combo: Combo, cache: dict | None = No
     cfg = recipe.model_config(config.train)
     tp = d["tp"]
     blocks, microbatches, seqs = _rank0_share(config, world, combo)
-    fsdp = shards_parameters(ParallelDims(world, **d), combo.strategy)
+    fsdp = fsdp_wraps(ParallelDims(world, **d), combo.strategy, how.dtype)
     key = (seqs, tp, how.ac, how.dtype, fsdp)
     cache = {} if cache is None else cache
     if key not in cache:

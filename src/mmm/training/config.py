@@ -38,6 +38,7 @@ from mmm.parallel.activation_checkpoint import AC_MODES
 from mmm.parallel.checkpoint_folder import checkpoint_problems
 from mmm.parallel.compose import compile_problems, shards_parameters
 from mmm.parallel.context import CP_KINDS
+from mmm.parallel.float8 import float8_problems
 from mmm.parallel.mesh import ParallelDims, check_degrees
 from mmm.parallel.pipeline import SCHEDULES
 from mmm.parallel.strategy import STRATEGIES, strategy_problems
@@ -123,6 +124,13 @@ class ParallelConfig(MeshConfig):
         help="compute dtype; bf16 keeps fp32 master weights and fp32 gradient reduction",
     )
     compile: bool = option(False, "--compile", group="training", help="torch.compile each block")
+    float8: bool = option(
+        False,
+        "--float8",
+        group="training",
+        help="linear layers' matmuls in float8 (torchao; needs --dtype bf16, a CUDA device of compute capability "
+        "8.9+ such as an H100, and tp=1; pays most with --compile); the output head stays bf16",
+    )
     ac: str = option(
         "none",
         "--ac",
@@ -155,6 +163,7 @@ class ParallelConfig(MeshConfig):
         out += self.pipeline_flag_problems(dims)
         out += strategy_problems(self.strategy, dims, offload_optimizer=self.offload_optimizer, spell=FLAGS)
         out += compile_problems(self.compile, dims, spell=FLAGS)
+        out += float8_problems(self.float8, tp=dims.tp, dtype=self.dtype, strategy=self.strategy, spell=FLAGS)
         return out
 
     def pipeline_flag_problems(self, dims: ParallelDims) -> list[str]:

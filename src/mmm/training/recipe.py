@@ -26,7 +26,8 @@ from torch import nn
 from mmm.cli import nonempty_text
 from mmm.errors import UsageError
 from mmm.parallel.compose import ParallelSpec
-from mmm.parallel.strategy import Engine, build_engine
+from mmm.parallel.optim import adamw
+from mmm.parallel.strategy import ZERO_STAGES, Engine, build_engine
 from mmm.training.config import Config, ParallelConfig, RunConfig, trainer_flags
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -243,7 +244,10 @@ class Recipe:
             strategy=how.strategy,
             device=device,
             max_grad_norm=self.max_grad_norm(what),
-            make_optimizer=lambda params: torch.optim.AdamW(params, **args),
+            # DeepSpeed flattens the parameters it is given into its own partitions: torch's plain AdamW there
+            make_optimizer=(lambda params: torch.optim.AdamW(params, **args))
+            if how.strategy in ZERO_STAGES
+            else (lambda params: adamw(params, **args)),
             global_batch=what.batch_size,
             optimizer_args=args,
             offload_optimizer=how.offload_optimizer,

@@ -16,6 +16,7 @@ from mmm.errors import UsageError
 from mmm.log import get_logger
 from mmm.parallel import describe_sharding, init_mesh, meta_init
 from mmm.parallel.meta import count_params
+from mmm.parallel.optim import implementation
 from mmm.training.checkpoints import open_checkpoints
 from mmm.training.config import Config
 from mmm.training.loop import fit
@@ -170,6 +171,8 @@ def train(recipe: Recipe, config: Config, info, outdir, startup: Startup, *, pic
         "mesh": mesh.dims.degrees,
         "strategy": how.strategy,
         "dtype": how.dtype,
+        # how AdamW steps: fused, or torch's default (DeepSpeed's own under ZeRO)
+        "optimizer": implementation(engine.optimizer) if hasattr(engine, "optimizer") else "deepspeed",
         "ac": how.ac,
         "compile": how.compile,
         "compiled_graphs": compiled_graphs(),

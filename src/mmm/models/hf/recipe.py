@@ -19,13 +19,13 @@ from functools import cache
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from mmm.cli import FLAGS, flag_problems, option, positive_int
 from mmm.data import DATASETS, dataset_problems, local_batches, make_dataset
 from mmm.errors import UsageError
 from mmm.parallel.compose import ParallelSpec
 from mmm.parallel.experts import hf_ep_plan
+from mmm.parallel.loss import cross_entropy
 from mmm.parallel.meta import meta_init
 from mmm.parallel.pipeline import pipeline_problems
 from mmm.parallel.tensor import HF_STYLES, hf_experts_plan, hf_tp_plan
@@ -156,6 +156,7 @@ class HFCausalLMRecipe(Recipe):
         "strategy",
         "dtype",
         "compile",
+        "float8",
         "ac",
         "reshard_after_forward",
         "ep",
@@ -261,6 +262,7 @@ class HFCausalLMRecipe(Recipe):
             blocks="model.layers",
             ac=how.ac,
             compile=how.compile,
+            float8=how.float8,
             dtype=how.dtype,
             reshard_after_forward=how.reshard,
         )
@@ -271,7 +273,7 @@ class HFCausalLMRecipe(Recipe):
 
     def loss(self, outputs, targets):
         logits = outputs.logits if hasattr(outputs, "logits") else outputs
-        return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+        return cross_entropy(logits, targets)
 
     def flops_per_unit(self, model_config: HFModel) -> float:
         """Per token: 6 per parameter outside the input embedding, plus attention's scores and values

@@ -8,7 +8,6 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from mmm.cli import FLAGS, Flags, flag_problems, nonnegative_float, nonnegative_int, option, positive_int
 from mmm.data import DATASETS, data_vocab_size, dataset_problems, local_batches, make_dataset
@@ -23,6 +22,7 @@ from mmm.models.llama.tp import llama_tp_plan, tp_problems
 from mmm.parallel.compose import ParallelSpec
 from mmm.parallel.context import cp_problems, shard_sequence
 from mmm.parallel.experts import balance_experts, ep_problems, routers
+from mmm.parallel.loss import cross_entropy
 from mmm.parallel.pipeline import pipeline_problems
 from mmm.parallel.strategy import Engine
 from mmm.training.config import Config
@@ -346,14 +346,16 @@ def parallel_spec(how, cfg: LlamaConfig | None = None) -> ParallelSpec:
         blocks="layers",
         ac=how.ac,
         compile=how.compile,
+        float8=how.float8,
         dtype=how.dtype,
         reshard_after_forward=how.reshard,
     )
 
 
 def loss_fn(logits, labels):
-    """The trainer's loss: cross-entropy over every token, in fp32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+    """The trainer's loss: cross-entropy over every token, in fp32 (no fp32 copy of the logits: see
+    :mod:`mmm.parallel.loss`)."""
+    return cross_entropy(logits, labels)
 
 
 def heldout_batches(config: Config[LlamaTrainConfig], cfg, mesh, device) -> list:

@@ -73,7 +73,7 @@ class ViTRecipe(Recipe):
     name = "vit"
     config = ViTTrainConfig
     # a dp x tp mesh: its degrees, the data-parallel strategy, dtype, compile and AC
-    parallel_flags = ("tp", "dp_replicate", "strategy", "offload_optimizer", "dtype", "compile", "ac")
+    parallel_flags = ("tp", "dp_replicate", "strategy", "offload_optimizer", "dtype", "compile", "float8", "ac")
     titles = {"mesh": "device mesh (dp_replicate x dp_shard x tp = world size; dp_shard is inferred)"}
 
     def problems(self, config: Config[ViTTrainConfig], world_size: int) -> list[str]:
@@ -94,7 +94,9 @@ class ViTRecipe(Recipe):
         return f"model: {model_config} (width {model_config.dim})"
 
     def spec(self, how, model_config) -> ParallelSpec:
-        return ParallelSpec(tp_plan=VIT_TP_PLAN, blocks="blocks", ac=how.ac, compile=how.compile, dtype=how.dtype)
+        return ParallelSpec(
+            tp_plan=VIT_TP_PLAN, blocks="blocks", ac=how.ac, compile=how.compile, dtype=how.dtype, float8=how.float8
+        )
 
     def loss(self, outputs, targets):
         return F.cross_entropy(outputs.float(), targets)

@@ -1,0 +1,126 @@
+"""The step's kernels: the chunked cross-entropy (fp32 numerics, no fp32 copy of the logits kept), torch's
+RMSNorm kernel in mmm's models, fused AdamW and when it is not taken. In one process; the real runs
+(tests/test_experts.py, tests/test_fsdp_tp.py) check what the trainer picks on several ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mmm.models.llama.model import RMSNorm
+from mmm.models.llama.recipe import loss_fn
+from mmm.parallel.loss import cross_entropy
+from mmm.parallel.optim import adamw, fused_problem, implementation
+
+
+def _pair(dtype, rows=37, vocab=50):
+    torch.manual_seed(0)
+    logits = torch.randn(rows, vocab).to(dtype).requires_grad_()
+    targets = torch.randint(0, vocab, (rows,))
+    return logits, logits.detach().clone().requires_grad_(), targets
+
+
+@pytest.mark.parametrize("chunk", [500, 2**26], ids=["8-chunks", "one-chunk"])
+def test_cross_entropy_is_torchs_in_fp32(chunk):
+    mine, ref, targets = _pair(torch.float32)
+    targets[3] = -100  # ignored, as F.cross_entropy ignores it
+    a = cross_entropy(mine, targets, chunk_elements=chunk)
+    b = F.cross_entropy(ref, targets)
+    (a * 0.5).backward()
+    (b * 0.5).backward()
+    assert a.item() == pytest.approx(b.item(), rel=1e-6)
+    assert torch.allclose(mine.grad, ref.grad, rtol=1e-5, atol=1e-8)
+    assert mine.grad[3].abs().max() == 0
+
+
+def test_cross_entropy_in_bf16_gives_the_float_forms_gradient():
+    """bf16 logits: the loss in fp32, and the gradient ``F.cross_entropy(logits.float())`` hands back,
+    bit for bit (both round the same fp32 values to bf16 once), also under a scale (microbatches)."""
+    mine, ref, targets = _pair(torch.bfloat16, rows=64, vocab=300)
+    a = cross_entropy(mine, targets, chunk_elements=3000)
+    b = F.cross_entropy(ref.float(), targets)
+    assert a.dtype == torch.float32 and a.item() == pytest.approx(b.item(), rel=1e-6)
+    a.backward()
+    b.backward()
+    assert torch.equal(mine.grad, ref.grad)
+
+
+def _saved_bytes(fn, logits, targets) -> int:
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(logits, targets)
+    return sum(saved)
+
+
+def test_the_trainers_loss_keeps_no_fp32_copy_of_the_logits():
+    """What backward keeps of bf16 logits: their gradient in bf16 (2 bytes a logit), where
+    ``F.cross_entropy(logits.float())`` keeps an fp32 log-softmax (4 bytes a logit)."""
+    logits = torch.randn(4, 16, 512, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, 512, (4, 16))
+    size = logits.numel() * logits.element_size()
+    assert _saved_bytes(loss_fn, logits, targets) <= size + 1024
+    plain = _saved_bytes(lambda x, t: F.cross_entropy(x.flatten(0, 1).float(), t.flatten()), logits, targets)
+    assert plain >= 2 * size  # what the trainer's loss would keep without its own kernel
+
+
+def test_rmsnorm_is_torchs_kernel(monkeypatch):
+    """mmm's RMSNorm calls ``F.rms_norm`` (a fused kernel on CUDA; on CPU torch decomposes it): the same
+    values as the hand-written fp32 form."""
+    norm = RMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(2, 8, 64)
+    xf = x.float()
+    by_hand = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)) * norm.weight
+    calls = []
+    kernel = F.rms_norm
+    monkeypatch.setattr(F, "rms_norm", lambda *a, **k: calls.append(a[1]) or kernel(*a, **k))
+    assert torch.allclose(norm(x), by_hand, rtol=1e-6, atol=1e-6)
+    assert calls == [(64,)]
+
+
+def test_adamw_is_fused_where_it_can_be():
+    params = [torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4))]
+    opt = adamw(params, lr=1e-3)
+    assert implementation(opt) == "fused"
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()  # the CPU kernel runs
+    # the caller's choice is kept
+    assert implementation(adamw(params, lr=1e-3, foreach=True)) == "foreach"
+    # reasons it is not taken
+    assert "not floating point" in fused_problem([torch.zeros(2, dtype=torch.long)])
+    assert "no fused kernel on meta" in fused_problem([torch.zeros(2, device="meta")])
+    assert implementation(adamw([torch.nn.Parameter(torch.zeros(2, device="meta"))], lr=1e-3)) == "default"
+
+
+def test_float8_converts_the_blocks_and_leaves_head_and_router():
+    """torchao's Float8Linear in place of the blocks' linear layers (their matmuls then differ from
+    bf16's: float8 is on), the output head and a mixture's router left as they are; a device without
+    float8 matmuls refused in one line."""
+    pytest.importorskip("torchao.float8", reason="torchao is not installed (pip install torchao, or mmm[float8])")
+    from mmm.models.llama.model import Llama, LlamaConfig
+    from mmm.parallel.float8 import apply_float8, float8_device_problem
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=128, seq_len=32, moe_experts=16)
+    plain = Llama(cfg).to(torch.bfloat16)
+    model = Llama(cfg).to(torch.bfloat16)
+    model.load_state_dict(plain.state_dict())
+    converted = apply_float8(model)
+    assert "layers.0.attention.wq" in converted and not any(".router" in n or n == "output" for n in converted)
+    kinds = {name: type(m).__name__ for name, m in model.named_modules()}
+    assert kinds["output"] == "Linear" and kinds["layers.0.moe.router.gate"] == "Linear"
+    assert kinds["layers.0.attention.wq"] == "Float8Linear"
+    tokens = torch.randint(0, 128, (2, 32))
+    a, b = model(tokens), plain(tokens)
+    assert a.shape == b.shape and torch.isfinite(a.float()).all()
+    assert not torch.equal(a, b)  # the matmuls really ran in float8
+    assert (a.float() - b.float()).abs().max() < 0.5  # and close to bf16's
+    assert "this run's device is cpu" in float8_device_problem(torch.device("cpu"))
