@@ -1,20 +1,25 @@
-"""The fsdp_tp trainer's one-device bf16 step written as a plain torch loop, and where its time goes.
+"""The fsdp_tp trainer's one-device step written as a plain torch loop, and where its time goes.
 
-    python benchmarks/raw_one_gpu.py --dim 1024 --n-layers 12 --n-heads 16 --vocab-size 32000 --seq-len 1024
+    python benchmarks/raw_one_gpu.py --dim 2048 --n-layers 16 --n-heads 16 --vocab-size 32000 --seq-len 2048
 
 The same Llama and synthetic batches as ``python -m mmm.examples.fsdp_tp`` on one rank with the same
-flags, fp32 parameters, the forward under ``torch.autocast(bf16)`` (what the trainer does without
-FSDP), the loss in fp32, AdamW: forward, backward, optimizer step and nothing else. Prints the mean
-step over ``--iters`` steps after ``--warmup`` (device synchronised before and after: the device's
-pace, not the host's), then a profile of ``--profile`` steps: the kernels that take the most device
-time and the share of the step the device is busy (a low share: the host launching kernels is the
-limit). benchmarks/one_gpu.py measures the trainer on the same model.
+flags, and the same speed habits written by hand with torch alone: fp32 master weights with bf16
+compute copies (FSDP2's ``fully_shard`` with a ``MixedPrecisionPolicy`` on a one-device mesh), torch's
+RMSNorm kernel (the model's own), ``torch.optim.AdamW(fused=True)``, the loss ``F.cross_entropy`` of the
+logits in fp32; ``--compile`` compiles each block, ``--float8`` swaps the blocks' linear layers for
+torchao's Float8Linear. Forward, backward, optimizer step and nothing else. Prints the mean step over
+``--iters`` steps after ``--warmup`` (device synchronised before and after: the device's pace, not
+the host's), then a profile of ``--profile`` steps: the kernels that take the most device time and the
+share of the step the device is busy (a low share: the host launching kernels is the limit).
+``--habits none`` is the loop without them: fp32 weights under ``torch.autocast``, torch's default
+AdamW. benchmarks/one_gpu.py measures the trainer against this loop on the same model.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -38,19 +43,22 @@ def kernel_kind(name: str) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dim", type=int, default=1024)
-    p.add_argument("--n-layers", type=int, default=12)
+    p.add_argument("--dim", type=int, default=2048)
+    p.add_argument("--n-layers", type=int, default=16)
     p.add_argument("--n-heads", type=int, default=16)
     p.add_argument("--vocab-size", type=int, default=32000)
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
+    p.add_argument("--habits", choices=["fast", "none"], default="fast", help="the speed habits, or none of them")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    p.add_argument("--float8", action="store_true", help="the blocks' linear layers in float8 (torchao)")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--profile", type=int, default=3, help="steps profiled after the timed ones (0: none)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -59,17 +67,41 @@ def main() -> None:
     cfg = LlamaConfig(
         dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, vocab_size=args.vocab_size, seq_len=args.seq_len
     )
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    fast = args.habits == "fast"
     with meta_init():
         model = Llama(cfg)
     materialize(model, device=device, seed=args.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    if args.float8:
+        from torchao.float8 import convert_to_float8_training
+
+        convert_to_float8_training(model, module_filter_fn=lambda m, name: name.startswith("layers."))
+    if args.compile:
+        for key, block in list(model.layers.items()):
+            model.layers[key] = torch.compile(block)
+    autocast = dtype != torch.float32
+    if fast and dtype != torch.float32:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if not dist.is_initialized():
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29512")
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+        mesh = init_device_mesh(device.type, (1,))
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+        fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+        autocast = False
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=fast or None)
     data = make_dataset("synthetic", vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
     batches = local_batches(data, seed=args.seed, global_batch=args.batch_size, dp_rank=0, dp_size=1, device=device)
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
 
     def step():
         inputs, labels = next(batches)
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+        with torch.autocast(device.type, dtype=dtype, enabled=autocast):
             logits = model(inputs)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
         loss.backward()
@@ -89,6 +121,9 @@ def main() -> None:
     row = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else device.type,
         "dtype": args.dtype,
+        "habits": args.habits,
+        "compile": args.compile,
+        "float8": args.float8,
         "step_s": mean,
         "peak_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
         "last_loss": losses[-1].item(),

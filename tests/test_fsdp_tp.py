@@ -127,6 +127,8 @@ def bf16_reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("single_bf16")
     res = run([sys.executable, *MODULE, *MODEL, "--dtype", "bf16", "--outdir", str(out)], timeout=180)
     assert res.returncode == 0, res.output
+    # one rank: FSDP2's bf16 compute copies (no sharding), not an autocast over fp32 weights
+    assert json.loads((out / "summary.json").read_text())["mixed_precision"] == "fsdp"
     return losses(out)
 
 
@@ -134,7 +136,7 @@ def bf16_reference(tmp_path_factory):
     "n, flags",
     [
         (4, ["--tp", "2"]),  # FSDP2's mixed-precision policy
-        (2, ["--pp", "2", "--microbatches", "2"]),  # pipeline stages without FSDP: autocast
+        (2, ["--pp", "2", "--microbatches", "2"]),  # pipeline stages with dp 1: FSDP2 casts, shards nothing
         (4, ["--pp", "2", "--microbatches", "2"]),  # pipeline stages with FSDP (dp 2)
     ],
     ids=["dp2-tp2", "pp2", "pp2-dp2"],
@@ -147,4 +149,5 @@ def test_bf16_really_computes_in_bf16(reference, bf16_reference, tmp_path, n, fl
     assert max_rel_diff(bf16_reference, reference) > RTOL  # one process: bf16 differs from fp32
     assert max_rel_diff(got, reference) > RTOL, (got, reference)  # beyond fp32 equivalence: bf16 is not off
     assert max_rel_diff(got, bf16_reference) < 2e-2, (got, bf16_reference)
-    assert json.loads((tmp_path / "summary.json").read_text())["dtype"] == "bf16"
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["dtype"], summary["mixed_precision"]) == ("bf16", "fsdp")

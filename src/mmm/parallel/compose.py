@@ -332,6 +332,22 @@ def _tensor_device_type(values) -> str:
     return next((v.device.type for v in values if isinstance(v, torch.Tensor)), "cpu")
 
 
+def mixed_precision(model: nn.Module) -> str:
+    """How ``model`` (after :func:`parallelize`) computes in a lower precision: ``fsdp`` (FSDP2's compute
+    copies), ``autocast``, or ``none``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    roots = getattr(model, "parts", None) or [model]  # a pipeline's StageSet: its stages
+    for module in (m for root in roots for m in root.modules()):
+        if getattr(module.forward, "mmm_autocast", False):
+            return "autocast"
+        if isinstance(module, FSDPModule):
+            policy = module._get_fsdp_state()._mp_policy
+            if policy.param_dtype not in (None, torch.float32):
+                return "fsdp"
+    return "none"
+
+
 def autocast_forward(model: nn.Module, dtype: torch.dtype, *, device_type: str) -> nn.Module:
     """Run ``model.forward`` under ``torch.autocast(dtype)`` (parameters stay fp32); names unchanged."""
     forward = model.forward
@@ -343,5 +359,6 @@ def autocast_forward(model: nn.Module, dtype: torch.dtype, *, device_type: str) 
         with torch.autocast(where, dtype=dtype):
             return forward(*args, **kwargs)
 
+    run.mmm_autocast = True
     model.forward = run
     return model

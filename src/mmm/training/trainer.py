@@ -15,6 +15,7 @@ from mmm import dist, env
 from mmm.errors import UsageError
 from mmm.log import get_logger
 from mmm.parallel import describe_sharding, init_mesh, meta_init
+from mmm.parallel.compose import mixed_precision
 from mmm.parallel.meta import count_params
 from mmm.parallel.optim import implementation
 from mmm.training.checkpoints import open_checkpoints
@@ -171,6 +172,7 @@ def train(recipe: Recipe, config: Config, info, outdir, startup: Startup, *, pic
         "mesh": mesh.dims.degrees,
         "strategy": how.strategy,
         "dtype": how.dtype,
+        "mixed_precision": mixed_precision(engine.module) if hasattr(engine, "optimizer") else "deepspeed",
         # how AdamW steps: fused, or torch's default (DeepSpeed's own under ZeRO)
         "optimizer": implementation(engine.optimizer) if hasattr(engine, "optimizer") else "deepspeed",
         "ac": how.ac,
