@@ -19,13 +19,7 @@ from mmm.training.startup import Startup, restart_attempt
 
 
 def make_checkpointer(
-    engine,
-    *,
-    directory: str | None,
-    keep_last: int = 0,
-    meta: dict[str, Any],
-    log=None,
-    async_save: bool = False,
+    engine, *, directory: str | None, keep_last: int = 0, meta: dict[str, Any], log=None, async_save: bool = False
 ):
     """A :class:`mmm.parallel.checkpoint.Checkpointer` saving under ``directory`` (``--checkpoint-dir``;
     None without one), keeping the ``keep_last`` newest (0: all), writing in the background with
