@@ -111,6 +111,7 @@ class _InFlight:
     future: Future
     started: float  # time.perf_counter() when the save was called
     stall_s: float = 0.0  # how long the save held up training (the copy to host memory)
+    written_s: float | None = None  # from the save's call until this rank's background write ended
     written: threading.Event = field(default_factory=threading.Event)  # rank 0: written and committed, or failed
     commit_error: BaseException | None = None  # rank 0: why the commit failed
 
@@ -324,6 +325,7 @@ class Checkpointer:
                     raise
                 raise full from None
         inflight = _InFlight(step, final, future, t0, stall_s=time.perf_counter() - t0)
+        future.add_done_callback(lambda _: setattr(inflight, "written_s", time.perf_counter() - t0))
         if rank == 0:  # in the writing thread (or here, if already written): no collective in there
             future.add_done_callback(lambda done: self._commit_written(inflight, done, tmp, meta))
         self._pending = inflight
@@ -367,10 +369,10 @@ class Checkpointer:
                 if full is not None:
                     raise full from None
                 raise error
-        self.last_save_s = time.perf_counter() - inflight.started
+        self.last_save_s = inflight.written_s or time.perf_counter() - inflight.started
         if self.log is not None:
             self.log.info(
-                "checkpoint: step %d saved to %s in %.2fs (training held up %.2fs)",
+                "checkpoint: step %d saved to %s in %.2fs in the background (training held up %.2fs)",
                 inflight.step,
                 inflight.final,
                 self.last_save_s,
