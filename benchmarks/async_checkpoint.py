@@ -69,7 +69,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--steps", type=int, default=13, help="steps per run (step 1, a warm-up, is left out)")
-    p.add_argument("--every", type=int, default=2, help="save every N steps")
+    p.add_argument("--every", type=int, default=4, help="save every N steps")
     p.add_argument("--repeats", type=int, default=3, help="sync/async pairs, alternated")
     p.add_argument("--root", type=Path, default=None, help="where the runs write (default: a fresh temporary folder)")
     args = p.parse_args()

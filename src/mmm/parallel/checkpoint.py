@@ -272,11 +272,12 @@ class Checkpointer:
         }
 
     # ------------------------------------------------------------------ asynchronous save
-    def _staging(self) -> DefaultStager | None:
-        """Where this rank's state is copied for the background write: on an accelerator, host memory
+    def _staging(self, state: dict[str, Any]) -> DefaultStager | None:
+        """Where this rank's ``state`` is copied for the background write: from an accelerator, host memory
         kept for the next save (pinned where CUDA can pin it: faster copies); on CPU, torch's default (a
         plain copy, freed once written: pinning needs a device)."""
-        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        tensors = (v for v in state["model"].values() if isinstance(v, torch.Tensor))
+        device = next(tensors, torch.empty(0)).device
         if device.type == "cpu":
             return None
         if self._stager is None:
@@ -312,11 +313,12 @@ class Checkpointer:
                 # that everything of this step is written
                 all_ok(error)
                 dying = faults.save_fault("shards", step, rank=rank)
+                state = self._state()
                 future = dcp.async_save(
-                    self._state(),
+                    state,
                     checkpoint_id=str(tmp),
                     process_group=self._group,
-                    async_stager=self._staging(),
+                    async_stager=self._staging(state),
                     planner=_KilledWhileWriting(step) if dying else None,
                 )
             except BaseException as e:
