@@ -90,6 +90,9 @@ def main() -> None:
             f"{name:6} {m['plain']:7.3f} {m['after']:13.3f} {m['stall']:7.3f} {m['held']:8.3f} {m['write']:11.3f} "
             f"{m['loop']:7.2f}"
         )
+    for mode, name in ((False, "sync"), (True, "async")):
+        each = ", ".join(f"{r['stall']:.2f}/{r['held']:.2f}/{r['loop']:.1f}" for r in runs[mode])
+        print(f"{name} runs (stall/held up/loop): {each}")
     s, a = med[False], med[True]
     print(
         f"async/sync: stall at a save {a['stall'] / s['stall']:.2f}, time a save holds training up "
