@@ -163,7 +163,9 @@ def test_resume_refuses_other_data(saved_run, tmp_path, flag, value, saved):
 
 
 def test_two_sigterms_at_once_still_finish_the_step_and_save(tmp_path):
-    """srun and the scheduler both signal: a SIGTERM repeated within milliseconds is the same request."""
+    """srun and the scheduler both signal: a SIGTERM repeated within milliseconds is the same request. With
+    saves written in the background (--checkpoint-async), the stop waits for the one in flight (step 2) and
+    for its own (step 4): both complete when the run exits."""
     ck, out = tmp_path / "ck", tmp_path / "out"
     res = run(
         launch(
@@ -177,6 +179,9 @@ def test_two_sigterms_at_once_still_finish_the_step_and_save(tmp_path):
             "20",
             "--checkpoint-dir",
             str(ck),
+            "--checkpoint-every",
+            "2",
+            "--checkpoint-async",
             "--outdir",
             str(out),
         ),
@@ -184,7 +189,11 @@ def test_two_sigterms_at_once_still_finish_the_step_and_save(tmp_path):
         timeout=120,
     )
     assert res.returncode == 0, res.output
-    assert complete_steps(ck) == [4], res.output
+    assert complete_steps(ck) == [2, 4] and sorted(p.name for p in ck.iterdir()) == [
+        "step-00000002",
+        "step-00000004",
+    ], res.output
+    assert Checkpointer(ck).damage(4) is None
     assert json.loads((out / "summary.json").read_text())["stopped_by"] == "SIGTERM"
 
 
@@ -388,3 +397,103 @@ def test_a_checkpoint_runs_no_code_and_others_cannot_write_to_it(tmp_path):
     os.chmod(step_dir(root, 1), 0o755)
     os.chmod(root, 0o775)  # group-writable (a project's shared folder): the group's, allowed
     assert saver(root).load("1")["step"] == 1
+
+
+def async_saver(root: Path, keep_last: int = 0) -> Checkpointer:
+    ck = saver(root, keep_last)
+    return Checkpointer(
+        root, model=ck.model, optimizer=ck.optimizer, keep_last=keep_last, meta=ck.meta, async_save=True
+    )
+
+
+def train_a_step(ck: Checkpointer) -> None:
+    ck.model(torch.ones(2, 4)).sum().backward()
+    ck.optimizer.step()
+    ck.optimizer.zero_grad()
+
+
+@pytest.fixture
+def held_write(monkeypatch):
+    """Hold every background write half-way (the shards' files open, nothing written) until ``go`` is set;
+    ``started`` is set once one is held."""
+    import threading
+
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    started, go = threading.Event(), threading.Event()
+    real = DefaultSavePlanner.resolve_data
+
+    def held(self, write_item):
+        started.set()
+        assert go.wait(30), "the write was never let go"
+        return real(self, write_item)
+
+    monkeypatch.setattr(DefaultSavePlanner, "resolve_data", held)
+    yield started, go
+    go.set()
+
+
+def test_an_async_save_is_complete_only_once_written_and_a_crash_before_leaves_the_one_before(tmp_path, held_write):
+    """While a background write is in flight, training changes the state freely; the step is not complete,
+    and a crash then (the folder as it is, copied) leaves the previous checkpoint as 'latest' and the partial
+    one a .tmp folder that recover() removes. Written, it holds the state of the moment it was saved: the
+    same tensors as a synchronous save of that moment."""
+    from mmm.parallel.checkpoint_folder import recover
+
+    started, go = held_write
+    go.set()
+    ck = async_saver(tmp_path / "a")
+    train_a_step(ck)
+    ck.save(1)
+    assert ck.wait() == step_dir(tmp_path / "a", 1) and complete_steps(tmp_path / "a") == [1]
+    train_a_step(ck)
+    Checkpointer(tmp_path / "sync", model=ck.model, optimizer=ck.optimizer, meta=ck.meta).save(2)  # the same state
+    go.clear()
+    ck.save(2)
+    assert started.wait(30)
+    state_at_2 = {k: v.clone() for k, v in ck.model.state_dict().items()}
+    train_a_step(ck)  # the training thread goes on while step 2 is written
+    assert complete_steps(tmp_path / "a") == [1]  # in flight: not complete
+    crashed = tmp_path / "crashed"
+    shutil.copytree(tmp_path / "a", crashed)  # what a crash now leaves on disk
+    assert (crashed / ".step-00000002.tmp").is_dir()
+    assert saver(crashed).resolve("latest") == 1
+    recover(crashed)
+    wait_for_deletes(10)
+    assert sorted(p.name for p in crashed.iterdir()) == ["step-00000001"]
+    go.set()
+    assert ck.wait() == step_dir(tmp_path / "a", 2)
+    assert complete_steps(tmp_path / "a") == [1, 2] and ck.wait() is None
+    loaded = async_saver(tmp_path / "a")
+    assert loaded.load("latest")["step"] == 2
+    assert all(torch.equal(loaded.model.state_dict()[k], v) for k, v in state_at_2.items())
+    from_sync = saver(tmp_path / "sync")
+    from_sync.load("2")
+    for a, b in zip(loaded.optimizer.state.values(), from_sync.optimizer.state.values(), strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    ck.close()
+
+
+def test_a_full_disk_in_the_background_write_is_one_line_at_the_next_wait(tmp_path, monkeypatch):
+    """A background write that fails (a full disk) is never lost: the next wait raises the synchronous
+    save's one line, and the checkpoints saved before stay complete; DeepSpeed's engine saves synchronously."""
+    import errno
+
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from mmm.errors import RunError, UsageError
+
+    ck = async_saver(tmp_path)
+    ck.save(1)
+    ck.wait()
+
+    def full(self, write_item):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(DefaultSavePlanner, "resolve_data", full)
+    ck.save(2)  # the copy to host memory works: the failure is the background write's
+    with pytest.raises(RunError, match=r"checkpoint of step 2: no space left in .*checkpoints saved before are intact"):
+        ck.save(3)  # waits for step 2 first
+    assert complete_steps(tmp_path) == [1]
+    with pytest.raises(UsageError, match="async_save=True writes torch DCP checkpoints.*drop async_save"):
+        Checkpointer(tmp_path, deepspeed_engine=object(), async_save=True)

@@ -62,28 +62,39 @@ def sound_steps(root) -> list[int]:
     return [s for s in complete_steps(root) if ck.damage(s) is None]
 
 
+ASYNC = ["--checkpoint-async"]  # saves written in the background while training goes on
+KILLS = [
+    # rank 1 dies half-way through writing its DCP shards of step 4 in the background, its training thread
+    # already on step 5 (its RNG file, written as the save began, is there)
+    ("shards@4:1", 2, ASYNC),
+    ("shards@4:all", 2, []),  # every rank dies with its DCP shards of step 4 written, its RNG file not
+    ("rng@4:1", 2, []),  # rank 1 dies after its RNG file
+    ("rng@4:all", 2, []),  # every rank dies after its RNG file: nothing marks step 4 complete
+    ("meta@4", 2, []),  # rank 0 dies with mmm.json written in the temporary folder, before the rename
+    ("meta@4", 2, ASYNC),  # the same, in rank 0's background commit of a written step while training goes on
+    ("prune@4", 4, []),  # rank 0 dies half-way through deleting step 2 (keep-last 1): 4 is complete
+    ("history@5", 4, []),  # rank 0 dies half-way through writing step 5's line of history.jsonl
+]
+
+
 @pytest.mark.parametrize(
-    "fault, resumes_at",
-    [
-        ("shards@4:1", 2),  # rank 1 dies with its DCP shards of step 4 written, its RNG file not
-        ("shards@4:all", 2),  # every rank dies there
-        ("rng@4:1", 2),  # rank 1 dies after its RNG file
-        ("rng@4:all", 2),  # every rank dies after its RNG file: nothing marks step 4 complete
-        ("meta@4", 2),  # rank 0 dies with mmm.json written in the temporary folder, before the rename
-        ("prune@4", 4),  # rank 0 dies half-way through deleting step 2 (keep-last 1): 4 is complete
-        ("history@5", 4),  # rank 0 dies half-way through writing step 5's line of history.jsonl
-    ],
+    "fault, resumes_at, flags",
+    [pytest.param(*row, id=f"{row[0]}-{row[1]}{'-async' if row[2] else ''}") for row in KILLS],
 )
-def test_a_kill_during_a_save_loses_nothing(reference, tmp_path, fault, resumes_at, outcome):
+def test_a_kill_during_a_save_loses_nothing(reference, tmp_path, fault, resumes_at, flags, outcome):
     ck, out = tmp_path / "ck", tmp_path / "out"
     keep = "1" if "prune" in fault else "2"
     args = [*TINY, "--max-iters", str(STEPS), "--checkpoint-dir", str(ck), "--checkpoint-every", "2",
-            "--keep-last", keep, "--outdir", str(out)]  # fmt: skip
+            "--keep-last", keep, "--outdir", str(out), *flags]  # fmt: skip
     first = run(launch("--launcher", "local", "-n", "2", "python3", *args),
                 env=clean_env(MMM_SAVE_FAULT=fault, MMM_TIMEOUT="60"), timeout=180)  # fmt: skip
     sound = sound_steps(ck)
     lost = "nothing" if resumes_at in sound else f"step {resumes_at} (sound: {sound})"
-    outcome(f"kill {fault}", f"job died (rc {first.returncode}); complete after it: {sound}", lost)
+    outcome(
+        f"kill {fault}{' (async)' if flags else ''}",
+        f"job died (rc {first.returncode}); complete after it: {sound}",
+        lost,
+    )
     assert first.returncode != 0, first.output  # the fault fired
     assert sound[-1] == resumes_at, (sound, first.output)
     res = run(launch("--launcher", "local", "-n", "2", "python3", *args, "--resume"), timeout=180)

@@ -14,11 +14,13 @@ complete is lost (tests/test_faults.py):
     MMM_SAVE_FAULT=prune:all    every rank half-way through deleting a pruned checkpoint
 
 ``STAGE[@STEP][:RANK|:all]`` (rank 0 by default), STAGE one of :data:`SAVE_STAGES`: shards (a rank's
-DCP files written), rng (its RNG file written), meta (rank 0: mmm.json written, not yet renamed),
-rename (rank 0: between the two renames of a re-save), prune (rank 0: half-way through deleting a
-pruned folder), export (rank 0: the export written beside DIR, not yet in place), history (rank 0:
-half-way through writing step STEP's line of history.jsonl), prepare (``python -m mmm.data prepare``: its
-token files renamed into place, its meta.json not yet).
+DCP files written; with an asynchronous save, half-way through writing them in the background), rng (its
+RNG file written; an asynchronous save writes it first), meta (rank 0: mmm.json written, not yet renamed;
+with an asynchronous save, in its background commit), rename (rank 0: between the two renames of a
+re-save), prune (rank 0: half-way through deleting a pruned folder), export (rank 0: the export written
+beside DIR, not yet in place), history (rank 0: half-way through writing step STEP's line of
+history.jsonl), prepare (``python -m mmm.data prepare``: its token files renamed into place, its
+meta.json not yet).
 
 Several faults of MMM_FAULT are separated by commas. Faults fire in a job's first attempt only (not after a
 relaunch by ``launch --retries``, ``MMM_RESTART`` >= 1), so a recovered job can finish. The trainers

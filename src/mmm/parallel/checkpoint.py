@@ -16,6 +16,15 @@ different model is refused with the fields that differ). Each rank's RNG state i
 the world size matches (data and weights here depend only on the seed and step, so RNG state only
 matters for dropout). DeepSpeed strategies use DeepSpeed's own ``save_checkpoint`` /
 ``load_checkpoint`` inside the same atomic folder scheme; they resume on the same data-parallel size.
+
+``async_save=True`` (torch strategies) stalls training only while this rank's state is copied to host
+memory; DCP's ``async_save`` writes the files in a background thread, its collectives on a gloo
+group of their own. Every rank's RNG file is durable before the background write starts, and DCP's
+write ends with a collective that completes on rank 0 only once every rank's shards are written and
+fsynced, so rank 0 commits the step (``mmm.json``, rename, prune) as soon as its write ends. One save
+is in flight at a time: the next save, :meth:`Checkpointer.wait` and :meth:`Checkpointer.load` wait for
+it, and every rank learns there of a failure on any rank (a full disk), in the same line as a
+synchronous save. A crash while it is in flight leaves only a ``.tmp`` folder, never read.
 """
 
 from __future__ import annotations
@@ -24,14 +33,23 @@ import json
 import os
 import pickle
 import shutil
+import threading
 import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from mmm.dist.exits import all_ok, on_rank0, uninterrupted
+from mmm import faults
+from mmm.dist.exits import RankZeroFailed, all_ok, gather_objects, on_rank0, uninterrupted
+from mmm.dist.state import current
 from mmm.errors import RunError, UsageError
 from mmm.parallel.checkpoint_files import SafeLoadPlanner, SafeReader, dcp_damage
 from mmm.parallel.checkpoint_folder import (
@@ -84,11 +102,43 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+@dataclass
+class _InFlight:
+    """A save whose files are being written in the background (``async_save``)."""
+
+    step: int
+    final: Path
+    future: Future
+    started: float  # time.perf_counter() when the save was called
+    stall_s: float = 0.0  # how long the save held up training (the copy to host memory)
+    written_s: float | None = None  # from the save's call until this rank's background write ended
+    written: threading.Event = field(default_factory=threading.Event)  # rank 0: written and committed, or failed
+    commit_error: BaseException | None = None  # rank 0: why the commit failed
+
+
+class _KilledWhileWriting(DefaultSavePlanner):
+    """``MMM_SAVE_FAULT=shards`` with an asynchronous save: this rank dies half-way through writing its
+    shards, in the background thread, while training goes on."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step = step
+
+    def resolve_data(self, write_item):
+        crash_point("shards", self.step)
+        return super().resolve_data(write_item)
+
+
 class Checkpointer:
     """Save and load a training state (``model``/``optimizer`` or a DeepSpeed ``engine``).
 
     ``meta`` (model config, mesh, strategy...) is stored with every checkpoint; on load the
     ``compat_keys`` of it must match, or the load is refused naming the differences.
+
+    ``async_save=True`` (not with ``deepspeed_engine``): :meth:`save` returns once this rank's state is
+    copied to host memory and writes in the background; :meth:`wait` (or the next save, or
+    :meth:`load`) waits for it and raises a failure on every rank, :meth:`close` after the last save.
+    Construct it on every rank (it makes the background writes' process group, a collective).
     """
 
     def __init__(
@@ -102,7 +152,13 @@ class Checkpointer:
         compat_keys: tuple[str, ...] = COMPAT_KEYS,
         keep_last: int = 0,
         log=None,
+        async_save: bool = False,
     ) -> None:
+        if async_save and deepspeed_engine is not None:
+            raise UsageError(
+                "async_save=True writes torch DCP checkpoints; a DeepSpeed engine saves with its own "
+                "save_checkpoint, synchronously: drop async_save"
+            )
         self.root = Path(root)
         self.model, self.optimizer, self.ds = model, optimizer, deepspeed_engine
         self.meta = meta or {}
@@ -111,6 +167,15 @@ class Checkpointer:
         self.log = log
         self.last_save_s: float | None = None
         self.last_load_s: float | None = None
+        self.async_save = async_save
+        self.last_stall_s: float | None = None  # async_save: how long the last save held up training
+        self._pending: _InFlight | None = None
+        self._stager: DefaultStager | None = None
+        self._group = None
+        if async_save and dist.is_initialized():  # a group of its own: never a collective of the training's
+            info = current()
+            timeout = timedelta(seconds=info.timeout_s) if info is not None else None
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
 
     # ------------------------------------------------------------------ state
     def _state(self) -> dict[str, Any]:
@@ -121,7 +186,10 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, extra: dict[str, Any] | None = None) -> Path:
-        """Write the checkpoint of ``step`` (a collective: every rank calls it)."""
+        """Write the checkpoint of ``step`` (a collective: every rank calls it). With ``async_save`` it
+        returns once this rank's state is in host memory; the step is complete once written (:meth:`wait`)."""
+        if self.async_save:
+            return self._save_async(step, extra)
         rank, world = rank_world()
         t0 = time.perf_counter()
         final = step_dir(self.root, step)
@@ -130,30 +198,45 @@ class Checkpointer:
             try:
                 self._save(step, extra, rank, world, final, tmp)
             except BaseException as e:  # DCP's CheckpointException is a BaseException
-                failed_write = isinstance(e, Exception) or type(e).__name__ == "CheckpointException"
-                if not (no_space(e) or failed_write and disk_full(self.root)):
+                full = self._no_space(step, e)
+                if full is None:
                     raise
-                free = shutil.disk_usage(self.root).free if self.root.exists() else 0
-                raise RunError(
-                    f"checkpoint of step {step}: no space left in {str(self.root)!r} ({free / 2**20:.1f} MiB free); "
-                    "the checkpoints saved before are intact: free space (or keep fewer with keep_last) and "
-                    "resume from the latest"
-                ) from None
+                raise full from None
         self.last_save_s = time.perf_counter() - t0
         if self.log is not None:
             self.log.info("checkpoint: step %d saved to %s in %.2fs", step, final, self.last_save_s)
         return final
 
-    def _save(self, step: int, extra: dict[str, Any] | None, rank: int, world: int, final: Path, tmp: Path) -> None:
-        def prepare() -> None:
-            self.root.mkdir(parents=True, exist_ok=True)
-            recover(self.root, self.log)
-            if tmp.exists():  # left by a delete that failed: out of the way, never in the way
-                os.replace(tmp, self.root / f"{tmp.name}.{time.time_ns()}.del")
-            tmp.mkdir()
-            (tmp / "rng").mkdir()
+    def _no_space(self, step: int, e: BaseException) -> RunError | None:
+        """The one line for a save that failed on a full disk (None: another failure, raised as it is)."""
+        failed_write = isinstance(e, Exception) or type(e).__name__ == "CheckpointException"
+        if not (no_space(e) or failed_write and disk_full(self.root)):
+            return None
+        free = shutil.disk_usage(self.root).free if self.root.exists() else 0
+        return RunError(
+            f"checkpoint of step {step}: no space left in {str(self.root)!r} ({free / 2**20:.1f} MiB free); "
+            "the checkpoints saved before are intact: free space (or keep fewer with keep_last) and "
+            "resume from the latest"
+        )
 
-        on_rank0(prepare)
+    def _prepare(self, tmp: Path) -> None:
+        """Rank 0: the step's empty ``.tmp`` folder, after undoing what a crash left."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        recover(self.root, self.log)
+        if tmp.exists():  # left by a delete that failed: out of the way, never in the way
+            os.replace(tmp, self.root / f"{tmp.name}.{time.time_ns()}.del")
+        tmp.mkdir()
+        (tmp / "rng").mkdir()
+
+    @staticmethod
+    def _write_rng(tmp: Path, rank: int) -> None:
+        with open(tmp / "rng" / f"rank{rank:05d}.pt", "wb") as f:
+            torch.save(_rng_state(), f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _save(self, step: int, extra: dict[str, Any] | None, rank: int, world: int, final: Path, tmp: Path) -> None:
+        on_rank0(lambda: self._prepare(tmp))
         if self.ds is not None:
             self.ds.save_checkpoint(str(tmp), tag="deepspeed", client_state={"step": step}, save_latest=False)
         else:
@@ -167,10 +250,7 @@ class Checkpointer:
                 for f in (tmp / "deepspeed").rglob("*"):
                     if f.is_file():
                         fsync_path(f)
-            with open(tmp / "rng" / f"rank{rank:05d}.pt", "wb") as f:
-                torch.save(_rng_state(), f)
-                f.flush()
-                os.fsync(f.fileno())
+            self._write_rng(tmp, rank)
         except OSError as e:  # this rank's own files: every rank learns of it (no one waits at a barrier)
             error = e
         crash_point("rng", step)
@@ -180,14 +260,136 @@ class Checkpointer:
     def _commit(self, step: int, extra: dict[str, Any] | None, world: int, final: Path, tmp: Path) -> None:
         """Rank 0, once every rank's files are durable: ``mmm.json`` last, then the folder in place and the
         prune (:func:`mmm.parallel.checkpoint_folder.commit`)."""
-        meta = {
+        commit(self.root, step, tmp, self._meta(step, extra, world), keep_last=self.keep_last, log=self.log)
+
+    def _meta(self, step: int, extra: dict[str, Any] | None, world: int) -> dict[str, Any]:
+        return {
             **self.meta,
             **(extra or {}),
             "step": step,
             "world_size": world,
             "format": "deepspeed" if self.ds is not None else "dcp",
         }
-        commit(self.root, step, tmp, meta, keep_last=self.keep_last, log=self.log)
+
+    # ------------------------------------------------------------------ asynchronous save
+    def _staging(self, state: dict[str, Any]) -> DefaultStager | None:
+        """Where this rank's ``state`` is copied for the background write: from an accelerator, host memory
+        kept for the next save (pinned where CUDA can pin it: faster copies); on CPU, torch's default (a
+        plain copy, freed once written: pinning needs a device)."""
+        tensors = (v for v in state["model"].values() if isinstance(v, torch.Tensor))
+        device = next(tensors, torch.empty(0)).device
+        if device.type == "cpu":
+            return None
+        if self._stager is None:
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=device.type == "cuda",
+                    use_shared_memory=False,
+                    use_async_staging=False,  # the copy ends before save() returns: training may then change the state
+                    use_non_blocking_copy=True,
+                )
+            )
+        return self._stager
+
+    def _save_async(self, step: int, extra: dict[str, Any] | None) -> Path:
+        import torch.distributed.checkpoint as dcp
+
+        self.wait()  # one save in flight at a time: the previous one written and committed first
+        rank, world = rank_world()
+        t0 = time.perf_counter()
+        final = step_dir(self.root, step)
+        tmp = self.root / f".{final.name}.tmp"
+        meta = self._meta(step, extra, world)
+        with uninterrupted():
+            try:
+                on_rank0(lambda: self._prepare(tmp))
+                error = None
+                try:
+                    self._write_rng(tmp, rank)
+                except OSError as e:
+                    error = e
+                crash_point("rng", step)
+                # every rank's RNG file durable before the shards: DCP's own last collective then tells rank 0
+                # that everything of this step is written
+                all_ok(error)
+                dying = faults.save_fault("shards", step, rank=rank)
+                state = self._state()
+                future = dcp.async_save(
+                    state,
+                    checkpoint_id=str(tmp),
+                    process_group=self._group,
+                    async_stager=self._staging(state),
+                    planner=_KilledWhileWriting(step) if dying else None,
+                )
+            except BaseException as e:
+                full = self._no_space(step, e)
+                if full is None:
+                    raise
+                raise full from None
+        inflight = _InFlight(step, final, future, t0, stall_s=time.perf_counter() - t0)
+        future.add_done_callback(lambda _: setattr(inflight, "written_s", time.perf_counter() - t0))
+        if rank == 0:  # in the writing thread (or here, if already written): no collective in there
+            future.add_done_callback(lambda done: self._commit_written(inflight, done, tmp, meta))
+        self._pending = inflight
+        self.last_stall_s = inflight.stall_s
+        if self.log is not None:
+            self.log.debug("checkpoint: step %d copied in %.2fs; writing it in the background", step, inflight.stall_s)
+        return final
+
+    def _commit_written(self, inflight: _InFlight, done: Future, tmp: Path, meta: dict[str, Any]) -> None:
+        """Rank 0, when its background write ends: a write that ended well on rank 0 ended well on every
+        rank (DCP's last collective gathers every rank's result first), so the step is committed now."""
+        try:
+            if done.exception() is None:
+                commit(self.root, inflight.step, tmp, meta, keep_last=self.keep_last, log=self.log)
+        except BaseException as e:  # said on every rank by wait()
+            inflight.commit_error = e
+        finally:
+            inflight.written.set()
+
+    def wait(self) -> Path | None:
+        """Wait for the save in flight (``async_save``) to be written and committed (a collective: every
+        rank calls it). A failure on any rank raises on every rank (a full disk: one line). The step's
+        folder, or None when no save was in flight."""
+        inflight, self._pending = self._pending, None
+        if inflight is None:
+            return None
+        with uninterrupted():  # a second SIGTERM takes effect once the checkpoint is complete
+            error: BaseException | None = None
+            try:
+                inflight.future.result()
+            except (Exception, CheckpointException) as e:
+                error = e
+            if rank_world()[0] == 0:
+                inflight.written.wait()
+                error = error or inflight.commit_error
+            failures = [f for f in gather_objects(None if error is None else f"{type(error).__name__}: {error}") if f]
+            if failures:
+                if error is None:
+                    error = RankZeroFailed(f"{len(failures)} rank(s) failed, the first: {failures[0]}")
+                full = self._no_space(inflight.step, error)
+                if full is not None:
+                    raise full from None
+                raise error
+        self.last_save_s = inflight.written_s or time.perf_counter() - inflight.started
+        if self.log is not None:
+            self.log.info(
+                "checkpoint: step %d saved to %s in %.2fs in the background (training held up %.2fs)",
+                inflight.step,
+                inflight.final,
+                self.last_save_s,
+                inflight.stall_s,
+            )
+        return inflight.final
+
+    def close(self) -> None:
+        """Wait for a save in flight (:meth:`wait`), then free the staging memory (``async_save``)."""
+        try:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
 
     # ------------------------------------------------------------------ load
     def resolve(self, which: str, *, skip: frozenset[int] = frozenset(), lineage: str | None = None) -> int | None:
@@ -291,6 +493,7 @@ class Checkpointer:
     def load(self, which: str, *, lineage: str | None = None) -> dict[str, Any] | None:
         """Restore the checkpoint ``which`` names (a collective); its metadata, or None when
         'latest' finds nothing to resume."""
+        self.wait()  # a save in flight is written and committed first
         failed: set[int] = set()
         while True:
             step = self.resolve(which, skip=frozenset(failed), lineage=lineage)
@@ -318,7 +521,6 @@ class Checkpointer:
                 self.ds.load_checkpoint(str(path), tag="deepspeed", load_module_strict=True)
                 break
             import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint.api import CheckpointException
             from torch.distributed.checkpoint.state_dict import set_state_dict
 
             state = self._state()

@@ -18,16 +18,25 @@ from mmm.parallel.checkpoint_folder import disk_full, fsync_path, latest_step, n
 from mmm.training.startup import Startup, restart_attempt
 
 
-def make_checkpointer(engine, *, directory: str | None, keep_last: int = 0, meta: dict[str, Any], log=None):
+def make_checkpointer(
+    engine, *, directory: str | None, keep_last: int = 0, meta: dict[str, Any], log=None, async_save: bool = False
+):
     """A :class:`mmm.parallel.checkpoint.Checkpointer` saving under ``directory`` (``--checkpoint-dir``;
-    None without one), keeping the ``keep_last`` newest (0: all)."""
+    None without one), keeping the ``keep_last`` newest (0: all), writing in the background with
+    ``async_save`` (``--checkpoint-async``; torch strategies only)."""
     if not directory:
         return None
 
     if hasattr(engine, "ds"):
         return Checkpointer(directory, deepspeed_engine=engine.ds, meta=meta, keep_last=keep_last, log=log)
     return Checkpointer(
-        directory, model=engine.module, optimizer=engine.optimizer, meta=meta, keep_last=keep_last, log=log
+        directory,
+        model=engine.module,
+        optimizer=engine.optimizer,
+        meta=meta,
+        keep_last=keep_last,
+        log=log,
+        async_save=async_save,
     )
 
 
@@ -75,13 +84,24 @@ class CheckpointPolicy:
         """Whether to save after ``step``: every ``every`` steps, the last step, a stop."""
         return self.checkpointer is not None and (last or stopping or self.periodic(step))
 
-    def save(self, step: int, loss: float | None) -> None:
+    def save(self, step: int, loss: float | None, *, final: bool = False) -> None:
+        """Save ``step``; ``final`` (the last step, a stop): complete on disk when this returns, also when
+        saves are written in the background (``--checkpoint-async``)."""
         extra = self.extra_at(step) if self.extra_at is not None else {}
         self.checkpointer.save(step, {"loss": loss, **extra})
+        if final:
+            self.checkpointer.wait()
+
+    def finish(self) -> None:
+        """Wait for a save still being written in the background, and commit it (a collective)."""
+        if self.checkpointer is not None:
+            self.checkpointer.close()
 
     def last_good(self) -> str:
-        """Where a stopped run can go back to, in words."""
+        """Where a stopped run can go back to, in words (a collective when a save is being written in the
+        background: it is waited for, it is the newest good one)."""
         if self.checkpointer is not None:
+            self.checkpointer.wait()
             last = latest_step(self.checkpointer.root)
             if last is not None:
                 return f"the last good checkpoint is {step_dir(self.checkpointer.root, last)} (--resume {last})"
@@ -125,9 +145,14 @@ def save_full_model(engine, path, *, is_main: bool) -> None:
 
 def open_checkpoints(engine, options, *, meta: dict[str, Any], startup: Startup | None = None, extra_at=None, log=None):
     """A run's :class:`CheckpointPolicy` from its ``RunConfig`` (``--checkpoint-dir``, ``--keep-last``,
-    ``--checkpoint-every``), and the first step to run (after ``--resume``, or a relaunch)."""
+    ``--checkpoint-every``, ``--checkpoint-async``), and the first step to run (after ``--resume``, or a relaunch)."""
     checkpointer = make_checkpointer(
-        engine, directory=options.checkpoint_dir, keep_last=options.keep_last, meta=meta, log=log
+        engine,
+        directory=options.checkpoint_dir,
+        keep_last=options.keep_last,
+        meta=meta,
+        log=log,
+        async_save=options.checkpoint_async,
     )
     start = resume(checkpointer, options.resume, startup)
     return CheckpointPolicy(checkpointer, every=options.checkpoint_every, extra_at=extra_at), start

@@ -274,6 +274,14 @@ class RunConfig:
         group="checkpoint",
         help="keep only the K newest checkpoints; 0 keeps all",
     )
+    checkpoint_async: bool = option(
+        False,
+        "--checkpoint-async",
+        group="checkpoint",
+        help="write checkpoints in the background: a save holds training up only while this rank's state is "
+        "copied to host memory; one save in flight at a time, the last step and SIGTERM wait for theirs "
+        "(torch strategies; needs --checkpoint-dir)",
+    )
     timeout: float | None = option(
         None,
         "--timeout",
@@ -310,6 +318,13 @@ class RunConfig:
             out.append(f"--start-over and --resume {self.resume} contradict each other; choose one")
         if self.timeout is not None and not self.timeout > 0:
             out.append(f"--timeout {self.timeout:g} must be a positive number of seconds")
+        if self.checkpoint_async and self.checkpoint_dir is None:
+            out.append("--checkpoint-async needs --checkpoint-dir (the folder to save in); add one or drop the flag")
+        if self.checkpoint_async and strategy.startswith("zero"):
+            out.append(
+                f"--checkpoint-async needs a torch strategy (ddp, fsdp, hsdp), not {strategy}: DeepSpeed saves with "
+                "its own save_checkpoint, synchronously; drop --checkpoint-async"
+            )
         if self.on_nonfinite == "skip" and strategy.startswith("zero"):
             out.append(
                 f"--on-nonfinite skip needs a torch strategy (ddp, fsdp, hsdp), not {strategy}: DeepSpeed "

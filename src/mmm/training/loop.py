@@ -5,7 +5,8 @@ then) and :func:`fit` runs the steps the same way for every model and layout: fa
 the lean step (:func:`mmm.training.step.train_step`: forward and backward by the engine, one packed
 all-reduce, the optimizer step), the evaluation left out of the step's ``dt``, the step recorded
 (:class:`mmm.training.recorder.Recorder`), a checkpoint when one is due
-(:class:`mmm.training.checkpoints.CheckpointPolicy`), and a SIGTERM agreed on by every rank.
+(:class:`mmm.training.checkpoints.CheckpointPolicy`; with ``--checkpoint-async`` written in the
+background, the last step's and a stop's waited for), and a SIGTERM agreed on by every rank.
 """
 
 from __future__ import annotations
@@ -102,8 +103,9 @@ def fit(
                 **values,
             )
             if checkpoints.due(step, last=last, stopping=stopping):
-                checkpoints.save(step, run.last_loss)
+                checkpoints.save(step, run.last_loss, final=last or stopping)
             if after_step is not None:
                 after_step(step)
             if stopping:
                 break
+        checkpoints.finish()  # a save still in flight (--checkpoint-async) is complete before the run ends
