@@ -53,7 +53,9 @@ def test_exact_resume_same_mesh_and_history_continues(tmp_path):
 
 
 def test_resharding_resume_continues_the_same_curve(tmp_path):
-    """Saved at dp=4 -> resumed at dp=2 x tp=2; saved at tp=2 -> one process; saved at pp=2 -> dp=2."""
+    """Saved at dp=4 -> resumed at dp=2 x tp=2; saved at tp=2 -> one process; saved at pp=2 -> dp=2, and
+    -> pp=2 again (the optimizer's hyperparameters are saved by parameter name: in torch's nested form
+    each stage's one param group had one key, written by one rank, and the other stage failed to load)."""
     full = tmp_path / "full"
     ck4 = tmp_path / "ck_dp4"
     ok(
@@ -77,6 +79,7 @@ def test_resharding_resume_continues_the_same_curve(tmp_path):
         (ck4, launch("-n", "4", "python3", *FSDP_TP, "--tp", "2")),
         (tmp_path / "ck_tp2", [sys.executable, *FSDP_TP]),
         (tmp_path / "ck_pp2", torchrun(2, *FSDP_TP)),
+        (tmp_path / "ck_pp2", torchrun(2, *FSDP_TP, "--pp", "2")),  # the same split: each stage its own groups
     ]
     ok(
         torchrun(

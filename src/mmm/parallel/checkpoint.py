@@ -178,10 +178,15 @@ class Checkpointer:
             self._group = dist.new_group(backend="gloo", timeout=timeout)
 
     # ------------------------------------------------------------------ state
-    def _state(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+    def _state(self, *, flat: bool = True) -> dict[str, Any]:
+        """The model's and optimizer's state by parameter name. ``flat``: the optimizer's hyperparameters
+        keyed by parameter too (``param_groups.<name>.lr``), as saved since checkpoints became resumable
+        on the same pipeline split: in the nested form each rank's ``param_groups.0`` (its stage's
+        parameter names among them) had one key, written by one rank only."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        options = StateDictOptions(flatten_optimizer_state_dict=flat)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=options)
         return {"model": model_sd, "optim": optim_sd}
 
     # ------------------------------------------------------------------ save
@@ -521,17 +526,26 @@ class Checkpointer:
                 self.ds.load_checkpoint(str(path), tag="deepspeed", load_module_strict=True)
                 break
             import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint.state_dict import set_state_dict
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-            state = self._state()
+            reader = SafeReader(path)
+            # checkpoints saved before the optimizer's state was flat: their nested form, as saved
+            flat = "optim.param_groups.0.params" not in reader.read_metadata().state_dict_metadata
+            state = self._state(flat=flat)
             try:  # a read error on any rank raises on every rank
-                dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
+                dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
             except CheckpointException as e:
                 if which != "latest" or not _damaged_files(e):
                     raise  # not damage (a changed model, out of memory...): keep the traceback
                 failed.add(step)  # damaged in a way the cheap look missed: the one saved before it
                 continue
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            set_state_dict(
+                self.model,
+                self.optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optim"],
+                options=StateDictOptions(flatten_optimizer_state_dict=flat),
+            )
             break
         rng = path / "rng" / f"rank{rank:05d}.pt"
         if saved.get("world_size") == world and rng.is_file():
