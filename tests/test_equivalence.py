@@ -111,7 +111,7 @@ MATRIX = [
     C("ulysses-cp4-tp2", "llama", 8, "--cp 4 --tp 2 --cp-attention ulysses", "torchrun"),
     C("pp2-cp2-tp2", "llama", 8, "--pp 2 --cp 2 --tp 2 --microbatches 2", "torchrun"),
     # pipeline parallel
-    C("pp2-gpipe", "llama8", 2, "--pp 2 --pp-schedule gpipe --microbatches 4", "torchrun"),
+    C("pp2-gpipe", "llama8", 2, "--pp 2 --pp-schedule gpipe --microbatches 4", "torchrun"),  # gpipe at pp 4: trimmed
     C("pp2-1f1b", "llama8", 2, "--pp 2 --pp-schedule 1f1b --microbatches 4"),
     C(
         "pp2-interleaved",
@@ -120,7 +120,6 @@ MATRIX = [
         "--pp 2 --pp-schedule interleaved-1f1b --stages-per-rank 2 --microbatches 4",
         "torchrun",
     ),
-    C("pp4-gpipe", "llama8", 4, "--pp 4 --pp-schedule gpipe --microbatches 4"),
     C("pp4-1f1b", "llama8", 4, "--pp 4 --pp-schedule 1f1b --microbatches 8", "torchrun"),
     C("pp4-interleaved", "llama8", 4, "--pp 4 --pp-schedule interleaved-1f1b --stages-per-rank 2 --microbatches 4"),
     C("pp2-dp2", "llama8", 4, "--pp 2 --microbatches 2", "torchrun"),
@@ -137,8 +136,8 @@ MATRIX = [
     # the ViT: every strategy on 4 ranks, and TP x FSDP
     *[C(f"vit-{s}-dp4", "vit", 4, f"--strategy {s}", "torchrun") for s in ("ddp", "fsdp", "zero1", "zero2", "zero3")],
     C("vit-tp2-dp2", "vit", 4, "--tp 2"),
-    # the CNN: every strategy on 2 ranks
-    *[C(f"cnn-{s}-dp2", "cnn", 2, f"--strategy {s}") for s in ("ddp", "fsdp", "zero1", "zero2", "zero3")],
+    # the CNN on 2 ranks: DDP, FSDP and one ZeRO stage (the ViT rows hold all three stages)
+    *[C(f"cnn-{s}-dp2", "cnn", 2, f"--strategy {s}") for s in ("ddp", "fsdp", "zero2")],
 ]
 
 

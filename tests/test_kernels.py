@@ -150,3 +150,27 @@ def test_grouped_experts_equal_the_loop(dtype):
         got[grouped] = (out, *grads)
     for loop, grouped in zip(got[False], got[True]):
         assert torch.allclose(grouped.float(), loop.float(), rtol=1e-5, atol=1e-5 * loop.float().abs().max().item())
+
+
+def test_grouped_experts_need_nothing_from_the_host(monkeypatch):
+    """Without expert parallel, grouped experts take the routing's counts on the device: a mixture's forward
+    reads no routing-dependent value on the host (each such read waits for the device on CUDA), where the
+    loop reads the counts once per layer. Both give the same loss."""
+    from mmm.models.llama.model import Llama, LlamaConfig
+    from mmm.models.llama.moe import GroupedExperts
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=128, seq_len=32, moe_experts=4))
+    tokens = torch.randint(0, 128, (2, 32))
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or tolist(t))
+    losses = {}
+    for grouped in (False, True):
+        for m in model.modules():
+            if isinstance(m, GroupedExperts):
+                m.grouped = grouped
+        reads.clear()
+        losses[grouped] = loss_fn(model(tokens), tokens)
+        assert len(reads) == (0 if grouped else 2), (grouped, reads)
+    assert losses[True].item() == pytest.approx(losses[False].item(), rel=1e-6)

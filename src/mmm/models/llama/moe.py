@@ -72,12 +72,18 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """``x``: tokens sorted by (local) expert, ``counts[e]`` of them for expert e."""
+    def runs_grouped(self, x: torch.Tensor) -> bool:
+        """Whether tokens like ``x`` run as grouped matmuls (``grouped``, or by default where it pays)."""
+        return self.grouped if self.grouped is not None else grouped_mm_available(x)
+
+    def forward(self, x: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
+        """``x``: tokens sorted by (local) expert, ``counts[e]`` of them for expert e (a list, or a tensor on
+        the device: the grouped path then needs nothing from the host)."""
         w1, w2, w3 = local(self.w1), local(self.w2), local(self.w3)
-        grouped = self.grouped if self.grouped is not None else grouped_mm_available(x)
-        if grouped and x.shape[0]:
+        if self.runs_grouped(x) and x.shape[0]:
             return _grouped_swiglu(x, counts, w1, w2, w3)
+        if isinstance(counts, torch.Tensor):
+            counts = counts.tolist()
         outs = []
         for e, xe in enumerate(torch.split(x, counts)):
             if xe.shape[0]:
@@ -88,19 +94,22 @@ class GroupedExperts(nn.Module):
 
 
 def _grouped_swiglu(
-    x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+    x: torch.Tensor, counts: list[int] | torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
 ) -> torch.Tensor:
     """The experts' SwiGLU as three grouped matmuls: ``x``'s rows, grouped by ``counts``, placed at the
-    start of groups padded to ``GROUP_ALIGN`` rows (the rest zeros), and taken back after."""
-    padded = [-(-c // GROUP_ALIGN) * GROUP_ALIGN for c in counts]
-    src = torch.tensor([0, *counts], device=x.device).cumsum(0)[:-1]
-    dst = torch.tensor([0, *padded], device=x.device).cumsum(0)[:-1]
-    sizes = torch.tensor(counts, device=x.device)
-    rows = torch.arange(x.shape[0], device=x.device) + torch.repeat_interleave(dst - src, sizes, output_size=x.shape[0])
-    offs = torch.tensor(padded, device=x.device).cumsum(0).to(torch.int32)
+    start of groups padded to ``GROUP_ALIGN`` rows (the rest zeros), and taken back after. Counts on the
+    device stay there: the padded buffer has a size known without them (every group padded at most
+    ``GROUP_ALIGN - 1`` rows), so the host never waits for the routing."""
+    sizes = torch.as_tensor(counts, device=x.device)
+    padded = (sizes + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
+    ends, padded_ends = sizes.cumsum(0), padded.cumsum(0)
+    shift = (padded_ends - padded) - (ends - sizes)  # where each group starts, padded less packed
+    rows = torch.arange(x.shape[0], device=x.device) + torch.repeat_interleave(shift, sizes, output_size=x.shape[0])
+    offs = padded_ends.to(torch.int32)
     with torch.autocast(x.device.type, enabled=False):  # the kernel takes one dtype: the tokens'
         w1, w2, w3 = (w.to(x.dtype) for w in (w1, w2, w3))
-        xp = x.new_zeros((sum(padded), x.shape[1])).index_copy(0, rows, x)
+        room = x.shape[0] + sizes.numel() * (GROUP_ALIGN - 1)
+        xp = x.new_zeros((room, x.shape[1])).index_copy(0, rows, x)
         h = F.silu(F.grouped_mm(xp, w1.transpose(-2, -1), offs=offs)) * F.grouped_mm(
             xp, w3.transpose(-2, -1), offs=offs
         )
@@ -217,7 +226,9 @@ class MoE(nn.Module):
         if self.planned_counts is not None:
             counts = self.planned_counts(flat.numel(), self.router.num_experts)
         else:
-            counts = torch.bincount(flat, minlength=self.router.num_experts).tolist()
+            counts = torch.bincount(flat, minlength=self.router.num_experts)
+            if self.run_experts is not run_local or not self.experts.runs_grouped(tokens):
+                counts = counts.tolist()  # the loop and expert parallel's all-to-all split on the host
         routed = self.run_experts(self.experts, tokens[order // experts.shape[1]], counts)
         slots = torch.empty_like(routed).index_copy_(0, order, routed)  # back to (token, slot) order
         out = (slots.view(-1, experts.shape[1], dim) * weights.unsqueeze(-1).to(slots.dtype)).sum(dim=1)
