@@ -12,7 +12,6 @@ import torch
 from conftest import SHORT_CNN, TINY_VIT, assert_clean_user_error, clean_env, jsonl, launch, max_rel_diff, run, torchrun
 
 RTOL = 1e-5
-STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
 CNN = SHORT_CNN
 VIT = TINY_VIT
 
@@ -45,9 +44,11 @@ def _parallel(n, args, tmp_path, runner, timeout=300, env=None):
     return res
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
 def test_state_bytes_per_rank_match_zero_theory(tmp_path, strategy):
-    """Per-rank parameter + gradient + optimizer bytes on 4 ranks within 10% of the ZeRO paper's figures."""
+    """Per-rank parameter + gradient + optimizer bytes on 4 ranks within 10% of the ZeRO paper's figures
+    (FSDP's and DDP's against theirs: the trainer's summary line, and the planner's estimates in
+    tests/test_plan.py, state within 2%)."""
     big = [
         "-m",
         "mmm.examples.vit",
@@ -83,11 +84,11 @@ def test_state_bytes_per_rank_match_zero_theory(tmp_path, strategy):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fsdp", "hsdp"])
+@pytest.mark.parametrize("strategy", ["fsdp"])
 def test_cnn_defaults_reach_95_percent_on_two_ranks(tmp_path, strategy):
-    """The CNN's defaults (8 epochs) reach 95% test accuracy: FSDP (the default) on 2 ranks, HSDP on 4.
-    The other strategies give these runs' every step (tests/test_equivalence.py: loss and gradient norm
-    against one process)."""
+    """The CNN's defaults (8 epochs) reach 95% test accuracy: FSDP (the default) on 2 ranks. The other
+    strategies give these runs' every step (tests/test_equivalence.py: loss and gradient norm against one
+    process)."""
     n = 4 if strategy == "hsdp" else 2
     extra = ["--dp-replicate", "2"] if strategy == "hsdp" else []
     res = run(

@@ -68,8 +68,7 @@ KILLS = [
     # already on step 5 (its RNG file, written as the save began, is there)
     ("shards@4:1", 2, ASYNC),
     ("shards@4:all", 2, []),  # every rank dies with its DCP shards of step 4 written, its RNG file not
-    ("rng@4:1", 2, []),  # rank 1 dies after its RNG file
-    ("rng@4:all", 2, []),  # every rank dies after its RNG file: nothing marks step 4 complete
+    ("rng@4:1", 2, []),  # rank 1 dies after its RNG file (every rank dying at a stage: shards@4:all)
     ("meta@4", 2, []),  # rank 0 dies with mmm.json written in the temporary folder, before the rename
     ("meta@4", 2, ASYNC),  # the same, in rank 0's background commit of a written step while training goes on
     ("prune@4", 4, []),  # rank 0 dies half-way through deleting step 2 (keep-last 1): 4 is complete

@@ -136,10 +136,11 @@ def bf16_reference(tmp_path_factory):
     "n, flags",
     [
         (4, ["--tp", "2"]),  # FSDP2's mixed-precision policy
+        (2, ["--tp", "2"]),  # pure TP: FSDP2 on a one-rank dp mesh beside TP's, casting only
         (2, ["--pp", "2", "--microbatches", "2"]),  # pipeline stages with dp 1: FSDP2 casts, shards nothing
         (4, ["--pp", "2", "--microbatches", "2"]),  # pipeline stages with FSDP (dp 2)
     ],
-    ids=["dp2-tp2", "pp2", "pp2-dp2"],
+    ids=["dp2-tp2", "tp2", "pp2", "pp2-dp2"],
 )
 def test_bf16_really_computes_in_bf16(reference, bf16_reference, tmp_path, n, flags):
     """bf16 moves the losses off the fp32 ones (so it is on) and stays near one process in bf16."""

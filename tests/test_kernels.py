@@ -35,32 +35,61 @@ def test_cross_entropy_is_torchs_in_fp32(chunk):
 
 
 def test_cross_entropy_in_bf16_gives_the_float_forms_gradient():
-    """bf16 logits: the loss in fp32, and the gradient ``F.cross_entropy(logits.float())`` hands back,
-    bit for bit (both round the same fp32 values to bf16 once), also under a scale (microbatches)."""
-    mine, ref, targets = _pair(torch.bfloat16, rows=64, vocab=300)
-    a = cross_entropy(mine, targets, chunk_elements=3000)
-    b = F.cross_entropy(ref.float(), targets)
-    assert a.dtype == torch.float32 and a.item() == pytest.approx(b.item(), rel=1e-6)
-    a.backward()
-    b.backward()
-    assert torch.equal(mine.grad, ref.grad)
+    """bf16 logits: the loss in fp32, and the gradient ``F.cross_entropy(logits.float())`` hands back: bit
+    for bit for the loss itself (both round the same fp32 values to bf16 once), within a bf16 rounding
+    under a scale (microbatches: the kept bf16 gradient is scaled and rounded again)."""
+    for scale in (1.0, 1 / 3):
+        mine, ref, targets = _pair(torch.bfloat16, rows=64, vocab=300)
+        a = cross_entropy(mine, targets, chunk_elements=3000)
+        b = F.cross_entropy(ref.float(), targets)
+        assert a.dtype == torch.float32 and a.item() == pytest.approx(b.item(), rel=1e-6)
+        (a * scale).backward()
+        (b * scale).backward()
+        if scale == 1.0:
+            assert torch.equal(mine.grad, ref.grad)
+        else:
+            assert torch.allclose(mine.grad.float(), ref.grad.float(), rtol=2**-7, atol=1e-9)
+
+
+def test_cross_entropy_leaves_the_logits_alone():
+    """fp32 logits (``.float()`` is the tensor itself) are not overwritten by the chunks' softmax: an op
+    before the loss that saved its output still backpropagates, and the logits read after are the same."""
+    torch.manual_seed(0)
+    x, w = torch.randn(16, 8), torch.randn(8, 40, requires_grad=True)
+    targets = torch.randint(0, 40, (16,))
+    logits = torch.tanh(x @ w)  # tanh saves its output for backward
+    before = logits.detach().clone()
+    cross_entropy(logits, targets, chunk_elements=200).backward()
+    assert torch.equal(logits.detach(), before)
+    got = w.grad.clone()
+    w.grad = None
+    F.cross_entropy(torch.tanh(x @ w), targets).backward()
+    assert torch.allclose(got, w.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_cross_entropy_refuses_a_target_out_of_range_as_torch_does():
+    logits = torch.randn(4, 10)
+    for bad in (-1, 10):
+        with pytest.raises((IndexError, RuntimeError)):
+            cross_entropy(logits, torch.tensor([1, bad, 2, 3]))
 
 
 def _saved_bytes(fn, logits, targets) -> int:
-    saved = []
+    saved = {}  # by storage: a tensor saved twice is kept once
 
     def pack(t):
-        saved.append(t.numel() * t.element_size())
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn(logits, targets)
-    return sum(saved)
+    return sum(saved.values())
 
 
 def test_the_trainers_loss_keeps_no_fp32_copy_of_the_logits():
     """What backward keeps of bf16 logits: their gradient in bf16 (2 bytes a logit), where
-    ``F.cross_entropy(logits.float())`` keeps an fp32 log-softmax (4 bytes a logit)."""
+    ``F.cross_entropy(logits.float())`` keeps an fp32 log-softmax (4 bytes a logit). The logits themselves
+    are not kept (the loss's input is not saved)."""
     logits = torch.randn(4, 16, 512, dtype=torch.bfloat16, requires_grad=True)
     targets = torch.randint(0, 512, (4, 16))
     size = logits.numel() * logits.element_size()
@@ -98,6 +127,23 @@ def test_adamw_is_fused_where_it_can_be():
     assert "not floating point" in fused_problem([torch.zeros(2, dtype=torch.long)])
     assert "no fused kernel on meta" in fused_problem([torch.zeros(2, device="meta")])
     assert implementation(adamw([torch.nn.Parameter(torch.zeros(2, device="meta"))], lr=1e-3)) == "default"
+
+
+def test_a_resume_keeps_this_runs_adamw_implementation():
+    """torch's load_state_dict copies every param-group key, ``fused`` too: a state saved unfused (every
+    checkpoint before fused AdamW) would resume unfused. The checkpointer puts this run's choice back."""
+    from mmm.parallel.checkpoint import keep_implementation
+
+    params = [torch.nn.Parameter(torch.randn(4, 4))]
+    params[0].grad = torch.ones(4, 4)
+    saved = torch.optim.AdamW(params, lr=1e-3)
+    saved.step()
+    opt = adamw(params, lr=1e-3)
+    opt.load_state_dict(saved.state_dict())
+    assert implementation(opt) != "fused"  # what torch leaves
+    keep_implementation(opt)
+    assert implementation(opt) == "fused"
+    opt.step()
 
 
 def test_float8_converts_the_blocks_and_leaves_head_and_router():

@@ -152,6 +152,7 @@ def test_cli_bad_input(flags, needles):
         (["--world", "8", "--hardware", "tpu9"], ["--hardware 'tpu9'", "h100"]),
         (["--world", "8", "--hardware", "h100", "--no-step"], ["drop --no-step"]),
         (["--world", "8", "--compile"], ["--compile is not simulated"]),
+        (["--world", "8", "--float8", "--dtype", "bf16"], ["--float8 is not simulated"]),
         (["--world", "8", "--pick-layout", "h100"], ["--pick-layout is the trainer's"]),
         (["--world", "8", "--hard", "h100"], ["unrecognized arguments: --hard h100"]),  # no abbreviations
     ],

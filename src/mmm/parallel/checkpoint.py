@@ -129,6 +129,19 @@ class _KilledWhileWriting(DefaultSavePlanner):
         return super().resolve_data(write_item)
 
 
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def keep_implementation(optimizer) -> None:
+    """After a load: how ``optimizer`` steps is this run's choice (its ``defaults``), not the saved one's
+    (torch's ``load_state_dict`` copies every param-group key, ``fused`` too: a checkpoint saved unfused
+    would resume unfused, one saved fused would be fused where this run's parameters cannot be)."""
+    for group in optimizer.param_groups:
+        for key in IMPLEMENTATION_KEYS:
+            if key in optimizer.defaults:
+                group[key] = optimizer.defaults[key]
+
+
 class Checkpointer:
     """Save and load a training state (``model``/``optimizer`` or a DeepSpeed ``engine``).
 
@@ -546,6 +559,7 @@ class Checkpointer:
                 optim_state_dict=state["optim"],
                 options=StateDictOptions(flatten_optimizer_state_dict=flat),
             )
+            keep_implementation(self.optimizer)
             break
         rng = path / "rng" / f"rank{rank:05d}.pt"
         if saved.get("world_size") == world and rng.is_file():

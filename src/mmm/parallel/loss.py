@@ -1,11 +1,12 @@
 """Cross-entropy in fp32 without an fp32 copy of the whole logits.
 
-``F.cross_entropy(logits.float(), targets)`` on bf16 logits keeps two fp32 tensors of the logits' size
-for backward (the copy and its log-softmax): 8 bytes a logit, 2 GiB for a batch of 8 x 2,048 tokens
-over 32,000 words. :func:`cross_entropy` computes the same loss a chunk of rows at a time, in fp32, and
-its gradient at once (softmax minus one-hot, what backward would compute), kept in the logits' own
-dtype: 2 bytes a logit in bf16, and the same gradient the ``.float()`` form hands back (its cast to bf16
-rounds the same fp32 values). In fp32 it equals ``F.cross_entropy`` to rounding (about 1e-7).
+``F.cross_entropy(logits.float(), targets)`` on bf16 logits makes an fp32 copy of them and keeps their
+fp32 log-softmax for backward: 4 bytes a logit kept (2 GiB for a batch of 8 x 2,048 tokens over 32,000
+words) and 4 more while the loss is computed. :func:`cross_entropy` computes the same loss a chunk of
+rows at a time, in fp32, and its gradient at once (softmax minus one-hot, what backward would compute),
+kept in the logits' own dtype: 2 bytes a logit in bf16, and for an unscaled loss the same gradient the
+``.float()`` form hands back (its cast to bf16 rounds the same fp32 values; a scaled loss rounds once
+more, within a bf16 ulp). In fp32 it equals ``F.cross_entropy`` to rounding (about 1e-7).
 
 Logits that are DTensors (tensor parallel's loss parallel: the vocabulary sharded) take
 ``F.cross_entropy`` under ``loss_parallel()``, as before.
@@ -28,7 +29,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         keep = targets != ignore_index
         count = keep.sum().to(torch.float32)  # no kept target: nan, as F.cross_entropy's mean
         weight = keep.to(torch.float32)[:, None] / count
-        picked = targets.clamp(min=0)[:, None]  # ignored rows pick word 0, weighted 0
+        # ignored rows pick word 0, weighted 0; any other target out of range fails in gather, as in F.cross_entropy
+        picked = torch.where(keep, targets, 0)[:, None]
         grad = torch.empty_like(logits) if ctx.needs_input_grad[0] else None
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
         for start in range(0, rows, step):
@@ -37,7 +39,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             lse = torch.logsumexp(x, dim=-1, keepdim=True)
             total += ((lse - x.gather(1, picked[part])) * weight[part]).sum()
             if grad is not None:  # d loss / d logits: (softmax - one-hot) / count, rounded once
-                g = x.sub_(lse).exp_()
+                g = (x - lse).exp_()  # not in place: fp32 logits' .float() is the logits themselves
                 g.scatter_add_(1, picked[part], torch.full_like(lse, -1.0))
                 grad[part] = g.mul_(weight[part])
         ctx.save_for_backward(grad)

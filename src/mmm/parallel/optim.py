@@ -77,10 +77,10 @@ def adamw(params: Iterable[Any], **args) -> torch.optim.AdamW:
 def implementation(optimizer: torch.optim.Optimizer) -> str:
     """How ``optimizer`` steps: ``fused``, ``foreach``, ``for-loop``, or ``default`` (torch picks:
     foreach on CUDA, a loop elsewhere)."""
-    defaults = getattr(optimizer, "defaults", {})
-    if defaults.get("fused"):
+    groups = getattr(optimizer, "param_groups", None) or [getattr(optimizer, "defaults", {})]
+    if all(g.get("fused") for g in groups):
         return "fused"
-    return {True: "foreach", False: "for-loop"}.get(defaults.get("foreach"), "default")
+    return {True: "foreach", False: "for-loop"}.get(groups[0].get("foreach"), "default")
 
 
 def _say_once(line: str) -> None:

@@ -100,6 +100,8 @@ def simulate_rank(
     from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's test helper: load it only here
 
     what, how, recipe = config.train, config.parallel, config.recipe
+    if how.float8:
+        raise UsageError("--float8 is not simulated (torchao's float8 matmuls need a CUDA device); drop it")
     if how.strategy.startswith("zero") or how.strategy == "ddp":
         why = (
             "DDP compares parameters across ranks with real collectives when it wraps the model"

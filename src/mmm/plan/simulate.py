@@ -229,6 +229,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--compile is not simulated (the step runs eager, and a compiled step saves fewer activations); "
             "drop it for an eager estimate (an upper bound on activations), or add --no-step"
         )
+    if config.parallel.float8 and ns.step:
+        raise UsageError(
+            "--float8 is not simulated (torchao's float8 matmuls need a CUDA device); drop it for the bf16 "
+            "step's estimate, or add --no-step"
+        )
     unused = run_only_flags(config)
     if unused:  # the trainer's command line is welcome here; say what of it a simulated step leaves out
         print(
