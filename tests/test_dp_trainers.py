@@ -47,8 +47,7 @@ def _parallel(n, args, tmp_path, runner, timeout=300, env=None):
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
 def test_state_bytes_per_rank_match_zero_theory(tmp_path, strategy):
     """Per-rank parameter + gradient + optimizer bytes on 4 ranks within 10% of the ZeRO paper's figures
-    (FSDP's and DDP's against theirs: the trainer's summary line, and the planner's estimates in
-    tests/test_plan.py, state within 2%)."""
+    (FSDP's and HSDP's state: the planner's estimates against measured runs, tests/test_plan.py, within 2%)."""
     big = [
         "-m",
         "mmm.examples.vit",
