@@ -397,6 +397,12 @@ def test_a_checkpoint_runs_no_code_and_others_cannot_write_to_it(tmp_path):
     os.chmod(step_dir(root, 1), 0o755)
     os.chmod(root, 0o775)  # group-writable (a project's shared folder): the group's, allowed
     assert saver(root).load("1")["step"] == 1
+    mask = os.umask(0)  # what mmm writes under a umask of 0 is still its own: a resume takes it
+    try:
+        saver(tmp_path / "open").save(1)
+    finally:
+        os.umask(mask)
+    assert saver(tmp_path / "open").load("1")["step"] == 1
 
 
 def async_saver(root: Path, keep_last: int = 0) -> Checkpointer:
@@ -497,3 +503,30 @@ def test_a_full_disk_in_the_background_write_is_one_line_at_the_next_wait(tmp_pa
     assert complete_steps(tmp_path) == [1]
     with pytest.raises(UsageError, match="async_save=True writes torch DCP checkpoints.*drop async_save"):
         Checkpointer(tmp_path, deepspeed_engine=object(), async_save=True)
+
+
+def test_a_checkpoint_in_the_older_nested_optimizer_form_still_resumes(tmp_path, monkeypatch):
+    """Checkpoints written before the optimizer's state was saved flat (torch's nested form: ``param_groups.0``
+    holding the hyperparameters and parameter names) load into this version: the weights, AdamW's moments and
+    step, and the saved learning rate, as they were saved."""
+    from mmm.parallel.checkpoint_files import read_metadata
+
+    old = saver(tmp_path)
+    train_a_step(old)
+    old.optimizer.param_groups[0]["lr"] = 0.0123
+    nested = Checkpointer._state
+    with monkeypatch.context() as m:  # the older versions' save
+        m.setattr(Checkpointer, "_state", lambda self, flat=True: nested(self, flat=False))
+        old.save(1)
+    assert "optim.param_groups.0.params" in read_metadata(step_dir(tmp_path, 1)).state_dict_metadata
+    torch.manual_seed(1)
+    new = saver(tmp_path)
+    with torch.no_grad():
+        new.model.weight.add_(1.0)  # other weights than the saved ones
+    assert new.load("latest")["step"] == 1
+    assert torch.equal(new.model.weight, old.model.weight) and torch.equal(new.model.bias, old.model.bias)
+    assert new.optimizer.param_groups[0]["lr"] == 0.0123
+    for p_new, p_old in zip(new.model.parameters(), old.model.parameters()):
+        s_new, s_old = new.optimizer.state[p_new], old.optimizer.state[p_old]
+        assert float(s_new["step"]) == float(s_old["step"]) == 1.0
+        assert torch.equal(s_new["exp_avg"], s_old["exp_avg"]) and torch.equal(s_new["exp_avg_sq"], s_old["exp_avg_sq"])

@@ -130,6 +130,22 @@ def test_windows_are_the_same_for_any_dp_split_and_dtype(corpus):
     assert len(val) == len(val_tokens) and val.global_batch(0, 0, 2).max() < VOCAB
 
 
+def test_every_seed_the_flags_accept_draws_batches():
+    """The largest seed `--seed` accepts (2**63 - 1) gives batches in every data source (a seed times the
+    step stride once overflowed the generator's range: a traceback for a valid flag)."""
+    from mmm.cli import random_seed
+    from mmm.data import SyntheticTokens, step_seed
+    from mmm.data.images import SyntheticImages, epoch_batches
+    from mmm.verify import token_batches
+
+    top = random_seed(str(2**63 - 1))
+    assert step_seed(top, 3) != step_seed(top, 4) and step_seed(5, 7) == 5 * 1_000_003 + 7  # small seeds as before
+    assert SyntheticTokens(16, 8).global_batch(top, 3, 2).shape == (2, 9)
+    assert SyntheticImages(4, 3).global_batch(top, 3, 2, split="val")[0].shape == (2, 3, 4, 4)
+    assert len(epoch_batches(10, global_batch=4, seed=top, epoch=2)) == 2
+    assert token_batches(16, 8, 2, seed=top)(3)[0].shape == (2, 8)
+
+
 @pytest.fixture(scope="module")
 def hf_dirs(corpus):
     datasets = pytest.importorskip("datasets", reason="datasets is not installed (pip install 'mmm[data]')")
@@ -280,7 +296,8 @@ def test_trainer_on_a_saved_hf_dataset(corpus, hf_dirs, tmp_path):
 def test_a_text_dataset_is_tokenised_once_per_job(corpus, hf_dirs, tmp_path):
     """2 ranks on the text column: rank 0 tokenises it into one token file beside the dataset, every rank
     memory-maps it (not a copy of the corpus per rank); the next job with the same data and tokenizer
-    reuses the file; the stream and the steps are one process's."""
+    reuses the file, and one after it was cut short writes it again; the stream and the steps are one
+    process's."""
     from mmm.data.tokens import TOKEN_CACHE, hf_token_array
 
     cache = hf_dirs.text / TOKEN_CACHE
@@ -290,14 +307,18 @@ def test_a_text_dataset_is_tokenised_once_per_job(corpus, hf_dirs, tmp_path):
     res = run([sys.executable, *flags, "--max-iters", "3", "--outdir", str(one)], timeout=180)
     assert res.returncode == 0 and not cache.exists(), res.output  # one process: nothing to share
     outs = []
-    for attempt in range(2):
+    for attempt in range(3):
         outs.append(tmp_path / f"two{attempt}")
         res = run(launch("-n", "2", "python3", *flags, "--max-iters", "3", "--outdir", str(outs[-1])), timeout=240)
         assert res.returncode == 0, res.output
         (token_file,) = cache.glob("train-*.bin")
         if attempt == 0:
             written = token_file.stat().st_mtime_ns
-    assert token_file.stat().st_mtime_ns == written  # reused, not written again
+        if attempt == 1:
+            assert token_file.stat().st_mtime_ns == written  # reused, not written again
+            with open(token_file, "r+b") as f:  # then cut short (a full disk, a copy broken off)
+                f.truncate(token_file.stat().st_size - 6)
+    assert "not visible" not in res.output, res.output  # written again, whole (its tokens checked below)
     want, _ = hf_token_array(hf_dirs.text, tokenizer=str(corpus.tokenizer))
     meta = json.loads(token_file.with_suffix(".json").read_text())
     assert np.array_equal(np.fromfile(token_file, dtype=meta["dtype"]), want)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from mmm import dist
 from mmm.cli import ArgumentParser, Flags, nonnegative_float, option, override, positive_int, random_seed
+from mmm.data import step_seed
 from mmm.dist import current
 from mmm.errors import RunError, UsageError
 from mmm.log import get_logger
@@ -130,7 +131,7 @@ def token_batches(vocab_size: int, seq_len: int, batch: int, seed: int = 0):
     """``step -> (inputs, targets)``: random tokens, the global batch a function of the step only."""
 
     def get(step: int):
-        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        g = torch.Generator().manual_seed(step_seed(seed, step))
         tokens = torch.randint(0, vocab_size, (batch, seq_len + 1), generator=g)
         return tokens[:, :-1], tokens[:, 1:]
 
@@ -345,7 +346,7 @@ def target(check: VerifyConfig):
         cfg = ViTConfig(img_size=16, patch_size=4, depth=4, num_heads=4, head_dim=8)
 
         def images(step):
-            g = torch.Generator().manual_seed(check.seed * 1_000_003 + step)
+            g = torch.Generator().manual_seed(step_seed(check.seed, step))
             return torch.randn(check.batch_size, 3, 16, 16, generator=g), torch.randint(
                 0, 10, (check.batch_size,), generator=g
             )
@@ -405,7 +406,7 @@ def recipe_target(recipe: Recipe, check: VerifyConfig):
         return torch.randint(0, classes, t.shape, generator=g, dtype=t.dtype)
 
     def batch(step: int):
-        g = torch.Generator().manual_seed(check.seed * 1_000_003 + step)
+        g = torch.Generator().manual_seed(step_seed(check.seed, step))
         return random_like(inputs, g), random_like(targets, g)
 
     options = {"tp_plan": spec.tp_plan, "loss_parallel": spec.loss_parallel, "ep_plan": spec.ep_plan}

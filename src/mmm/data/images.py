@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from mmm.data import _SPLIT_SALT, step_seed
 from mmm.errors import UsageError
 
 MNIST_FILES = {
@@ -113,7 +114,7 @@ def load_digits_data(data_dir: str | Path | None) -> Digits:
 
 def epoch_batches(n: int, *, global_batch: int, seed: int, epoch: int) -> list[torch.Tensor]:
     """Index batches of one epoch: a permutation fixed by (seed, epoch), full global batches only."""
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(step_seed(seed, epoch)))
     return [perm[i : i + global_batch] for i in range(0, n - global_batch + 1, global_batch)]
 
 
@@ -142,8 +143,7 @@ class SyntheticImages:
 
     def global_batch(self, seed: int, step: int, batch: int, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
         """Step ``step``'s images and labels; ``split="val"``: a held-out stream (the same classes)."""
-        salt = 0 if split == "train" else 0x9E3779B97F4A7C15
-        g = torch.Generator().manual_seed((seed * 1_000_003 + step + salt) % 2**63)
+        g = torch.Generator().manual_seed(step_seed(seed, step, _SPLIT_SALT[split]))
         labels = torch.randint(0, self.num_classes, (batch,), generator=g)
         noise = torch.randn(batch, self.channels, self.img_size, self.img_size, generator=g)
         return self.templates[labels] + self.noise * noise, labels

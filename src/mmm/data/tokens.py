@@ -459,7 +459,7 @@ def cached_hf_tokens(data_dir, *, split: str = "train", text_column: str | None 
     store, note = dist.distributed_c10d._get_default_store(), f"mmm/tokens/{split}-{key}"
     if dist.get_rank() == 0:
         try:
-            if not (path.is_file() and meta.is_file()):
+            if not _whole_token_cache(path, meta):
                 _write_token_cache(path, meta, data_dir, split, text_column, tokenizer)
             outcome = ("ok", json.loads(meta.read_text()))
         except UsageError as e:
@@ -485,6 +485,16 @@ def cached_hf_tokens(data_dir, *, split: str = "train", text_column: str | None 
         reason = value if kind == "none" else f"{path} is not visible on every rank"
         get_logger().warning("token cache: %s; every rank tokenises %s itself", reason, data_dir)
     return hf_token_array(data_dir, split=split, text_column=text_column, tokenizer=tokenizer)
+
+
+def _whole_token_cache(path: Path, meta: Path) -> bool:
+    """Whether a token cache file and its description are there, the file as long as described (a file
+    cut short, by a full disk or a copy broken off, is written again)."""
+    try:
+        value = json.loads(meta.read_text())
+        return path.stat().st_size == int(value["tokens"]) * np.dtype(value["dtype"]).itemsize
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def _write_token_cache(path: Path, meta: Path, data_dir: Path, split: str, text_column, tokenizer) -> None:

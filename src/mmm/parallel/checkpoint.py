@@ -59,6 +59,7 @@ from mmm.parallel.checkpoint_folder import (
     crash_point,
     disk_full,
     fsync_path,
+    keep_from_others,
     meta_of,
     missing_step,
     no_space,
@@ -239,7 +240,9 @@ class Checkpointer:
 
     def _prepare(self, tmp: Path) -> None:
         """Rank 0: the step's empty ``.tmp`` folder, after undoing what a crash left."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        if not self.root.is_dir():
+            self.root.mkdir(parents=True, exist_ok=True)
+            keep_from_others(self.root)
         recover(self.root, self.log)
         if tmp.exists():  # left by a delete that failed: out of the way, never in the way
             os.replace(tmp, self.root / f"{tmp.name}.{time.time_ns()}.del")

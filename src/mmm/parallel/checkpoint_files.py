@@ -75,13 +75,15 @@ def dcp_damage(folder: Path) -> str | None:
 
 
 class SafeReader(FileSystemReader):
-    """torch's file reader, its ``.metadata`` read by :func:`read_metadata`."""
+    """torch's file reader, its ``.metadata`` read (once) by :func:`read_metadata`."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         if rank is not None:  # a per-rank metadata file (not what mmm writes): torch's own reader's name for it
             raise UsageError(f"{self.path}: per-rank DCP metadata (__{rank}{METADATA}) is not read by mmm")
-        metadata = read_metadata(Path(self.path))
+        metadata = self.__dict__.get("_metadata")  # read once: the load and the format check share it
+        if metadata is None:
+            metadata = self._metadata = read_metadata(Path(self.path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

@@ -181,6 +181,17 @@ def writable_by_others(folder: Path) -> str | None:
     return None
 
 
+def keep_from_others(path: Path) -> None:
+    """Take away any user's write permission (o+w) from a file or folder mmm wrote into a checkpoint (a
+    umask of 0 gives it), since :func:`writable_by_others` refuses to load from such a checkpoint."""
+    try:
+        mode = path.lstat().st_mode
+        if mode & stat.S_IWOTH and not stat.S_ISLNK(mode):
+            os.chmod(path, stat.S_IMODE(mode) & ~stat.S_IWOTH)
+    except OSError:  # not ours to change: the load names it, with the chmod
+        pass
+
+
 def fsync_path(path: Path) -> None:
     """Make a file's data, or a folder's entries (renames, new files), durable (a node crash after a
     checkpoint is marked complete must not lose any of it)."""
@@ -248,8 +259,10 @@ def commit(root: Path, step: int, tmp: Path, meta: dict[str, Any], *, keep_last:
     each made durable before the next; then the prune (renames only; the deletes go on in the
     background). Returns the step's folder."""
     final = step_dir(root, step)
-    for folder in (p for p in tmp.rglob("*") if p.is_dir()):
-        fsync_path(folder)
+    for path in [tmp, *tmp.rglob("*")]:
+        keep_from_others(path)  # under a umask of 0 the files came out world-writable: a resume refuses those
+        if path.is_dir():
+            fsync_path(path)
     meta = {
         **meta,
         "saved_at": time.time(),
@@ -261,6 +274,7 @@ def commit(root: Path, step: int, tmp: Path, meta: dict[str, Any], *, keep_last:
         json.dump(meta, f, indent=1, default=str)
         f.flush()
         os.fsync(f.fileno())
+    keep_from_others(tmp / META)
     fsync_path(tmp)
     crash_point("meta", step)
     if final.exists():  # a re-save of the same step (after a resume): set the old one aside first,
