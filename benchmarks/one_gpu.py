@@ -6,7 +6,8 @@ the same speed habits, and the planner's prediction beside each eager run.
 
 The model is the yardstick Llama (dim 2,048, 16 layers, 16 heads, vocabulary 32,000, sequences of 2,048,
 batch 8: about 0.9 B parameters). Runs the trainer (one rank, ``python -m mmm.examples.fsdp_tp``) bf16
-eager, bf16 + ``--compile`` and bf16 + ``--compile --float8`` (``--only fp32,bf16+ac`` adds others) and
+eager, bf16 + ``--compile`` and bf16 + ``--compile --float8`` (``--only`` picks others: ``fp32``, ``bf16+ac``,
+``bf16+moe``, a mixture of experts of the same attention, predicted by the planner like the eager runs) and
 reads each run's summary.json: the steady step (mean ``dt`` after the warmup), startup (launch to first
 finished step), MFU against the device's dense bf16 peak (``mmm.flops``) and peak allocated memory.
 Each run's twin in benchmarks/raw_one_gpu.py (the same model, batches and habits written with torch
@@ -34,6 +35,9 @@ RUNS = {
     "bf16+compile+float8": ["--dtype", "bf16", "--compile", "--float8"],
     "fp32": ["--dtype", "fp32"],
     "bf16+ac": ["--dtype", "bf16", "--ac", "full"],
+    # a mixture of experts: 8 experts of a quarter of the dense MLP's width, 2 per token (grouped matmuls on
+    # CUDA 9.0+), measured against the planner's prediction; the plain loop has no twin of it
+    "bf16+moe": ["--dtype", "bf16", "--moe-experts", "8", "--moe-top-k", "2", "--moe-hidden", "1408"],
 }
 DEFAULT_RUNS = ("bf16", "bf16+compile", "bf16+compile+float8")
 RAW = Path(__file__).with_name("raw_one_gpu.py")
@@ -82,8 +86,9 @@ def measure(name: str, job: list[str], steps: list[str], hardware: str, tmp: Pat
         "peak_bytes": mem.get("peak_allocated_bytes"),
         "compiled_graphs": summary.get("compiled_graphs"),
         "final_loss": summary["final_loss"],
+        "experts": summary.get("experts"),
     }
-    if "--ac" not in RUNS[name]:  # the plain loop of the same step and habits, measured right after
+    if "--ac" not in RUNS[name] and "--moe-experts" not in RUNS[name]:  # the plain loop of the same step
         raw = [sys.executable, str(RAW), *job, *RUNS[name], "--iters", steps[1], "--profile", "0"]
         raw_json = tmp / f"{name}.raw.json"
         run([*raw, "--out", str(raw_json)], env)

@@ -18,6 +18,7 @@ from mmm.models.llama.context import apply_cp_llama
 from mmm.models.llama.estimate import estimate_comm, estimate_memory
 from mmm.models.llama.hf import export_hf_llama, llama_config_from_hf, load_hf_llama
 from mmm.models.llama.model import Llama, LlamaConfig
+from mmm.models.llama.moe import grouped_mm_available
 from mmm.models.llama.tp import llama_tp_plan, tp_problems
 from mmm.parallel.compose import ParallelSpec
 from mmm.parallel.context import cp_problems, shard_sequence
@@ -421,8 +422,9 @@ def expert_balance(engine, mesh):
     return after_update
 
 
-def experts_summary(cfg: LlamaConfig, mesh, rows: list[dict]) -> dict:
-    """summary.json's ``experts``: the mixture's shape, its expert parallel, and the last step's load."""
+def experts_summary(cfg: LlamaConfig, mesh, rows: list[dict], device: torch.device) -> dict:
+    """summary.json's ``experts``: the mixture's shape, its expert parallel, how its matmuls ran, and the
+    last step's load."""
     last = rows[-1] if rows else {}
     return {
         "experts": cfg.moe_experts,
@@ -432,6 +434,7 @@ def experts_summary(cfg: LlamaConfig, mesh, rows: list[dict]) -> dict:
         "active_params": cfg.num_params(active=True),
         "ep": mesh.ep,
         "experts_per_rank": cfg.moe_experts // mesh.ep,
+        "matmuls": "grouped" if grouped_mm_available(torch.empty(0, device=device)) else "loop",
         **{k: last[k] for k in ("moe_load_min", "moe_load_max", "moe_aux", "moe_margin") if k in last},
     }
 
@@ -561,7 +564,7 @@ class LlamaRecipe(Recipe):
             export_hf(what, engine, cfg, ctx.info, ctx.run, ctx.log)
             out = {"dataset": dataset.name, "tokens_per_step": what.batch_size * cfg.seq_len}
             if cfg.moe:
-                out["experts"] = experts_summary(cfg, mesh, ctx.run.hist.rows)
+                out["experts"] = experts_summary(cfg, mesh, ctx.run.hist.rows, ctx.info.device)
             return out
 
         schedule = what.schedule(total_steps=what.max_iters)  # the step's learning rate: warmup, decay
