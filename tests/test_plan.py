@@ -396,6 +396,76 @@ def test_device_work_counts_matmul_flops_and_the_bytes_other_ops_move():
     assert dict(w.bytes_by_op) == moved and w.memory_bytes == sum(moved.values())
 
 
+def test_a_norm_counts_as_the_one_fused_kernel_a_gpu_runs():
+    """``F.rms_norm``, which a CPU build splits into ~20 elementwise ops, counts as CUDA's fused kernels:
+    forward reads the input and weight and writes the output and each row's rstd; backward reads the
+    output's gradient, input, rstd and weight and writes both gradients; the input and rstd are what it
+    keeps. Its values are the norm's (so a real step under the counter is the same step)."""
+    import torch
+    import torch.nn.functional as F
+
+    from mmm.measure import DeviceWork, SavedActivations
+
+    leaf = torch.randn(6, 5, 64, dtype=torch.bfloat16, requires_grad=True)
+    x = leaf * 1  # an activation (a leaf is not one)
+    weight = torch.randn(64, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(6, 5, 64, dtype=torch.bfloat16)
+    ref = F.rms_norm(x.float(), (64,), weight.float(), 1e-6)
+    ref_grads = torch.autograd.grad(ref, (x, weight), grad.float(), retain_graph=True)
+    rows, elems = 30, 30 * 64
+    for fused in (True, False):
+        with DeviceWork(fused_norms=fused) as work, SavedActivations() as saved:
+            out = F.rms_norm(x, (64,), weight, 1e-6)
+            grads = torch.autograd.grad(out, (x, weight), grad, retain_graph=True)
+        ops = dict(work.bytes_by_op)
+        if fused:
+            assert ops == {
+                "rms_norm": 2 * elems + 2 * 64 + 2 * elems + 4 * rows,
+                "rms_norm_backward": 2 * elems + 2 * elems + 4 * rows + 2 * 64 + 2 * elems + 2 * 64,
+            }, ops
+            assert saved.bytes == 2 * elems + 4 * rows  # the input (bf16) and rstd (fp32)
+        else:
+            assert "rms_norm" not in ops and len(ops) > 5, ops  # this CPU build's own ops
+        assert (out.float() - ref).abs().max() <= 2 * 2**-8 * ref.abs().max()  # one bf16 rounding
+        for got, exp in zip(grads, ref_grads):
+            assert (got.float() - exp).abs().max() <= 2**-6 * exp.abs().max(), (got, exp)
+
+
+def test_the_simulated_step_runs_the_kernels_the_trainer_runs_on_its_device():
+    """On an accelerator's preset the simulated rank's norms are the fused kernels (less kept for backward
+    than this CPU build's ops keep), and AdamW, built on meta where no fused kernel exists, steps fused as
+    the trainer's does on a device (one ``_fused_adamw_``, none of the foreach form's passes)."""
+    code = """
+import json, sys
+import mmm.measure as measure
+import mmm.plan.fake as sim
+from mmm.models.llama.recipe import command_line
+from mmm.plan.hardware import PRESETS
+seen = set()
+real = measure.DeviceWork.local_op
+def local_op(self, func, *args):
+    seen.add(func._schema.name.split("::")[-1] if hasattr(func, "_schema") else str(func))
+    return real(self, func, *args)
+measure.DeviceWork.local_op = local_op
+config = command_line().parse(sys.argv[1:])
+out = {}
+for hw in ("h100", None):
+    seen.clear()
+    (report,) = sim.simulate_ranks(config, world=1, ranks=[0], hardware=PRESETS.get(hw))
+    out[str(hw)] = {"ops": sorted(seen), "saved": report.step["activation_bytes"], "moved": report.step["memory_bytes"]}
+print(json.dumps(out))
+"""
+    res = run([sys.executable, "-c", code, *tiny_llama(), "--dtype", "bf16"], timeout=180)
+    assert res.returncode == 0, res.output
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    gpu, cpu = got["h100"], got["None"]
+    assert "rms_norm" in gpu["ops"] and "rsqrt" not in gpu["ops"], gpu
+    assert "rms_norm" not in cpu["ops"] and "rsqrt" in cpu["ops"], cpu
+    for ops in (gpu["ops"], cpu["ops"]):
+        assert "_fused_adamw_" in ops and not {"lerp_", "addcdiv_", "_foreach_lerp_", "_foreach_addcdiv_"} & set(ops)
+    assert gpu["saved"] < cpu["saved"] and gpu["moved"] < cpu["moved"], got
+
+
 def test_peak_memory_sees_a_storage_resized_to_nothing_and_back():
     """FSDP2 frees a gathered block by resizing its buffer's storage to nothing (and grows it again at
     the next all-gather): a storage method no dispatch mode sees. Counted as held, every block ever

@@ -320,22 +320,138 @@ _NO_TRAFFIC = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empt
 _NO_TRAFFIC |= {"lift_fresh", "set_", "resize_", "_local_scalar_dense"}
 
 
+_FUSED_OPS: Any = None
+
+
+def _fused_norm_ops():
+    """``mmm_device::rms_norm`` and its backward: ``F.rms_norm`` as one kernel each way, as CUDA (and
+    ROCm) run it (torch's ``_fused_rms_norm``: reads the input and weight, writes the output and the
+    per-row ``rstd`` it keeps for backward), where a CPU process decomposes it into a handful of
+    elementwise ops. Registered once, when first needed."""
+    global _FUSED_OPS
+    if _FUSED_OPS is not None:
+        return _FUSED_OPS
+
+    def dims(x: torch.Tensor, n: int) -> list[int]:
+        return list(range(x.dim() - n, x.dim()))
+
+    @torch.library.custom_op(
+        "mmm_device::rms_norm",
+        mutates_args=(),
+        schema="(Tensor x, int n, Tensor? weight, float eps) -> (Tensor, Tensor)",
+    )
+    def rms_norm(x, n, weight, eps):
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(dims(x, n), keepdim=True) + eps)
+        y = (xf * rstd).to(x.dtype)
+        return (y if weight is None else y * weight), rstd
+
+    @rms_norm.register_fake
+    def _(x, n, weight, eps):
+        dtype = x.dtype if weight is None else torch.result_type(x, weight)
+        rstd_shape = [*x.shape[: x.dim() - n], *[1] * n]
+        return x.new_empty(x.shape, dtype=dtype), x.new_empty(rstd_shape, dtype=torch.float32)
+
+    @torch.library.custom_op(
+        "mmm_device::rms_norm_backward",
+        mutates_args=(),
+        schema="(Tensor dy, Tensor x, Tensor rstd, int n, Tensor? weight) -> (Tensor, Tensor)",
+    )
+    def rms_norm_backward(dy, x, rstd, n, weight):
+        xhat = x.float() * rstd
+        dxhat = dy.float() * (1 if weight is None else weight.float())
+        dx = rstd * (dxhat - xhat * (dxhat * xhat).mean(dims(x, n), keepdim=True))
+        lead = list(range(x.dim() - n))
+        dw = (dy.float() * xhat).sum(lead) if weight is not None else x.new_empty(0)
+        return dx.to(x.dtype), dw.to(weight.dtype) if weight is not None else dw
+
+    @rms_norm_backward.register_fake
+    def _(dy, x, rstd, n, weight):
+        return x.new_empty(x.shape), (x.new_empty(0) if weight is None else weight.new_empty(weight.shape))
+
+    def setup_context(ctx, inputs, output):
+        x, n, weight, _ = inputs
+        ctx.n = n
+        ctx.save_for_backward(x, weight, output[1])
+        ctx.mark_non_differentiable(output[1])  # rstd: no gradient to make (or to count)
+        ctx.set_materialize_grads(False)
+
+    def backward(ctx, dy, _drstd):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = rms_norm_backward(dy, x, rstd, ctx.n, weight)
+        return dx, None, (dw if weight is not None else None), None
+
+    rms_norm.register_autograd(backward, setup_context=setup_context)
+    _FUSED_OPS = rms_norm
+    return _FUSED_OPS
+
+
+class FusedNorms:
+    """While active (``with FusedNorms():``), ``torch.nn.functional.rms_norm`` on plain tensors runs as
+    :func:`_fused_norm_ops`'s two ops, so the modes of :mod:`mmm.measure` see the step's norms as a GPU
+    runs them: one kernel forward (its memory traffic, its output and ``rstd``), one backward, and what
+    backward keeps (input, weight, ``rstd``). DTensors (a sequence-parallel norm) keep torch's own path.
+    The function itself is swapped (and put back on exit), not watched by a torch function mode: an
+    activation checkpoint's recomputation in backward runs without those, and must see the same ops."""
+
+    def __init__(self) -> None:
+        self._real = None
+
+    def __enter__(self):
+        import torch.nn.functional as F
+        from torch.distributed.tensor import DTensor
+
+        real = self._real = F.rms_norm
+
+        def rms_norm(input, normalized_shape, weight=None, eps=None):
+            if any(isinstance(t, DTensor) for t in (input, weight)):
+                return real(input, normalized_shape, weight, eps)
+            n = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
+            eps = torch.finfo(input.dtype).eps if eps is None else eps
+            return _fused_norm_ops()(input, n, weight, float(eps))[0]
+
+        F.rms_norm = rms_norm
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch.nn.functional as F
+
+        F.rms_norm = self._real
+
+
 class DeviceWork(_LocalOps):
     """``with DeviceWork() as w: step()`` then ``w.matmul_flops`` and ``w.memory_bytes``: what the local
     ops of a rank's step ask of its device. Matrix multiplies (and fused attention) count their FLOPs
     (``2 m n k``); every other op that computes (elementwise, norms, softmax, casts, copies, the
     optimizer's updates, embedding lookups) counts the bytes it reads and writes: the traffic an eager
     step's memory-bound kernels move through device memory. Views and allocations move nothing;
-    collectives are :class:`CommCounter`'s. Under ``torch.compile`` fused kernels move less."""
+    collectives are :class:`CommCounter`'s. Under ``torch.compile`` fused kernels move less.
 
-    def __init__(self) -> None:
+    ``fused_norms`` (the default): ``F.rms_norm`` counts as the accelerator's one fused kernel each way
+    (:class:`FusedNorms`, entered with this mode), not as the elementwise ops a CPU process splits it
+    into: this counts the step a GPU runs."""
+
+    def __init__(self, fused_norms: bool = True) -> None:
         super().__init__()
         self.matmul_flops = 0
         self.memory_bytes = 0
         self.bytes_by_op: dict[str, int] = defaultdict(int)
+        self._norms = FusedNorms() if fused_norms else None
+
+    def __enter__(self):
+        if self._norms is not None:
+            self._norms.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            if self._norms is not None:
+                self._norms.__exit__(*exc)
 
     def local_op(self, func, inputs, kwargs, out) -> None:
-        if isinstance(func, torch._ops.HigherOrderOperator) or func.namespace != "aten":
+        if isinstance(func, torch._ops.HigherOrderOperator) or func.namespace not in ("aten", "mmm_device"):
             return  # collectives (c10d), and what the ops inside a higher-order op count themselves
         name = func._schema.name.split("::")[-1]
         if name in _ATEN_MATMUL:

@@ -28,6 +28,7 @@ from mmm.log import get_logger
 from mmm.measure import CommCounter, DeviceWork, PeakMemory, SavedActivations
 from mmm.parallel import init_mesh, meta_init
 from mmm.parallel.experts import plan_routing
+from mmm.parallel.optim import fused_problem
 from mmm.parallel.pipeline import stage_ids, stage_layer_ranges
 from mmm.parallel.tensor import loss_parallel_context
 from mmm.plan.hardware import Hardware
@@ -66,6 +67,13 @@ class RankReport:
     """With --hardware: the step time, its parts and whether memory fits (:mod:`mmm.plan.predict`)."""
 
 
+def accelerated(hardware: Hardware | None) -> bool:
+    """Whether ranks on ``hardware`` are accelerators, whose torch runs ``F.rms_norm`` as one fused kernel
+    each way (CUDA, ROCm): a preset or file without ``cores_per_node``. Without ``--hardware``, a rank is
+    simulated as this CPU build runs it."""
+    return hardware is not None and not hardware.cores_per_node
+
+
 def num_params(recipe, model_config) -> int:
     """Parameters of ``recipe``'s model of ``model_config`` (built on meta: no memory)."""
     with meta_init():
@@ -89,6 +97,7 @@ def simulate_rank(
     blocks: int | None = None,
     shapes_only: bool = False,
     expert_load: float = 1.0,
+    fused_norms: bool | None = None,
 ) -> RankReport | None:
     """Rank ``rank`` of a ``world``-rank job with ``config`` (of ``config.recipe``'s model), simulated in
     this process: it joins a fake process group of ``world`` ranks, which it leaves before returning (so
@@ -96,7 +105,8 @@ def simulate_rank(
     ``shapes_only``: a pipeline rank that only sends its stages' shapes into ``mailbox`` (what a rank
     simulated after it waits for); no report. A mixture of experts routes by plan (tensors have no
     values): ``expert_load`` x the mean to each rank's first expert, the rest evenly
-    (:func:`mmm.parallel.experts.plan_routing`)."""
+    (:func:`mmm.parallel.experts.plan_routing`). ``fused_norms``: norms as one fused kernel each way
+    (:func:`fake_step`); by default where ``hardware`` is an accelerator (:func:`accelerated`)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's test helper: load it only here
 
     what, how, recipe = config.train, config.parallel, config.recipe
@@ -164,7 +174,14 @@ def simulate_rank(
             return recipe.example_batch(cfg, rows=what.batch_size // mesh.dp, cp=mesh.cp)
 
         simulated = fake_step(
-            engine, mesh, recipe.loss, batch, mailbox=mailbox, trace=blocks is not None, shapes_only=shapes_only
+            engine,
+            mesh,
+            recipe.loss,
+            batch,
+            mailbox=mailbox,
+            trace=blocks is not None,
+            shapes_only=shapes_only,
+            fused_norms=accelerated(hardware) if fused_norms is None else fused_norms,
         )
         if shapes_only:
             return None
@@ -260,6 +277,7 @@ def simulate_by_blocks(
             devices_per_node=devices_per_node,
             blocks=k * chunks,
             expert_load=expert_load,
+            fused_norms=accelerated(hardware),  # predicted below, as the whole model's step would be
         )
         for k in (3, 4)
     )
@@ -479,7 +497,14 @@ def _pipeline_shapes(pipeline, inputs, targets) -> None:
 
 
 def fake_step(
-    engine, mesh, loss_fn, batch, mailbox: dict | None = None, trace: bool = False, shapes_only: bool = False
+    engine,
+    mesh,
+    loss_fn,
+    batch,
+    mailbox: dict | None = None,
+    trace: bool = False,
+    shapes_only: bool = False,
+    fused_norms: bool = False,
 ) -> dict:
     """A training step of ``engine`` (sharded on meta) on fake tensors of ``batch()``'s (inputs,
     targets), as every step after the first (the optimizer state exists: :func:`_optimizer_state`):
@@ -487,7 +512,9 @@ def fake_step(
     parameter, gradient and optimizer bytes it holds after backward (as the trainer reads them). The
     engine's parameters become fake tensors (no memory); it is not usable for real work afterwards.
     ``shapes_only``: under a pipeline, only the first step's shape exchange (what the stages send
-    through ``mailbox``), nothing counted: ``{}``."""
+    through ``mailbox``), nothing counted: ``{}``. ``fused_norms``: ``F.rms_norm`` runs as an accelerator's
+    fused kernel (:class:`mmm.measure.FusedNorms`: its traffic, and the input and ``rstd`` kept for
+    backward), not as the elementwise ops this CPU build splits it into."""
     if engine.pipeline is not None:
         _pipeline_by_mail(engine.pipeline, {} if mailbox is None else mailbox)
     with FakeTensorMode(allow_non_fake_inputs=True):  # buffers (rotary tables) stay real: they are read only
@@ -497,6 +524,7 @@ def fake_step(
         now = dict(engine.module.named_parameters())
         for group in engine.optimizer.param_groups:
             group["params"] = [now[names[id(p)]] if id(p) in names else p for p in group["params"]]
+        _fused_as_on_a_device(engine.optimizer)
         engine.train()
         inputs, targets = batch()
         sync = StepSync.for_engine(engine, device=torch.device("cpu"))
@@ -512,7 +540,7 @@ def fake_step(
             PeakMemory(existing, trace=trace) as memory,
             CommCounter(mesh.named_groups()) as comm,
             SavedActivations() as saved,
-            DeviceWork() as work,
+            DeviceWork(fused_norms=fused_norms) as work,
         ):
             train_step(  # a steady step, as --measure watches step 2
                 engine, inputs, targets, loss_fn, sync=sync, after_backward=lambda: held.update(engine.state_bytes())
@@ -528,6 +556,21 @@ def fake_step(
         "state_bytes": {k: held[k] for k in ("param_bytes", "grad_bytes", "optim_bytes")},
         **({"memory_trace": memory.trace} if trace else {}),
     }
+
+
+def _fused_as_on_a_device(optimizer) -> None:
+    """AdamW built over parameters on meta (no fused kernel there) steps as the trainer's would on a real
+    device: fused where :func:`mmm.parallel.optim.adamw` finds the (now fake CPU) parameters allow it, so the
+    simulated step's optimizer moves what the fused kernel moves (each parameter, gradient and moment read
+    once, the parameter and moments written once) rather than the foreach form's several passes."""
+    if type(optimizer) is not torch.optim.AdamW or any(
+        g.get("fused") or g.get("foreach") for g in optimizer.param_groups
+    ):
+        return  # another optimizer, or an implementation the caller chose
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if fused_problem(params) is None:
+        for group in optimizer.param_groups:
+            group["fused"], group["foreach"] = True, False
 
 
 def held_before_step(engine, inputs, targets=None) -> list[torch.Tensor]:

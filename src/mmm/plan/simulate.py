@@ -36,7 +36,10 @@ their messages kept (:func:`mmm.plan.fake.simulate_ranks`). DDP and the ZeRO str
 need real collectives to wrap the model), nor ``--compile`` (the step runs eager: a compiled step
 saves fewer activations). With ``--hardware`` (a preset or a JSON file,
 :mod:`mmm.plan.hardware`) each rank's step time, MFU and whether its peak fits are predicted from
-the simulated step (:mod:`mmm.plan.predict` states the model).
+the simulated step (:mod:`mmm.plan.predict` states the model). The step runs the kernels the trainer
+would: AdamW fused where the parameters allow it, and, on an accelerator's hardware (a preset, or a file
+without ``cores_per_node``), ``F.rms_norm`` as the one fused kernel each way that CUDA runs (its traffic,
+and only its input and ``rstd`` kept for backward), where this CPU build splits it into elementwise ops.
 """
 
 from __future__ import annotations
