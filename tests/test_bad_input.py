@@ -225,6 +225,13 @@ CONFIG_CASES = [
     ("fsdp_tp", 2, ["--strategy", "zero2", "--checkpoint-dir", "ck", "--checkpoint-async"],
      ["--checkpoint-async needs a torch strategy (ddp, fsdp, hsdp), not zero2", "drop --checkpoint-async"]),
     ("fsdp_tp", 2, ["--checkpoint-async"], ["--checkpoint-async needs --checkpoint-dir"]),
+    # flags that only apply with another one, given without it: refused, never a silent no-op
+    ("fsdp_tp", 1, ["--checkpoint-every", "2", "--keep-last", "3"],
+     ["--checkpoint-every 2, --keep-last 3 only apply with --checkpoint-dir", "add one or drop them"]),
+    ("fsdp_tp", 1, ["--start-over"], ["--start-over moves aside an earlier run", "drop --start-over"]),
+    ("fsdp_tp", 1, ["--moe-top-k", "1"], ["--moe-top-k 1 only applies to a mixture of experts; add --moe-experts N"]),
+    ("fsdp_tp", 1, ["--eval-iters", "3"], ["--eval-iters 3 only applies with --eval-every N"]),
+    ("vit", 1, ["--eval-iters", "3"], ["--eval-iters 3 only applies with --eval-every N"]),
     ("fsdp_tp", 2, ["--strategy", "ddp", "--tp", "2"], ["--strategy ddp does not compose with tp"]),
     ("fsdp_tp", 2, ["--compile", "--tp", "2"], ["--compile with --tp 2 is not supported"]),
     ("fsdp_tp", 2, ["--strategy", "ddp", "--reshard-after-forward", "true"],
@@ -269,6 +276,24 @@ def test_config_checks_name_the_value_and_the_fix(rows):
         rows(f"{trainer} {' '.join(flags)} ({world} ranks)", line, 2, time.perf_counter() - t0)
 
 
+VERIFY_CASES = [
+    (["--model", "llama", "--tp-plan", "mine:PLAN"], ["--tp-plan mine:PLAN: --model llama has its own TP plan"]),
+    (["--model", "vit", "--seq-len", "64"], ["--seq-len 64: --model vit", "16 x 16 images", "drop it"]),
+]
+
+
+def test_verify_refuses_what_its_models_cannot_take(rows):
+    from mmm.verify import COMMAND_LINE, target
+
+    for flags, needles in VERIFY_CASES:
+        t0 = time.perf_counter()
+        with pytest.raises(UsageError) as e:
+            target(COMMAND_LINE.parse(flags)["check"])
+        line = str(e.value)
+        assert "\n" not in line and all(n in line for n in needles), (flags, line)
+        rows(f"python -m mmm.verify {' '.join(flags)}", line, 2, time.perf_counter() - t0)
+
+
 def _launch_main(argv: list[str], monkeypatch, **environ: str) -> tuple[int, str, float]:
     from mmm.launch.cli import main
 
@@ -300,7 +325,17 @@ def test_launch_refuses_bad_files_and_variables_in_one_line(tmp_path, monkeypatc
         cases.append((f"hostfile: {what}", ["--hostfile", str(path), "-n", "2", "--dry-run", "python3"], {}, str(path)))
     unreadable = tmp_path / "unreadable"
     unreadable.mkdir()
+    remote = tmp_path / "remote-hosts"
+    remote.write_text("node7 slots=2\n")
     cases += [
+        # flags the local launcher cannot honour: refused, never a silent no-op
+        ("--mpi-args with --launcher local",
+         ["--launcher", "local", "--mpi-args", "--bind-to core", "-n", "2", "python3"], {},
+         "--mpi-args '--bind-to core' are flags for mpiexec or srun"),
+        ("--hostfile of another host with --launcher local", ["--launcher", "local", "--hostfile", str(remote), "-n",
+         "2", "python3"], {}, "names node7; use --launcher mpiexec"),
+        ("--ppn 2 -n 4 on this machine", ["--launcher", "local", "--ppn", "2", "-n", "4", "python3"], {},
+         "--ppn 2 with -n 4: this machine is one host"),
         ("hostfile: a folder", ["--hostfile", str(unreadable), "-n", "2", "python3"], {}, str(unreadable)),
         ("MMM_GPUS_PER_NODE=-1", ["--launcher", "local", "python3", "-c", "pass"], {"MMM_GPUS_PER_NODE": "-1"},
          "MMM_GPUS_PER_NODE='-1'"),

@@ -81,7 +81,7 @@ def test_auxiliary_loss_trains_the_router_and_balancing_moves_the_bias():
         (["--moe-experts", "8", "--ep", "2", "--dp-shard", "1", "--pp", "4"], 4, "ep=2 does not divide dp_shard"),
         (["--moe-experts", "4", "--moe-top-k", "5"], 2, "--moe-top-k 5 must be between 1 and --moe-experts 4"),
         (["--moe-experts", "8", "--moe-hidden", "33", "--tp", "2"], 4, "--moe-hidden 33 is not divisible by --tp 2"),
-        (["--moe-aux", "0.1"], 2, "--moe-aux only apply to a mixture of experts; add --moe-experts N"),
+        (["--moe-aux", "0.1"], 2, "--moe-aux 0.1 only applies to a mixture of experts; add --moe-experts N"),
         (["--moe-experts", "8", "--strategy", "ddp"], 2, "--moe-experts with --strategy ddp is not supported yet"),
         (["--moe-experts", "8", "--export-hf", "x"], 2, "--export-hf writes a dense Hugging Face Llama"),
     ],
@@ -241,3 +241,14 @@ def test_the_pick_ranks_expert_parallel_degrees(tmp_path):
     eps = {r["degrees"].get("ep") for r in rows}
     assert {1, 2, 4} <= eps, eps
     assert "pick: " in res.stdout and all(r["fits"] for r in rows[:1])
+
+
+def test_the_planner_holds_a_given_expert_parallel_degree():
+    """`python -m mmm.plan --ep 2` lists only layouts with ep 2, as it holds the mesh's degrees (the ep was
+    varied before, the flag unread); without --ep every ep that fits is listed."""
+    from mmm.plan.cli import parse_request, plan_for
+
+    flags = ["--world", "4", *tiny_llama(), "--moe-experts", "4"]
+    held = {c.degrees.get("ep", 1) for c in plan_for(parse_request([*flags, "--ep", "2"]))}
+    free = {c.degrees.get("ep", 1) for c in plan_for(parse_request(flags))}
+    assert held == {2} and free == {1, 2, 4}, (held, free)

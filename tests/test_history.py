@@ -31,6 +31,8 @@ def test_stats_exclude_warmup():
     short = History(None, warmup=5)
     short.update(1, dt=4.0)
     assert short.stats()["dt"]["mean"] == 4.0  # too few steps: nothing excluded
+    assert short.finalize(summary_file=None, plots=False)["warmup_excluded"] == 0  # and the summary says so
+    assert h.finalize(summary_file=None, plots=False)["warmup_excluded"] == 2
 
 
 def test_finalize_writes_dataset_summary_and_plots(tmp_path, capsys):

@@ -117,8 +117,9 @@ def test_estimates_match_measured(tmp_path, label):
 
 def test_cli_lists_table_invalid_reasons_and_json(tmp_path):
     out = tmp_path / "plan.json"
-    res = run([sys.executable, "-m", "mmm.plan", "--world", "4", "--tp", "2", "--json", str(out)])
+    res = run([sys.executable, "-m", "mmm.plan", "--world", "4", "--tp", "2", "--lr", "0.1", "--json", str(out)])
     assert res.returncode == 0, res.output
+    assert "note: --lr shapes the run, not a layout's memory or communication: not planned" in res.stderr  # not dropped
     assert "valid layouts" in res.stdout and "comm:tp" in res.stdout
     assert "invalid layouts" in res.stdout and "DDP cannot hold sharded" in res.stdout
     rows = json.loads(out.read_text())
@@ -151,6 +152,7 @@ def test_cli_bad_input(flags, needles):
         (["--world", "8", "--ranks", "0,8"], ["--ranks '0,8'", "from 0 to 7"]),
         (["--world", "8", "--hardware", "tpu9"], ["--hardware 'tpu9'", "h100"]),
         (["--world", "8", "--hardware", "h100", "--no-step"], ["drop --no-step"]),
+        (["--world", "8", "--moe-experts", "4", "--expert-load", "2", "--no-step"], ["--expert-load 2 routes"]),
         (["--world", "8", "--compile"], ["--compile is not simulated"]),
         (["--world", "8", "--float8", "--dtype", "bf16"], ["--float8 is not simulated"]),
         (["--world", "8", "--pick-layout", "h100"], ["--pick-layout is the trainer's"]),

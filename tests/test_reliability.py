@@ -41,15 +41,19 @@ def test_exact_resume_same_mesh_and_history_continues(tmp_path):
     ok(torchrun(2, *FSDP_TP, "--max-iters", "6", "--outdir", str(full)))
     part = tmp_path / "part"
     ok(torchrun(2, *FSDP_TP, "--max-iters", "3", "--checkpoint-dir", str(ck), "--outdir", str(part)))
-    ok(
+    resumed = ok(
         mpiexec(
-            2, *FSDP_TP, "--max-iters", "6", "--checkpoint-dir", str(ck), "--resume", "latest", "--outdir", str(part)
+            2, *FSDP_TP, "--max-iters", "6", "--checkpoint-dir", str(ck), "--resume", "latest", "--outdir", str(part),
+            "--measure",
         )
-    )
+    )  # fmt: skip
     assert jsonl(part / "history.jsonl", "iter") == [1, 2, 3, 4, 5, 6]  # one record per step, no repeats
     assert jsonl(part / "history.jsonl") == jsonl(full / "history.jsonl")  # bit-identical in fp32
     summary = json.loads((part / "summary.json").read_text())
     assert summary["resumed_from"] == 3 and summary["steps"] == 6
+    # --measure watches step 2, which this run never runs: its own second step instead (was: nothing measured)
+    assert "this run starts at step 4, so it watches step 5" in resumed.output, resumed.output
+    assert len(summary["measured_per_rank"]) == 2 and summary["measured_per_rank"][0]["comm_bytes"], summary
 
 
 def test_resharding_resume_continues_the_same_curve(tmp_path):

@@ -228,7 +228,7 @@ class History:
         summary (also on non-writing ranks)."""
         summary: dict[str, Any] = {
             "steps": len(self.rows),
-            "warmup_excluded": self.warmup,
+            "warmup_excluded": self.warmup if len(self.rows) > self.warmup else 0,  # too few: every step counts
             "stats": self.stats(),
             **(extra or {}),
         }

@@ -331,6 +331,22 @@ def _load(ref: str, what: str):
 def target(check: VerifyConfig):
     """(model factory, spec options, batch_fn, loss_fn) for what ``check`` names."""
     tokens = token_batches(check.vocab_size, check.seq_len, check.batch_size, check.seed)
+    if check.model in BUILTIN:  # their TP plans are their own; the ViT's batches are 16 x 16 images of 10 classes
+        defaults = VerifyConfig()
+        flags = {"--tp-plan": "tp_plan"} | (
+            {"--seq-len": "seq_len", "--vocab-size": "vocab_size"} if check.model == "vit" else {}
+        )
+        given = [
+            f"{flag} {getattr(check, name)}"
+            for flag, name in flags.items()
+            if getattr(check, name) != getattr(defaults, name)
+        ]
+        if given:
+            raise UsageError(
+                f"{', '.join(given)}: --model {check.model} has its own TP plan"
+                f"{' and trains on 16 x 16 images of 10 classes, not tokens' if check.model == 'vit' else ''}; "
+                f"drop {'it' if len(given) == 1 else 'them'}"
+            )
     if check.model in ("llama", "llama-moe"):
         moe = check.model == "llama-moe"  # 8 experts, top-2, one shared; the sequence-wise balance loss
         cfg = LlamaConfig(

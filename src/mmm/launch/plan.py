@@ -110,8 +110,23 @@ def plan_launch(
             f"--launcher local runs on this machine only, but the allocation has {alloc.num_hosts} hosts; "
             "use --launcher mpiexec or srun"
         )
+    if launcher == "local" and mpi_args:
+        raise UsageError(
+            f"--mpi-args {' '.join(mpi_args)!r} are flags for mpiexec or srun, and --launcher local starts the ranks "
+            "itself; drop them or choose --launcher mpiexec/srun"
+        )
+    if launcher == "local" and alloc.hostfile and not all(is_this_host(h) for h in alloc.hosts):
+        raise UsageError(
+            f"--launcher local runs the ranks on this machine, but {alloc.hostfile} names "
+            f"{', '.join(h for h in alloc.hosts if not is_this_host(h))}; use --launcher mpiexec, or drop the hostfile"
+        )
     cpus = os.cpu_count() or 1
     on_this_machine = alloc.scheduler == "none" and not alloc.hostfile
+    if on_this_machine and ppn is not None and nproc is not None and nproc > ppn:
+        raise UsageError(
+            f"--ppn {ppn} with -n {nproc}: this machine is one host (no allocation or --hostfile), so all {nproc} "
+            f"ranks would run here; drop --ppn, or give -n {ppn}, or a --hostfile of more hosts"
+        )
     if ppn is None:
         if on_this_machine and nproc is not None:
             ppn = nproc

@@ -28,7 +28,7 @@ from mmm.cli import ArgumentParser, nonempty_text, positive_int
 from mmm.errors import UsageError, print_error
 from mmm.history import atomic_write_text
 from mmm.parallel.strategy import STRATEGIES
-from mmm.plan import AXES, Combo, plan
+from mmm.plan import AXES, Combo, plan, run_only_flags
 from mmm.training.config import Config
 from mmm.training.recipe import Recipe, add_recipe_flag, recipe_from_argv
 
@@ -42,7 +42,7 @@ def build_parser(recipe: Recipe | None = None) -> ArgumentParser:
     p.description = __doc__.split("\n\n")[0]
     p.epilog = __doc__.split("\n\n", 2)[2]
     # mesh flags and --strategy select (hold) rather than default
-    p.set_defaults(tp=None, pp=None, cp=None, dp_replicate=None, dp_shard=None, strategy=None)
+    p.set_defaults(tp=None, pp=None, cp=None, dp_replicate=None, dp_shard=None, ep=None, strategy=None)
     add_recipe_flag(p)
     g = p.add_argument_group("planner")
     g.add_argument("--world", type=positive_int, required=True, help="number of ranks (processes) to plan for")
@@ -85,7 +85,7 @@ def parse_request(argv: Sequence[str] | None = None) -> PlanRequest:
     recipe, argv = recipe_from_argv(sys.argv[1:] if argv is None else argv)
     ns = build_parser(recipe).parse_args(argv)
     # the trainer's config for the rest; its degrees and strategy are placeholders the planner varies
-    placeholders = {a: 1 for a in AXES if a in vars(ns)} | {"strategy": "fsdp"}
+    placeholders = {a: 1 for a in (*AXES, "ep") if a in vars(ns)} | {"strategy": "fsdp"}
     config = recipe.command_line().configs(argparse.Namespace(**{**vars(ns), **placeholders}))
     if recipe.picks_layout(config):
         raise UsageError(
@@ -95,7 +95,7 @@ def parse_request(argv: Sequence[str] | None = None) -> PlanRequest:
     return PlanRequest(
         world=ns.world,
         config=config,
-        fixed={a: vars(ns).get(a) for a in AXES},
+        fixed={a: vars(ns).get(a) for a in (*AXES, "ep")},
         strategy=ns.strategy,
         strategies=ns.strategies,
         valid_only=ns.valid_only,
@@ -178,7 +178,21 @@ def format_table(combos, *, valid_only: bool = False) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     request = parse_request(argv)
+    unused = run_only_flags(request.config)
+    if unused:  # the trainer's command line is welcome here; say what of it the estimates leave out
+        print(
+            f"python -m mmm.plan: note: {', '.join(unused)} {'shape' if len(unused) > 1 else 'shapes'} the run, "
+            "not a layout's memory or communication: not planned",
+            file=sys.stderr,
+        )
     combos = plan_for(request)
+    gap = request.config.recipe.not_estimated(request.config)
+    if gap:
+        print(
+            f"python -m mmm.plan: note: the closed-form estimates do not model {gap}: none given below; "
+            "python -m mmm.plan.simulate runs the step itself",
+            file=sys.stderr,
+        )
     print(format_table(combos, valid_only=request.valid_only))
     if request.json_path:
         text = json.dumps([c.as_dict() for c in combos], indent=1)

@@ -168,6 +168,8 @@ def pick_request(config: Config, argv: list[str], info) -> PickRequest:
     held = {a: how.degrees[a] for a in AXES if _given(argv, f"--{a.replace('_', '-')}")}
     aliases = {"tp": "--tpsize", "pp": "--ppsize", "cp": "--cpsize"}  # the original mmm's spellings
     held |= {a: how.degrees[a] for a, flag in aliases.items() if _given(argv, flag)}
+    if _given(argv, "--ep"):  # expert parallel, held like the mesh's degrees
+        held["ep"] = how.ep
     return PickRequest(
         config=config,
         world=info.world_size,

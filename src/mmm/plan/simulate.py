@@ -50,15 +50,14 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from mmm.cli import ArgumentParser, flag_fields, nonempty_text, positive_float, positive_int, without_flags
+from mmm.cli import ArgumentParser, nonempty_text, positive_float, positive_int, without_flags
 from mmm.errors import UsageError, print_error
 from mmm.history import atomic_write_text
 from mmm.log import configure
-from mmm.plan import AXES
+from mmm.plan import AXES, run_only_flags
 from mmm.plan.fake import RankReport, simulate_ranks
 from mmm.plan.hardware import load_hardware
 from mmm.plan.ranking import format_ranking, rank_layouts
-from mmm.training.config import Config
 from mmm.training.recipe import add_recipe_flag, recipe_from_argv
 
 MIB = 2**20
@@ -245,6 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
     expert_load = 1.0 if ns.expert_load is None else ns.expert_load
+    if ns.expert_load is not None and not ns.step:
+        raise UsageError(f"--expert-load {ns.expert_load:g} routes the simulated step's tokens; drop it or --no-step")
     if ns.expert_load is not None:
         experts = recipe.experts(recipe.model_config(config.train))
         if not experts:
@@ -311,23 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-# trainer flags that decide what a run writes, reads back or watches, not what one step holds or sends
-RUN_ONLY = {"eval_every", "eval_iters", "export_hf", "measure", "max_iters", "lr_schedule", "warmup_steps"}
-RUN_ONLY |= {"min_lr", "lr_decay_steps", "seed"}
-
-
 def _given(argv: Sequence[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
-
-
-def run_only_flags(config: Config) -> list[str]:
-    """The flags given (not at their default) that a simulated step does not use."""
-    given = []
-    for section, names in ((config.train, RUN_ONLY), (config.run, None)):
-        for f in flag_fields(type(section)):
-            if (names is None or f.name in names) and getattr(section, f.name) != f.default:
-                given.append(f.metadata["flags"][0])
-    return given
 
 
 def _jsonable(obj):

@@ -27,14 +27,20 @@ class EvalConfig:
         group="eval",
         help="evaluate on the held-out split every N steps and after the last; 0: never",
     )
-    eval_iters: int = option(
-        4,
+    eval_iters: int | None = option(
+        None,
         "--eval-iters",
         parse=positive_int,
         metavar="K",
+        shown="4",
         group="eval",
-        help="global batches per evaluation (the same K each time)",
+        help="global batches per evaluation (the same K each time; with --eval-every)",
     )
+
+    @property
+    def eval_batches(self) -> int:
+        """Global batches per evaluation: ``--eval-iters``, 4 when not given."""
+        return 4 if self.eval_iters is None else self.eval_iters
 
     def eval_due(self, step: int, *, last: bool) -> bool:
         return bool(self.eval_every) and (step % self.eval_every == 0 or last)
@@ -43,8 +49,10 @@ class EvalConfig:
         out = []
         if self.eval_every < 0:
             out.append(f"--eval-every {self.eval_every} must be >= 0 (0 turns evaluation off)")
-        if self.eval_iters < 1:
+        if self.eval_iters is not None and self.eval_iters < 1:
             out.append(f"--eval-iters {self.eval_iters} must be >= 1")
+        if self.eval_iters is not None and not self.eval_every:
+            out.append(f"--eval-iters {self.eval_iters} only applies with --eval-every N; add it or drop --eval-iters")
         return out
 
 

@@ -200,6 +200,11 @@ class Recipe:
         ranks, for ``python -m mmm.plan``; None: the recipe has no such model (the simulator has)."""
         return None
 
+    def not_estimated(self, config: Config) -> str | None:
+        """What of ``config`` the closed form of :meth:`estimate` does not model (its estimate is then None,
+        and ``python -m mmm.plan`` says why); None: nothing, or the recipe has no closed form at all."""
+        return None
+
     def prepare(self, model: nn.Module, mesh, model_config, how) -> None:
         """Before the model is parallelised (e.g. context parallel's attention swapped in); ``how``: the
         :class:`~mmm.training.config.ParallelConfig`."""

@@ -150,6 +150,10 @@ def train(recipe: Recipe, config: Config, info, outdir, startup: Startup, *, pic
             how.dtype,
             outdir,
         )
+    measure_step = recipe.measure_step(config)
+    if measure_step is not None and measure_step < ctx.start:  # resumed past it: this run's own second step
+        measure_step = min(ctx.start + 1, loop.last_step)
+        ctx.log.info("--measure: this run starts at step %d, so it watches step %d", ctx.start, measure_step)
     fit(
         engine,
         ctx.run,
@@ -163,7 +167,7 @@ def train(recipe: Recipe, config: Config, info, outdir, startup: Startup, *, pic
         after_update=loop.after_update,
         after_step=loop.after_step,
         skip_nonfinite=config.run.on_nonfinite == "skip",
-        measure_step=recipe.measure_step(config),
+        measure_step=measure_step,
         mesh=mesh,
     )
 

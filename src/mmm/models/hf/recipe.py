@@ -318,7 +318,7 @@ class HFCausalLMRecipe(Recipe):
         heldout = []
         if what.eval_every:
             val = local_batches(make_dataset(what.dataset, split="val", **data), start_step=0, device=ctx.device, **dp)
-            heldout = [next(val) for _ in range(what.eval_iters)]
+            heldout = [next(val) for _ in range(what.eval_batches)]
         stream = None
 
         def batch(step):  # this dp rank's rows of the step's global batch, from the first step on

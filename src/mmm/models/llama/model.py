@@ -9,7 +9,7 @@ plan can shard heads without the model knowing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -97,12 +97,13 @@ class LlamaConfig:
 
     def moe_problems(self) -> list[str]:
         if not self.moe:
-            given = [
-                f"--{f.replace('_', '-')}"
-                for f, default in (("moe_hidden", None), ("moe_shared", 0), ("moe_aux", 0.0))
-                if getattr(self, f) != default
-            ]
-            return [f"{', '.join(given)} only apply to a mixture of experts; add --moe-experts N"] if given else []
+            defaults = {f.name: f.default for f in fields(self)}
+            moe = ("moe_top_k", "moe_hidden", "moe_shared", "moe_aux", "moe_bias_rate")
+            given = [f"--{f.replace('_', '-')} {getattr(self, f)}" for f in moe if getattr(self, f) != defaults[f]]
+            if not given:
+                return []
+            verb = "applies" if len(given) == 1 else "apply"
+            return [f"{', '.join(given)} only {verb} to a mixture of experts; add --moe-experts N or drop them"]
         out = []
         if not 1 <= self.moe_top_k <= self.moe_experts:
             out.append(f"--moe-top-k {self.moe_top_k} must be between 1 and --moe-experts {self.moe_experts}")

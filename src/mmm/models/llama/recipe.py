@@ -176,7 +176,8 @@ class LlamaTrainConfig(EvalConfig, ScheduleConfig):
         False,
         "--measure",
         group="training",
-        help=f"on step {MEASURE_STEP} (a warmup step) count the bytes each mesh process group communicates and "
+        help=f"on step {MEASURE_STEP} (a warmup step; a resumed run: its own second step) count the bytes each mesh "
+        "process group communicates and "
         "the bytes of activations saved for backward, per rank, into summary.json (measured_per_rank); that "
         "step runs slower",
     )
@@ -192,7 +193,7 @@ class LlamaTrainConfig(EvalConfig, ScheduleConfig):
         "the pick and its reasons go to the log and summary.json",
     )
 
-    MODEL_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "moe_experts")  # --init-from's
+    MODEL_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", *MOE_FIELDS)  # --init-from's
 
     def model_config(self):
         """The model's shape: these fields (the vocabulary: ``vocab_size``, else the data's, else 256),
@@ -375,7 +376,7 @@ def heldout_batches(config: Config[LlamaTrainConfig], cfg, mesh, device) -> list
         start_step=0,
         device=device,
     )
-    out = [next(stream) for _ in range(train.eval_iters)]
+    out = [next(stream) for _ in range(train.eval_batches)]
     if mesh.cp_enabled:
         r = mesh.coord("cp")
         out = [(shard_sequence(x, r, mesh.cp), shard_sequence(y, r, mesh.cp)) for x, y in out]
@@ -490,9 +491,23 @@ class LlamaRecipe(Recipe):
         return model_config.moe_experts
 
     def estimate(self, config: Config[LlamaTrainConfig], world: int):
-        if config.train.moe_experts:  # no closed form of routed experts: the simulator has them
+        if self.not_estimated(config):  # the simulator has these
             return None
         return estimate_memory(config, world), estimate_comm(config, world)
+
+    def not_estimated(self, config: Config[LlamaTrainConfig]) -> str | None:
+        how = config.parallel
+        gaps = [
+            flag
+            for flag, given in (
+                ("--moe-experts (routed experts)", config.train.moe_experts),
+                ("--cp-attention ulysses", how.cp_attention == "ulysses"),
+                ("--ac selective", how.ac == "selective"),
+                ("--offload-optimizer", how.offload_optimizer),
+            )
+            if given
+        ]
+        return ", ".join(gaps) or None
 
     def optimizer_args(self, train: LlamaTrainConfig) -> dict:
         return {"lr": train.lr, "weight_decay": train.weight_decay}

@@ -134,7 +134,7 @@ class ViTRecipe(Recipe):
             )
 
         # this rank's part of the --eval-iters held-out global batches (the same ones each time)
-        heldout = [batch(k, split="val") for k in range(what.eval_iters if what.eval_every else 0)]
+        heldout = [batch(k, split="val") for k in range(what.eval_batches if what.eval_every else 0)]
 
         def held_out(step, last):  # the held-out loss every --eval-every steps (left out of the step's dt)
             if not what.eval_due(step, last=last):
