@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -398,7 +399,6 @@ class FusedNorms:
         self._real = None
 
     def __enter__(self):
-        import torch.nn.functional as F
         from torch.distributed.tensor import DTensor
 
         real = self._real = F.rms_norm
@@ -414,8 +414,6 @@ class FusedNorms:
         return self
 
     def __exit__(self, *exc) -> None:
-        import torch.nn.functional as F
-
         F.rms_norm = self._real
 
 
