@@ -59,7 +59,8 @@ def _kernels(fn, device: torch.device) -> dict:
 
 
 def grouped_experts(device: torch.device) -> dict:
-    from mmm.models.llama.moe import GroupedExperts, grouped_mm_available
+    from mmm.models.grouped import grouped_mm_available
+    from mmm.models.llama.moe import GroupedExperts
 
     torch.manual_seed(0)
     experts, dim, hidden = 8, 256, 512

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mmm.models.grouped import grouped_mm_available
 from mmm.models.llama.model import RMSNorm
 from mmm.models.llama.recipe import loss_fn
 from mmm.parallel.loss import cross_entropy
@@ -177,7 +178,7 @@ def test_grouped_experts_equal_the_loop(dtype):
     """The experts as three grouped matmuls (``F.grouped_mm``, groups padded to 16 rows, an expert with no
     token among them) give the loop's outputs and gradients: to rounding in fp32, bit for bit here in bf16.
     On CPU the loop is the default (grouped: CUDA 9.0+)."""
-    from mmm.models.llama.moe import GroupedExperts, grouped_mm_available
+    from mmm.models.llama.moe import GroupedExperts
 
     torch.manual_seed(0)
     experts = GroupedExperts(4, 32, 48)
@@ -220,3 +221,40 @@ def test_grouped_experts_need_nothing_from_the_host(monkeypatch):
         losses[grouped] = loss_fn(model(tokens), tokens)
         assert len(reads) == (0 if grouped else 2), (grouped, reads)
     assert losses[True].item() == pytest.approx(losses[False].item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_hugging_face_experts_run_grouped_as_their_loop(dtype, monkeypatch):
+    """A Hugging Face experts module (Qwen3-MoE's: packed gate_up_proj, its own activation) under mmm's
+    sorted-token forward (the one expert parallel sends through its all-to-all) as two grouped matmuls gives
+    the loop's outputs and gradients (an expert without tokens among them); the loop is the default here."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'mmm[hf]')")
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from mmm.parallel.experts import _HFExpertsForward, _LocalExperts
+
+    config = transformers.Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=24, num_experts=4)
+    torch.manual_seed(0)
+    experts = Qwen3MoeExperts(config)
+    for w in (experts.gate_up_proj, experts.down_proj):
+        torch.nn.init.normal_(w, std=0.1)
+    experts = experts.to(dtype)
+    tokens, k = 13, 2
+    index = torch.stack([torch.tensor([0, 2, 3])[torch.arange(tokens) % 3], torch.full((tokens,), 3)], dim=1)
+    weights = torch.rand(tokens, k, dtype=dtype)  # expert 1 gets no token
+    x = torch.randn(tokens, 32, dtype=dtype)
+    forward = _HFExpertsForward(experts, _LocalExperts())
+    assert forward.grouped is None and not grouped_mm_available(x)
+    calls, real = [], F.grouped_mm
+    monkeypatch.setattr(F, "grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    got = {}
+    for grouped in (False, True):
+        forward.grouped = grouped
+        xi = x.clone().requires_grad_()
+        calls.clear()
+        out = forward(xi, index, weights)
+        assert len(calls) == (2 if grouped else 0), (grouped, calls)  # really grouped, or really the loop
+        grads = torch.autograd.grad(out.float().square().sum(), [xi, experts.gate_up_proj, experts.down_proj])
+        got[grouped] = (out, *grads)
+    for loop, grouped in zip(got[False], got[True]):
+        assert torch.allclose(grouped.float(), loop.float(), rtol=1e-5, atol=1e-5 * loop.float().abs().max().item())

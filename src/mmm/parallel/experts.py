@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mmm.errors import UsageError
+from mmm.models.grouped import grouped_linear, grouped_mm_available, padded_groups
 from mmm.parallel.context import all_to_all, all_to_all_autograd
 
 EP_STYLES = ("experts",)
@@ -248,18 +249,25 @@ class _HFExpertsForward:
     """``experts(hidden_states, top_k_index, top_k_weights)`` of a Hugging Face experts module, its tokens
     sorted by expert and sent through ``hook`` (expert parallel); the weighted sum over each token's k."""
 
-    def __init__(self, module: nn.Module, hook) -> None:
+    def __init__(self, module: nn.Module, hook, grouped: bool | None = None) -> None:
         self.module, self.hook = module, hook
         self.planned_counts = None  # a simulated step: (token slots, experts) -> tokens per expert
+        # the experts as two grouped matmuls (mmm.models.grouped); None: where they pay (CUDA 9.0+), else a loop
+        self.grouped = grouped
 
     def __deepcopy__(self, memo) -> _HFExpertsForward:  # a pipeline stage's copy gets its own module's
-        return _HFExpertsForward(memo.get(id(self.module), self.module), self.hook)
+        return _HFExpertsForward(memo.get(id(self.module), self.module), self.hook, self.grouped)
 
     def run(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The experts held here, on their tokens sorted by expert (the module's own weights and activation)."""
         experts = self.module
         up = experts.gate_up_proj.to_local() if hasattr(experts.gate_up_proj, "to_local") else experts.gate_up_proj
         down = experts.down_proj.to_local() if hasattr(experts.down_proj, "to_local") else experts.down_proj
+        if x.shape[0] and (self.grouped if self.grouped is not None else grouped_mm_available(x)):
+            xp, rows, offs = padded_groups(x, counts)
+            with torch.autocast(x.device.type, enabled=False):  # the kernel takes one dtype: the tokens'
+                gate, upx = grouped_linear(xp, up, offs).chunk(2, dim=-1)
+                return grouped_linear(experts.act_fn(gate) * upx, down, offs).index_select(0, rows)
         outs = []
         for e, xe in enumerate(torch.split(x, counts)):
             if xe.shape[0]:

@@ -33,23 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmm.models.grouped import grouped_linear, grouped_mm_available, padded_groups
+
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a parameter (a DTensor's local shard; a plain tensor itself)."""
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-# rows of each expert's group padded to a multiple of this for the grouped matmul (16 bytes of bf16 is 8;
-# 16 suits every dtype the kernel takes)
-GROUP_ALIGN = 16
-
-
-def grouped_mm_available(x: torch.Tensor) -> bool:
-    """Whether the experts of ``x``'s device run as grouped matmuls by default: CUDA of compute capability
-    9.0+ (torch's grouped kernel) with ``F.grouped_mm`` in the installed torch."""
-    if not hasattr(F, "grouped_mm") or x.device.type != "cuda":
-        return False
-    return torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 
 class GroupedExperts(nn.Module):
@@ -57,10 +46,10 @@ class GroupedExperts(nn.Module):
     ``w2`` (E, dim, hidden). Expert parallel shards dim 0, tensor parallel the hidden width
     (``tensor_parallel_dims``); this module runs whichever experts, and whatever width of them, it holds.
 
-    ``grouped``: run all experts as three grouped matmuls (``F.grouped_mm``, each expert's rows padded to
-    ``GROUP_ALIGN``) instead of a loop of three matmuls per expert; None (the default) groups them on
-    CUDA 9.0+ (:func:`grouped_mm_available`), where the loop's many small kernels leave the device idle,
-    and loops elsewhere. Both give the same result to rounding."""
+    ``grouped``: run all experts as three grouped matmuls (``F.grouped_mm``, each expert's rows padded:
+    :mod:`mmm.models.grouped`) instead of a loop of three matmuls per expert; None (the default) groups
+    them on CUDA 9.0+ (:func:`grouped_mm_available`), where the loop's many small kernels leave the device
+    idle, and loops elsewhere. Both give the same result to rounding."""
 
     tensor_parallel_dims = {"w1": 1, "w2": 2, "w3": 1}  # each weight's hidden dimension
 
@@ -96,24 +85,12 @@ class GroupedExperts(nn.Module):
 def _grouped_swiglu(
     x: torch.Tensor, counts: list[int] | torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
 ) -> torch.Tensor:
-    """The experts' SwiGLU as three grouped matmuls: ``x``'s rows, grouped by ``counts``, placed at the
-    start of groups padded to ``GROUP_ALIGN`` rows (the rest zeros), and taken back after. Counts on the
-    device stay there: the padded buffer has a size known without them (every group padded at most
-    ``GROUP_ALIGN - 1`` rows), so the host never waits for the routing."""
-    sizes = torch.as_tensor(counts, device=x.device)
-    padded = (sizes + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
-    ends, padded_ends = sizes.cumsum(0), padded.cumsum(0)
-    shift = (padded_ends - padded) - (ends - sizes)  # where each group starts, padded less packed
-    rows = torch.arange(x.shape[0], device=x.device) + torch.repeat_interleave(shift, sizes, output_size=x.shape[0])
-    offs = padded_ends.to(torch.int32)
+    """The experts' SwiGLU as three grouped matmuls over ``x``'s rows grouped by ``counts``
+    (:func:`mmm.models.grouped.padded_groups`: counts on the device stay there)."""
+    xp, rows, offs = padded_groups(x, counts)
     with torch.autocast(x.device.type, enabled=False):  # the kernel takes one dtype: the tokens'
-        w1, w2, w3 = (w.to(x.dtype) for w in (w1, w2, w3))
-        room = x.shape[0] + sizes.numel() * (GROUP_ALIGN - 1)
-        xp = x.new_zeros((room, x.shape[1])).index_copy(0, rows, x)
-        h = F.silu(F.grouped_mm(xp, w1.transpose(-2, -1), offs=offs)) * F.grouped_mm(
-            xp, w3.transpose(-2, -1), offs=offs
-        )
-        return F.grouped_mm(h, w2.transpose(-2, -1), offs=offs).index_select(0, rows)
+        h = F.silu(grouped_linear(xp, w1, offs)) * grouped_linear(xp, w3, offs)
+        return grouped_linear(h, w2, offs).index_select(0, rows)
 
 
 def run_local(experts: GroupedExperts, x: torch.Tensor, counts: list[int]) -> torch.Tensor:

@@ -14,11 +14,11 @@ from mmm.data import DATASETS, data_vocab_size, dataset_problems, local_batches,
 from mmm.errors import UsageError
 from mmm.flops import llama_flops_per_token
 from mmm.log import get_logger
+from mmm.models.grouped import grouped_mm_available
 from mmm.models.llama.context import apply_cp_llama
 from mmm.models.llama.estimate import estimate_comm, estimate_memory
 from mmm.models.llama.hf import export_hf_llama, llama_config_from_hf, load_hf_llama
 from mmm.models.llama.model import Llama, LlamaConfig
-from mmm.models.llama.moe import grouped_mm_available
 from mmm.models.llama.tp import llama_tp_plan, tp_problems
 from mmm.parallel.compose import ParallelSpec
 from mmm.parallel.context import cp_problems, shard_sequence

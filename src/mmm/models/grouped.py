@@ -1,0 +1,47 @@
+"""Grouped matmuls over experts' tokens (``F.grouped_mm``), plain single-device code shared by mmm's
+mixture of experts (:mod:`mmm.models.llama.moe`) and the expert-parallel forward of Hugging Face experts
+modules (:mod:`mmm.parallel.experts`).
+
+Tokens arrive sorted by expert, ``counts[e]`` of them for expert e. :func:`padded_groups` places each
+expert's rows at the start of a group padded to ``GROUP_ALIGN`` rows (the rest zeros) in a buffer whose
+size is known without the counts (every group padded by at most ``GROUP_ALIGN - 1`` rows), so counts on
+the device stay there and the host never waits for the routing; ``xp @ w[e].T`` for every expert at once
+is then ``F.grouped_mm(xp, w.transpose(-2, -1), offs=offs)``, and ``out.index_select(0, rows)`` gives the
+tokens' rows back in their order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# rows of each expert's group padded to a multiple of this for the grouped matmul (16 bytes of bf16 is 8;
+# 16 suits every dtype the kernel takes)
+GROUP_ALIGN = 16
+
+
+def grouped_mm_available(x: torch.Tensor) -> bool:
+    """Whether the experts of ``x``'s device run as grouped matmuls by default: CUDA of compute capability
+    9.0+ (torch's grouped kernel) with ``F.grouped_mm`` in the installed torch."""
+    if not hasattr(F, "grouped_mm") or x.device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(x.device) >= (9, 0)
+
+
+def padded_groups(x: torch.Tensor, counts: list[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(xp, rows, offs)``: ``x``'s rows in groups padded to ``GROUP_ALIGN``, where each row went, and the
+    groups' ends (int32) for ``F.grouped_mm``."""
+    sizes = torch.as_tensor(counts, device=x.device)
+    padded = (sizes + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
+    ends, padded_ends = sizes.cumsum(0), padded.cumsum(0)
+    shift = (padded_ends - padded) - (ends - sizes)  # where each group starts, padded less packed
+    rows = torch.arange(x.shape[0], device=x.device) + torch.repeat_interleave(shift, sizes, output_size=x.shape[0])
+    room = x.shape[0] + sizes.numel() * (GROUP_ALIGN - 1)
+    xp = x.new_zeros((room, x.shape[1])).index_copy(0, rows, x)
+    return xp, rows, padded_ends.to(torch.int32)
+
+
+def grouped_linear(xp: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``xp``'s group e times ``weight[e].T`` (``weight``: experts x out x in, as ``F.linear`` takes), in
+    ``xp``'s dtype (the kernel takes one)."""
+    return F.grouped_mm(xp, weight.to(xp.dtype).transpose(-2, -1), offs=offs)
