@@ -100,7 +100,8 @@ def main() -> int:
         batch = ["--batch-size", str(2 * world)]
         config = command_line().parse([*ns.model.split(), *batch, "--dtype", "bf16", *flags])
         measured, alive = measured_peak(config, world, device)
-        (sim,) = simulate_ranks(config, world=world, ranks=[0])
+        # the norms as the measured device runs them (fused on CUDA, as --pick simulates them on a GPU preset)
+        (sim,) = simulate_ranks(config, world=world, ranks=[0], fused_norms=device.type == "cuda")
         simulated = sim.step["peak"]["total"]
         ratio = simulated / measured if measured else None
         row = {"layout": layout, "allocated_bytes": measured, "alive_bytes": alive, "simulated_bytes": simulated}

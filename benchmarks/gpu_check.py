@@ -39,7 +39,7 @@ def _kernels(fn, device: torch.device) -> dict:
     fn()  # warm: the first call may load or tune kernels
     if device.type == "cuda":
         torch.cuda.synchronize()
-    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
     with profile(activities=activities) as prof:
         fn()
         if device.type == "cuda":
@@ -107,8 +107,10 @@ def norm_kernels(device: torch.device) -> dict:
         torch.autograd.grad(y, (x, w), g)
 
     seen = _kernels(step, device)
-    fused_bytes = (2 + 2 + 2) * tokens * dim + 4 * tokens + 2 * 2 * dim  # forward: x, y, rstd, w
-    fused_bytes += (2 * 4) * tokens * dim + 4 * tokens + 3 * 2 * dim  # backward: dy, x, dx (+ rstd, w, dw)
+    # as the planner counts them (mmm.measure.FusedNorms): forward reads x, w and writes y, rstd (fp32);
+    # backward reads dy, x, rstd, w and writes dx, dw
+    fused_bytes = (2 + 2) * tokens * dim + 4 * tokens + 2 * dim
+    fused_bytes += (2 + 2 + 2) * tokens * dim + 4 * tokens + 2 * 2 * dim
     return {
         "check": "F.rms_norm forward + backward, 16384 x 2048 bf16",
         "torch": torch.__version__,

@@ -228,7 +228,6 @@ CONFIG_CASES = [
     # flags that only apply with another one, given without it: refused, never a silent no-op
     ("fsdp_tp", 1, ["--checkpoint-every", "2", "--keep-last", "3"],
      ["--checkpoint-every 2, --keep-last 3 only apply with --checkpoint-dir", "add one or drop them"]),
-    ("fsdp_tp", 1, ["--start-over"], ["--start-over moves aside an earlier run", "drop --start-over"]),
     ("fsdp_tp", 1, ["--moe-top-k", "1"], ["--moe-top-k 1 only applies to a mixture of experts; add --moe-experts N"]),
     ("fsdp_tp", 1, ["--eval-iters", "3"], ["--eval-iters 3 only applies with --eval-every N"]),
     ("vit", 1, ["--eval-iters", "3"], ["--eval-iters 3 only applies with --eval-every N"]),

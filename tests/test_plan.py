@@ -436,7 +436,8 @@ def test_a_norm_counts_as_the_one_fused_kernel_a_gpu_runs():
 def test_the_simulated_step_runs_the_kernels_the_trainer_runs_on_its_device():
     """On an accelerator's preset the simulated rank's norms are the fused kernels (less kept for backward
     than this CPU build's ops keep), and AdamW, built on meta where no fused kernel exists, steps fused as
-    the trainer's does on a device (one ``_fused_adamw_``, none of the foreach form's passes)."""
+    the trainer's does on a device (one ``_fused_adamw_``, none of the foreach form's passes). Under TP the
+    sequence-parallel norms (DTensors) are fused too, with the same collectives as torch's own path."""
     code = """
 import json, sys
 import mmm.measure as measure
@@ -449,23 +450,29 @@ def local_op(self, func, *args):
     seen.add(func._schema.name.split("::")[-1] if hasattr(func, "_schema") else str(func))
     return real(self, func, *args)
 measure.DeviceWork.local_op = local_op
-config = command_line().parse(sys.argv[1:])
 out = {}
-for hw in ("h100", None):
-    seen.clear()
-    (report,) = sim.simulate_ranks(config, world=1, ranks=[0], hardware=PRESETS.get(hw))
-    out[str(hw)] = {"ops": sorted(seen), "saved": report.step["activation_bytes"], "moved": report.step["memory_bytes"]}
+for world, flags in ((1, []), (2, ["--tp", "2"])):
+    config = command_line().parse([*sys.argv[1:], *flags])
+    for hw in ("h100", None):
+        seen.clear()
+        (report,) = sim.simulate_ranks(config, world=world, ranks=[0], hardware=PRESETS.get(hw))
+        step = report.step
+        out[f"{world}-{hw}"] = {"ops": sorted(seen), "saved": step["activation_bytes"], "moved": step["memory_bytes"],
+                                "comm": [step["comm_bytes"], step["comm_calls"]]}
 print(json.dumps(out))
 """
     res = run([sys.executable, "-c", code, *tiny_llama(), "--dtype", "bf16"], timeout=180)
     assert res.returncode == 0, res.output
     got = json.loads(res.stdout.strip().splitlines()[-1])
-    gpu, cpu = got["h100"], got["None"]
-    assert "rms_norm" in gpu["ops"] and "rsqrt" not in gpu["ops"], gpu
-    assert "rms_norm" not in cpu["ops"] and "rsqrt" in cpu["ops"], cpu
-    for ops in (gpu["ops"], cpu["ops"]):
-        assert "_fused_adamw_" in ops and not {"lerp_", "addcdiv_", "_foreach_lerp_", "_foreach_addcdiv_"} & set(ops)
-    assert gpu["saved"] < cpu["saved"] and gpu["moved"] < cpu["moved"], got
+    for world in (1, 2):
+        gpu, cpu = got[f"{world}-h100"], got[f"{world}-None"]
+        assert "rms_norm" in gpu["ops"] and "rsqrt" not in gpu["ops"], gpu
+        assert "rms_norm" not in cpu["ops"] and "rsqrt" in cpu["ops"], cpu
+        foreach = {"lerp_", "addcdiv_", "_foreach_lerp_", "_foreach_addcdiv_"}
+        for ops in (gpu["ops"], cpu["ops"]):
+            assert "_fused_adamw_" in ops and not foreach & set(ops), ops
+        assert gpu["saved"] < cpu["saved"] and gpu["moved"] < cpu["moved"], got
+        assert gpu["comm"] == cpu["comm"], (world, gpu["comm"], cpu["comm"])  # the same collectives, byte for byte
 
 
 def test_peak_memory_sees_a_storage_resized_to_nothing_and_back():

@@ -324,6 +324,11 @@ _NO_TRAFFIC |= {"lift_fresh", "set_", "resize_", "_local_scalar_dense"}
 _FUSED_OPS: Any = None
 
 
+def _accumulation(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a norm of ``dtype`` computes in (torch's: fp64 stays fp64, every other fp32)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _fused_norm_ops():
     """``mmm_device::rms_norm`` and its backward: ``F.rms_norm`` as one kernel each way, as CUDA (and
     ROCm) run it (torch's ``_fused_rms_norm``: reads the input and weight, writes the output and the
@@ -341,17 +346,16 @@ def _fused_norm_ops():
         mutates_args=(),
         schema="(Tensor x, int n, Tensor? weight, float eps) -> (Tensor, Tensor)",
     )
-    def rms_norm(x, n, weight, eps):
-        xf = x.float()
+    def rms_norm(x, n, weight, eps):  # as torch's: computed in the accumulation dtype, the output in x's
+        xf = x.to(_accumulation(x.dtype))
         rstd = torch.rsqrt(xf.pow(2).mean(dims(x, n), keepdim=True) + eps)
-        y = (xf * rstd).to(x.dtype)
-        return (y if weight is None else y * weight), rstd
+        y = xf * rstd
+        return (y if weight is None else y * weight.to(y.dtype)).to(x.dtype), rstd
 
     @rms_norm.register_fake
     def _(x, n, weight, eps):
-        dtype = x.dtype if weight is None else torch.result_type(x, weight)
         rstd_shape = [*x.shape[: x.dim() - n], *[1] * n]
-        return x.new_empty(x.shape, dtype=dtype), x.new_empty(rstd_shape, dtype=torch.float32)
+        return x.new_empty(x.shape), x.new_empty(rstd_shape, dtype=_accumulation(x.dtype))
 
     @torch.library.custom_op(
         "mmm_device::rms_norm_backward",
@@ -359,11 +363,12 @@ def _fused_norm_ops():
         schema="(Tensor dy, Tensor x, Tensor rstd, int n, Tensor? weight) -> (Tensor, Tensor)",
     )
     def rms_norm_backward(dy, x, rstd, n, weight):
-        xhat = x.float() * rstd
-        dxhat = dy.float() * (1 if weight is None else weight.float())
+        acc = rstd.dtype
+        xhat = x.to(acc) * rstd
+        dxhat = dy.to(acc) * (1 if weight is None else weight.to(acc))
         dx = rstd * (dxhat - xhat * (dxhat * xhat).mean(dims(x, n), keepdim=True))
         lead = list(range(x.dim() - n))
-        dw = (dy.float() * xhat).sum(lead) if weight is not None else x.new_empty(0)
+        dw = (dy.to(acc) * xhat).sum(lead) if weight is not None else x.new_empty(0)
         return dx.to(x.dtype), dw.to(weight.dtype) if weight is not None else dw
 
     @rms_norm_backward.register_fake
@@ -391,7 +396,9 @@ class FusedNorms:
     """While active (``with FusedNorms():``), ``torch.nn.functional.rms_norm`` on plain tensors runs as
     :func:`_fused_norm_ops`'s two ops, so the modes of :mod:`mmm.measure` see the step's norms as a GPU
     runs them: one kernel forward (its memory traffic, its output and ``rstd``), one backward, and what
-    backward keeps (input, weight, ``rstd``). DTensors (a sequence-parallel norm) keep torch's own path.
+    backward keeps (input, weight, ``rstd``). A DTensor sharded over its rows (a sequence-parallel norm)
+    runs it on each rank's rows, its weight's gradient partial over them, as torch's DTensor rule for the
+    fused norm does; other DTensor layouts keep torch's own path.
     The function itself is swapped (and put back on exit), not watched by a torch function mode: an
     activation checkpoint's recomputation in backward runs without those, and must see the same ops."""
 
@@ -399,16 +406,31 @@ class FusedNorms:
         self._real = None
 
     def __enter__(self):
-        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import DTensor, Partial, Replicate
 
         real = self._real = F.rms_norm
 
         def rms_norm(input, normalized_shape, weight=None, eps=None):
-            if any(isinstance(t, DTensor) for t in (input, weight)):
-                return real(input, normalized_shape, weight, eps)
             n = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
-            eps = torch.finfo(input.dtype).eps if eps is None else eps
-            return _fused_norm_ops()(input, n, weight, float(eps))[0]
+            eps = float(torch.finfo(_accumulation(input.dtype)).eps if eps is None else eps)
+            if not any(isinstance(t, DTensor) for t in (input, weight)):
+                return _fused_norm_ops()(input, n, weight, eps)[0]
+            # a DTensor (a sequence-parallel norm): fused on each rank's rows, as torch's DTensor rule for
+            # _fused_rms_norm runs it on a device; the weight's gradient is partial over the sharded rows
+            if not isinstance(input, DTensor) or (weight is not None and not isinstance(weight, DTensor)):
+                return real(input, normalized_shape, weight, eps)
+            placements = input.placements
+            whole = [p.is_shard() and p.dim % input.ndim >= input.ndim - n for p in placements]
+            if any(whole) or any(p.is_partial() for p in placements):
+                return real(input, normalized_shape, weight, eps)
+            local_weight = None
+            if weight is not None:
+                if weight.device_mesh != input.device_mesh or not all(p.is_replicate() for p in weight.placements):
+                    return real(input, normalized_shape, weight, eps)
+                grads = [Partial() if p.is_shard() else Replicate() for p in placements]
+                local_weight = weight.to_local(grad_placements=grads)
+            out = _fused_norm_ops()(input.to_local(), n, local_weight, eps)[0]
+            return DTensor.from_local(out, input.device_mesh, placements, run_check=False)
 
         F.rms_norm = rms_norm
         return self
@@ -439,7 +461,12 @@ class DeviceWork(_LocalOps):
     def __enter__(self):
         if self._norms is not None:
             self._norms.__enter__()
-        return super().__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            if self._norms is not None:
+                self._norms.__exit__(None, None, None)
+            raise
 
     def __exit__(self, *exc):
         try:

@@ -115,7 +115,8 @@ def plan_launch(
             f"--mpi-args {' '.join(mpi_args)!r} are flags for mpiexec or srun, and --launcher local starts the ranks "
             "itself; drop them or choose --launcher mpiexec/srun"
         )
-    if launcher == "local" and alloc.hostfile and not all(is_this_host(h) for h in alloc.hosts):
+    # a --hostfile given (a scheduler's node file names this node as the scheduler spells it: left alone)
+    if launcher == "local" and hostfile and not all(is_this_host(h) for h in alloc.hosts):
         raise UsageError(
             f"--launcher local runs the ranks on this machine, but {alloc.hostfile} names "
             f"{', '.join(h for h in alloc.hosts if not is_this_host(h))}; use --launcher mpiexec, or drop the hostfile"

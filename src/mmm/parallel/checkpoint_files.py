@@ -77,6 +77,10 @@ def dcp_damage(folder: Path) -> str | None:
 class SafeReader(FileSystemReader):
     """torch's file reader, its ``.metadata`` read (once) by :func:`read_metadata`."""
 
+    def reset(self, checkpoint_id: Any = None) -> None:
+        self.__dict__.pop("_metadata", None)  # another checkpoint: its own metadata
+        super().reset(checkpoint_id)
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         if rank is not None:  # a per-rank metadata file (not what mmm writes): torch's own reader's name for it

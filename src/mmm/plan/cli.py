@@ -178,6 +178,7 @@ def format_table(combos, *, valid_only: bool = False) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     request = parse_request(argv)
+    combos = plan_for(request)  # a refusal first: one line, no notes before it
     unused = run_only_flags(request.config)
     if unused:  # the trainer's command line is welcome here; say what of it the estimates leave out
         print(
@@ -185,7 +186,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             "not a layout's memory or communication: not planned",
             file=sys.stderr,
         )
-    combos = plan_for(request)
+    how = request.config.parallel
+    eager = [flag for flag, on in (("--compile", how.compile), ("--float8", how.float8)) if on]
+    if eager:
+        print(
+            f"python -m mmm.plan: note: the estimates are the eager bf16 step's ({', '.join(eager)} not modelled: "
+            "a compiled step saves fewer activations)",
+            file=sys.stderr,
+        )
     gap = request.config.recipe.not_estimated(request.config)
     if gap:
         print(

@@ -314,11 +314,6 @@ class RunConfig:
         for flag, value in (("--wandb-project", self.wandb_project), ("--wandb-name", self.wandb_name)):
             if value is not None and not self.wandb:
                 out.append(f"{flag} only applies with --wandb; add --wandb or drop it")
-        if self.start_over and self.checkpoint_dir is None and self.outdir is None:
-            out.append(
-                "--start-over moves aside an earlier run in --checkpoint-dir or --outdir, and this run has neither "
-                "(its output folder is new); give the folder or drop --start-over"
-            )
         if self.start_over and self.resume is not None:
             out.append(f"--start-over and --resume {self.resume} contradict each other; choose one")
         if self.timeout is not None and not self.timeout > 0:

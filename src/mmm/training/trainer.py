@@ -151,7 +151,7 @@ def train(recipe: Recipe, config: Config, info, outdir, startup: Startup, *, pic
             outdir,
         )
     measure_step = recipe.measure_step(config)
-    if measure_step is not None and measure_step < ctx.start:  # resumed past it: this run's own second step
+    if measure_step is not None and ctx.start > 1 and measure_step <= ctx.start:  # resumed: its own second step
         measure_step = min(ctx.start + 1, loop.last_step)
         ctx.log.info("--measure: this run starts at step %d, so it watches step %d", ctx.start, measure_step)
     fit(
