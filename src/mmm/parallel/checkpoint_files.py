@@ -78,7 +78,8 @@ class SafeReader(FileSystemReader):
     """torch's file reader, its ``.metadata`` read (once) by :func:`read_metadata`."""
 
     def reset(self, checkpoint_id: Any = None) -> None:
-        self.__dict__.pop("_metadata", None)  # another checkpoint: its own metadata
+        if checkpoint_id:  # another checkpoint: its own metadata (a reset of the same one keeps it)
+            self.__dict__.pop("_metadata", None)
         super().reset(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
