@@ -583,9 +583,9 @@ def test_pick_ranks_the_layouts_and_holds_the_given_degrees(tmp_path):
     (row,) = json.loads(out.read_text())
     assert row["label"] == "pp2-dpr1-dps1-cp1-tp2-fsdp" and "pipeline bubble" in row["why"], row
     # activation checkpointing: without --ac each layout takes the least that fits (peaks of this layout's
-    # rank: 68 MiB without, 56 selective, 36 full; 10% of the memory kept free)
+    # rank, its norms fused as on a device: 59 MiB without, 50 selective, 31 full; 10% of the memory kept free)
     one = ["--tp", "2", "--dp-shard", "2", "--strategy", "fsdp", "--json", str(out)]
-    for memory_gb, ac in ((0.07, "selective"), (0.05, "full")):
+    for memory_gb, ac in ((0.06, "selective"), (0.05, "full")):
         res = run([*pick, "--hardware", _hardware_file(tmp_path / f"{ac}.json", memory_gb=memory_gb), *one])
         assert res.returncode == 0, res.output
         (row,) = json.loads(out.read_text())
