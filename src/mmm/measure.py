@@ -19,6 +19,7 @@ trainers use them on one warmup step (``--measure``) and never in timed steps.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import defaultdict
 from typing import Any
@@ -321,22 +322,17 @@ _NO_TRAFFIC = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empt
 _NO_TRAFFIC |= {"lift_fresh", "set_", "resize_", "_local_scalar_dense"}
 
 
-_FUSED_OPS: Any = None
-
-
 def _accumulation(dtype: torch.dtype) -> torch.dtype:
     """The dtype a norm of ``dtype`` computes in (torch's: fp64 stays fp64, every other fp32)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+@functools.cache
 def _fused_norm_ops():
     """``mmm_device::rms_norm`` and its backward: ``F.rms_norm`` as one kernel each way, as CUDA (and
     ROCm) run it (torch's ``_fused_rms_norm``: reads the input and weight, writes the output and the
     per-row ``rstd`` it keeps for backward), where a CPU process decomposes it into a handful of
     elementwise ops. Registered once, when first needed."""
-    global _FUSED_OPS
-    if _FUSED_OPS is not None:
-        return _FUSED_OPS
 
     def dims(x: torch.Tensor, n: int) -> list[int]:
         return list(range(x.dim() - n, x.dim()))
@@ -388,8 +384,7 @@ def _fused_norm_ops():
         return dx, None, (dw if weight is not None else None), None
 
     rms_norm.register_autograd(backward, setup_context=setup_context)
-    _FUSED_OPS = rms_norm
-    return _FUSED_OPS
+    return rms_norm
 
 
 class FusedNorms:

@@ -36,14 +36,14 @@ _STEP_STRIDE = 1_000_003  # steps per seed before generator seeds repeat
 _SPLIT_SALT = {"train": 0, "val": 0x9E3779B97F4A7C15}  # a held-out split draws from a stream of its own
 
 
-def step_seed(seed: int, step: int, salt: int = 0) -> int:
-    """The generator seed of a run's step (or epoch) ``step``: a function of the run's ``seed`` and the
-    step alone, within what ``torch.Generator.manual_seed`` takes for any seed the flags accept."""
-    return (seed * _STEP_STRIDE + step + salt) % 2**63
+def step_seed(seed: int, step: int, split: str = "train") -> int:
+    """The generator seed of a run's step (or epoch) ``step`` of ``split``: a function of the run's ``seed``
+    and the step alone, within what ``torch.Generator.manual_seed`` takes for any seed the flags accept."""
+    return (seed * _STEP_STRIDE + step + _SPLIT_SALT[split]) % 2**63
 
 
 def _step_generator(seed: int, step: int, split: str = "train") -> torch.Generator:
-    return torch.Generator().manual_seed(step_seed(seed, step, _SPLIT_SALT[split]))
+    return torch.Generator().manual_seed(step_seed(seed, step, split))
 
 
 @dataclass

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from mmm.data import _SPLIT_SALT, step_seed
+from mmm.data import step_seed
 from mmm.errors import UsageError
 
 MNIST_FILES = {
@@ -143,7 +143,7 @@ class SyntheticImages:
 
     def global_batch(self, seed: int, step: int, batch: int, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
         """Step ``step``'s images and labels; ``split="val"``: a held-out stream (the same classes)."""
-        g = torch.Generator().manual_seed(step_seed(seed, step, _SPLIT_SALT[split]))
+        g = torch.Generator().manual_seed(step_seed(seed, step, split))
         labels = torch.randint(0, self.num_classes, (batch,), generator=g)
         noise = torch.randn(batch, self.channels, self.img_size, self.img_size, generator=g)
         return self.templates[labels] + self.noise * noise, labels

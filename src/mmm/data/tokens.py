@@ -459,7 +459,7 @@ def cached_hf_tokens(data_dir, *, split: str = "train", text_column: str | None 
     store, note = dist.distributed_c10d._get_default_store(), f"mmm/tokens/{split}-{key}"
     if dist.get_rank() == 0:
         try:
-            if not _whole_token_cache(path, meta):
+            if not _holds_described(path, _description(meta)):
                 _write_token_cache(path, meta, data_dir, split, text_column, tokenizer)
             outcome = ("ok", json.loads(meta.read_text()))
         except UsageError as e:
@@ -478,7 +478,7 @@ def cached_hf_tokens(data_dir, *, split: str = "train", text_column: str | None 
         raise UsageError(value)
     if kind == "failed":
         raise RuntimeError(f"rank 0 failed to tokenise {data_dir}: {value}")
-    if kind == "ok" and path.is_file() and path.stat().st_size == value["tokens"] * np.dtype(value["dtype"]).itemsize:
+    if kind == "ok" and _holds_described(path, value):
         tokens = np.memmap(path, dtype=value["dtype"], mode="r") if value["tokens"] else np.zeros(0, value["dtype"])
         return tokens, value["source"]
     if dist.get_rank() == 0:
@@ -487,11 +487,18 @@ def cached_hf_tokens(data_dir, *, split: str = "train", text_column: str | None 
     return hf_token_array(data_dir, split=split, text_column=text_column, tokenizer=tokenizer)
 
 
-def _whole_token_cache(path: Path, meta: Path) -> bool:
-    """Whether a token cache file and its description are there, the file as long as described (a file
-    cut short, by a full disk or a copy broken off, is written again)."""
+def _description(meta: Path) -> dict | None:
+    """A token cache file's description (its ``.json``), or None where there is none to read."""
     try:
-        value = json.loads(meta.read_text())
+        return json.loads(meta.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _holds_described(path: Path, value: dict | None) -> bool:
+    """Whether the token cache file is there and as long as its description says (a file cut short, by a
+    full disk or a copy broken off, is written again by rank 0; a rank that cannot see it tokenises)."""
+    try:
         return path.stat().st_size == int(value["tokens"]) * np.dtype(value["dtype"]).itemsize
     except (OSError, ValueError, KeyError, TypeError):
         return False

@@ -131,8 +131,7 @@ def checkpoint_problems(
         out.append(f"{spell('checkpoint_every', checkpoint_every)} must be >= 0 (0: only at the end and on SIGTERM)")
     if keep_last < 0:
         out.append(f"{spell('keep_last', keep_last)} must be >= 0 (0 keeps every checkpoint)")
-    given = [spell(name, value) for name, value in (("checkpoint_every", checkpoint_every), ("keep_last", keep_last))]
-    given = [flag for flag, value in zip(given, (checkpoint_every, keep_last)) if value > 0]
+    given = [spell(k, v) for k, v in (("checkpoint_every", checkpoint_every), ("keep_last", keep_last)) if v > 0]
     if given and checkpoint_dir is None:
         out.append(
             f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} with "

@@ -179,28 +179,24 @@ def format_table(combos, *, valid_only: bool = False) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     request = parse_request(argv)
     combos = plan_for(request)  # a refusal first: one line, no notes before it
+    # the trainer's command line is welcome here; say what of it the estimates leave out
     unused = run_only_flags(request.config)
-    if unused:  # the trainer's command line is welcome here; say what of it the estimates leave out
-        print(
-            f"python -m mmm.plan: note: {', '.join(unused)} {'shape' if len(unused) > 1 else 'shapes'} the run, "
-            "not a layout's memory or communication: not planned",
-            file=sys.stderr,
-        )
     how = request.config.parallel
     eager = [flag for flag, on in (("--compile", how.compile), ("--float8", how.float8)) if on]
-    if eager:
-        print(
-            f"python -m mmm.plan: note: the estimates are the eager bf16 step's ({', '.join(eager)} not modelled: "
-            "a compiled step saves fewer activations)",
-            file=sys.stderr,
-        )
     gap = request.config.recipe.not_estimated(request.config)
-    if gap:
-        print(
-            f"python -m mmm.plan: note: the closed-form estimates do not model {gap}: none given below; "
-            "python -m mmm.plan.simulate runs the step itself",
-            file=sys.stderr,
-        )
+    notes = [
+        unused
+        and f"{', '.join(unused)} {'shape' if len(unused) > 1 else 'shapes'} the run, not a layout's "
+        "memory or communication: not planned",
+        eager
+        and f"the estimates are the eager bf16 step's ({', '.join(eager)} not modelled: a compiled step "
+        "saves fewer activations)",
+        gap
+        and f"the closed-form estimates do not model {gap}: none given below; python -m mmm.plan.simulate "
+        "runs the step itself",
+    ]
+    for line in filter(None, notes):
+        print(f"python -m mmm.plan: note: {line}", file=sys.stderr)
     print(format_table(combos, valid_only=request.valid_only))
     if request.json_path:
         text = json.dumps([c.as_dict() for c in combos], indent=1)
