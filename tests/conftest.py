@@ -93,12 +93,17 @@ def calibrated_env(**extra: str) -> dict[str, str]:
 
 def run(cmd: list[str], *, env: dict[str, str] | None = None, timeout: float = 120, cwd=None) -> Result:
     """Run ``cmd`` to the end in a session of its own; on a timeout (a hang) every process it started
-    is killed, not only the first."""
+    is killed, not only the first, after SIGUSR1 (``launch`` relays it: every mmm rank prints its stacks,
+    so the failure shows where each rank waits)."""
     t0 = time.monotonic()
     with spawn(cmd, env=env or clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd) as p:
         try:
             out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGUSR1)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.communicate(timeout=10)  # the stacks, read on
             kill_group(p)
             out, err = p.communicate()
             pytest.fail(f"timed out after {timeout}s (a hang): {cmd}\n{out}\n{err}")
