@@ -106,7 +106,7 @@ def run(cmd: list[str], *, env: dict[str, str] | None = None, timeout: float = 1
                 p.communicate(timeout=10)  # the stacks, read on
             kill_group(p)
             out, err = p.communicate()
-            pytest.fail(f"timed out after {timeout}s (a hang): {cmd}\n{out}\n{err}")
+            pytest.fail(f"timed out after {timeout}s (a hang): {cmd}\n{out}\n{err}{_stacks_of(cmd)}")
     return Result(p.returncode, out, err, time.monotonic() - t0)
 
 
@@ -133,11 +133,39 @@ def spawn(cmd: list[str], *, env: dict[str, str] | None = None, preexec_fn=None,
                 f.close()
 
 
+def _stacks_of(cmd: list[str]) -> str:
+    """The stacks a trainer's ranks wrote on SIGUSR1 (``<outdir>/stacks``), when ``cmd`` names an outdir."""
+    if "--outdir" not in cmd[:-1]:
+        return ""
+    files = sorted((Path(cmd[cmd.index("--outdir") + 1]) / "stacks").glob("rank-*.txt"))
+    return "".join(f"\n--- {f}\n{f.read_text(errors='replace')}" for f in files)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every living process started by ``pid``, its children's children too."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parent = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(d.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def kill_group(p: subprocess.Popen) -> None:
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    """SIGKILL to ``p``'s process group and to every process it started, also those in groups of their own
+    (the ranks an MPI launcher's daemon starts: left alone, they would live on, orphaned)."""
+    tree = descendants(p.pid)
+    for kill, target in ((os.killpg, p.pid), *((os.kill, pid) for pid in tree)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            kill(target, signal.SIGKILL)
 
 
 def group_alive(pgid: int) -> list[int]:

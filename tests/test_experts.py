@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_clean_user_error, jsonl, launch, max_rel_diff, run, tiny_llama, torchrun
+from conftest import SCRIPTS, assert_clean_user_error, jsonl, launch, max_rel_diff, run, tiny_llama, torchrun
 from mmm.models.llama.model import Llama, LlamaConfig
 from mmm.models.llama.recipe import LLAMA
 from mmm.parallel.optim import SEVERAL_MESHES, torch_version
@@ -70,6 +70,16 @@ def test_auxiliary_loss_trains_the_router_and_balancing_moves_the_bias():
     assert torch.equal(torch.sign(router.expert_bias), torch.sign(counts.mean() - counts))
     assert router.tokens_per_expert.sum() == 0 and router.aux_sum.sum() == 0
     assert record["moe_load_max"] == counts.max() / counts.mean() and record["moe_aux"] > 0
+
+
+def test_a_rank_whose_experts_get_no_token_still_runs_every_all_to_all():
+    """Every token goes to ep rank 0's experts: rank 1's experts get none, yet its backward returns its
+    tokens' gradients through the all-to-all (rank 0 waits on it) and the gradients are one process's.
+    A pipeline's first step met this at random: its shape inference runs a stage on uninitialized inputs."""
+    res = run(torchrun(2, str(SCRIPTS / "ep_no_tokens.py"), "route"), timeout=90)
+    assert res.returncode == 0, res.output
+    assert "rank 1: gradients as one process's" in res.stdout and "expert grads 0" in res.stdout, res.stdout
+    assert "rank 0: gradients as one process's" in res.stdout, res.stdout
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import clean_env, jsonl, launch, max_rel_diff, mpiexec, run, torchrun
+from conftest import SCRIPTS, clean_env, jsonl, launch, max_rel_diff, mpiexec, run, torchrun
 
 TINY = ["--dim", "64", "--n-layers", "2", "--seq-len", "32", "--no-plots", "--log-every", "100"]
 FSDP_TP = ["-m", "mmm.examples.fsdp_tp", *TINY]
@@ -269,6 +269,14 @@ def test_a_stalled_rank_fails_the_others_after_the_timeout(tmp_path, runner):
     for rank in (0, 1):
         stacks = (tmp_path / "stacks" / f"rank-{rank}.txt").read_text()
         assert "roll call after a failed collective" in stacks and "fsdp_tp.py" in stacks, stacks
+
+
+def test_a_collective_stuck_on_a_mesh_axis_fails_within_the_job_timeout():
+    """torch gives each new group (a mesh axis's) 30 minutes; mmm holds them to the job's timeout (6 s)."""
+    res = run(torchrun(2, str(SCRIPTS / "ep_no_tokens.py"), "stall"), timeout=90)
+    assert res.returncode == 0, res.output
+    seconds = float(res.stdout.split("the stuck collective failed after ")[1].split()[0])
+    assert 5 < seconds < 20, res.stdout
 
 
 @pytest.mark.parametrize("runner", ["torchrun", "mpiexec"])

@@ -60,6 +60,7 @@ from mmm.dist.state import (  # noqa: F401
     current,
     data_generator,
     data_seed,
+    hold_to_timeout,
     info,
     launch_time,
     seed_all,

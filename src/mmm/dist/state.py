@@ -78,6 +78,22 @@ def info() -> DistInfo:
     return _INFO if _INFO is not None else setup()
 
 
+def hold_to_timeout(groups) -> None:
+    """Give ``groups`` (made after :func:`setup`: a DeviceMesh's axes, ``new_group`` without a timeout) the
+    job's collective timeout. torch starts each new group with its backend's default (30 min for gloo, 10
+    for NCCL), not the timeout the default group was started with, so without this a collective stuck on
+    a mesh axis (FSDP's, an expert all-to-all, a pipeline's send) would outlast ``--timeout`` by far."""
+    import torch.distributed as dist
+
+    di = info()
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is None or di.backend in (None, "fake"):
+        return
+    timeout = datetime.timedelta(seconds=di.timeout_s)
+    for group in groups:
+        set_timeout(timeout, group)
+
+
 def banner(di: DistInfo | None = None) -> str:
     """One line on where this job runs: launcher, ranks, nodes, device, backend, versions."""
     import torch

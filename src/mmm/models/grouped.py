@@ -20,6 +20,16 @@ import torch.nn.functional as F
 GROUP_ALIGN = 16
 
 
+def no_tokens(x: torch.Tensor, features: int, *weights: torch.Tensor) -> torch.Tensor:
+    """The experts' output when none of their tokens is here (``x`` has no rows): empty, ``features`` wide,
+    yet holding ``x`` and every weight in the autograd graph. Under expert parallel each peer waits on this
+    rank's backward: the all-to-all that returns the gradients of the tokens it sent (reached through
+    ``x``) and the gradient reduction of the weights. An output cut off from them would let this rank's
+    backward skip both, and its peers would wait forever."""
+    held = x.sum() + sum(w.sum() for w in weights)
+    return x.new_zeros((0, features)) + 0.0 * held.to(x.dtype)
+
+
 def grouped_mm_available(x: torch.Tensor) -> bool:
     """Whether the experts of ``x``'s device run as grouped matmuls by default: CUDA of compute capability
     9.0+ (torch's grouped kernel) with ``F.grouped_mm`` in the installed torch."""

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mmm.errors import UsageError
-from mmm.models.grouped import grouped_linear, grouped_mm_available, padded_groups
+from mmm.models.grouped import grouped_linear, grouped_mm_available, no_tokens, padded_groups
 from mmm.parallel.context import all_to_all, all_to_all_autograd
 
 EP_STYLES = ("experts",)
@@ -273,8 +273,8 @@ class _HFExpertsForward:
             if xe.shape[0]:
                 gate, upx = torch.nn.functional.linear(xe, up[e]).chunk(2, dim=-1)
                 outs.append(torch.nn.functional.linear(experts.act_fn(gate) * upx, down[e]))
-        if not outs:  # keep every expert weight in the graph (a peer waits on its gradient)
-            return x.new_zeros((0, down.shape[1])) + 0.0 * (up.sum() + down.sum()).to(x.dtype)
+        if not outs:
+            return no_tokens(x, down.shape[1], up, down)
         return torch.cat(outs)
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):

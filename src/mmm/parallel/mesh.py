@@ -330,6 +330,7 @@ class Mesh:
                 one = self.root
             else:
                 split = self.root._unflatten(0, (1, self.root.size(0)), ("dp_shard", names[0]))
+                mdist.hold_to_timeout(_groups(split))
                 one = split["dp_shard"]
             self._one_rank_dp = one
         return one
@@ -413,6 +414,12 @@ class Mesh:
         return f"Mesh({self.dims}, device_type={self.device_type!r}, names={list(self.names)})"
 
 
+def _groups(*meshes: DeviceMesh) -> list:
+    """Every process group of ``meshes``' axes that this rank is in, each once."""
+    found = {id(g): g for m in meshes for g in m.get_all_groups()}
+    return list(found.values())
+
+
 def init_mesh(
     *,
     tp: int = 1,
@@ -466,6 +473,7 @@ def init_mesh(
             sparse = views["dp_shard_cp"]._unflatten(0, (dims.efsdp, dims.ep), EP_VIEWS[::-1])
         views["ep"], views["efsdp"] = sparse["ep"], sparse["efsdp"]
     mesh = Mesh(dims, root, views)
+    mdist.hold_to_timeout(_groups(root, *views.values()))
     log.info("device mesh %s over %s: %s", "x".join(map(str, shape)), device_type, dims)
     if log_coordinates:
         log.info("%s", mesh.describe(info.rank))

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmm.models.grouped import grouped_linear, grouped_mm_available, padded_groups
+from mmm.models.grouped import grouped_linear, grouped_mm_available, no_tokens, padded_groups
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -77,8 +77,8 @@ class GroupedExperts(nn.Module):
         for e, xe in enumerate(torch.split(x, counts)):
             if xe.shape[0]:
                 outs.append(F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e]))
-        if not outs:  # no token here: keep every expert weight in the graph (a peer may wait on its grad)
-            return x.new_zeros((0, w2.shape[1])) + 0.0 * (w1.sum() + w2.sum() + w3.sum()).to(x.dtype)
+        if not outs:
+            return no_tokens(x, w2.shape[1], w1, w2, w3)
         return torch.cat(outs)
 
 
