@@ -1,14 +1,27 @@
 """Bad input, dead ranks, signals and teardown, with real processes: clear, fast, never a hang."""
 
+import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPTS, assert_clean_user_error, clean_env, group_alive, launch, mpiexec, run, spawn, torchrun
+from conftest import (
+    SCRIPTS,
+    assert_clean_user_error,
+    clean_env,
+    descendants,
+    group_alive,
+    launch,
+    mpiexec,
+    run,
+    spawn,
+    torchrun,
+)
 
 
 @pytest.mark.parametrize("runner", ["launch-local", "mpiexec"])
@@ -147,6 +160,49 @@ def test_launch_forwards_signals_and_ranks_exit_cleanly(sig, code, inherited):
         assert err.count("terminated by SIGTERM") == 2, err
     assert "exited with code" not in err  # a forwarded signal is not reported as a rank failure
     assert "sending SIGTERM" not in err  # the signal itself stopped the ranks: no escalation
+
+
+@pytest.mark.parametrize("runner", ["mpiexec", "torchrun"])
+def test_ranks_whose_launcher_is_killed_leave_at_once(runner):
+    """SIGKILL to the launcher's process group (launch and its mpiexec; torchrun's agent) reaches no rank:
+    mpiexec's daemon starts them in groups of their own, torchrun's in its group but the group is gone with
+    its leader. Each rank sees that its launcher is gone and leaves within seconds: nothing runs on."""
+    script = str(SCRIPTS / "wait_forever.py")
+    cmd = launch("-n", "2", "python3", script) if runner == "mpiexec" else torchrun(2, script)
+    with spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as p:
+        _wait_ready(p, 2)
+        ranks = [
+            pid for pid in descendants(p.pid) if _cmdline(pid).startswith(sys.executable) and script in _cmdline(pid)
+        ]
+        ranks = [pid for pid in ranks if "launch" not in _cmdline(pid) and "torch.distributed.run" not in _cmdline(pid)]
+        assert len(ranks) == 2, [_cmdline(pid) for pid in descendants(p.pid)]
+        os.killpg(p.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        while [pid for pid in ranks if _alive(pid)] and time.monotonic() - t0 < 20:
+            time.sleep(0.1)
+        left = [pid for pid in ranks if _alive(pid)]
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        assert not left, f"ranks {left} outlived their launcher by 20 s"
+        took = time.monotonic() - t0
+        err = p.stderr.read()  # every writer is gone
+    assert took < 8, took
+    if runner == "torchrun":  # its ranks write to the stderr they inherited (mpiexec's relay is gone)
+        assert err.count("its launcher (pid") == 2, err
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_a_sigint_that_stops_nothing_escalates_to_sigterm():

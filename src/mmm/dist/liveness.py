@@ -12,6 +12,12 @@ the trainers use ``<outdir>/stacks``): what each live rank was doing when the jo
 to the rank's stack file when a folder is set, else to stderr. This works for gloo, NCCL and
 oneCCL alike; NCCL's flight recorder only sees NCCL.
 
+A rank whose launcher is gone (``launch``, mpiexec's daemon, torchrun's agent, srun's step daemon
+killed: SIGKILL, the OOM killer) would live on as an orphan, its collectives waiting for the timeout and
+its output going nowhere. :func:`leave_when_orphaned` (started by ``setup`` in a job of several ranks)
+notices within ``ORPHAN_CHECK_S`` that its parent changed, writes its stacks, says so in one line and
+exits 1.
+
 While nothing fails a watcher costs one idle store request per rank (renewed every 20 days: a wait
 that times out makes the store client print warnings); it is released through its own key before its
 rank leaves.
@@ -98,6 +104,32 @@ def start_watcher(rank: int) -> None:
     _watcher.start()
     if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
         faulthandler.register(signal.SIGUSR1, file=_stack_file or sys.stderr, all_threads=True, chain=False)
+
+
+ORPHAN_CHECK_S = 2.0
+ORPHANED_EXIT = 1
+
+
+def leave_when_orphaned(rank: int) -> None:
+    """End this rank within ``ORPHAN_CHECK_S`` once the process that started it (its launcher) is gone: the
+    job cannot go on without it (no signal, no output, no exit code reaches anyone), so nothing should
+    stay running. A checkpoint being written is never complete before its commit, so it is not harmed."""
+    parent = os.getppid()
+    if parent <= 1:  # started by init (already orphaned, or a daemon): nothing to watch
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(ORPHAN_CHECK_S)
+        dump_stacks(f"the launcher (pid {parent}) is gone")
+        line = f"[rank {rank}] error: its launcher (pid {parent}) is gone (killed?); the rank leaves too\n"
+        try:
+            os.write(2, line.encode())
+        except OSError:  # stderr went with the launcher
+            pass
+        os._exit(ORPHANED_EXIT)
+
+    threading.Thread(target=watch, name="mmm-orphan-watch", daemon=True).start()
 
 
 def release_watcher() -> None:

@@ -180,6 +180,7 @@ def setup(
         if env.is_set("MMM_STACK_DIR"):
             liveness.set_stack_dir(env.get("MMM_STACK_DIR"), ranks.rank)
         liveness.start_watcher(ranks.rank)
+        liveness.leave_when_orphaned(ranks.rank)
     atexit.register(_atexit_teardown)
     log.debug("setup: %s", _INFO)
     return _INFO
