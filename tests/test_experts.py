@@ -5,6 +5,7 @@ Layouts against one process are rows of the equivalence matrix (tests/test_equiv
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -78,7 +79,7 @@ def test_a_rank_whose_experts_get_no_token_still_runs_every_all_to_all():
     A pipeline's first step met this at random: its shape inference runs a stage on uninitialized inputs."""
     res = run(torchrun(2, str(SCRIPTS / "ep_no_tokens.py"), "route"), timeout=90)
     assert res.returncode == 0, res.output
-    assert "rank 1: gradients as one process's" in res.stdout and "expert grads 0" in res.stdout, res.stdout
+    assert re.search(r"rank 1: gradients as one process's \([^)]*\), expert grads 0(?![.\d])", res.stdout), res.stdout
     assert "rank 0: gradients as one process's" in res.stdout, res.stdout
 
 

@@ -3,7 +3,8 @@ experts get none: the backward must still run every all-to-all on both ranks (no
 process's gradients. ``stall``: rank 1 skips a collective on the ep axis instead, and rank 0 must fail
 within the job's collective timeout (a mesh axis's group holds to it), not torch's 30 minutes.
 
-    torchrun --nproc-per-node 2 ep_no_tokens.py route|stall
+    torchrun --nproc-per-node 2 ep_no_tokens.py route
+    torchrun --nproc-per-node 4 ep_no_tokens.py stall
 """
 
 import copy
@@ -25,14 +26,17 @@ def main(mode: str) -> None:
     info = mdist.setup(timeout=TIMEOUT_S, seed=0)
     mesh = init_mesh(ep=2)
     if mode == "stall":
+        group = mesh["ep"].get_group()
+        # a group of its own (on 2 ranks torch reuses the default group, which has the timeout anyway)
+        assert dist.get_world_size(group) < info.world_size, "run the stall on 4 ranks"
         t0 = time.monotonic()
         if info.rank == 0:
             try:
-                dist.all_reduce(torch.ones(1), group=mesh["ep"].get_group())
+                dist.all_reduce(torch.ones(1), group=group)
             except RuntimeError:
                 print(f"rank 0: the stuck collective failed after {time.monotonic() - t0:.1f} s", flush=True)
         else:
-            time.sleep(TIMEOUT_S + 20)
+            time.sleep(TIMEOUT_S + 20)  # past the bound the test holds rank 0 to
         return
     moe = MoE(16, num_experts=4, top_k=2, hidden=24)
     for p in moe.parameters():

@@ -79,6 +79,9 @@ def graceful_sigterm() -> None:
         signal.signal(signal.SIGTERM, _on_sigterm_graceful)
 
 
+liveness.set_busy_check(lambda: bool(_UNINTERRUPTED) or _STOP_SIGNAL is not None)
+
+
 def stop_flag() -> int:
     """This rank's stop request: the signal number of a SIGTERM caught by :func:`graceful_sigterm`, else 0
     (the training loop shares it in its one per-step all-reduce, :class:`mmm.training.step.StepSync`)."""

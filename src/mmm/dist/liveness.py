@@ -108,19 +108,39 @@ def start_watcher(rank: int) -> None:
 
 ORPHAN_CHECK_S = 2.0
 ORPHANED_EXIT = 1
+_orphan_watch = 0  # the current orphan watch (0: none); a watch whose number is not this one ends
+_busy: Any = None  # () -> bool: a checkpoint write, or a graceful stop, under way (mmm.dist.exits sets it)
 
 
-def leave_when_orphaned(rank: int) -> None:
-    """End this rank within ``ORPHAN_CHECK_S`` once the process that started it (its launcher) is gone: the
-    job cannot go on without it (no signal, no output, no exit code reaches anyone), so nothing should
-    stay running. A checkpoint being written is never complete before its commit, so it is not harmed."""
+def set_busy_check(check) -> None:
+    """``check()`` says whether this rank is finishing something an orphaned rank lets end first."""
+    global _busy
+    _busy = check
+
+
+def leave_when_orphaned(rank: int, *, grace_s: float) -> None:
+    """End this rank once the process that started it (its launcher) is gone: the job cannot go on without
+    it (no signal, no output, no exit code reaches anyone), so nothing should stay running. Noticed within
+    ``ORPHAN_CHECK_S``; a checkpoint write or a graceful stop under way (a scheduler's SIGTERM reaches the
+    ranks as it ends a wrapper) gets up to ``grace_s`` to finish first. A checkpoint is never complete
+    before its commit, so even one cut short harms no complete one."""
+    global _orphan_watch
     parent = os.getppid()
     if parent <= 1:  # started by init (already orphaned, or a daemon): nothing to watch
         return
+    _orphan_watch += 1
+    mine = _orphan_watch
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(ORPHAN_CHECK_S)
+            if _orphan_watch != mine:  # released at teardown (or watched anew by a later setup)
+                return
+        if _orphan_watch != mine:
+            return
+        until = time.monotonic() + grace_s
+        while _busy is not None and _busy() and time.monotonic() < until:
+            time.sleep(0.5)
         dump_stacks(f"the launcher (pid {parent}) is gone")
         line = f"[rank {rank}] error: its launcher (pid {parent}) is gone (killed?); the rank leaves too\n"
         try:
@@ -136,7 +156,8 @@ def release_watcher() -> None:
     """End this rank's watcher before the rank leaves (teardown, or an error every rank shares): it is
     woken through its own key, so no request is left waiting when the store's host exits (that would
     print the store client's warnings). Best effort; a later ``setup`` starts a new watcher."""
-    global _watcher
+    global _watcher, _orphan_watch
+    _orphan_watch += 1  # a rank past its teardown may outlive its launcher: its program's own business
     w, _watcher = _watcher, None
     if w is None or not w.is_alive():
         return

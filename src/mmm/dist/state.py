@@ -87,11 +87,12 @@ def hold_to_timeout(groups) -> None:
 
     di = info()
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
-    if set_timeout is None or di.backend in (None, "fake"):
-        return
+    if set_timeout is None or di.backend in (None, "fake") or "init_process_group_s" not in di.timings:
+        return  # a process group the program started itself keeps the timeouts it chose
     timeout = datetime.timedelta(seconds=di.timeout_s)
     for group in groups:
-        set_timeout(timeout, group)
+        if any(name in str(dist.get_backend(group)) for name in ("gloo", "nccl")):  # the two torch can set
+            set_timeout(timeout, group)
 
 
 def banner(di: DistInfo | None = None) -> str:
@@ -180,7 +181,7 @@ def setup(
         if env.is_set("MMM_STACK_DIR"):
             liveness.set_stack_dir(env.get("MMM_STACK_DIR"), ranks.rank)
         liveness.start_watcher(ranks.rank)
-        liveness.leave_when_orphaned(ranks.rank)
+        liveness.leave_when_orphaned(ranks.rank, grace_s=timeout_s)
     atexit.register(_atexit_teardown)
     log.debug("setup: %s", _INFO)
     return _INFO

@@ -25,9 +25,12 @@ def no_tokens(x: torch.Tensor, features: int, *weights: torch.Tensor) -> torch.T
     yet holding ``x`` and every weight in the autograd graph. Under expert parallel each peer waits on this
     rank's backward: the all-to-all that returns the gradients of the tokens it sent (reached through
     ``x``) and the gradient reduction of the weights. An output cut off from them would let this rank's
-    backward skip both, and its peers would wait forever."""
+    backward skip both, and its peers would wait forever. Its dtype is the one the experts' matmuls give
+    (an autocast's), as on the ranks that got tokens: the all-to-all sends it back to them."""
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype  # as a matmul's
     held = x.sum() + sum(w.sum() for w in weights)
-    return x.new_zeros((0, features)) + 0.0 * held.to(x.dtype)
+    return x.new_zeros((0, features), dtype=dtype) + 0.0 * held.to(dtype)
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:
