@@ -111,6 +111,8 @@ def test_wandb_and_tensorboard_hold_every_history_row(tmp_path):
         "tiny",
         "--tensorboard",
         "--rank-timings",
+        "--eval-every",
+        "2",
         "--no-plots",
     )
     assert res.returncode == 0, res.output
@@ -124,6 +126,7 @@ def test_wandb_and_tensorboard_hold_every_history_row(tmp_path):
         assert logged[row["iter"]] == {k: v for k, v in row.items() if k != "iter"}, row["iter"]
     config = wandb_config(records)
     assert config["max_iters"] == 4 and config["dim"] == 64 and config["example"] == "fsdp_tp"
+    assert config["eval_every"] == 2 and config["eval_iters"] == 4  # the batches an evaluation ran, not null
     assert config["mesh"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1}
     assert wandb_exit_code(records) == 0
     (run_rec,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]

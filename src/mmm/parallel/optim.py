@@ -66,12 +66,16 @@ def adamw(params: Iterable[Any], **args) -> torch.optim.AdamW:
     if "fused" in args or "foreach" in args:
         return torch.optim.AdamW(params, **args)
     tensors = [p for g in params for p in g["params"]] if params and isinstance(params[0], dict) else params
+    if tensors and all(p.device.type == "meta" for p in tensors):  # a simulation's: decided on its fake device
+        return torch.optim.AdamW(params, **args)
     problem = fused_problem(tensors)
-    if problem is None:
-        _say_once("optimizer: AdamW, fused")
-        return torch.optim.AdamW(params, fused=True, **args)
-    _say_once(f"optimizer: AdamW, not fused ({problem})")
-    return torch.optim.AdamW(params, **args)
+    say_choice(problem)
+    return torch.optim.AdamW(params, **args) if problem else torch.optim.AdamW(params, fused=True, **args)
+
+
+def say_choice(problem: str | None) -> None:
+    """Log, once, whether AdamW is fused (``problem`` None) or why not."""
+    _say_once("optimizer: AdamW, fused" if problem is None else f"optimizer: AdamW, not fused ({problem})")
 
 
 def implementation(optimizer: torch.optim.Optimizer) -> str:

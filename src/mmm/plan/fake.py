@@ -28,7 +28,7 @@ from mmm.log import get_logger
 from mmm.measure import CommCounter, DeviceWork, PeakMemory, SavedActivations
 from mmm.parallel import init_mesh, meta_init
 from mmm.parallel.experts import plan_routing
-from mmm.parallel.optim import fused_problem
+from mmm.parallel.optim import fused_problem, say_choice
 from mmm.parallel.pipeline import stage_ids, stage_layer_ranges
 from mmm.parallel.tensor import loss_parallel_context
 from mmm.plan.hardware import Hardware
@@ -568,7 +568,9 @@ def _fused_as_on_a_device(optimizer) -> None:
     ):
         return  # another optimizer, or an implementation the caller chose
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    if fused_problem(params) is None:
+    problem = fused_problem(params)
+    say_choice(problem)
+    if problem is None:
         for group in optimizer.param_groups:
             group["fused"], group["foreach"] = True, False
 

@@ -345,8 +345,12 @@ class Config(Generic[T]):
     recipe: Any = field(default=None, compare=False, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
-        """Every field, flat, by its name (the flags' names): what trackers record as the run's config."""
-        return {**asdict(self.train), **asdict(self.parallel), **asdict(self.run)}
+        """Every field, flat, by its name (the flags' names): what trackers record as the run's config. The
+        held-out batches are the number an evaluation runs (``--eval-iters`` or its default)."""
+        train = asdict(self.train)
+        if getattr(self.train, "eval_every", 0):
+            train["eval_iters"] = self.train.eval_batches
+        return {**train, **asdict(self.parallel), **asdict(self.run)}
 
 
 def trainer_flags(
