@@ -141,16 +141,31 @@ def _stacks_of(cmd: list[str]) -> str:
     return "".join(f"\n--- {f}\n{f.read_text(errors='replace')}" for f in files)
 
 
+def proc_stat(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command's name (state, ppid, pgrp, ...); None when gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    fields = proc_stat(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def _processes() -> Iterator[tuple[int, list[str]]]:
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and (fields := proc_stat(d.name)) is not None:
+            yield int(d.name), fields
+
+
 def descendants(pid: int) -> list[int]:
     """Every living process started by ``pid``, its children's children too."""
     children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                parent = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(d.name))
+    for child, fields in _processes():
+        children.setdefault(int(fields[1]), []).append(child)
     found, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -170,17 +185,7 @@ def kill_group(p: subprocess.Popen) -> None:
 
 def group_alive(pgid: int) -> list[int]:
     """Processes still in process group ``pgid`` (zombies excluded)."""
-    alive = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            alive.append(int(d.name))
-    return alive
+    return [pid for pid, fields in _processes() if int(fields[2]) == pgid and fields[0] != "Z"]
 
 
 def torchrun(n: int, *args: str) -> list[str]:

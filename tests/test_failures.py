@@ -12,6 +12,7 @@ import pytest
 
 from conftest import (
     SCRIPTS,
+    alive,
     assert_clean_user_error,
     clean_env,
     descendants,
@@ -180,9 +181,9 @@ def test_ranks_whose_launcher_is_killed_leave_at_once(runner, busy, tmp_path):
         assert len(ranks) == 2, [_cmdline(pid) for pid in descendants(p.pid)]
         os.killpg(p.pid, signal.SIGKILL)
         t0 = time.monotonic()
-        while [pid for pid in ranks if _alive(pid)] and time.monotonic() - t0 < 20:
+        while [pid for pid in ranks if alive(pid)] and time.monotonic() - t0 < 20:
             time.sleep(0.1)
-        left = [pid for pid in ranks if _alive(pid)]
+        left = [pid for pid in ranks if alive(pid)]
         for pid in left:
             os.kill(pid, signal.SIGKILL)
         assert not left, f"ranks {left} outlived their launcher by 20 s"
@@ -202,13 +203,6 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return ""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_a_sigint_that_stops_nothing_escalates_to_sigterm():

@@ -132,11 +132,9 @@ def leave_when_orphaned(rank: int, *, grace_s: float) -> None:
     mine = _orphan_watch
 
     def watch() -> None:
-        while os.getppid() == parent:
+        while os.getppid() == parent and _orphan_watch == mine:
             time.sleep(ORPHAN_CHECK_S)
-            if _orphan_watch != mine:  # released at teardown (or watched anew by a later setup)
-                return
-        if _orphan_watch != mine:
+        if _orphan_watch != mine:  # released at teardown (or watched anew by a later setup)
             return
         until = time.monotonic() + grace_s
         while _busy is not None and _busy() and time.monotonic() < until:
