@@ -63,6 +63,7 @@ from mmm.dist.state import (  # noqa: F401
     hold_to_timeout,
     info,
     launch_time,
+    process_groups,
     seed_all,
     setup,
     teardown,

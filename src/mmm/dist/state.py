@@ -95,6 +95,16 @@ def hold_to_timeout(groups) -> None:
             set_timeout(timeout, group)
 
 
+def process_groups() -> list:
+    """Every process group this process belongs to or has made, as torch's registry lists them (empty
+    where this torch has none): with :func:`hold_to_timeout`, the groups a library made behind the
+    program's back (DeepSpeed's clone of the world group) can be found and held too."""
+    import torch.distributed as dist
+
+    world = getattr(dist.distributed_c10d, "_world", None)
+    return list(getattr(world, "pg_map", {}) or {})
+
+
 def banner(di: DistInfo | None = None) -> str:
     """One line on where this job runs: launcher, ranks, nodes, device, backend, versions."""
     import torch

@@ -137,6 +137,7 @@ def initialize(model: nn.Module, optimizer, *, config: dict[str, Any], device_ty
     # process, srun, Hydra, PALS)
 
     os.environ.setdefault("LOCAL_RANK", str(mdist.info().local_rank))
+    before = set(mdist.process_groups())
     deepspeed.init_distributed(dist_backend=backend)
     kwargs = {"model": model, "config": config}
     if optimizer is not None:
@@ -144,4 +145,7 @@ def initialize(model: nn.Module, optimizer, *, config: dict[str, Any], device_ty
     else:
         kwargs["model_parameters"] = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(**kwargs)
+    # DeepSpeed reduces over groups of its own (a clone of the world group for ZeRO's data parallel), made
+    # with torch's default timeout (30 min on gloo): held to the job's, as the mesh's axes are
+    mdist.hold_to_timeout([g for g in mdist.process_groups() if g not in before])
     return engine
