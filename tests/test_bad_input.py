@@ -275,6 +275,35 @@ def test_config_checks_name_the_value_and_the_fix(rows):
         rows(f"{trainer} {' '.join(flags)} ({world} ranks)", line, 2, time.perf_counter() - t0)
 
 
+def test_an_export_that_would_move_the_runs_own_folders_aside_is_refused_before_training(tmp_path, monkeypatch, rows):
+    """--export-hf writes after the last step and replaces its folder whole (what it held moved aside): a
+    folder it cannot make, or one that is or holds the current folder, the run's --outdir or --checkpoint-dir,
+    or a parent folder of others, is refused at the start, not after the training."""
+    from mmm.parallel.hf_checkpoint import export_problems
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "models" / "llama-1b").mkdir(parents=True)
+    cases = [
+        (["--export-hf", "afile/hf"], "--export-hf 'afile/hf': 'afile' is a file, not a directory"),
+        (["--export-hf", "."], "--export-hf '.' is the current folder"),
+        (["--outdir", "run", "--export-hf", "run"], "--export-hf 'run' is this run's --outdir"),
+        (["--outdir", "runs/1", "--export-hf", "runs"], "--export-hf 'runs' holds this run's --outdir"),
+        (["--checkpoint-dir", "ck", "--export-hf", "ck"], "--export-hf 'ck' is this run's --checkpoint-dir"),
+        (["--export-hf", "models"], "--export-hf 'models' holds folders ('llama-1b'), so it is not an earlier export"),
+    ]
+    for flags, needle in cases:
+        t0 = time.perf_counter()
+        line = _trainer_refusal("fsdp_tp", flags, 1)
+        assert "\n" not in line and needle in line, (flags, line)
+        rows(f"fsdp_tp {' '.join(flags)} (1 ranks)", line, 2, time.perf_counter() - t0)
+    # a new folder inside the output folder, or an earlier export (files only), is taken
+    (tmp_path / "run" / "hf").mkdir(parents=True)
+    (tmp_path / "run" / "hf" / "config.json").write_text("{}")
+    assert export_problems("--export-hf", "run/hf", keep={"--outdir": "run"}) == []
+    assert export_problems("--export-hf", "run/new", keep={"--outdir": "run"}) == []
+
+
 VERIFY_CASES = [
     (["--model", "llama", "--tp-plan", "mine:PLAN"], ["--tp-plan mine:PLAN: --model llama has its own TP plan"]),
     (["--model", "vit", "--seq-len", "64"], ["--seq-len 64: --model vit", "16 x 16 images", "drop it"]),

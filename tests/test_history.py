@@ -21,6 +21,24 @@ def test_update_appends_a_line_per_step_immediately(tmp_path):
     assert [json.loads(x)["iter"] for x in lines] == [1, 2] and json.loads(lines[1])["tps"] == 1000
 
 
+def test_a_resume_keeps_the_rows_of_the_steps_it_runs_again_beside_the_history(tmp_path):
+    """A rollback (--resume 2 after 5 steps) drops steps 3-5 from history.jsonl, which will hold each step
+    once; the earlier run's rows of them (the loss spike the user rolled back from) are kept beside it."""
+    first = History(tmp_path)
+    for step in range(1, 6):
+        first.update(step, loss=10.0 * step)  # each line reaches the file as the step finishes
+    again = History(tmp_path, resume=2)
+    assert [r["iter"] for r in again.rows] == [1, 2]
+    again.update(3, loss=1.5)
+    rows = [json.loads(x) for x in (tmp_path / "history.jsonl").read_text().splitlines()]
+    assert rows == [{"iter": 1, "loss": 10.0}, {"iter": 2, "loss": 20.0}, {"iter": 3, "loss": 1.5}]
+    (kept,) = tmp_path.glob("history.replaced-*.jsonl")
+    assert again.replaced == kept
+    assert [json.loads(x) for x in kept.read_text().splitlines()] == [{"iter": s, "loss": 10.0 * s} for s in (3, 4, 5)]
+    History(tmp_path, resume=3)  # nothing after step 3: nothing more set aside
+    assert len(list(tmp_path.glob("history.replaced-*.jsonl"))) == 1
+
+
 def test_stats_exclude_warmup():
     h = History(None, warmup=2)
     for i, dt in enumerate([10.0, 5.0, 1.0, 2.0, 3.0], start=1):

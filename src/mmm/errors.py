@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 
@@ -82,6 +84,31 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def folder_problem(where: str, path: str | os.PathLike) -> str | None:
+    """Why the folder ``path`` cannot be made or written (``where`` names it in the message, e.g.
+    ``"--outdir 'x'"``), or None. Nothing is created."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        return f"{where} is a file; pass a directory (it is created if missing)"
+    parent = next((p for p in [path, *path.parents] if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        return f"{where}: {str(parent)!r} is a file, not a directory"
+    if parent is not None and not os.access(parent, os.W_OK):
+        return f"{where}: cannot write in {str(parent)!r}"
+    return None
+
+
+def file_problem(where: str, path: str | os.PathLike) -> str | None:
+    """Why the file ``path`` cannot be written (its folders are created if missing), or None."""
+    path = Path(path)
+    if path.is_dir():
+        return f"{where} is a directory; give a file name (e.g. {str(path / 'out.json')!r})"
+    problem = folder_problem(where, path.parent)
+    if problem is None and path.exists() and not os.access(path, os.W_OK):
+        return f"{where}: cannot write {str(path)!r}"
+    return problem
 
 
 def print_error(message: str, *, prog: str | None = None, rank: int | None = None) -> None:

@@ -28,11 +28,13 @@ import os
 import re
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from mmm import faults
+from mmm.log import get_logger
 
 DEFAULT_WARMUP = 2
 TEXT_PLOT_POINTS = 400  # plotext draws at most this many points (evenly strided)
@@ -60,9 +62,28 @@ def _json_line(rec: dict) -> str:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
+    if path.is_dir():  # before a temporary file beside it is made
+        raise IsADirectoryError(f"{path} is a directory, not a file to write")
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def keep_aside(path: Path, rows: list[dict], step_key: str) -> Path:
+    """Write ``rows`` (the steps a resume runs again) to ``<name>.replaced-<UTC time>.jsonl`` beside
+    ``path`` before the history drops them, and say so: a rolled-back run's abandoned steps stay."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    aside = path.with_name(f"{path.stem}.replaced-{stamp}-{os.getpid()}.jsonl")
+    atomic_write_text(aside, "".join(_json_line(r) for r in rows))
+    steps = [r[step_key] for r in rows]
+    get_logger().info(
+        "history: %s %d-%d run again; the earlier run's rows of them are kept in %s",
+        step_key,
+        min(steps),
+        max(steps),
+        aside,
+    )
+    return aside
 
 
 class History:
@@ -83,8 +104,9 @@ class History:
         it is "history"), so one run can keep per-step and per-epoch histories side by side.
 
         A new History starts ``<name>.jsonl`` afresh; ``resume=N`` keeps its records up to step N
-        (those a checkpoint of step N covers), drops later ones (they will be run again), and
-        appends after them. ``hooks`` (also ``self.hooks``, a list): called with every new record."""
+        (those a checkpoint of step N covers), moves later ones (they will be run again) to
+        ``<name>.replaced-<UTC time>.jsonl`` beside it, and appends after them. ``hooks`` (also
+        ``self.hooks``, a list): called with every new record."""
         self.outdir = Path(outdir) if outdir is not None else None
         self.write = write and self.outdir is not None
         self.warmup = warmup
@@ -93,18 +115,22 @@ class History:
         self.rows: list[dict[str, float | int | None]] = []
         self.hooks: list[Callable[[dict], Any]] = list(hooks)
         self._file = None
+        self.replaced: Path | None = None  # where a resume kept the rows of the steps it runs again
         path = self.outdir / f"{name}.jsonl" if self.outdir is not None else None
+        later: list[dict] = []  # rows of steps after ``resume``: they will run again
         if resume is not None and path is not None and path.is_file():
             for line in path.read_text().splitlines():
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError:  # a line cut short by a crash
                     continue
-                if isinstance(rec, dict) and isinstance(rec.get(step_key), int) and rec[step_key] <= resume:
-                    self.rows.append(rec)
+                if isinstance(rec, dict) and isinstance(rec.get(step_key), int):
+                    (self.rows if rec[step_key] <= resume else later).append(rec)
         if self.write:
             self.outdir.mkdir(parents=True, exist_ok=True)
             if resume is not None:
+                if later:  # kept, not dropped: a rolled-back branch's steps (its loss spike, say)
+                    self.replaced = keep_aside(path, later, step_key)
                 atomic_write_text(path, "".join(_json_line(r) for r in self.rows))
             # line-buffered: every step reaches the OS as it finishes (survives a crash or SIGKILL)
             self._file = open(path, "a" if resume is not None else "w", buffering=1)

@@ -31,7 +31,7 @@ from typing import Any
 import torch.distributed as dist
 
 from mmm import env, faults
-from mmm.errors import API, Spelling
+from mmm.errors import API, Spelling, folder_problem
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 META = "mmm.json"
@@ -140,15 +140,9 @@ def checkpoint_problems(
         )
     if checkpoint_dir is not None:
         path = Path(checkpoint_dir)
-        where = spell("checkpoint_dir", checkpoint_dir)
-        if path.exists() and not path.is_dir():
-            out.append(f"{where} is a file; pass a directory")
-        else:
-            parent = next((p for p in [path, *path.parents] if p.exists()), None)
-            if parent is not None and not parent.is_dir():
-                out.append(f"{where}: {str(parent)!r} is a file, not a directory")
-            elif parent is not None and not os.access(parent, os.W_OK):
-                out.append(f"{where}: cannot write in {str(parent)!r}")
+        problem = folder_problem(spell("checkpoint_dir", checkpoint_dir), path)
+        if problem:
+            out.append(problem)
         if resume is not None and resume != "latest" and resume.isdigit() and path.is_dir():
             steps = complete_steps(path)
             if int(resume) not in steps:

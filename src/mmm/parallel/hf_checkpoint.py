@@ -165,7 +165,41 @@ def read_hf_config(path: str | Path) -> dict:
     file = (path if path.is_dir() else path.parent) / "config.json"
     if not file.exists():
         raise UsageError(f"no config.json in {file.parent}: a Hugging Face checkpoint directory has one")
-    return json.loads(file.read_text())
+    try:
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UsageError(f"{file} is not valid JSON ({err}); restore it from the checkpoint's source") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"{file} holds {type(config).__name__}, not a Hugging Face config (a JSON object)")
+    return config
+
+
+def export_problems(where: str, out: str | Path, *, keep: Mapping[str, str | Path | None] | None = None) -> list[str]:
+    """Why ``out`` cannot take an export (nothing is created). An export replaces its folder whole (what
+    the folder held is moved aside, never deleted), so ``out`` must not be, or hold, the current folder
+    or any folder in ``keep`` (a description -> a path: the run's output and checkpoint folders), and
+    must not hold folders of its own: an export has none, a parent folder of models does."""
+    from mmm.errors import folder_problem
+
+    problem = folder_problem(where, out)
+    if problem:
+        return [problem]
+    path = Path(out).resolve()
+    held = {"the current folder": Path.cwd(), **{k: v for k, v in (keep or {}).items() if v is not None}}
+    for what, folder in held.items():
+        if Path(folder).resolve().is_relative_to(path):
+            same = Path(folder).resolve() == path
+            return [
+                f"{where} {'is' if same else 'holds'} {what}, and an export replaces its folder whole (moving what "
+                "it held aside): give a folder of its own, e.g. a new one inside the output folder"
+            ]
+    inner = sorted(p.name for p in path.iterdir() if p.is_dir()) if path.is_dir() else []
+    if inner:
+        return [
+            f"{where} holds folders ({', '.join(map(repr, inner[:3]))}), so it is not an earlier export: an export "
+            "replaces its folder whole (moving what it held aside); give a new folder or an earlier export"
+        ]
+    return []
 
 
 # --------------------------------------------------------------------------- out

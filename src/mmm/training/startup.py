@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from mmm import dist, env
 from mmm.dist import launch_time
-from mmm.errors import UsageError
+from mmm.errors import UsageError, folder_problem
 from mmm.log import get_logger
 from mmm.parallel.checkpoint_folder import complete_steps
 
@@ -199,17 +199,10 @@ def resolve_outdir(outdir: str | os.PathLike | None, example: str) -> Path:
     if outdir is None:
         stamp = env.get("MMM_RUN_STAMP") or datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
         return Path("outputs") / example / stamp
-    path = Path(outdir)
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"--outdir {str(outdir)!r} is a file; pass a directory (it is created if missing)")
-    for parent in path.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise UsageError(f"--outdir {str(outdir)!r}: {str(parent)!r} is a file, not a directory")
-            if not os.access(parent, os.W_OK):
-                raise UsageError(f"--outdir {str(outdir)!r}: cannot write in {str(parent)!r}")
-            break
-    return path
+    problem = folder_problem(f"--outdir {str(outdir)!r}", outdir)
+    if problem:
+        raise UsageError(problem)
+    return Path(outdir)
 
 
 def dropped_hosts() -> list[str]:

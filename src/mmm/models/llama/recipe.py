@@ -23,6 +23,7 @@ from mmm.models.llama.tp import llama_tp_plan, tp_problems
 from mmm.parallel.compose import ParallelSpec
 from mmm.parallel.context import cp_problems, shard_sequence
 from mmm.parallel.experts import balance_experts, ep_problems, routers
+from mmm.parallel.hf_checkpoint import export_problems
 from mmm.parallel.loss import cross_entropy
 from mmm.parallel.pipeline import pipeline_problems
 from mmm.parallel.strategy import Engine
@@ -234,8 +235,6 @@ class LlamaTrainConfig(EvalConfig, ScheduleConfig):
                     f"--init-from loads into the torch-sharded model; --strategy {strategy} hands "
                     "the model to DeepSpeed first: use --strategy fsdp, hsdp or ddp"
                 )
-        if self.export_hf and _is_file(self.export_hf):
-            out.append(f"--export-hf {self.export_hf!r} is a file; give a directory (it is created if missing)")
         if self.export_hf and self.moe_experts:
             out.append(
                 "--export-hf writes a dense Hugging Face Llama; a mixture of experts (--moe-experts) has no such "
@@ -329,11 +328,11 @@ def layout_free_problems(config: Config[LlamaTrainConfig], world_size: int) -> l
         return out + [str(err)]
     out += cfg.problems()
     out += dataset_problems(train.dataset, vocab_size=cfg.vocab_size, **train.data_options())
+    if train.export_hf:  # checked before training: the export is written after the last step
+        run = config.run
+        keep = {"this run's --outdir": run.outdir or "outputs", "this run's --checkpoint-dir": run.checkpoint_dir}
+        out += export_problems(f"--export-hf {train.export_hf!r}", train.export_hf, keep=keep)
     return out + config.run.problems(strategy=config.parallel.strategy)
-
-
-def _is_file(path: str) -> bool:
-    return Path(path).is_file()
 
 
 def parallel_spec(how, cfg: LlamaConfig | None = None) -> ParallelSpec:
