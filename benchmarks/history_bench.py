@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from mmm.errors import ArgumentParser, UsageError, print_error
 from mmm.history import History
 
 KEYS = ("loss", "dt", "dtf", "dtb", "tps", "lr", "grad_norm", "mem")
@@ -34,12 +36,31 @@ def bench_update(outdir: Path, steps: int, as_tensors: bool) -> list[float]:
     return h, times
 
 
+def steps_count(text: str) -> int:
+    """At least 2 steps: the p90 needs two samples."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; use a step count such as 10000") from None
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"{value} is too few: the p90 needs at least 2 steps (e.g. 10000)")
+    return value
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=10_000)
-    p.add_argument("--outdir", type=Path, default=None)
+    p = ArgumentParser(prog="python benchmarks/history_bench.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=steps_count, default=10_000, metavar="N", help="steps to time (>= 2) [10000]")
+    p.add_argument(
+        "--outdir", type=Path, default=None, metavar="DIR", help="output folder, made if missing [a new temp dir]"
+    )
     args = p.parse_args()
     root = args.outdir or Path(tempfile.mkdtemp(prefix="hist-bench-"))
+    if root.exists() and not root.is_dir():
+        p.error(f"--outdir {str(root)!r} is a file; pass a folder (it is made if missing)")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"--outdir {str(root)!r} cannot be made ({e.strerror}); pass a writable folder")
 
     # baseline: what one jsonl line costs with no History around it
     f = open(root / "baseline.jsonl", "w", buffering=1)
@@ -72,4 +93,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UsageError as e:
+        print_error(str(e), prog="python benchmarks/history_bench.py")
+        sys.exit(2)

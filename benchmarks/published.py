@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from mmm.errors import ArgumentParser, UsageError, print_error
 from mmm.plan.hardware import load_hardware
 
 SHAPES = {  # hidden, layers, heads, kv heads, intermediate (vocabulary 128,256 for all)
@@ -108,13 +109,32 @@ def write_config(root: Path, name: str) -> Path:
     return folder
 
 
+def row_names(text: str) -> list[str]:
+    """Names of rows of ROWS, comma-separated; an unknown one is refused."""
+    names = [s.strip() for s in text.split(",")]
+    valid = [r[0] for r in ROWS]
+    unknown = list(dict.fromkeys(n for n in names if n not in valid))
+    if unknown:
+        many = "s" if len(unknown) > 1 else ""
+        raise argparse.ArgumentTypeError(
+            f"unknown row{many} {', '.join(map(repr, unknown))}; choose from {', '.join(valid)}"
+        )
+    return names
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", default=None, help="comma-separated subset of " + ",".join(r[0] for r in ROWS))
+    ap = ArgumentParser(prog="python benchmarks/published.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--rows",
+        type=row_names,
+        default=None,
+        metavar="ROW,ROW",
+        help="comma-separated subset of " + ",".join(r[0] for r in ROWS) + " [all]",
+    )
     ap.add_argument("--hardware", default="h100", help="the planner's preset or file [h100]")
     ap.add_argument("--out", default=None, help="also write the rows as JSON")
     ns = ap.parse_args()
-    rows = [r for r in ROWS if ns.rows is None or r[0] in ns.rows.split(",")]
+    rows = [r for r in ROWS if ns.rows is None or r[0] in ns.rows]
     peak = load_hardware(ns.hardware).peak("bf16")
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -176,4 +196,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except UsageError as e:
+        print_error(str(e), prog="python benchmarks/published.py")
+        sys.exit(2)

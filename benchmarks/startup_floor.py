@@ -7,9 +7,9 @@ one argument; ``MMM_LAUNCH_TIME`` (set by the caller before it starts the launch
 No mmm code runs except the model class (a plain nn.Module). Used by benchmarks/startup.py.
 """
 
+import argparse
 import json
 import os
-import sys
 import time
 
 import torch
@@ -19,8 +19,27 @@ from torch.nn.parallel import DistributedDataParallel
 from mmm.models.llama import Llama, LlamaConfig
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line: usage is one --help away
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def main() -> None:
     env = os.environ
+    p = _Parser(
+        prog="benchmarks/startup_floor.py",
+        description=__doc__.split("\n\n")[0],
+        epilog="Run it under torchrun or mpiexec, as benchmarks/startup.py does. FLOOR_DIM, FLOOR_LAYERS, FLOOR_SEQ "
+        "and FLOOR_BATCH set the model and the global batch [256, 4, 128, 16].",
+    )
+    p.add_argument("out", metavar="OUT.json", help="where rank 0 writes the first step's time")
+    out = p.parse_args().out
+    try:
+        float(env["MMM_LAUNCH_TIME"])
+    except (KeyError, ValueError):
+        p.error("MMM_LAUNCH_TIME must be the launch's epoch time in s (e.g. MMM_LAUNCH_TIME=$(date +%s.%N))")
+    if "MASTER_ADDR" not in env:
+        p.error("MASTER_ADDR is not set: run it under torchrun or mpiexec -x MASTER_ADDR -x MASTER_PORT")
     rank = int(env.get("RANK", env.get("OMPI_COMM_WORLD_RANK", 0)))
     world = int(env.get("WORLD_SIZE", env.get("OMPI_COMM_WORLD_SIZE", 1)))
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", 1)))
@@ -43,7 +62,7 @@ def main() -> None:
     done = time.time()
     if rank == 0:
         launch = float(env["MMM_LAUNCH_TIME"])
-        with open(sys.argv[1], "w") as f:
+        with open(out, "w") as f:
             json.dump(
                 {"first_step_time": done, "launch_time": launch, "startup_s": done - launch, "loss": loss_value}, f
             )

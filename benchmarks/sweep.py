@@ -7,7 +7,8 @@
 Layouts come from the planner (python -m mmm.plan; the same flags select them: --tp/--pp/--cp/
 --dp-replicate/--dp-shard/--strategy hold a value, --strategies lists strategies), or from
 --combos (labels as the planner prints them; an invalid one is refused with the planner's reason).
-Every other flag goes to the trainer unchanged (model size, --batch-size, --dtype, ...).
+Every other flag goes to the trainer unchanged (model size, --batch-size, --dtype, ...), but for
+--outdir, which is refused: each run writes to OUT/runs/<label>, and --out sets OUT.
 
 Each run writes its own folder under OUT/runs/<label>/ (summary.json, history, log.txt). The sweep
 writes to OUT (default outputs/sweep/<UTC timestamp>):
@@ -343,7 +344,11 @@ def _progress():
 
 
 def main(argv=None) -> int:
-    args, trainer_argv = build_parser().parse_known_args(argv)
+    parser = build_parser()
+    args, trainer_argv = parser.parse_known_args(argv)
+    # each run's --outdir is OUT/runs/<label>: one passed through would be overridden without a word
+    if any(a.split("=", 1)[0] == "--outdir" for a in trainer_argv):
+        parser.error("--outdir is set per run (OUT/runs/<label>); use --out DIR for the sweep's folder")
     combos, request = select(args, trainer_argv)
     out = Path(
         args.out or Path("outputs") / "sweep" / datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")

@@ -134,6 +134,7 @@ def test_cli_lists_table_invalid_reasons_and_json(tmp_path):
         (["--world", "4", "--tp", "3"], ["tp=3"]),
         (["--world", "4", "--tp", "2", "--strategy", "ddp"], ["ddp", "tp=2"]),
         (["--world", "4", "--strategies", "fsdp,zero9"], ["zero9"]),
+        (["--world", "4", "--json", "/"], ["--json '/' is a directory; give a file name"]),  # before any work
     ],
 )
 def test_cli_bad_input(flags, needles):
@@ -157,12 +158,23 @@ def test_cli_bad_input(flags, needles):
         (["--world", "8", "--float8", "--dtype", "bf16"], ["--float8 is not simulated"]),
         (["--world", "8", "--pick-layout", "h100"], ["--pick-layout is the trainer's"]),
         (["--world", "8", "--hard", "h100"], ["unrecognized arguments: --hard h100"]),  # no abbreviations
+        (["--world", "8", "--json", "/"], ["--json '/' is a directory; give a file name"]),
     ],
 )
 def test_simulate_bad_input(flags, needles):
     """A layout that cannot start at 1,024 ranks fails in the simulation with the trainer's own line."""
     res = run([sys.executable, "-m", "mmm.plan.simulate", *flags], timeout=120)
     assert_clean_user_error(res, *needles)
+
+
+def test_json_to_stdout_is_the_json_alone():
+    """--json -: the planner's and the simulator's stdout parse as JSON (tables and the simulated ranks' log
+    lines go to stderr)."""
+    for module, key in (("mmm.plan", "label"), ("mmm.plan.simulate", "rank")):  # a layout each; a rank each
+        res = run([sys.executable, "-m", module, "--world", "2", "--json", "-"], timeout=120)
+        assert res.returncode == 0, res.output
+        rows = json.loads(res.stdout)
+        assert rows and all(key in r for r in rows), res.stdout[:500]
 
 
 def test_flops_formula_matches_counted_flops():

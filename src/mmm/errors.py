@@ -105,10 +105,14 @@ def file_problem(where: str, path: str | os.PathLike) -> str | None:
     path = Path(path)
     if path.is_dir():
         return f"{where} is a directory; give a file name (e.g. {str(path / 'out.json')!r})"
-    problem = folder_problem(where, path.parent)
-    if problem is None and path.exists() and not os.access(path, os.W_OK):
-        return f"{where}: cannot write {str(path)!r}"
-    return problem
+    if path.exists():
+        return None if os.access(path, os.W_OK) else f"{where}: cannot write {str(path)!r}"
+    parent = next((p for p in path.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        return f"{where}: {str(parent)!r} is a file, not a directory"
+    if parent is not None and not os.access(parent, os.W_OK):
+        return f"{where}: cannot write in {str(parent)!r}"
+    return None
 
 
 def print_error(message: str, *, prog: str | None = None, rank: int | None = None) -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mmm.cli import ArgumentParser, nonempty_text, positive_int
-from mmm.errors import UsageError, print_error
+from mmm.errors import UsageError, file_problem, print_error
 from mmm.history import atomic_write_text
 from mmm.parallel.strategy import STRATEGIES
 from mmm.plan import AXES, Combo, plan, run_only_flags
@@ -84,6 +84,7 @@ def parse_request(argv: Sequence[str] | None = None) -> PlanRequest:
     """The planner's flags, parsed once."""
     recipe, argv = recipe_from_argv(sys.argv[1:] if argv is None else argv)
     ns = build_parser(recipe).parse_args(argv)
+    check_json_path(ns.json_path)
     # the trainer's config for the rest; its degrees and strategy are placeholders the planner varies
     placeholders = {a: 1 for a in (*AXES, "ep") if a in vars(ns)} | {"strategy": "fsdp"}
     config = recipe.command_line().configs(argparse.Namespace(**{**vars(ns), **placeholders}))
@@ -101,6 +102,27 @@ def parse_request(argv: Sequence[str] | None = None) -> PlanRequest:
         valid_only=ns.valid_only,
         json_path=ns.json_path,
     )
+
+
+def check_json_path(path: str | None) -> None:
+    """``--json PATH`` refused at the start, before any work, when it cannot be written ('-': stdout)."""
+    problem = path and path != "-" and file_problem(f"--json {path!r}", path)
+    if problem:
+        raise UsageError(problem)
+
+
+def table_stream(json_path: str | None):
+    """Where the human table goes: stdout, or stderr when the JSON takes stdout (``--json -``)."""
+    return sys.stderr if json_path == "-" else sys.stdout
+
+
+def write_json(path: str, text: str) -> None:
+    """``text`` to ``path`` (its folders made), atomically; ``-``: to standard output."""
+    if path == "-":
+        print(text)
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(Path(path), text + "\n")
 
 
 def _strategies(strategy: str | None, strategies: str | None) -> list[str] | None:
@@ -197,13 +219,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     for line in filter(None, notes):
         print(f"python -m mmm.plan: note: {line}", file=sys.stderr)
-    print(format_table(combos, valid_only=request.valid_only))
+    print(format_table(combos, valid_only=request.valid_only), file=table_stream(request.json_path))
     if request.json_path:
-        text = json.dumps([c.as_dict() for c in combos], indent=1)
-        if request.json_path == "-":
-            print(text)
-        else:
-            atomic_write_text(Path(request.json_path), text + "\n")
+        write_json(request.json_path, json.dumps([c.as_dict() for c in combos], indent=1))
     return 0
 
 

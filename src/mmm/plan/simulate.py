@@ -44,17 +44,19 @@ and only its input and ``rstd`` kept for backward), where this CPU build splits 
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
-from pathlib import Path
 
 from mmm.cli import ArgumentParser, nonempty_text, positive_float, positive_int, without_flags
 from mmm.errors import UsageError, print_error
-from mmm.history import atomic_write_text
 from mmm.log import configure
 from mmm.plan import AXES, run_only_flags
+from mmm.plan.cli import check_json_path, write_json
 from mmm.plan.fake import RankReport, simulate_ranks
 from mmm.plan.hardware import load_hardware
 from mmm.plan.ranking import format_ranking, rank_layouts
@@ -137,7 +139,7 @@ def build_parser(recipe=None) -> ArgumentParser:
         type=nonempty_text,
         default=None,
         metavar="PATH",
-        help="also write the reports as JSON",
+        help="also write the reports as JSON ('-' for stdout)",
     )
     # given or not: --pick holds what is given
     p.set_defaults(tp=None, pp=None, cp=None, dp_replicate=None, dp_shard=None, ep=None, strategy=None)
@@ -221,6 +223,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     recipe, argv = recipe_from_argv(argv)
     parser = build_parser(recipe)
     ns = parser.parse_args(argv)
+    check_json_path(ns.json_path)
+    with _stdout_to_stderr(ns.json_path == "-"):  # --json -: stdout holds the JSON alone
+        text = _simulate(recipe, ns, argv)
+    if ns.json_path:
+        write_json(ns.json_path, text)
+    return 0
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr(on: bool):
+    """Everything written to stdout, by this process and by the processes it starts, goes to stderr."""
+    if not on:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        configure()  # the log handler writes to the stream it was made with
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+        configure()
+
+
+def _simulate(recipe, ns: argparse.Namespace, argv: list[str]) -> str:
+    """Simulates what ``ns`` asks, prints the table; returns the JSON of the reports."""
     own = {"--world", "--ranks", "--devices-per-node", "--json", "--hardware", "--jobs", "--expert-load"}
     # the trainer's flags, typed and checked as the trainer does
     config = recipe.command_line().parse(without_flags(argv, own, {"--no-step", "--pick", "--every"}))
@@ -282,16 +313,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             expert_load=expert_load,
         )
         print(format_ranking(ranked, hardware))
-        if ns.json_path:
-            rows = [
-                {"label": r.label, "degrees": r.combo.degrees, "strategy": r.combo.strategy, "ac": r.ac}
-                | {"microbatches": r.combo.microbatches}
-                | {"flags": r.flags, "step_s": r.step_s, "fits": r.fits, "why": r.why()}
-                | {"ranks": [_jsonable(asdict(x)) for x in r.reports]}
-                for r in ranked
-            ]
-            atomic_write_text(Path(ns.json_path), json.dumps(rows, indent=2) + "\n")
-        return 0
+        rows = [
+            {"label": r.label, "degrees": r.combo.degrees, "strategy": r.combo.strategy, "ac": r.ac}
+            | {"microbatches": r.combo.microbatches}
+            | {"flags": r.flags, "step_s": r.step_s, "fits": r.fits, "why": r.why()}
+            | {"ranks": [_jsonable(asdict(x)) for x in r.reports]}
+            for r in ranked
+        ]
+        return json.dumps(rows, indent=2)
     if ns.jobs:
         raise UsageError(f"--jobs {ns.jobs} sets how many layouts --pick simulates at once; without --pick drop it")
     if ns.every:
@@ -307,9 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         expert_load=expert_load,
     )
     print(format_reports(reports))
-    if ns.json_path:
-        atomic_write_text(Path(ns.json_path), json.dumps([_jsonable(asdict(r)) for r in reports], indent=2) + "\n")
-    return 0
+    return json.dumps([_jsonable(asdict(r)) for r in reports], indent=2)
 
 
 def _given(argv: Sequence[str], flag: str) -> bool:

@@ -80,7 +80,7 @@ class ScheduleConfig:
         "--lr-decay-steps",
         parse=positive_int,
         metavar="N",
-        shown="--max-iters",
+        shown="the run's length: --max-iters, or --epochs x steps per epoch",
         group="schedule",
         help="step at which the decay reaches --min-lr",
     )

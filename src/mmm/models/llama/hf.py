@@ -53,6 +53,13 @@ def llama_config_from_hf(path: str | Path, *, seq_len: int | None = None) -> Lla
         raise UsageError(
             f"{path} holds a {hf.get('model_type')!r} model; this loader reads Llama checkpoints (model_type 'llama')"
         )
+    required = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
+    missing = [k for k in required if not isinstance(hf.get(k), int) or hf[k] <= 0]
+    if missing:
+        raise UsageError(
+            f"{path}: its config.json has no {', '.join(missing)} (a positive integer each); a Hugging Face Llama "
+            "config names them all"
+        )
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     problems = []
