@@ -71,6 +71,21 @@ def _resolve_python(cmd: list[str]) -> list[str]:
     return cmd
 
 
+def _check_program(program: str, env: Mapping[str, str]) -> None:
+    """Refuses a command no rank could start, before any launcher runs (mpiexec would say it in a box of
+    its own, exit 66, and ``--retries`` would relaunch it). Judged on this host: the ranks' hosts share
+    its file system on the clusters mmm knows."""
+    if program in {"python", "python3"}:
+        return  # this environment's interpreter (_resolve_python)
+    if "/" in program:
+        if not os.path.isfile(program):
+            raise UsageError(f"cannot start {program!r}: no such file")
+        if not os.access(program, os.X_OK):
+            raise UsageError(f"cannot start {program!r}: not executable (chmod +x it, or run it with its interpreter)")
+    elif shutil.which(program, path=env.get("PATH")) is None:
+        raise UsageError(f"cannot start {program!r}: not found on PATH; check its spelling, or give its path")
+
+
 def new_run_id() -> str:
     """A launch's own id: its UTC time and 8 random hex digits."""
     return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(4)
@@ -95,6 +110,8 @@ def plan_launch(
     env = os.environ if env is None else env
     if not command:
         raise UsageError("no command to launch; e.g. `launch -n 4 python3 -m mmm --tp 2`")
+    if not dry_run:
+        _check_program(command[0], env)
     if launcher not in LAUNCHERS:
         raise UsageError(f"--launcher {launcher!r}; choose one of: {', '.join(LAUNCHERS)}")
     for name, value in (("-n/--nproc", nproc), ("--ppn", ppn)):
