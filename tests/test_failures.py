@@ -81,16 +81,16 @@ def test_every_rank_exits_nonzero_on_bad_input():
 
 
 @pytest.mark.parametrize(
-    "device, needle",
+    "variables, needle",
     [
-        ("cuda", "device 'cuda' was MMM_DEVICE but this machine has none"),
-        ("gpu", "MMM_DEVICE='gpu': the device takes one of auto, cpu, cuda, xpu, mps"),  # refused by launch
+        ({"MMM_DEVICE": "cuda"}, "device 'cuda' was MMM_DEVICE but this machine has none"),
+        ({"MMM_DEVICE": "gpu"}, "MMM_DEVICE='gpu': the device takes one of auto, cpu, cuda, xpu, mps"),  # by launch
+        ({"MMM_BACKEND": "nccl"}, "MMM_BACKEND=nccl: this torch ("),  # a backend torch knows, not built here
     ],
+    ids=["cuda", "gpu", "nccl"],
 )
-def test_unavailable_or_unknown_device(device, needle):
-    res = run(
-        launch("--launcher", "local", "-n", "2", "python3", "-m", "mmm"), env=clean_env(MMM_DEVICE=device), timeout=60
-    )
+def test_unavailable_or_unknown_device_or_backend(variables, needle):
+    res = run(launch("--launcher", "local", "-n", "2", "python3", "-m", "mmm"), env=clean_env(**variables), timeout=60)
     assert_clean_user_error(res, needle)
 
 

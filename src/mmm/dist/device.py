@@ -57,7 +57,7 @@ def pick_backend(device: torch.device) -> str:
     """Process-group backend for a device: nccl for cuda, xccl (or oneCCL's ccl) for xpu, else gloo."""
     forced = env.get("MMM_BACKEND")
     if forced:
-        return forced
+        return forced if ":" in forced else _forced_backend(forced, device)  # "cpu:gloo,cuda:nccl": as given
     if device.type == "xpu":
         import torch.distributed as dist
 
@@ -72,6 +72,35 @@ def pick_backend(device: torch.device) -> str:
             ) from None
         return "ccl"
     return _BACKEND_FOR.get(device.type, "gloo")
+
+
+def _forced_backend(backend: str, device: torch.device) -> str:
+    """``backend`` (MMM_BACKEND), refused in one line where this torch has none or the device cannot use it."""
+    import torch
+    import torch.distributed as dist
+
+    needs = {"nccl": "cuda", "xccl": "xpu", "ccl": "xpu"}.get(backend)
+    if backend == "ccl":
+        try:
+            import oneccl_bindings_for_pytorch  # noqa: F401
+        except ImportError:
+            have = False
+        else:
+            have = True
+    else:
+        have = getattr(dist, f"is_{backend}_available", lambda: False)()
+    if not have and backend == "ccl":
+        raise UsageError("MMM_BACKEND=ccl: Intel's oneCCL bindings are not installed (pip install 'mmm[xpu]')")
+    if not have:
+        raise UsageError(
+            f"MMM_BACKEND={backend}: this torch ({torch.__version__}) has no {backend} backend; unset it (mmm picks "
+            f"{_BACKEND_FOR.get(device.type, 'gloo')} for {device.type}) or use a torch built with it"
+        )
+    if needs and device.type != needs:
+        raise UsageError(
+            f"MMM_BACKEND={backend} runs on {needs} devices, not {device.type}; unset it, or set MMM_DEVICE={needs}"
+        )
+    return backend
 
 
 def timeout_seconds(value: float | None = None) -> float:
