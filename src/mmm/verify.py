@@ -22,6 +22,7 @@ As a function: :func:`verify`.
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -403,7 +404,31 @@ def target(check: VerifyConfig):
             )
         return recipe_target(factory, check)
     plan = _load(check.tp_plan, "--tp-plan") if check.tp_plan else None
-    return factory, {"tp_plan": plan}, tokens, lm_loss
+    return model_factory(factory, check.model), {"tp_plan": plan}, tokens, lm_loss
+
+
+def model_factory(factory, ref: str) -> Callable[[], torch.nn.Module]:
+    """``factory`` (what --model ``ref`` names) checked on every rank before any step: a function of no
+    arguments that returns a ``torch.nn.Module`` (tried once on meta, no memory)."""
+    what = f"--model {ref!r}"
+    if not callable(factory):
+        raise UsageError(f"{what} is a {type(factory).__name__}, not a function that returns your model")
+    try:
+        inspect.signature(factory).bind()
+    except TypeError:
+        params = inspect.signature(factory).parameters.items()
+        needed = [n for n, p in params if p.default is p.empty and p.kind <= p.KEYWORD_ONLY]
+        raise UsageError(
+            f"{what} needs arguments ({', '.join(needed)}); give a function of none that returns your model "
+            "(e.g. def build(): return MyModel(config))"
+        ) from None
+    except ValueError:  # no signature to read (a builtin): the call below says
+        pass
+    with meta_init():
+        probe = factory()
+    if not isinstance(probe, torch.nn.Module):
+        raise UsageError(f"{what} returned a {type(probe).__name__}, not a torch.nn.Module (your model)")
+    return factory
 
 
 def recipe_target(recipe: Recipe, check: VerifyConfig):
