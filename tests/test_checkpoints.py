@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SCRIPTS, clean_env, launch, run, tiny_llama
+from conftest import SCRIPTS, assert_clean_user_error, clean_env, launch, run, tiny_llama
 from mmm.parallel.checkpoint import Checkpointer
 from mmm.parallel.checkpoint_folder import complete_steps, latest_step, step_dir, wait_for_deletes
 
@@ -40,6 +40,20 @@ def saver(root: Path, keep_last: int = 0) -> Checkpointer:
         keep_last=keep_last,
         meta={"model": {"dim": 4}},
     )
+
+
+def test_a_resume_at_or_past_the_last_step_trains_nothing_and_rewrites_nothing(tmp_path):
+    """A requeue of a finished run (--resume latest, the same --max-iters) says there is nothing to train and
+    leaves the run's outputs as they were; a checkpoint past --max-iters is one line, exit 2."""
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    ok("--max-iters", "3", "--checkpoint-dir", str(ck), "--outdir", str(out))
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    res = ok("--max-iters", "3", "--checkpoint-dir", str(ck), "--resume", "latest", "--outdir", str(out))
+    assert "nothing to train: the checkpoint of step 3 is this run's last step" in res.output, res.output
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    res = trainer("--max-iters", "2", "--checkpoint-dir", str(ck), "--resume", "3", "--outdir", str(out))
+    assert_clean_user_error(res, "the checkpoint of step 3 is past this run's last step 2: raise --max-iters")
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
 
 
 def test_latest_is_the_most_recent_save_not_the_highest_step(tmp_path):

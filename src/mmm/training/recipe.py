@@ -313,6 +313,12 @@ RECIPE_HELP = (
 def recipe_from_argv(argv: Sequence[str]) -> tuple[Recipe, list[str]]:
     """The recipe ``--recipe NAME`` names in ``argv`` (None given: Llama's), and ``argv`` without it: a
     command's other flags are the recipe's, so it is found before they are parsed."""
+    name, rest = split_recipe_flag(argv)
+    return recipe_named(name), rest
+
+
+def split_recipe_flag(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """``--recipe``'s value as given (None: not given) and the other arguments."""
     argv, name, rest = list(argv), None, []
     i = 0
     while i < len(argv):
@@ -327,7 +333,7 @@ def recipe_from_argv(argv: Sequence[str]) -> tuple[Recipe, list[str]]:
         else:
             rest.append(arg)
         i += 1
-    return recipe_named(name), rest
+    return name, rest
 
 
 def add_recipe_flag(parser) -> None:

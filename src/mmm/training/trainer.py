@@ -21,7 +21,7 @@ from mmm.parallel.optim import implementation
 from mmm.training.checkpoints import open_checkpoints
 from mmm.training.config import Config
 from mmm.training.loop import fit
-from mmm.training.recipe import RECIPE_HELP, Context, Recipe, recipe_from_argv
+from mmm.training.recipe import RECIPE_HELP, Context, Recipe, recipe_named, split_recipe_flag
 from mmm.training.recorder import Recorder
 from mmm.training.startup import Startup, start
 from mmm.training.step import StepSync
@@ -128,6 +128,21 @@ def train(recipe: Recipe, config: Config, info, outdir, startup: Startup, *, pic
     checkpoints, ctx.start = open_checkpoints(
         engine, config.run, meta=meta, startup=startup, log=log, extra_at=loop.extra_at
     )
+    if ctx.start > loop.last_step:  # resumed at or past the end: nothing is trained, no output rewritten
+        length = "--max-iters" if hasattr(what, "max_iters") else "the run's length"
+        if ctx.start - 1 > loop.last_step:
+            raise UsageError(
+                f"the checkpoint of step {ctx.start - 1} is past this run's last step {loop.last_step}: raise "
+                f"{length} to train on from it, or resume an earlier step"
+            )
+        log.info(
+            "nothing to train: the checkpoint of step %d is this run's last step; raise %s to train on",
+            ctx.start - 1,
+            length,
+        )
+        if checkpoints.checkpointer is not None:
+            checkpoints.checkpointer.close()
+        return 0
     ctx.run = Recorder(
         recipe.name,
         info=info,
@@ -214,14 +229,15 @@ def train(recipe: Recipe, config: Config, info, outdir, startup: Startup, *, pic
 
 def cli(argv: Sequence[str] | None = None) -> int:
     """``python -m mmm.training.trainer --recipe NAME|module:NAME [its flags]``: any recipe, the one trainer."""
-    recipe, rest = recipe_from_argv(sys.argv[1:] if argv is None else argv)
+    name, rest = split_recipe_flag(sys.argv[1:] if argv is None else argv)
+    recipe = recipe_named(name)
     doc = f"""Train {recipe.name} with mmm's one trainer: {type(recipe).__doc__ or ""}
 
     python -m mmm.training.trainer --recipe NAME|module:NAME [the recipe's flags]
 
 --recipe: {RECIPE_HELP}.
 """
-    return main(recipe, rest, doc=doc, prog=f"python -m mmm.training.trainer --recipe {recipe.name}")
+    return main(recipe, rest, doc=doc, prog=f"python -m mmm.training.trainer --recipe {name or 'llama'}")
 
 
 if __name__ == "__main__":
