@@ -275,6 +275,20 @@ def test_config_checks_name_the_value_and_the_fix(rows):
         rows(f"{trainer} {' '.join(flags)} ({world} ranks)", line, 2, time.perf_counter() - t0)
 
 
+def test_a_prepare_that_would_leave_no_training_tokens_writes_nothing(tmp_path, rows):
+    """--val-fraction so high that train.bin would hold no window: refused, no folder left behind."""
+    from mmm.data.prepare import prepare
+
+    text = tmp_path / "tiny.txt"
+    text.write_text("hello world tiny")
+    t0 = time.perf_counter()
+    with pytest.raises(UsageError) as e:
+        prepare([text], tmp_path / "tokens", tokenizer="bytes", val_fraction=0.999999)
+    assert "--val-fraction 0.999999 leaves 0 of 17 tokens to train.bin: at least 2 are needed" in str(e.value)
+    assert not (tmp_path / "tokens").exists()
+    rows("python -m mmm.data prepare --val-fraction 0.999999 tiny.txt", str(e.value), 2, time.perf_counter() - t0)
+
+
 def test_an_export_that_would_move_the_runs_own_folders_aside_is_refused_before_training(tmp_path, monkeypatch, rows):
     """--export-hf writes after the last step and replaces its folder whole (what it held moved aside): a
     folder it cannot make, or one that is or holds the current folder, the run's --outdir or --checkpoint-dir,

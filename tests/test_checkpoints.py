@@ -334,6 +334,7 @@ def test_a_fresh_start_never_overwrites_an_earlier_run(saved_run, tmp_path):
     # the same outdir again: its history is an earlier run's too
     res = trainer("--max-iters", "2", "--outdir", str(out))
     assert res.returncode == 2 and f"--outdir '{out}' holds the history of an earlier run" in res.stderr, res.output
+    assert "write to another --outdir" in res.stderr and "--resume" not in res.stderr, res.stderr  # no checkpoint
     # --resume with nothing to resume from would have started afresh and truncated that history
     res = trainer("--max-iters", "2", "--checkpoint-dir", str(tmp_path / "new"), "--resume", "--outdir", str(out))
     assert res.returncode == 2 and f"--outdir '{out}' holds the history of an earlier run" in res.stderr, res.output

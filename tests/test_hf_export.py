@@ -9,6 +9,7 @@ Round trip: --init-from the export, one step at lr 0, exports the same tensors a
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -112,6 +113,12 @@ def runs(tmp_path_factory):
     return root, json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def test_transformers_loads_the_export_and_gives_mmms_logits(runs):
     root, check = runs
     config = json.loads((root / "tp" / "config.json").read_text())
@@ -127,6 +134,8 @@ def test_transformers_loads_the_export_and_gives_mmms_logits(runs):
         got = check[str(root / name)]
         assert got["max_abs_diff"] <= 1e-5 * max(1.0, got["logits_std"]), got
         assert not got["warnings"], got["warnings"]
+        modes = {f.name: f.stat().st_mode & 0o777 for f in (root / name).iterdir()}  # the umask's, not 0600
+        assert modes["model.safetensors"] == modes["config.json"] == 0o666 & ~_umask(), modes
 
 
 @pytest.mark.parametrize("name", ["tp", "pp"], ids=["dp2-tp2", "pp2-dp2"])

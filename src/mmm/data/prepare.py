@@ -83,6 +83,33 @@ def _input_files(inputs: Sequence[str]) -> list[Path]:
     return files
 
 
+def _tokenise(files, tok, dtype, stream: Path, val_fraction: float) -> tuple[int, int, int]:
+    """Every file's tokens to ``stream``, as they come (the corpus is never held whole); returns the count
+    and its split (train, val)."""
+    from mmm.data.tokens import encode_documents
+
+    total = 0
+    with open(stream, "wb") as f:  # tokens written as they come: the corpus is never held whole
+        for file in files:
+            try:
+                text = file.read_text(encoding="utf-8")
+            except UnicodeDecodeError as err:
+                raise UsageError(f"{file} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+            ids = encode_documents(tok, [text]).astype(dtype)
+            ids.tofile(f)
+            total += ids.size
+    if total == 0:
+        raise UsageError(f"{', '.join(map(str, files))}: no text to tokenise")
+    n_val = math.ceil(total * val_fraction) if val_fraction > 0 else 0
+    n_train = total - n_val
+    if n_train < 2:  # not one window of a single token and its next
+        raise UsageError(
+            f"--val-fraction {val_fraction:g} leaves {n_train} of {total} tokens to train.bin: at least 2 are needed; "
+            "give a smaller fraction, or more text"
+        )
+    return total, n_train, n_val
+
+
 def prepare(
     inputs: Sequence[str | Path],
     out: str | Path,
@@ -92,7 +119,7 @@ def prepare(
     dtype: str = "auto",
 ) -> dict:
     """Tokenise ``inputs`` into ``out``/train.bin (+ val.bin) and meta.json; returns the meta."""
-    from mmm.data.tokens import encode_documents, fingerprint, get_tokenizer, token_dtype
+    from mmm.data.tokens import fingerprint, get_tokenizer, token_dtype
 
     if not 0 <= val_fraction < 1:
         raise UsageError(f"--val-fraction {val_fraction} must be in [0, 1)")
@@ -106,25 +133,16 @@ def prepare(
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {str(out)!r} is a file; give a directory")
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     stream = out / ".tokens.tmp"
-    total, top = 0, 0
-    with open(stream, "wb") as f:  # tokens written as they come: the corpus is never held whole
-        for file in files:
-            try:
-                text = file.read_text(encoding="utf-8")
-            except UnicodeDecodeError as err:
-                raise UsageError(f"{file} is not UTF-8 text ({err.reason} at byte {err.start})") from None
-            ids = encode_documents(tok, [text]).astype(dtype)
-            if ids.size:
-                top = max(top, int(ids.max()))
-            ids.tofile(f)
-            total += ids.size
-    if total == 0:
-        stream.unlink()
-        raise UsageError(f"{', '.join(map(str, files))}: no text to tokenise")
-    n_val = math.ceil(total * val_fraction) if val_fraction > 0 else 0
-    n_train = total - n_val
+    try:
+        total, n_train, n_val = _tokenise(files, tok, dtype, stream, val_fraction)
+    except UsageError:  # nothing written: the temporary stream goes, and the folder if this made it
+        stream.unlink(missing_ok=True)
+        if created and not any(out.iterdir()):
+            out.rmdir()
+        raise
     tokens = np.memmap(stream, dtype=dtype, mode="r")
     max_token = {"train": int(tokens[:n_train].max()) if n_train else None}
     # every file is written and on disk under a temporary name before any is renamed; meta.json goes last

@@ -50,10 +50,8 @@ class TokenWindows:
     ) -> None:
         n = len(tokens)
         if n < seq_len + 1:
-            raise UsageError(
-                f"{source} holds {n} tokens, fewer than one window of --seq-len {seq_len} + 1; "
-                f"use --seq-len {max(n - 1, 1)} or less, or more data"
-            )
+            fix = f"use --seq-len {n - 1} or less, or more data" if n >= 2 else "give it more data"
+            raise UsageError(f"{source} holds {n} tokens, fewer than one window of --seq-len {seq_len} + 1; {fix}")
         top = int(max_token) if max_token is not None else largest_token(tokens)
         if top >= vocab_size:
             raise UsageError(

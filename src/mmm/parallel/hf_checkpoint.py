@@ -296,7 +296,9 @@ def _write_checkpoint(
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if config is not None:
             (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        mode = 0o666 & ~_umask()  # safetensors writes 0600: the weights as readable as the config beside them
         for f in tmp.iterdir():
+            f.chmod(mode)
             _fsync(f)
         _fsync(tmp)
         crash_point("export")
@@ -313,6 +315,19 @@ def _write_checkpoint(
     _fsync(out.parent)
     if aside is not None:
         get_logger().info("export: what %s held before is now %s (nothing was deleted)", out, aside)
+
+
+def _umask() -> int:
+    """This process's umask, read without setting it (os.umask would, for every thread, for a moment)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _fsync(path: Path) -> None:

@@ -186,9 +186,10 @@ def keep_earlier_run(run, outdir: Path, info) -> None:
         return {}
 
     found = dist.on_rank0(decide_and_move)
-    if found:
+    if found:  # --resume continues from a checkpoint: only offered where there is one
+        go_on = "continue it with --resume" if "--checkpoint-dir" in found else "write to another --outdir"
         raise UsageError(
-            "; ".join(found.values()) + ": continue it with --resume, or begin again at step 1 with --start-over "
+            "; ".join(found.values()) + f": {go_on}, or begin again at step 1 with --start-over "
             "(the earlier run is moved to <folder>.old-<UTC time>; nothing is deleted)"
         )
 
