@@ -305,6 +305,7 @@ def test_an_export_that_would_move_the_runs_own_folders_aside_is_refused_before_
         (["--outdir", "runs/1", "--export-hf", "runs"], "--export-hf 'runs' holds this run's --outdir"),
         (["--checkpoint-dir", "ck", "--export-hf", "ck"], "--export-hf 'ck' is this run's --checkpoint-dir"),
         (["--export-hf", "models"], "--export-hf 'models' holds folders ('llama-1b'), so it is not an earlier export"),
+        (["--export-hf", "outputs/fsdp_tp"], "--export-hf 'outputs/fsdp_tp' holds this run's --outdir"),  # default
     ]
     for flags, needle in cases:
         t0 = time.perf_counter()
@@ -316,6 +317,28 @@ def test_an_export_that_would_move_the_runs_own_folders_aside_is_refused_before_
     (tmp_path / "run" / "hf" / "config.json").write_text("{}")
     assert export_problems("--export-hf", "run/hf", keep={"--outdir": "run"}) == []
     assert export_problems("--export-hf", "run/new", keep={"--outdir": "run"}) == []
+    # a Hugging Face checkpoint with folders of its own (--init-from's weights, exported over): taken
+    (tmp_path / "models" / "llama-1b" / "original").mkdir()
+    (tmp_path / "models" / "llama-1b" / "config.json").write_text("{}")
+    assert export_problems("--export-hf", "models/llama-1b") == []
+
+
+def test_a_backend_is_named_in_any_case_and_refused_where_torch_has_none(monkeypatch, rows):
+    import torch
+
+    from mmm.dist.device import pick_backend
+
+    cpu = torch.device("cpu")
+    for given, want in (("Gloo", "gloo"), (" gloo ", "gloo"), ("cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl")):
+        monkeypatch.setenv("MMM_BACKEND", given)
+        assert pick_backend(cpu) == want, given
+    if not torch.distributed.is_nccl_available():
+        monkeypatch.setenv("MMM_BACKEND", "NCCL")
+        t0 = time.perf_counter()
+        with pytest.raises(UsageError) as e:
+            pick_backend(cpu)
+        assert "MMM_BACKEND=nccl: this torch" in str(e.value) and "unset it (mmm picks gloo for cpu)" in str(e.value)
+        rows("MMM_BACKEND=NCCL (a CPU build)", str(e.value), 2, time.perf_counter() - t0)
 
 
 VERIFY_CASES = [

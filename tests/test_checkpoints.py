@@ -44,7 +44,8 @@ def saver(root: Path, keep_last: int = 0) -> Checkpointer:
 
 def test_a_resume_at_or_past_the_last_step_trains_nothing_and_rewrites_nothing(tmp_path):
     """A requeue of a finished run (--resume latest, the same --max-iters) says there is nothing to train and
-    leaves the run's outputs as they were; a checkpoint past --max-iters is one line, exit 2."""
+    leaves the run's outputs as they were; a checkpoint past --max-iters is one line, exit 2; with an output of
+    the run's end asked for (--export-hf), no step runs but the end does."""
     ck, out = tmp_path / "ck", tmp_path / "out"
     ok("--max-iters", "3", "--checkpoint-dir", str(ck), "--outdir", str(out))
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
@@ -54,6 +55,11 @@ def test_a_resume_at_or_past_the_last_step_trains_nothing_and_rewrites_nothing(t
     res = trainer("--max-iters", "2", "--checkpoint-dir", str(ck), "--resume", "3", "--outdir", str(out))
     assert_clean_user_error(res, "the checkpoint of step 3 is past this run's last step 2: raise --max-iters")
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    # asked for an output of the run's end (a relaunch after a kill during the export): no step, the end runs
+    hf = tmp_path / "hf"
+    res = ok("--max-iters", "3", "--checkpoint-dir", str(ck), "--resume", "--outdir", str(out), "--export-hf", str(hf))
+    assert "no step to train: the checkpoint of step 3 is this run's last step; finishing" in res.output, res.output
+    assert (hf / "model.safetensors").is_file() and (hf / "config.json").is_file()
 
 
 def test_latest_is_the_most_recent_save_not_the_highest_step(tmp_path):

@@ -105,9 +105,7 @@ def file_problem(where: str, path: str | os.PathLike) -> str | None:
     path = Path(path)
     if path.is_dir():
         return f"{where} is a directory; give a file name (e.g. {str(path / 'out.json')!r})"
-    if path.exists():
-        return None if os.access(path, os.W_OK) else f"{where}: cannot write {str(path)!r}"
-    parent = next((p for p in path.parents if p.exists()), None)
+    parent = next((p for p in path.parents if p.exists()), None)  # written beside, then renamed: the folder counts
     if parent is not None and not parent.is_dir():
         return f"{where}: {str(parent)!r} is a file, not a directory"
     if parent is not None and not os.access(parent, os.W_OK):

@@ -417,15 +417,23 @@ def model_factory(factory, ref: str) -> Callable[[], torch.nn.Module]:
         inspect.signature(factory).bind()
     except TypeError:
         params = inspect.signature(factory).parameters.items()
-        needed = [n for n, p in params if p.default is p.empty and p.kind <= p.KEYWORD_ONLY]
+        kinds = (
+            inspect.Parameter.POSITIONAL_ONLY,
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            inspect.Parameter.KEYWORD_ONLY,
+        )
+        needed = [n for n, p in params if p.default is p.empty and p.kind in kinds]
         raise UsageError(
             f"{what} needs arguments ({', '.join(needed)}); give a function of none that returns your model "
             "(e.g. def build(): return MyModel(config))"
         ) from None
     except ValueError:  # no signature to read (a builtin): the call below says
         pass
-    with meta_init():
-        probe = factory()
+    try:
+        with meta_init():
+            probe = factory()
+    except Exception:  # a factory that cannot run on meta: the real build below says why, with its traceback
+        return factory
     if not isinstance(probe, torch.nn.Module):
         raise UsageError(f"{what} returned a {type(probe).__name__}, not a torch.nn.Module (your model)")
     return factory

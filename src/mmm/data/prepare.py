@@ -133,15 +133,17 @@ def prepare(
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {str(out)!r} is a file; give a directory")
-    created = not out.exists()
+    made = [p for p in [out, *out.parents] if not p.exists()]  # the folders this makes, deepest first
     out.mkdir(parents=True, exist_ok=True)
     stream = out / ".tokens.tmp"
     try:
         total, n_train, n_val = _tokenise(files, tok, dtype, stream, val_fraction)
-    except UsageError:  # nothing written: the temporary stream goes, and the folder if this made it
+    except BaseException:  # refused, failed or interrupted: the temporary stream goes, and the folders made
         stream.unlink(missing_ok=True)
-        if created and not any(out.iterdir()):
-            out.rmdir()
+        for folder in made:
+            if any(folder.iterdir()):
+                break
+            folder.rmdir()
         raise
     tokens = np.memmap(stream, dtype=dtype, mode="r")
     max_token = {"train": int(tokens[:n_train].max()) if n_train else None}

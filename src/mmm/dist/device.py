@@ -75,27 +75,28 @@ def pick_backend(device: torch.device) -> str:
 
 
 def _forced_backend(backend: str, device: torch.device) -> str:
-    """``backend`` (MMM_BACKEND), refused in one line where this torch has none or the device cannot use it."""
+    """``backend`` (MMM_BACKEND, any case), refused in one line where this torch has none or the device
+    cannot use it."""
     import torch
     import torch.distributed as dist
 
-    needs = {"nccl": "cuda", "xccl": "xpu", "ccl": "xpu"}.get(backend)
-    if backend == "ccl":
+    backend = backend.strip().lower()
+    if backend == "ccl":  # Intel's oneCCL bindings register it on import; CPU or XPU process groups
         try:
             import oneccl_bindings_for_pytorch  # noqa: F401
         except ImportError:
-            have = False
-        else:
-            have = True
-    else:
-        have = getattr(dist, f"is_{backend}_available", lambda: False)()
-    if not have and backend == "ccl":
-        raise UsageError("MMM_BACKEND=ccl: Intel's oneCCL bindings are not installed (pip install 'mmm[xpu]')")
+            raise UsageError(
+                "MMM_BACKEND=ccl: Intel's oneCCL bindings are not installed (pip install 'mmm[xpu]')"
+            ) from None
+        return backend
+    available = getattr(dist, "is_backend_available", None)
+    have = available(backend) if available else getattr(dist, f"is_{backend}_available", lambda: True)()
     if not have:
         raise UsageError(
             f"MMM_BACKEND={backend}: this torch ({torch.__version__}) has no {backend} backend; unset it (mmm picks "
             f"{_BACKEND_FOR.get(device.type, 'gloo')} for {device.type}) or use a torch built with it"
         )
+    needs = {"nccl": "cuda", "xccl": "xpu"}.get(backend)
     if needs and device.type != needs:
         raise UsageError(
             f"MMM_BACKEND={backend} runs on {needs} devices, not {device.type}; unset it, or set MMM_DEVICE={needs}"

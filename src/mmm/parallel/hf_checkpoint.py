@@ -193,7 +193,11 @@ def export_problems(where: str, out: str | Path, *, keep: Mapping[str, str | Pat
                 f"{where} {'is' if same else 'holds'} {what}, and an export replaces its folder whole (moving what "
                 "it held aside): give a folder of its own, e.g. a new one inside the output folder"
             ]
-    inner = sorted(p.name for p in path.iterdir() if p.is_dir()) if path.is_dir() else []
+    # an export or a Hugging Face checkpoint (--init-from's weights: config.json, maybe original/ or .cache/)
+    # is taken; a folder of other folders is not
+    checkpoint = path.is_dir() and (path / "config.json").is_file()
+    inner = [] if not path.is_dir() or checkpoint else sorted(p.name for p in path.iterdir() if p.is_dir())
+    inner = [n for n in inner if not n.startswith(".")]
     if inner:
         return [
             f"{where} holds folders ({', '.join(map(repr, inner[:3]))}), so it is not an earlier export: an export "

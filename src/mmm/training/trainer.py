@@ -128,21 +128,30 @@ def train(recipe: Recipe, config: Config, info, outdir, startup: Startup, *, pic
     checkpoints, ctx.start = open_checkpoints(
         engine, config.run, meta=meta, startup=startup, log=log, extra_at=loop.extra_at
     )
-    if ctx.start > loop.last_step:  # resumed at or past the end: nothing is trained, no output rewritten
+    if ctx.start > loop.last_step:  # resumed at or past the end of the run
         length = "--max-iters" if hasattr(what, "max_iters") else "the run's length"
         if ctx.start - 1 > loop.last_step:
             raise UsageError(
                 f"the checkpoint of step {ctx.start - 1} is past this run's last step {loop.last_step}: raise "
                 f"{length} to train on from it, or resume an earlier step"
             )
+        # its outputs written and nothing asked of its end (an export, a saved model): nothing to do; else
+        # no step runs, but the run's end does (a relaunch after a kill during the export finishes it)
+        finishing = [f for f in ("export_hf", "save_model") if getattr(what, f, None)]
+        if (outdir / "summary.json").is_file() and not finishing:
+            log.info(
+                "nothing to train: the checkpoint of step %d is this run's last step, and its outputs are in %s; "
+                "raise %s to train on",
+                ctx.start - 1,
+                outdir,
+                length,
+            )
+            if checkpoints.checkpointer is not None:
+                checkpoints.checkpointer.close()
+            return 0
         log.info(
-            "nothing to train: the checkpoint of step %d is this run's last step; raise %s to train on",
-            ctx.start - 1,
-            length,
+            "no step to train: the checkpoint of step %d is this run's last step; finishing the run", ctx.start - 1
         )
-        if checkpoints.checkpointer is not None:
-            checkpoints.checkpointer.close()
-        return 0
     ctx.run = Recorder(
         recipe.name,
         info=info,

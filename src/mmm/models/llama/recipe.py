@@ -330,7 +330,8 @@ def layout_free_problems(config: Config[LlamaTrainConfig], world_size: int) -> l
     out += dataset_problems(train.dataset, vocab_size=cfg.vocab_size, **train.data_options())
     if train.export_hf:  # checked before training: the export is written after the last step
         run = config.run
-        keep = {"this run's --outdir": run.outdir or "outputs", "this run's --checkpoint-dir": run.checkpoint_dir}
+        outdir = run.outdir or Path("outputs") / LLAMA.name / "<UTC time>"  # resolve_outdir's default
+        keep = {"this run's --outdir": outdir, "this run's --checkpoint-dir": run.checkpoint_dir}
         out += export_problems(f"--export-hf {train.export_hf!r}", train.export_hf, keep=keep)
     return out + config.run.problems(strategy=config.parallel.strategy)
 
