@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mmm.dist.exits import RankZeroFailed, on_rank0
-from mmm.errors import RunError, UsageError
+from mmm.errors import RunError, UsageError, folder_problem
 from mmm.log import get_logger
 from mmm.parallel.checkpoint_folder import crash_point
 from mmm.parallel.meta import canonical_name
@@ -179,8 +179,6 @@ def export_problems(where: str, out: str | Path, *, keep: Mapping[str, str | Pat
     the folder held is moved aside, never deleted), so ``out`` must not be, or hold, the current folder
     or any folder in ``keep`` (a description -> a path: the run's output and checkpoint folders), and
     must not hold folders of its own: an export has none, a parent folder of models does."""
-    from mmm.errors import folder_problem
-
     problem = folder_problem(where, out)
     if problem:
         return [problem]
