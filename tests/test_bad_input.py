@@ -345,6 +345,7 @@ VERIFY_CASES = [
     (["--model", "llama", "--tp-plan", "mine:PLAN"], ["--tp-plan mine:PLAN: --model llama has its own TP plan"]),
     (["--model", "vit", "--seq-len", "64"], ["--seq-len 64: --model vit", "16 x 16 images", "drop it"]),
     # module:NAME must be a function of no arguments that returns a model: checked before any step
+    (["--model", "nosuch_module:build"], ["--model 'nosuch_module:build': No module named 'nosuch_module'"]),
     (["--model", "mmm.models.llama:Llama"], ["--model 'mmm.models.llama:Llama' needs arguments (cfg)"]),
     (["--model", "os:getcwd"], ["--model 'os:getcwd' returned a str, not a torch.nn.Module"]),
     (["--model", "os:sep"], ["--model 'os:sep' is a str, not a function that returns your model"]),

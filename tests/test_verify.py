@@ -36,9 +36,9 @@ def test_own_model_passes(build, flags):
 
 
 def test_a_tolerance_of_zero_fails_with_a_one_line_error():
-    res = run(launch("-n", "4", *VERIFY, "--tp", "2", "--steps", "4", "--rtol", "0"), timeout=180)
+    res = run(launch("-n", "2", *VERIFY, "--tp", "2", "--steps", "2", "--rtol", "0"), timeout=180)
     assert res.returncode == 1, res.output
-    assert "FAIL: dp=2 x tp=2" in res.stdout
+    assert "FAIL: tp=2" in res.stdout
     assert "does not match one process" in res.stderr and "Traceback" not in res.output
 
 
@@ -46,7 +46,6 @@ def test_a_tolerance_of_zero_fails_with_a_one_line_error():
     "flags, needle",
     [
         (["--model", "nosuch"], "--model 'nosuch': use one of llama, llama-moe, vit, hf-llama, or module:NAME"),
-        (["--model", "nosuch_module:build"], "--model 'nosuch_module:build': No module named 'nosuch_module'"),
         (["--model", "vit", "--cp", "2"], "cp=2: context parallel splits token sequences (batch, seq)"),
         (["--ep", "2"], "ep=2 but the spec has no ep_plan: the model has no routed experts to split"),
         (
