@@ -92,12 +92,7 @@ def folder_problem(where: str, path: str | os.PathLike) -> str | None:
     path = Path(path)
     if path.exists() and not path.is_dir():
         return f"{where} is a file; pass a directory (it is created if missing)"
-    parent = next((p for p in [path, *path.parents] if p.exists()), None)
-    if parent is not None and not parent.is_dir():
-        return f"{where}: {str(parent)!r} is a file, not a directory"
-    if parent is not None and not os.access(parent, os.W_OK):
-        return f"{where}: cannot write in {str(parent)!r}"
-    return None
+    return _nearest_folder_problem(where, [path, *path.parents])
 
 
 def file_problem(where: str, path: str | os.PathLike) -> str | None:
@@ -105,11 +100,16 @@ def file_problem(where: str, path: str | os.PathLike) -> str | None:
     path = Path(path)
     if path.is_dir():
         return f"{where} is a directory; give a file name (e.g. {str(path / 'out.json')!r})"
-    parent = next((p for p in path.parents if p.exists()), None)  # written beside, then renamed: the folder counts
-    if parent is not None and not parent.is_dir():
-        return f"{where}: {str(parent)!r} is a file, not a directory"
-    if parent is not None and not os.access(parent, os.W_OK):
-        return f"{where}: cannot write in {str(parent)!r}"
+    return _nearest_folder_problem(where, path.parents)  # written beside, then renamed: the folder counts
+
+
+def _nearest_folder_problem(where: str, candidates) -> str | None:
+    """The first of ``candidates`` that exists must be a folder this process can write in."""
+    nearest = next((p for p in candidates if p.exists()), None)
+    if nearest is not None and not nearest.is_dir():
+        return f"{where}: {str(nearest)!r} is a file, not a directory"
+    if nearest is not None and not os.access(nearest, os.W_OK):
+        return f"{where}: cannot write in {str(nearest)!r}"
     return None
 
 

@@ -70,7 +70,7 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def keep_aside(path: Path, rows: list[dict], step_key: str) -> Path:
-    """Write ``rows`` (the steps a resume runs again) to ``<name>.replaced-<UTC time>.jsonl`` beside
+    """Write ``rows`` (the steps a resume runs again) to ``<name>.replaced-<UTC time>-<pid>.jsonl`` beside
     ``path`` before the history drops them, and say so: a rolled-back run's abandoned steps stay."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     aside = path.with_name(f"{path.stem}.replaced-{stamp}-{os.getpid()}.jsonl")
@@ -105,7 +105,7 @@ class History:
 
         A new History starts ``<name>.jsonl`` afresh; ``resume=N`` keeps its records up to step N
         (those a checkpoint of step N covers), moves later ones (they will be run again) to
-        ``<name>.replaced-<UTC time>.jsonl`` beside it, and appends after them. ``hooks`` (also
+        ``<name>.replaced-<UTC time>-<pid>.jsonl`` beside it, and appends after them. ``hooks`` (also
         ``self.hooks``, a list): called with every new record."""
         self.outdir = Path(outdir) if outdir is not None else None
         self.write = write and self.outdir is not None

@@ -185,8 +185,9 @@ def export_problems(where: str, out: str | Path, *, keep: Mapping[str, str | Pat
     path = Path(out).resolve()
     held = {"the current folder": Path.cwd(), **{k: v for k, v in (keep or {}).items() if v is not None}}
     for what, folder in held.items():
-        if Path(folder).resolve().is_relative_to(path):
-            same = Path(folder).resolve() == path
+        folder = Path(folder).resolve()
+        if folder.is_relative_to(path):
+            same = folder == path
             return [
                 f"{where} {'is' if same else 'holds'} {what}, and an export replaces its folder whole (moving what "
                 "it held aside): give a folder of its own, e.g. a new one inside the output folder"
