@@ -46,8 +46,10 @@ def _parallel(n, args, tmp_path, runner, timeout=300, env=None):
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
 def test_state_bytes_per_rank_match_zero_theory(tmp_path, strategy):
-    """Per-rank parameter + gradient + optimizer bytes on 4 ranks within 10% of the ZeRO paper's figures
-    (FSDP's and HSDP's state: the planner's estimates against measured runs, tests/test_plan.py, within 2%)."""
+    """Per-rank parameter + gradient + optimizer bytes on 2 ranks within 10% of the ZeRO paper's figures: 12,
+    10 and 8 bytes a parameter for ZeRO-1, 2 and 3 (16 unsharded), each at least 20% from the next, so a stage
+    that silently shards less fails (FSDP's and HSDP's state: the planner's estimates against measured runs,
+    tests/test_plan.py, within 2%)."""
     big = [
         "-m",
         "mmm.examples.vit",
@@ -68,7 +70,7 @@ def test_state_bytes_per_rank_match_zero_theory(tmp_path, strategy):
         strategy,
     ]
     extensions = tmp_path / "torch_extensions"  # what DeepSpeed JIT-compiles, in a folder of this test's own
-    _parallel(4, big, tmp_path, "launch", env=clean_env(TORCH_EXTENSIONS_DIR=str(extensions)))
+    _parallel(2, big, tmp_path, "launch", env=clean_env(TORCH_EXTENSIONS_DIR=str(extensions)))
     # DeepSpeed's CPU backend builds a shared-memory all-reduce kernel (25-45 s here) only its inference
     # uses; mmm skips it (mmm.parallel.zero): training never builds a kernel without --offload-optimizer
     assert not (extensions.exists() and any(extensions.iterdir())), sorted(extensions.rglob("*"))[:5]

@@ -38,6 +38,10 @@ BASES = {
     "llama": ["-m", "mmm.examples.fsdp_tp", *tiny_llama(max_iters=5, lr="3e-3", seed=3)],
     # 8 blocks: pipelines of 2, 4 and interleaved 2x2 / 4x2 stages
     "llama8": ["-m", "mmm.examples.fsdp_tp", *tiny_llama(n_layers=8, max_iters=5, lr="3e-3", seed=5)],
+    # the same with the global gradient norm clipped at 0.5 (one process's steps clip): a wrong global
+    # norm shows in the recorded norm and, through the clip, in the next steps' losses
+    "llama8-clip": ["-m", "mmm.examples.fsdp_tp", *tiny_llama(n_layers=8, max_iters=5, lr="3e-3", seed=5)]
+    + ["--grad-clip", "0.5"],
     "vit": TINY_VIT,
     "cnn": SHORT_CNN,
     # a mixture of experts: 8 experts, top-2, a shared expert, the sequence-wise auxiliary loss and a fast
@@ -94,7 +98,7 @@ MATRIX = [
     C("fsdp-dp2-tp2-ac-selective", "llama", 4, "--tp 2 --ac selective", "torchrun"),
     C("fsdp-dp4-no-reshard", "llama", 4, "--reshard-after-forward false"),
     C("hsdp-2x2-tp2-ac-full", "llama", 8, "--strategy hsdp --dp-replicate 2 --tp 2 --ac full"),
-    C("zero2-dp4", "llama", 4, "--strategy zero2"),
+    C("zero2-dp4-clip", "llama8-clip", 4, "--strategy zero2 --tp 1"),  # DeepSpeed clips by its config
     # two hosts: HSDP's replicate axis (gradient all-reduce) across them, each shard group inside one;
     # a pipeline with one stage per host
     C("hosts2-hsdp-2x2", "llama", 4, "--strategy hsdp --dp-replicate 2", "pbs/openmpi"),
@@ -122,7 +126,8 @@ MATRIX = [
     ),
     C("pp4-1f1b", "llama8", 4, "--pp 4 --pp-schedule 1f1b --microbatches 8", "torchrun"),
     C("pp4-interleaved", "llama8", 4, "--pp 4 --pp-schedule interleaved-1f1b --stages-per-rank 2 --microbatches 4"),
-    C("pp2-dp2", "llama8", 4, "--pp 2 --microbatches 2", "torchrun"),
+    C("pp2-dp2-clip", "llama8-clip", 4, "--pp 2 --microbatches 2", "torchrun"),  # norms summed over stages
+    C("pp2-tp2-clip", "llama8-clip", 4, "--pp 2 --tp 2 --microbatches 2"),  # over stages and TP shards
     C("hosts2-pp2-dp2", "llama8", 4, "--pp 2 --pp-schedule 1f1b --microbatches 2", "pbs/mpich"),
     C("pp2-split-at-3", "llama8", 2, "--pp 2 --pp-schedule gpipe --split-points 3 --microbatches 2", "torchrun"),
     # a mixture of experts, expert parallel (ep borrows its ranks from dp_shard x cp): alone, under FSDP over
@@ -183,7 +188,7 @@ def compare(got: list[dict], want: list[dict], keys=("loss", "grad_norm")) -> di
 
 
 # in make test-fast whatever their time: the demo's layout (TP x FSDP) and a pipeline over FSDP
-FAST_ROWS = {"fsdp-dp2-tp2", "pp2-dp2"}
+FAST_ROWS = {"fsdp-dp2-tp2", "pp2-dp2-clip"}
 
 
 @pytest.mark.parametrize(
@@ -197,6 +202,8 @@ def test_layout_matches_one_process(references, tmp_path, case, request):
     ref = references(case.base)
     want = jsonl(ref / "history.jsonl", key=None)
     routing_margin_holds(want, case.base)
+    if case.base.endswith("-clip"):  # clipping really happens in the reference
+        assert any(r["grad_norm"] > 0.5 for r in want), [r["grad_norm"] for r in want]
     keys = ("loss", "grad_norm", "moe_load_max", "moe_aux") if case.base == "moe" else ("loss", "grad_norm")
     diffs = compare(jsonl(tmp_path / "history.jsonl", key=None), want, keys=keys)
     assert all(d <= RTOL for d in diffs.values()), (case.name, diffs)

@@ -1,16 +1,15 @@
-"""Pipeline parallel in fsdp_tp: stage splitting, schedules, and losses equal to one process (real ranks)."""
+"""Pipeline parallel: stage splitting, its checks, and the own-model example (the schedules' and clipped pipelines'
+losses and gradient norms against one process: tests/test_equivalence.py)."""
+
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from conftest import jsonl, launch, max_rel_diff, run, run_ranks, single_process_run, tiny_llama
+from conftest import launch, run
 from mmm.models.llama import Llama, LlamaConfig
 from mmm.parallel.pipeline import outer_modules, pipeline_problems, split_model, stage_ids, stage_layer_ranges
-
-MODULE = ["-m", "mmm.examples.fsdp_tp"]
-MODEL = tiny_llama(n_layers=8, max_iters=5, lr="3e-3", seed=5)
-RTOL = 1e-5
 
 
 def test_stage_ranges_and_placement():
@@ -99,39 +98,8 @@ def test_pipeline_problems_name_values(kwargs, needle):
     assert any(needle in p for p in problems), problems
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return jsonl(single_process_run(tmp_path_factory, "single", [*MODULE, *MODEL]) / "history.jsonl")
-
-
 def test_own_model_example_script():
-    from pathlib import Path
-
     script = Path(__file__).parents[1] / "examples" / "pipeline_own_model.py"
     res = run(launch("-n", "2", "python3", str(script)), timeout=120)
     assert res.returncode == 0, res.output
     assert "pipeline losses match one process over 5 steps" in res.stdout
-
-
-@pytest.fixture(scope="module")
-def clipped_reference(tmp_path_factory):
-    out = single_process_run(tmp_path_factory, "single_clip", [*MODULE, *MODEL, "--grad-clip", "0.5"])
-    return jsonl(out / "history.jsonl", key=None)
-
-
-@pytest.mark.parametrize(
-    "flags",
-    [
-        ["--pp", "2", "--microbatches", "2"],  # pp2 x dp2: norms summed over stages
-        ["--pp", "2", "--tp", "2", "--microbatches", "2"],  # pp2 x tp2: over stages and TP shards
-        ["--tp", "2"],  # dp2 x tp2 (FSDP + TP DTensors)
-        ["--strategy", "zero2", "--tp", "1"],  # DeepSpeed clips by its config
-    ],
-    ids=["pp2-dp2", "pp2-tp2", "dp2-tp2", "zero2"],
-)
-def test_global_grad_norm_clipping_matches_single_process(clipped_reference, tmp_path, flags):
-    run_ranks(4, [*MODULE, *MODEL, "--grad-clip", "0.5", *flags], tmp_path)
-    assert any(r["grad_norm"] > 0.5 for r in clipped_reference)  # clipping really happens
-    for key in ("loss", "grad_norm"):
-        want = [r[key] for r in clipped_reference]
-        assert max_rel_diff(jsonl(tmp_path / "history.jsonl", key), want) <= RTOL, key

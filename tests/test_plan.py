@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import io
 import json
 import math
 import os
@@ -10,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import redirect_stderr
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,7 +29,22 @@ from conftest import (
     spawn,
     tiny_llama,
 )
+from mmm.errors import UsageError
 from mmm.plan import plan
+from mmm.plan.cli import main as plan_main
+from mmm.plan.simulate import main as simulate_main
+
+
+def _benchmark_main(name: str):
+    spec = importlib.util.spec_from_file_location(
+        f"benchmarks_{name}", Path(__file__).parents[1] / "benchmarks" / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+sweep_main = _benchmark_main("sweep")
 
 FSDP_TP = ["-m", "mmm.examples.fsdp_tp", "--max-iters", "2", "--measure", "--no-plots"]
 
@@ -127,44 +145,65 @@ def test_cli_lists_table_invalid_reasons_and_json(tmp_path):
     assert any(r["valid"] and r["memory"]["total_bytes"] > 0 for r in rows)
 
 
+def _refusal(main, argv: list[str]) -> str:
+    """The one line a command's main refuses argv with, in this process: its UsageError, or argparse's error."""
+    err = io.StringIO()
+    with redirect_stderr(err), pytest.raises((UsageError, SystemExit)) as e:
+        main(argv)
+    if isinstance(e.value, SystemExit):
+        assert e.value.code == 2, err.getvalue()
+        lines = [ln for ln in err.getvalue().splitlines() if "error:" in ln]
+        assert len(lines) == 1, err.getvalue()
+        return lines[0]
+    assert "\n" not in str(e.value), str(e.value)
+    return str(e.value)
+
+
 @pytest.mark.parametrize(
-    "flags, needles",
+    "command, flags, needles",
     [
-        (["--world", "0"], ["--world", "0"]),
-        (["--world", "4", "--tp", "3"], ["tp=3"]),
-        (["--world", "4", "--tp", "2", "--strategy", "ddp"], ["ddp", "tp=2"]),
-        (["--world", "4", "--strategies", "fsdp,zero9"], ["zero9"]),
-        (["--world", "4", "--json", "/"], ["--json '/' is a directory; give a file name"]),  # before any work
+        ("plan", ["--world", "0"], ["--world", "0"]),
+        ("plan", ["--world", "4", "--tp", "3"], ["tp=3"]),
+        ("plan", ["--world", "4", "--tp", "2", "--strategy", "ddp"], ["ddp", "tp=2"]),
+        ("plan", ["--world", "4", "--strategies", "fsdp,zero9"], ["zero9"]),
+        ("plan", ["--world", "4", "--json", "/"], ["--json '/' is a directory; give a file name"]),  # before any work
+        ("simulate", ["--world", "64", "--strategy", "zero2"], ["--strategy zero2 is not simulated"]),
+        ("simulate", ["--world", "64", "--strategy", "ddp"], ["--strategy ddp is not simulated", "fsdp or hsdp"]),
+        ("simulate", ["--world", "8", "--ranks", "0,8"], ["--ranks '0,8'", "from 0 to 7"]),
+        ("simulate", ["--world", "8", "--hardware", "tpu9"], ["--hardware 'tpu9'", "h100"]),
+        ("simulate", ["--world", "8", "--hardware", "h100", "--no-step"], ["drop --no-step"]),
+        ("simulate", ["--world", "8", "--moe-experts", "4", "--expert-load", "2", "--no-step"],
+         ["--expert-load 2 routes"]),
+        ("simulate", ["--world", "8", "--float8", "--dtype", "bf16"], ["--float8 is not simulated"]),
+        ("simulate", ["--world", "8", "--pick-layout", "h100"], ["--pick-layout is the trainer's"]),
+        ("simulate", ["--world", "8", "--hard", "h100"], ["unrecognized arguments: --hard h100"]),  # no abbreviations
+        ("simulate", ["--world", "8", "--json", "/"], ["--json '/' is a directory; give a file name"]),
     ],
-)
-def test_cli_bad_input(flags, needles):
-    res = run([sys.executable, "-m", "mmm.plan", *flags], timeout=60)
+)  # fmt: skip
+def test_planner_and_simulator_refuse_in_one_line(command, flags, needles, tmp_path, monkeypatch):
+    """In this process, through each command's main (the commands' own exit and one line: the next test)."""
+    monkeypatch.chdir(tmp_path)
+    main = {"plan": plan_main, "simulate": simulate_main}[command]
+    line = _refusal(main, flags)
+    assert all(n in line for n in needles), (flags, line)
+    assert not list(tmp_path.iterdir()), list(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.parametrize(
+    "module, flags, needles",
+    [
+        ("mmm.plan", ["--world", "4", "--tp", "3"], ["tp=3"]),
+        ("mmm.plan.simulate", ["--world", "8", "--compile"], ["--compile is not simulated"]),
+        # a layout that cannot start at 1,024 ranks fails in the simulation with the trainer's own line
+        ("mmm.plan.simulate", ["--world", "1024", "--tp", "16", "--n-heads", "8"],
+         ["--n-heads 8 is not divisible by tp=16"]),
+    ],
+)  # fmt: skip
+def test_planner_and_simulator_exit_2_with_one_line(module, flags, needles):
+    res = run([sys.executable, "-m", module, *flags], timeout=120)
     assert res.returncode == 2
     assert_clean_user_error(res, *needles)
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
-
-
-@pytest.mark.parametrize(
-    "flags, needles",
-    [
-        (["--world", "1024", "--tp", "16", "--n-heads", "8"], ["--n-heads 8 is not divisible by tp=16"]),
-        (["--world", "64", "--strategy", "zero2"], ["--strategy zero2 is not simulated"]),
-        (["--world", "64", "--strategy", "ddp"], ["--strategy ddp is not simulated", "fsdp or hsdp"]),
-        (["--world", "8", "--ranks", "0,8"], ["--ranks '0,8'", "from 0 to 7"]),
-        (["--world", "8", "--hardware", "tpu9"], ["--hardware 'tpu9'", "h100"]),
-        (["--world", "8", "--hardware", "h100", "--no-step"], ["drop --no-step"]),
-        (["--world", "8", "--moe-experts", "4", "--expert-load", "2", "--no-step"], ["--expert-load 2 routes"]),
-        (["--world", "8", "--compile"], ["--compile is not simulated"]),
-        (["--world", "8", "--float8", "--dtype", "bf16"], ["--float8 is not simulated"]),
-        (["--world", "8", "--pick-layout", "h100"], ["--pick-layout is the trainer's"]),
-        (["--world", "8", "--hard", "h100"], ["unrecognized arguments: --hard h100"]),  # no abbreviations
-        (["--world", "8", "--json", "/"], ["--json '/' is a directory; give a file name"]),
-    ],
-)
-def test_simulate_bad_input(flags, needles):
-    """A layout that cannot start at 1,024 ranks fails in the simulation with the trainer's own line."""
-    res = run([sys.executable, "-m", "mmm.plan.simulate", *flags], timeout=120)
-    assert_clean_user_error(res, *needles)
 
 
 def test_json_to_stdout_is_the_json_alone():
@@ -279,14 +318,19 @@ def test_sweep_records_a_failed_layout_and_goes_on(tmp_path):
     ],
 )
 def test_sweep_bad_input(flags, needles, tmp_path):
-    res = run([sys.executable, "benchmarks/sweep.py", *flags, "--out", str(tmp_path)], timeout=60)
-    assert res.returncode == 2
-    assert_clean_user_error(res, *needles)
+    """In this process through the sweep's main; its own exit 2 and one line with the first row."""
+    if flags == ["--world", "0"]:
+        res = run([sys.executable, "benchmarks/sweep.py", *flags, "--out", str(tmp_path / "out")], timeout=60)
+        assert res.returncode == 2
+        assert_clean_user_error(res, *needles)
+    else:
+        line = _refusal(sweep_main, [*flags, "--out", str(tmp_path / "out")])
+        assert all(n in line for n in needles), (flags, line)
+    assert not (tmp_path / "out").exists()
 
 
 # --------------------------------------------------------------------------- hardware and predicted step time
 def test_hardware_presets_and_a_file_of_your_own(tmp_path):
-    from mmm.errors import UsageError
     from mmm.plan.hardware import PRESETS, load_hardware
 
     for name, hw in PRESETS.items():

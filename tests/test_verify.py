@@ -17,16 +17,17 @@ def test_verdict_fails_on_a_constant_factor_on_the_gradients():
 
 
 @pytest.mark.parametrize(
-    "build, flags",
-    [("build", ["--tp", "2"]), ("build", ["--pp", "2"]), ("build_sequential", ["--pp", "2", "--tp", "2"])],
-    ids=["dp2-tp2", "pp2-dp2", "sequential-blocks-pp2-tp2"],
+    "build, ranks, flags",
+    [("build", 2, ["--tp", "2"]), ("build", 4, ["--pp", "2"]), ("build_sequential", 4, ["--pp", "2", "--tp", "2"])],
+    ids=["tp2", "pp2-dp2", "sequential-blocks-pp2-tp2"],
 )
-def test_own_model_passes(build, flags):
+def test_own_model_passes(build, ranks, flags):
     """A user's model through verify; its blocks in a ModuleList, or in an nn.Sequential (found by
-    blocks='auto' and split into pipeline stages as well)."""
+    blocks='auto' and split into pipeline stages as well). Its TP plan alone on 2 ranks (FSDP x TP: the
+    equivalence matrix and test_hf), FSDP over a pipeline, and both on the sequential blocks."""
     env = clean_env(PYTHONPATH=os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]))
     res = run(
-        launch("-n", "4", *VERIFY, "--model", f"own_lm:{build}", "--tp-plan", "own_lm:TP_PLAN", *flags),
+        launch("-n", str(ranks), *VERIFY, "--model", f"own_lm:{build}", "--tp-plan", "own_lm:TP_PLAN", *flags),
         env=env,
         timeout=180,
     )
