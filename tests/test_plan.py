@@ -35,16 +35,22 @@ from mmm.plan.cli import main as plan_main
 from mmm.plan.simulate import main as simulate_main
 
 
-def _benchmark_main(name: str):
-    spec = importlib.util.spec_from_file_location(
-        f"benchmarks_{name}", Path(__file__).parents[1] / "benchmarks" / f"{name}.py"
-    )
+def _benchmark_main(name: str, argv: list[str]) -> int:
+    """A benchmark's main, loaded from its file when called (benchmarks/ is not a package)."""
+    path = Path(__file__).parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.main
+    return module.main(argv)
 
 
-sweep_main = _benchmark_main("sweep")
+def sweep_main(argv: list[str]) -> int:
+    return _benchmark_main("sweep", argv)
+
+
+def vs_ezpz_main(argv: list[str]) -> int:
+    return _benchmark_main("vs_ezpz", argv)
+
 
 FSDP_TP = ["-m", "mmm.examples.fsdp_tp", "--max-iters", "2", "--measure", "--no-plots"]
 
@@ -327,6 +333,27 @@ def test_sweep_bad_input(flags, needles, tmp_path):
         line = _refusal(sweep_main, [*flags, "--out", str(tmp_path / "out")])
         assert all(n in line for n in needles), (flags, line)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--ranks", "4", "--tp", "3"], "--tp 3 does not divide --ranks 4"),
+        (["--ranks", "4", "--tp", "2", "--batch-size", "5"], "--batch-size 5 is not divisible by dp=2"),
+        (["--steps", "3"], "--steps 3: give more than 3"),
+        (["--ezpz-python", "/nonexistent/python"], "--ezpz-python '/nonexistent/python' is not an executable file"),
+        (["--ezpz-python", sys.executable], "has no ezpz.examples.fsdp_tp; install ezpz in an environment"),
+        (["--out", "FILE"], "is a file; pass a directory"),
+    ],
+)
+def test_the_ezpz_comparison_refuses_in_one_line(flags, needle, tmp_path):
+    """benchmarks/vs_ezpz.py's checks, before any run (ezpz is not installed here: the comparison's numbers are in
+    docs/benchmarks.md)."""
+    (tmp_path / "FILE").write_text("")
+    argv = [str(tmp_path / "FILE") if f == "FILE" else f for f in flags]
+    line = _refusal(vs_ezpz_main, argv if "--out" in argv else [*argv, "--out", str(tmp_path / "o")])
+    assert needle in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["FILE"]  # nothing made
 
 
 # --------------------------------------------------------------------------- hardware and predicted step time
