@@ -333,7 +333,7 @@ def test_sigterm_to_launch_preempts_the_job_gracefully(tmp_path):
     assert [q.name for q in ck.iterdir()] == [f"step-{steps[-1]:08d}"]
 
 
-def test_nonfinite_loss_stops_naming_the_step_and_the_last_good_checkpoint(tmp_path):
+def test_nonfinite_loss_or_gradient_stops_naming_the_step_and_the_last_good_checkpoint(tmp_path):
     ck = tmp_path / "ck"
     res = run(
         torchrun(
@@ -357,13 +357,26 @@ def test_nonfinite_loss_stops_naming_the_step_and_the_last_good_checkpoint(tmp_p
     assert res.stderr.count("Traceback") == res.stderr.count("ChildFailedError: ")  # torchrun's own only
     assert sorted(p.name for p in ck.iterdir()) == ["step-00000002", "step-00000004"]
     assert jsonl(tmp_path / "a" / "history.jsonl", "iter") == [1, 2, 3, 4, 5]
+    # a finite loss with a NaN gradient on one rank: stopped all the same, before step 3 is saved (it was
+    # applied, saved and named the last good checkpoint)
+    ck = tmp_path / "ck_grad"
+    res = run(
+        torchrun(2, *FSDP_TP, "--max-iters", "4", "--checkpoint-dir", str(ck), "--checkpoint-every", "1",
+                 "--outdir", str(tmp_path / "c")),
+        env=clean_env(MMM_FAULT="nangrad@3:1"),
+        timeout=120,
+    )  # fmt: skip
+    errors = [ln for ln in res.stderr.splitlines() if "error:" in ln]
+    assert res.returncode == 1 and len(errors) == 1, res.output
+    assert "the gradient norm is nan (loss " in errors[0] and "at iter 3" in errors[0] and "step-00000002" in errors[0]
+    assert sorted(p.name for p in ck.iterdir()) == ["step-00000001", "step-00000002"]
     res = ok(
         torchrun(2, *FSDP_TP, "--max-iters", "8", "--on-nonfinite", "skip", "--outdir", str(tmp_path / "b")),
-        MMM_FAULT="nan@5",
+        MMM_FAULT="nan@5,nangrad@7:1",
     )
     rows = jsonl(tmp_path / "b" / "history.jsonl", None)
-    assert [r["skipped"] for r in rows] == [0, 0, 0, 0, 1, 0, 0, 0]
-    assert all(r["loss"] == r["loss"] for r in rows if not r["skipped"])  # finite again after the skipped step
+    assert [r["skipped"] for r in rows] == [0, 0, 0, 0, 1, 0, 1, 0]  # rank 0 skips rank 1's NaN gradient too
+    assert all(r["loss"] == r["loss"] and r["grad_norm"] == r["grad_norm"] for r in rows if not r["skipped"])
 
 
 @pytest.mark.parametrize("module", ["mmm.examples.fsdp_tp", "mmm.examples.vit", "mmm.examples.fsdp"])

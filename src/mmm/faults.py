@@ -5,6 +5,7 @@
     MMM_FAULT=term@5        every rank gets SIGTERM at step 5 (a preemption): finish, save, exit 0
     MMM_FAULT=term2@5       two SIGTERMs a few milliseconds apart (srun and the scheduler both signal)
     MMM_FAULT=nan@5         step 5's loss is NaN on every rank (``:R`` for one rank)
+    MMM_FAULT=nangrad@5:1   step 5's loss is finite, but a gradient of rank 1 is NaN (no ``:R``: every rank's)
     MMM_FAULT=exit@5:2      rank 2 exits with code 3 at once, skipping teardown
 
 ``MMM_SAVE_FAULT`` kills a rank (SIGKILL) at a point of writing what a run keeps, to prove nothing
@@ -39,7 +40,7 @@ import time
 from mmm import env
 from mmm.errors import UsageError
 
-KINDS = ("kill", "stop", "term", "term2", "nan", "exit")
+KINDS = ("kill", "stop", "term", "term2", "nan", "nangrad", "exit")
 SAVE_STAGES = ("shards", "rng", "meta", "rename", "prune", "export", "history", "prepare")
 _SAVE_SPEC = re.compile(r"(?P<stage>[a-z]+)(?:@(?P<step>\d+))?(?::(?P<rank>\d+|all))?")
 _SPEC = re.compile(r"^(?P<kind>[a-z0-9]+)@(?P<step>\d+)(?::(?P<rank>\d+))?$")
@@ -80,17 +81,18 @@ env.declare("MMM_SAVE_FAULT", env.Kind(f"STAGE[@STEP][:RANK|:all], STAGE one of 
                                        _save_spec, ("boom", "rng@x", "history@2:1")))  # fmt: skip
 
 
-def inject(step: int, rank: int) -> bool:
-    """Carry out the faults set for ``step`` on ``rank``; True when this step's loss must be NaN."""
+def inject(step: int, rank: int) -> str | None:
+    """Carry out the faults set for ``step`` on ``rank``; ``"nan"`` when this step's loss must be NaN,
+    ``"nangrad"`` when a gradient must be (after backward), else None."""
     global _PARSED
     if _PARSED is None:  # a job relaunched by `launch --retries` runs without faults: it can finish
         _PARSED = {} if not _first_attempt() else parse(env.get("MMM_FAULT", ""))
-    poison = False
+    poison = None
     for kind, who in _PARSED.get(step, ()):
         if who is not None and who != rank:
             continue
-        if kind == "nan":
-            poison = True
+        if kind in ("nan", "nangrad"):
+            poison = kind
         elif kind == "exit":
             os._exit(3)
         elif kind == "term2":

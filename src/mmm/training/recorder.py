@@ -163,15 +163,22 @@ class Recorder:
         if self._t_last is None:
             self._t_last = time.perf_counter()
 
-    def check_loss(self, step: int, loss_value: float, *, skipped: bool = False) -> None:
-        """A non-finite loss stops the run with one line naming the step (recorded first, so the
-        history shows it; no checkpoint is written for it)."""
-        if math.isfinite(loss_value) or skipped:
+    def check_loss(
+        self, step: int, loss_value: float, *, skipped: bool = False, grad_norm: float | None = None
+    ) -> None:
+        """A non-finite loss or gradient norm stops the run with one line naming the step (recorded first,
+        so the history shows it; no checkpoint is written for it)."""
+        bad_grad = grad_norm is not None and not math.isfinite(grad_norm)
+        if (math.isfinite(loss_value) and not bad_grad) or skipped:
             return
         good = self.last_good()
+        what = (
+            f"loss is {loss_value}"
+            if not math.isfinite(loss_value)
+            else f"the gradient norm is {grad_norm} (loss {loss_value:.4f})"
+        )
         raise DivergedError(  # exit 65: `launch --retries` does not replay a deterministic divergence
-            f"loss is {loss_value} at {self.hist.step_key} {step}; {good}. Lower --lr, use --dtype fp32, "
-            "--grad-clip, or --on-nonfinite skip"
+            f"{what} at {self.hist.step_key} {step}; {good}. Lower --lr, use --dtype fp32, or --on-nonfinite skip"
         )
 
     def __enter__(self) -> Recorder:
@@ -252,8 +259,13 @@ class Recorder:
             **metrics,
             **({"skipped": times["skipped"]} if "skipped" in times else {}),
         )
-        # a rank whose loss does not count (an earlier pipeline stage) can still be non-finite
-        self.check_loss(entry.step, math.nan if nonfinite else loss, skipped=bool(times.get("skipped")))
+        # a rank whose loss does not count (an earlier pipeline stage) can still be non-finite; a finite loss
+        # can come with non-finite gradients (in the packed reduction, or the norm DeepSpeed measured)
+        grad_norm = metrics.get("grad_norm")
+        bad_loss = not math.isfinite(loss) or (nonfinite and (grad_norm is None or math.isfinite(grad_norm)))
+        self.check_loss(
+            entry.step, math.nan if bad_loss else loss, skipped=bool(times.get("skipped")), grad_norm=grad_norm
+        )
         if stop and self.stopped_by is None:
             self.stopped_by = "SIGTERM"
             self.log.info("%s received: stopping after this step", self.stopped_by)

@@ -50,7 +50,7 @@ class Reduced:
         self._values: tuple[float, bool, bool] | None = None
 
     def values(self) -> tuple[float, bool, bool]:
-        """(mean loss over the data-parallel ranks, non-finite on any rank, SIGTERM on any rank);
+        """(mean loss over the data-parallel ranks, a non-finite loss or gradient on any rank, SIGTERM on any rank);
         waits for this step's reduction only, not for work queued after it."""
         if self._values is None:
             if self._event is not None:
@@ -104,7 +104,10 @@ class StepSync:
             if grad_square is not None
             else torch.zeros((), device=self.device)
         )
-        packed = torch.stack([share, (~torch.isfinite(value)).float(), stop, grad])
+        # non-finite: this rank's loss, or its share of the gradient norm (a finite loss can still give NaN
+        # gradients; the update would write them into the weights and the next checkpoint)
+        nonfinite = (~torch.isfinite(value) | ~torch.isfinite(grad)).float()
+        packed = torch.stack([share, nonfinite, stop, grad])
         if self.world > 1:
             dist.all_reduce(packed)
         return Reduced(packed, has_grad_norm=grad_square is not None)
@@ -158,7 +161,7 @@ def train_step(
     *,
     sync: StepSync,
     after_backward=None,
-    poison: bool = False,
+    poison: str | None = None,
     skip_nonfinite: bool = False,
 ) -> tuple[torch.Tensor, Reduced, StepTimes]:
     """Forward, loss, backward (the engine's :meth:`~mmm.parallel.strategy.Engine.forward_backward`:
@@ -167,14 +170,19 @@ def train_step(
 
     Returns the loss (this rank's), the step's :class:`Reduced` values and its :class:`StepTimes`.
     ``after_backward()`` runs before the optimizer step (gradients exist: the moment to measure
-    memory); ``poison`` makes the loss NaN (fault injection); ``skip_nonfinite`` skips the optimizer
-    step when the loss is non-finite on any rank (that reads the reduction at once: a host sync on
-    every step).
+    memory); ``poison`` (fault injection, :func:`mmm.faults.inject`): ``"nan"`` makes the loss NaN,
+    ``"nangrad"`` a gradient of this rank after backward; ``skip_nonfinite`` skips the optimizer
+    step when the loss or the gradient norm is non-finite on any rank (that reads the reduction at once:
+    a host sync on every step).
     """
     timer = _Timer(inputs.device)
     loss = engine.forward_backward(
-        inputs, targets, loss_fn, mark=timer.mark, poison=poison, probe_memory=after_backward is not None
+        inputs, targets, loss_fn, mark=timer.mark, poison=poison == "nan", probe_memory=after_backward is not None
     )
+    if poison == "nangrad":
+        grad = next((p.grad for p in engine.module.parameters() if p.grad is not None), None)
+        if grad is not None:  # a pipeline stage, a ZeRO engine without local grads: nothing to poison
+            grad.fill_(float("nan"))
     if after_backward is not None:
         after_backward()
     share = engine.grad_square_share()
