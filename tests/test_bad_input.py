@@ -238,6 +238,12 @@ CONFIG_CASES = [
     ("fsdp_tp", 2, ["--tp", "2", "--reshard-after-forward", "false"],
      ["--reshard-after-forward false is an FSDP option; --strategy fsdp with dp=1, cp=1 does not shard"]),
     ("fsdp_tp", 2, ["--moe-experts", "3", "--ep", "2"], ["3"]),
+    # combinations that crashed in backward or in the compiled step (tracebacks of ~300 lines)
+    ("fsdp_tp", 2, ["--moe-experts", "4", "--ep", "2", "--ac", "selective"],
+     ["--ac selective with --ep 2 fails in backward", "use --ac full, or --ep 1"]),
+    ("fsdp_tp", 2, ["--n-layers", "4", "--pp", "2", "--pp-schedule", "interleaved-zb", "--stages-per-rank", "2",
+                    "--ac", "selective"], ["--ac selective with --pp-schedule interleaved-zb", "use --ac full"]),
+    ("fsdp_tp", 2, ["--moe-experts", "4", "--ep", "2", "--compile"], ["--compile with --ep 2 is not supported"]),
     ("fsdp_tp", 4, ["--cp", "4", "--seq-len", "36"], ["--seq-len 36 is not divisible by 2 x cp = 8"]),
     ("fsdp_tp", 4, ["--cp", "2", "--tp", "2", "--seq-len", "36"], ["--seq-len 36 is not divisible by 2 x cp x tp = 8"]),
     ("fsdp_tp", 4, ["--cp", "4", "--n-heads", "6", "--dim", "48", "--n-kv-heads", "2", "--cp-attention", "ulysses"],

@@ -70,3 +70,21 @@ def test_expert_parallel_borrows_from_dp_shard_and_cp():
     assert str(dims).endswith("ep=4 (of dp_shard x cp) (8 ranks)")
     _, problems = check_degrees(0)
     assert problems == ["world size 0 must be a positive integer"]
+
+
+def test_what_a_mesh_cannot_run_is_named_before_any_step():
+    """Selective checkpointing with expert parallel or a zero-bubble pipeline, and compile with expert parallel,
+    failed deep in backward or in the compiled step (tracebacks of ~300 lines); named in the API's spelling."""
+    from mmm.parallel import ParallelSpec, compose_problems
+    from mmm.parallel.compose import ac_problems
+
+    ep = ParallelDims(world_size=2, ep=2)
+    spec = ParallelSpec(ac="selective", ep_plan={"layers.*.moe.experts": "experts"})
+    assert any("ac='selective' with ep=2 fails in backward" in p for p in compose_problems(spec, ep))
+    assert not any("ac=" in p for p in compose_problems(ParallelSpec(ac="full", ep_plan=spec.ep_plan), ep))
+    pp = ParallelDims(world_size=2, pp=2)
+    assert any("schedule='interleaved-zb'" in p for p in ac_problems("selective", pp, schedule="interleaved-zb"))
+    assert ac_problems("selective", pp, schedule="interleaved-1f1b") == []
+    assert ac_problems("full", pp, schedule="interleaved-zb") == []
+    compiled = ParallelSpec(compile=True, ep_plan=spec.ep_plan)
+    assert any("compile=True with ep=2 is not supported" in p for p in compose_problems(compiled, ep))

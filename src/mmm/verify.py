@@ -50,7 +50,7 @@ from mmm.parallel import (
     meta_init,
     parallelize,
 )
-from mmm.parallel.compose import find_blocks, get_submodule
+from mmm.parallel.compose import ac_problems, find_blocks, get_submodule
 from mmm.parallel.context import context_parallel, cp_problems, shard_sequence
 from mmm.parallel.experts import hf_ep_plan
 from mmm.parallel.mesh import AXES
@@ -178,6 +178,7 @@ def verify(
             stages_per_rank=stages_per_rank,
             microbatches=microbatches or mesh.pp,
         )
+        problems += [p for p in ac_problems(spec.ac, mesh.dims, schedule=pp_schedule) if p not in problems]
     seq_len = 0
     if mesh.cp_enabled:
         example = batch_fn(1)[0]

@@ -116,17 +116,45 @@ def spec_problems(spec: ParallelSpec, dims: ParallelDims) -> list[str]:
     if dims.ep > 1 and spec.dp != "fsdp":
         out.append(f"ep={dims.ep} needs dp='fsdp' (got dp={spec.dp!r}): the experts are sharded over what remains")
     out += float8_problems(spec.float8, tp=dims.tp, dtype=spec.dtype, strategy=spec.dp)
+    out += ac_problems(spec.ac, dims)
     return out + compile_problems(spec.compile, dims)
 
 
 def compile_problems(compile: bool, dims: ParallelDims, *, spell: Spelling = API) -> list[str]:
+    out = []
     if compile and dims.tp > 1:
-        return [
+        out.append(
             f"{spell('compile', True)} with {spell('tp', dims.tp)} is not supported with torch {torch.__version__}: "
             "the compiled blocks' DTensor backward fails (AttributeError in DTensor redistribute); drop "
             f"{spell.name('compile')}, or compile with tp=1 (FSDP/DDP/ZeRO)"
-        ]
-    return []
+        )
+    if compile and dims.ep > 1:
+        out.append(
+            f"{spell('compile', True)} with {spell('ep', dims.ep)} is not supported with torch {torch.__version__}: "
+            "the compiled blocks mix the experts' DTensor weights with plain tensors (aten.mm); drop "
+            f"{spell.name('compile')}, or compile with {spell('ep', 1)}"
+        )
+    return out
+
+
+def ac_problems(ac: str, dims: ParallelDims, *, schedule: str | None = None, spell: Spelling = API) -> list[str]:
+    """Activation checkpointing this mesh (and pipeline ``schedule``, when given) cannot run with."""
+    if ac != "selective":
+        return []
+    out = []
+    if dims.ep > 1:
+        out.append(
+            f"{spell('ac', ac)} with {spell('ep', dims.ep)} fails in backward with torch {torch.__version__} (the "
+            "experts' own FSDP unit inside a selective-checkpoint region); use "
+            f"{spell('ac', 'full')}, or {spell('ep', 1)}"
+        )
+    if schedule == "interleaved-zb" and dims.pp > 1:
+        out.append(
+            f"{spell('ac', ac)} with {spell('schedule', schedule)}: the zero-bubble schedule runs each block's "
+            "backward twice (input, then weight gradients), which selective checkpointing refuses; use "
+            f"{spell('ac', 'full')} or another schedule"
+        )
+    return out
 
 
 def dp_problems(dp: str, dims: ParallelDims, *, field: str = "dp", spell: Spelling = API) -> list[str]:

@@ -37,7 +37,15 @@ import torch.distributed as dist
 from torch import nn
 
 from mmm.errors import API, Spelling, UsageError
-from mmm.parallel.compose import ParallelSpec, block_items, find_blocks, fsdp_wraps, get_submodule, parallelize
+from mmm.parallel.compose import (
+    ParallelSpec,
+    ac_problems,
+    block_items,
+    find_blocks,
+    fsdp_wraps,
+    get_submodule,
+    parallelize,
+)
 from mmm.parallel.mesh import Mesh
 from mmm.parallel.tensor import loss_parallel_context, resolve_plan
 
@@ -467,6 +475,7 @@ def build_pipeline(
         microbatches=microbatches,
         split_points=split_points,
     )
+    problems += ac_problems(spec.ac, mesh.dims, schedule=schedule)
     if problems:
         raise UsageError("; ".join(problems))
     if device is None:

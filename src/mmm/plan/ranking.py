@@ -111,6 +111,8 @@ def _simulate_layout(task) -> tuple[list[RankReport] | None, str | None, str | N
             return None, None, ac
         try:
             trial = trial_config(config, combo, ac)
+            if acs and ac != acs[-1] and trial.parallel.problems(world):
+                continue  # an AC this layout cannot run with (selective with ep, or a zero-bubble pipeline)
             reports = simulate_by_blocks(
                 trial, world=world, ranks=ranks, devices_per_node=per_node, hardware=hardware, expert_load=expert_load
             )

@@ -36,7 +36,7 @@ from mmm.cli import (
 )
 from mmm.parallel.activation_checkpoint import AC_MODES
 from mmm.parallel.checkpoint_folder import checkpoint_problems
-from mmm.parallel.compose import compile_problems, shards_parameters
+from mmm.parallel.compose import ac_problems, compile_problems, shards_parameters
 from mmm.parallel.context import CP_KINDS
 from mmm.parallel.float8 import float8_problems
 from mmm.parallel.mesh import ParallelDims, check_degrees
@@ -163,6 +163,7 @@ class ParallelConfig(MeshConfig):
         out += self.pipeline_flag_problems(dims)
         out += strategy_problems(self.strategy, dims, offload_optimizer=self.offload_optimizer, spell=FLAGS)
         out += compile_problems(self.compile, dims, spell=FLAGS)
+        out += ac_problems(self.ac, dims, schedule=self.pipeline_schedule, spell=FLAGS)
         out += float8_problems(self.float8, tp=dims.tp, dtype=self.dtype, strategy=self.strategy, spell=FLAGS)
         return out
 
