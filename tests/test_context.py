@@ -43,6 +43,17 @@ def test_context_parallel_needs_an_attention_hook_and_positions():
         context_parallel(hooked, None, seq_len=16)
     with pytest.raises(UsageError, match="unknown context-parallel attention kind='spiral'"):
         context_parallel(hooked, None, kind="spiral")
+    hooked.shard_positions = lambda positions: None
+    with pytest.raises(UsageError, match="cp_mesh is a NoneType, not a 1-D DeviceMesh"):  # mesh.get("cp") at cp=1
+        context_parallel(hooked, None, seq_len=16)
+
+
+def test_a_sequence_that_does_not_split_into_chunks_is_refused_not_cut():
+    """14 tokens over cp=2 (chunks of 3): tokens 12 and 13 were on no rank, silently."""
+    with pytest.raises(UsageError, match="14 tokens does not divide into 2 x cp = 4 .* the last 2 would be on no rank"):
+        shard_sequence(torch.arange(14)[None], 0, 2)
+    with pytest.raises(UsageError, match="cp_rank=2 is not a rank of cp=2"):
+        local_positions(16, 2, 2)
 
 
 @pytest.mark.parametrize("n", [2, 4])

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from mmm.errors import UsageError
 from mmm.history import History
 
 
@@ -127,6 +128,7 @@ def test_history_nc_is_the_file_xarray_writes_written_without_xarray(tmp_path):
     (values, a missing value, the coordinate, attributes of every kind), and xarray is not imported."""
     code = f"""
 import sys, math
+from mmm.errors import UsageError
 from mmm.history import History
 h = History({str(tmp_path)!r}, warmup=1)
 for i in range(1, 6):
@@ -150,3 +152,42 @@ print("ok")
         assert ours.identical(theirs), (ours, theirs)
         assert math.isnan(float(ours["dt"].values[-1])) and ours.attrs["mesh"] == '{"tp": 2}'
         assert ours["iter"].dtype == theirs["iter"].dtype and list(ours.data_vars) == list(theirs.data_vars)
+
+
+def test_an_earlier_history_is_moved_aside_never_emptied(tmp_path):
+    """History(outdir) over an outdir that holds a history.jsonl: the earlier one is kept beside it (it was
+    opened with "w": emptied); a resume keeps a line that is no step's row (cut short, edited) aside too."""
+    first = History(tmp_path)
+    first.update(1, loss=1.0)
+    first.update(2, loss=2.0)
+    again = History(tmp_path)
+    assert not (tmp_path / "history.jsonl").read_text()
+    assert [json.loads(x)["loss"] for x in again.replaced.read_text().splitlines()] == [1.0, 2.0]
+    again.update(1, loss=3.0)
+    with open(tmp_path / "history.jsonl", "a") as f:
+        f.write('{"iter": 2.0, "loss": 4.0}\n{"iter": 3, "lo')  # a float step, a line cut short
+    resumed = History(tmp_path, resume=1)
+    assert [r["loss"] for r in resumed.rows] == [3.0]
+    kept = resumed.replaced.read_text().splitlines()
+    assert kept == ['{"iter": 2.0, "loss": 4.0}', '{"iter": 3, "lo'], kept
+    assert len(list(tmp_path.glob("history.replaced-*.jsonl"))) == 2
+    (tmp_path / "d" / "history.jsonl").mkdir(parents=True)
+    with pytest.raises(UsageError, match="history.jsonl is a folder; History writes history.jsonl there"):
+        History(tmp_path / "d")
+
+
+def test_any_metric_name_and_infinite_values_reach_every_output(tmp_path):
+    """A name with '/' (train/loss) or a quote, and an infinite value (a perplexity of a NaN loss), in the jsonl,
+    the netCDF, the text and image plots (an inf crashed the text plots at the end of a run)."""
+    import xarray as xr
+
+    h = History(tmp_path, warmup=0)
+    for step, loss in enumerate([1.0, math.inf, 2.0], start=1):
+        h.update(step, **{"train/loss": loss, 'say "hi"': 1.0})
+    rows = [json.loads(x) for x in (tmp_path / "history.jsonl").read_text().splitlines()]
+    assert [r["train/loss"] for r in rows] == [1.0, math.inf, 2.0] and rows[0]['say "hi"'] == 1.0
+    h.finalize(print_plots=False)
+    ds = xr.open_dataset(tmp_path / "history.nc")
+    assert list(ds["train_loss"].values[[0, 2]]) == [1.0, 2.0] and math.isinf(ds["train_loss"].values[1])
+    assert sorted(p.name for p in (tmp_path / "plots").glob("*.txt")) == ["say__hi_.txt", "train_loss.txt"]
+    assert (tmp_path / "plots" / "train_loss.png").stat().st_size > 1000

@@ -103,3 +103,33 @@ def test_own_model_example_script():
     res = run(launch("-n", "2", "python3", str(script)), timeout=120)
     assert res.returncode == 0, res.output
     assert "pipeline losses match one process over 5 steps" in res.stdout
+
+
+def test_a_batch_the_schedule_cannot_take_is_one_line():
+    """A batch that does not split into the microbatches, or one of another size than the first step's (the
+    stages took their shapes from it), gave torch's shape errors from inside the schedule; refused, every
+    rank alike (each is given the batch)."""
+    from types import SimpleNamespace
+
+    from mmm.errors import UsageError
+    from mmm.parallel.pipeline import Pipeline
+
+    ran = []
+    pipe = Pipeline(
+        module=nn.Linear(2, 2),
+        schedule=SimpleNamespace(step=lambda *args, **kwargs: ran.append(args[0].shape[0])),
+        stage_ids=[0],
+        num_stages=2,
+        layer_ranges=[(0, 1)],
+        microbatches=4,
+        schedule_name="1f1b",
+        pp_group=None,
+        loss_parallel=False,
+        device=torch.device("cpu"),
+    )
+    with pytest.raises(UsageError, match="a batch of 10 does not split into 4 microbatches"):
+        pipe.step(torch.zeros(10, 3), torch.zeros(10, 3), share_loss=False)
+    pipe.step(torch.zeros(8, 3), torch.zeros(8, 3), share_loss=False)
+    with pytest.raises(UsageError, match="a batch of 16 after the first step's 8: .* keep the batch size at 8"):
+        pipe.step(torch.zeros(16, 3), torch.zeros(16, 3), share_loss=False)
+    assert ran == [8]

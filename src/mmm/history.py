@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from mmm import faults
+from mmm.errors import UsageError
 from mmm.log import get_logger
 
 DEFAULT_WARMUP = 2
@@ -51,14 +52,21 @@ def _scalar(v: Any) -> float | int | None:
 
 
 def _json_line(rec: dict) -> str:
-    """``json.dumps(rec) + "\\n"`` for flat records of identifier keys and numbers, about 2x faster."""
+    """``json.dumps(rec) + "\\n"`` for flat records of numbers, about 2x faster for identifier keys."""
     parts = []
     for k, v in rec.items():
+        key = f'"{k}"' if k.isidentifier() else json.dumps(k)  # "train/loss", a quote: json escapes it
         if type(v) is float and math.isfinite(v) or type(v) is int:
-            parts.append(f'"{k}": {v!r}')
+            parts.append(f"{key}: {v!r}")
         else:  # None, bool, nan/inf: let json spell them
-            parts.append(f'"{k}": {json.dumps(v)}')
+            parts.append(f"{key}: {json.dumps(v)}")
     return "{" + ", ".join(parts) + "}\n"
+
+
+def file_name(metric: str) -> str:
+    """A metric's name as a file or netCDF variable name: ``/`` (``train/loss``) and other characters a
+    path or an HDF5 name cannot hold become ``_``."""
+    return re.sub(r"[^A-Za-z0-9_.+-]", "_", metric) or "_"
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -69,20 +77,28 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def keep_aside(path: Path, rows: list[dict], step_key: str) -> Path:
-    """Write ``rows`` (the steps a resume runs again) to ``<name>.replaced-<UTC time>-<pid>.jsonl`` beside
-    ``path`` before the history drops them, and say so: a rolled-back run's abandoned steps stay."""
+def _aside_path(path: Path) -> Path:
+    """``<name>.replaced-<UTC time>-<pid>.jsonl`` beside ``path``, one that does not exist yet."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     aside = path.with_name(f"{path.stem}.replaced-{stamp}-{os.getpid()}.jsonl")
-    atomic_write_text(aside, "".join(_json_line(r) for r in rows))
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.stem}.replaced-{stamp}-{os.getpid()}-{n}.jsonl")
+    return aside
+
+
+def keep_aside(path: Path, rows: list[dict], step_key: str, unread: Iterable[str] = ()) -> Path:
+    """Write ``rows`` (the steps a resume runs again) and ``unread`` (lines that are no step's row: cut short
+    by a crash, or edited) to ``<name>.replaced-<UTC time>-<pid>.jsonl`` beside ``path`` before the history
+    drops them, and say so: a rolled-back run's abandoned steps stay."""
+    aside = _aside_path(path)
+    unread = list(unread)
+    atomic_write_text(aside, "".join(_json_line(r) for r in rows) + "".join(f"{line}\n" for line in unread))
     steps = [r[step_key] for r in rows]
-    get_logger().info(
-        "history: %s %d-%d run again; the earlier run's rows of them are kept in %s",
-        step_key,
-        min(steps),
-        max(steps),
-        aside,
-    )
+    what = [f"{step_key} {min(steps)}-{max(steps)} run again" if steps else ""]
+    what += [f"{len(unread)} lines that are no step's row" if unread else ""]
+    get_logger().info("history: %s; the earlier run's lines are kept in %s", ", ".join(w for w in what if w), aside)
     return aside
 
 
@@ -103,9 +119,11 @@ class History:
         """``name`` names the files (``<name>.jsonl``, ``<name>.nc``; plots ``<name>_<metric>`` unless
         it is "history"), so one run can keep per-step and per-epoch histories side by side.
 
-        A new History starts ``<name>.jsonl`` afresh; ``resume=N`` keeps its records up to step N
-        (those a checkpoint of step N covers), moves later ones (they will be run again) to
-        ``<name>.replaced-<UTC time>-<pid>.jsonl`` beside it, and appends after them. ``hooks`` (also
+        A new History starts ``<name>.jsonl`` afresh (an earlier one there is moved to
+        ``<name>.replaced-<UTC time>-<pid>.jsonl`` beside it, never emptied); ``resume=N`` keeps its records
+        up to step N (those a checkpoint of step N covers), moves later ones (they will be run again) and
+        lines that are no step's row to ``<name>.replaced-<UTC time>-<pid>.jsonl``, and appends after them.
+        Metric names may hold any character: files and netCDF variables take :func:`file_name`. ``hooks`` (also
         ``self.hooks``, a list): called with every new record."""
         self.outdir = Path(outdir) if outdir is not None else None
         self.write = write and self.outdir is not None
@@ -118,20 +136,29 @@ class History:
         self.replaced: Path | None = None  # where a resume kept the rows of the steps it runs again
         path = self.outdir / f"{name}.jsonl" if self.outdir is not None else None
         later: list[dict] = []  # rows of steps after ``resume``: they will run again
+        unread: list[str] = []  # lines that are no step's row (cut short by a crash, edited): kept aside too
+        if path is not None and path.is_dir():
+            raise UsageError(f"{path} is a folder; History writes {path.name} there: give another outdir")
         if resume is not None and path is not None and path.is_file():
-            for line in path.read_text().splitlines():
+            for line in path.read_text(errors="replace").splitlines():
                 try:
                     rec = json.loads(line)
-                except json.JSONDecodeError:  # a line cut short by a crash
-                    continue
-                if isinstance(rec, dict) and isinstance(rec.get(step_key), int):
+                except json.JSONDecodeError:
+                    rec = None
+                if isinstance(rec, dict) and type(rec.get(step_key)) is int:
                     (self.rows if rec[step_key] <= resume else later).append(rec)
+                elif line.strip():
+                    unread.append(line)
         if self.write:
             self.outdir.mkdir(parents=True, exist_ok=True)
             if resume is not None:
-                if later:  # kept, not dropped: a rolled-back branch's steps (its loss spike, say)
-                    self.replaced = keep_aside(path, later, step_key)
+                if later or unread:  # kept, not dropped: a rolled-back branch's steps (its loss spike, say)
+                    self.replaced = keep_aside(path, later, step_key, unread)
                 atomic_write_text(path, "".join(_json_line(r) for r in self.rows))
+            elif path.is_file() and path.stat().st_size:  # an earlier history here: set aside, never emptied
+                self.replaced = _aside_path(path)
+                os.replace(path, self.replaced)
+                get_logger().info("history: %s held an earlier history: moved to %s", path, self.replaced)
             # line-buffered: every step reaches the OS as it finishes (survives a crash or SIGKILL)
             self._file = open(path, "a" if resume is not None else "w", buffering=1)
 
@@ -216,7 +243,7 @@ class History:
         import xarray as xr
 
         coords = {self.step_key: np.asarray(self.steps(), dtype=np.int64)}
-        data = {m: ((self.step_key,), np.asarray(self.series(m), dtype=np.float64)) for m in self.metrics}
+        data = {file_name(m): ((self.step_key,), np.asarray(self.series(m), dtype=np.float64)) for m in self.metrics}
         ds = xr.Dataset(data, coords=coords)
         ds.attrs.update(_netcdf_attrs(attrs))
         return ds
@@ -235,7 +262,7 @@ class History:
             f.dimensions = {self.step_key: len(self.rows)}
             f.create_variable(self.step_key, (self.step_key,), data=np.asarray(self.steps(), dtype=np.int64))
             for m in self.metrics:  # xarray's encoding of a float variable: NaN marks a missing value
-                v = f.create_variable(m, (self.step_key,), dtype=np.float64, fillvalue=np.nan)
+                v = f.create_variable(file_name(m), (self.step_key,), dtype=np.float64, fillvalue=np.nan)
                 v[:] = np.asarray(self.series(m), dtype=np.float64)
             for k, v in _netcdf_attrs(attrs).items():
                 f.attrs[k] = v
@@ -281,7 +308,7 @@ class History:
         prefix = "" if self.name == "history" else f"{self.name}_"
         for name in names:
             text = text_plot(steps, self.series(name), title=f"{prefix}{name}", xlabel=self.step_key)
-            atomic_write_text(pdir / f"{prefix}{name}.txt", text + "\n")
+            atomic_write_text(pdir / f"{prefix}{file_name(name)}.txt", text + "\n")
             texts.append(text)
         if print_plots and texts:
             sys.stdout.write("\n".join(texts) + "\n")
@@ -315,7 +342,7 @@ def text_plot(
     import plotext as plt
 
     stride = max(1, -(-len(x) // TEXT_PLOT_POINTS))
-    pts = [(a, b) for a, b in zip(x[::stride], y[::stride]) if not math.isnan(b)]
+    pts = [(a, b) for a, b in zip(x[::stride], y[::stride]) if math.isfinite(b)]  # inf: no point to draw
     plt.clf()
     plt.theme("clear")
     plt.plotsize(width, height)
@@ -335,12 +362,12 @@ def image_plots(x: list[int], series: Mapping[str, list[float]], outdir: Path, *
 
     for name, y in series.items():
         fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
-        ax.plot(x, y, lw=1)
+        ax.plot(x, [v if math.isfinite(v) else math.nan for v in y], lw=1)  # inf: a gap, as NaN
         ax.set_xlabel(xlabel)
         ax.set_title(name)
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        tmp = outdir / f".{name}.png.tmp"
+        tmp = outdir / f".{file_name(name)}.png.tmp"
         fig.savefig(tmp, format="png")
         plt.close(fig)
-        os.replace(tmp, outdir / f"{name}.png")
+        os.replace(tmp, outdir / f"{file_name(name)}.png")

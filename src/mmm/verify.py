@@ -171,12 +171,14 @@ def verify(
             shape = model_fn()
         blocks = find_blocks(shape, spec.blocks)
         n_blocks = len(get_submodule(shape, blocks)) if blocks else 0
+        global_batch = batch_fn(1)[0].shape[0]
         problems += pipeline_problems(
             pp=mesh.pp,
             n_layers=n_blocks,
             schedule=pp_schedule,
             stages_per_rank=stages_per_rank,
-            microbatches=microbatches or mesh.pp,
+            microbatches=mesh.pp if microbatches is None else microbatches,
+            local_batch=global_batch // mesh.dp if global_batch % mesh.dp == 0 else None,
         )
         problems += [p for p in ac_problems(spec.ac, mesh.dims, schedule=pp_schedule) if p not in problems]
     seq_len = 0

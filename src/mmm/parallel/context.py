@@ -35,7 +35,15 @@ from mmm.errors import API, Spelling, UsageError
 
 
 def local_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
-    """Global token positions this cp rank holds: chunk ``cp_rank`` then chunk ``2*cp-1-cp_rank``."""
+    """Global token positions this cp rank holds: chunk ``cp_rank`` then chunk ``2*cp-1-cp_rank``
+    (``seq_len`` must divide into ``2*cp`` chunks: no token is left out)."""
+    if seq_len % (2 * cp):
+        raise UsageError(
+            f"a sequence of {seq_len} tokens does not divide into 2 x cp = {2 * cp} load-balanced chunks: the last "
+            f"{seq_len % (2 * cp)} would be on no rank; use a sequence length divisible by {2 * cp}"
+        )
+    if not 0 <= cp_rank < cp:
+        raise UsageError(f"cp_rank={cp_rank} is not a rank of cp={cp}; give 0 to {cp - 1}")
     chunk = seq_len // (2 * cp)
     first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
     second = torch.arange((2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk)
@@ -285,6 +293,15 @@ def context_parallel(
             "rank holds the tokens at mmm.parallel.context.local_positions(), and the model must encode those "
             "positions (give the module that adds positional information that method)"
         )
+    if not callable(getattr(cp_mesh, "get_group", None)):
+        raise UsageError(
+            f"cp_mesh is a {type(cp_mesh).__name__}, not a 1-D DeviceMesh; give the cp axis (e.g. mesh['cp'] of "
+            "init_mesh(cp=...))"
+        )
+    if seq_len is not None:
+        problems = cp_problems(cp=cp_mesh.size(), seq_len=seq_len, kind=kind)
+        if problems:
+            raise UsageError("; ".join(problems))
     group = cp_mesh.get_group()
     attn = ring_attention_fn(group) if kind == "ring" else UlyssesAttention(group)
     for mod in model.modules():  # per-sequence statistics (a router's) sum over the ranks of the sequence

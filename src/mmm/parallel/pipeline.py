@@ -356,11 +356,30 @@ class Pipeline:
         # microbatches of 8,192 tokens at TP 2: 128 GiB). A PyTorch without the choice keeps them.
         takes = "return_outputs" in inspect.signature(schedule.step).parameters
         self._no_outputs = {"return_outputs": False} if takes else {}
+        self._batch: int | None = None  # the first step's: the stages took their shapes from it
+
+    def _check_batch(self, inputs: torch.Tensor, *, training: bool) -> None:
+        """One line instead of a stage's shape error (or a hang) for a batch the schedule cannot take; every
+        rank is given the batch, so every rank refuses it alike."""
+        n = inputs.shape[0]
+        if n % self.microbatches:
+            raise UsageError(
+                f"a batch of {n} does not split into {self.microbatches} microbatches; give a batch divisible by "
+                f"{self.microbatches} (or build the pipeline with microbatches dividing {n})"
+            )
+        if training and self._batch is not None and n != self._batch:
+            raise UsageError(
+                f"a batch of {n} after the first step's {self._batch}: the pipeline's stages took their shapes "
+                f"from the first step; keep the batch size at {self._batch} (or build a new pipeline)"
+            )
+        if training:
+            self._batch = n
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, *, share_loss: bool = True) -> torch.Tensor:
         """Forward and backward over every microbatch; the mean loss over microbatches on every pipeline
         rank (``share_loss=False``: on the last stage's ranks only, zero elsewhere, with no collective:
         for a caller that reduces it with other values, as mmm's training step does)."""
+        self._check_batch(inputs, training=True)
         losses: list = []
         with loss_parallel_context(self.loss_parallel):
             self.schedule.step(
@@ -390,6 +409,7 @@ class Pipeline:
                 f"evaluation needs a forward-only pipeline pass, which schedule {self.schedule_name} "
                 "does not have here; build the pipeline with schedule='1f1b' or 'gpipe', or do not evaluate"
             )
+        self._check_batch(inputs, training=False)
         losses: list = []
         with loss_parallel_context(self.loss_parallel):
             self.schedule.eval(
@@ -466,7 +486,7 @@ def build_pipeline(
         )
     n_blocks = len(get_submodule(model, path))
     pp, num_stages = mesh.pp, mesh.pp * stages_per_rank
-    microbatches = microbatches or pp
+    microbatches = pp if microbatches is None else microbatches  # 0 is refused, not taken as the default
     problems = pipeline_problems(
         pp=pp,
         n_layers=n_blocks,
