@@ -220,6 +220,7 @@ CONFIG_CASES = [
     ("fsdp_tp", 2, ["--pp", "2", "--microbatches", "3"], ["--microbatches 3"]),
     ("fsdp_tp", 2, ["--microbatches", "2", "--pp-schedule", "gpipe"],
      ["--pp-schedule, --microbatches only apply with --pp > 1 (got pp=1)"]),
+    ("fsdp_tp", 2, ["--pp-schedule", "gpipe"], ["--pp-schedule only applies with --pp > 1 (got pp=1)", "drop it"]),
     ("fsdp_tp", 2, ["--cp", "2", "--seq-len", "30"], ["30"]),
     ("fsdp_tp", 2, ["--strategy", "zero1", "--on-nonfinite", "skip"], ["--on-nonfinite skip", "zero1"]),
     ("fsdp_tp", 2, ["--strategy", "zero2", "--checkpoint-dir", "ck", "--checkpoint-async"],

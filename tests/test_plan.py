@@ -180,6 +180,8 @@ def _refusal(main, argv: list[str]) -> str:
         ("simulate", ["--world", "8", "--hardware", "h100", "--no-step"], ["drop --no-step"]),
         ("simulate", ["--world", "8", "--moe-experts", "4", "--expert-load", "2", "--no-step"],
          ["--expert-load 2 routes"]),
+        ("simulate", ["--world", "4", "--moe-experts", "4", "--moe-top-k", "4", "--expert-load", "3"],
+         ["--expert-load 3 must be between 1 (balanced) and 1", "4 experts, each token to 4)"]),
         ("simulate", ["--world", "8", "--float8", "--dtype", "bf16"], ["--float8 is not simulated"]),
         ("simulate", ["--world", "8", "--pick-layout", "h100"], ["--pick-layout is the trainer's"]),
         ("simulate", ["--world", "8", "--hard", "h100"], ["unrecognized arguments: --hard h100"]),  # no abbreviations

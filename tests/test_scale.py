@@ -117,6 +117,25 @@ def test_what_cannot_be_materialised_is_refused_by_name():
         parallelize(model, SimpleNamespace(dims=ParallelDims(world_size=1)), device=torch.device("cpu"))
 
 
+def test_parallelize_names_what_it_was_given_instead():
+    """Wrong types gave AttributeErrors from deep inside (mesh['dp'] has no dims); a second call stacked the plans
+    (torch's AssertionError)."""
+    from mmm.parallel import ParallelDims, ParallelSpec, parallelize
+
+    one = SimpleNamespace(dims=ParallelDims(world_size=1))
+    with pytest.raises(UsageError, match="takes the mesh init_mesh\\(\\) returns, not a int .*pass the whole mesh"):
+        parallelize(nn.Linear(2, 2), 3)
+    with pytest.raises(UsageError, match="takes an nn.Module, not a dict"):
+        parallelize({}, one)
+    with pytest.raises(UsageError, match="spec is a dict; give a ParallelSpec"):
+        parallelize(nn.Linear(2, 2), one, {"dp": "fsdp"})
+    model = nn.Linear(2, 2)
+    flat = SimpleNamespace(dims=one.dims, tp_enabled=False, ep_enabled=False, dp_enabled=False, get=lambda axis: None)
+    parallelize(model, flat, ParallelSpec(dp="none"))  # one rank, no data parallel: the model as it is
+    with pytest.raises(UsageError, match="Linear went through parallelize\\(\\) already; build a fresh model"):
+        parallelize(model, flat, ParallelSpec(dp="none"))
+
+
 def test_every_mesh_materialises_one_process_weights(tmp_path):
     """dp2 x tp2 (FSDP's strided 2-D shards), activation checkpointing: the full tensors of every
     parameter equal one process's, bit for bit."""

@@ -147,9 +147,10 @@ def dataset_problems(
             if v is not None
         ]
         if given:
+            verb, them = ("applies", "it") if len(given) == 1 else ("apply", "them")
             out.append(
-                f"{', '.join(given)} only apply with --dataset bin or hf (got --dataset {name}); "
-                "drop them or pick one of those"
+                f"{', '.join(given)} only {verb} with --dataset bin or hf (got --dataset {name}); "
+                f"drop {them} or pick one of those"
             )
     elif name == "bin" and (text_column is not None or tokenizer is not None):
         out.append(

@@ -284,6 +284,22 @@ def parallelize(
     materialised on ``device``: only this rank's shards, each parameter initialised from ``seed``
     and its name (:func:`mmm.parallel.meta.materialize`; ``init`` overrides the model's own
     initialisation)."""
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"parallelize() takes an nn.Module, not a {type(model).__name__}")
+    if not hasattr(mesh, "dims"):
+        raise UsageError(
+            f"parallelize() takes the mesh init_mesh() returns, not a {type(mesh).__name__} (an axis such as "
+            "mesh['dp'] is one): pass the whole mesh"
+        )
+    if spec is not None and not isinstance(spec, ParallelSpec):
+        raise UsageError(
+            f"spec is a {type(spec).__name__}; give a ParallelSpec(...), or the options as keywords "
+            "(parallelize(model, mesh, tp_plan=...))"
+        )
+    if getattr(model, "_mmm_parallelized", False):
+        raise UsageError(
+            f"{type(model).__name__} went through parallelize() already; build a fresh model for another layout"
+        )
     spec = (spec or ParallelSpec()).replace(**options) if options else (spec or ParallelSpec())
     problems = compose_problems(spec, mesh.dims)
     on_meta = has_meta_params(model)
@@ -296,6 +312,7 @@ def parallelize(
         problems.append(f"{type(model).__name__} is on the meta device: pass device= to materialise it on")
     if problems:
         raise UsageError("; ".join(problems))
+    model._mmm_parallelized = True  # its modules change in place from here: a second call would stack the plans
     if spec.float8:  # before the blocks are wrapped and compiled: their linear layers swapped in place
         problem = float8_device_problem(device or _param_device(model))
         if problem:

@@ -444,9 +444,17 @@ def init_mesh(
     dims = ParallelDims(
         world_size=info.world_size, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep
     )
+    import torch
     from torch.distributed.device_mesh import init_device_mesh
 
     device_type = device_type or info.device.type
+    try:
+        torch.device(device_type)
+    except (RuntimeError, TypeError):
+        raise UsageError(
+            f"device_type={device_type!r} is not a torch device type; give cpu, cuda or xpu, or leave it out "
+            f"(this job's: {info.device.type})"
+        ) from None
     axes = dims.enabled_axes() or ("dp_shard",)
     shape = tuple(getattr(dims, a) for a in axes)
     for axis in dims.enabled_axes():

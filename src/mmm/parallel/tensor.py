@@ -75,7 +75,12 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, Any], *, allow_missing: bo
     if missing and not allow_missing:
         raise UsageError(
             f"TP plan pattern(s) {', '.join(repr(p) for p in missing)} match no module of "
-            f"{type(model).__name__}; its modules look like {', '.join(names[:6])}, ..."
+            f"{type(model).__name__}; "
+            + (
+                f"its modules look like {', '.join(names[:6])}{', ...' if len(names) > 6 else ''}"
+                if names
+                else "it has no submodules to shard (a plan names submodules, e.g. 'layers.*.wq')"
+            )
         )
     return out
 

@@ -278,13 +278,20 @@ def _simulate(recipe, ns: argparse.Namespace, argv: list[str]) -> str:
     if ns.expert_load is not None and not ns.step:
         raise UsageError(f"--expert-load {ns.expert_load:g} routes the simulated step's tokens; drop it or --no-step")
     if ns.expert_load is not None:
-        experts = recipe.experts(recipe.model_config(config.train))
+        model_config = recipe.model_config(config.train)
+        experts = recipe.experts(model_config)
         if not experts:
             raise UsageError(f"--expert-load {ns.expert_load:g} applies to a mixture of experts; this model has none")
-        if not 1 <= ns.expert_load <= experts:
+        # each token goes to top_k different experts: one expert gets at most every token, experts / top_k x the mean
+        top_k = getattr(model_config, "moe_top_k", None) or getattr(
+            getattr(model_config, "config", None), "num_experts_per_tok", None
+        )
+        top_k = top_k if isinstance(top_k, int) and top_k >= 1 else 1
+        most = experts / top_k
+        if not 1 <= ns.expert_load <= most:
             raise UsageError(
-                f"--expert-load {ns.expert_load:g} must be between 1 (balanced) and {experts} (every token to one "
-                "expert)"
+                f"--expert-load {ns.expert_load:g} must be between 1 (balanced) and {most:g} (every token to one "
+                f"expert: {experts} experts, each token to {top_k})"
             )
     hardware = load_hardware(ns.hardware) if ns.hardware else None
     if hardware is not None and not ns.step:

@@ -182,7 +182,8 @@ class ParallelConfig(MeshConfig):
             ]
             given += ["--stages-per-rank"] if self.stages_per_rank != 1 else []
             if given:
-                out.append(f"{', '.join(given)} only apply with --pp > 1 (got pp=1); add --pp N or drop them")
+                verb, them = ("applies", "it") if len(given) == 1 else ("apply", "them")
+                out.append(f"{', '.join(given)} only {verb} with --pp > 1 (got pp=1); add --pp N or drop {them}")
         if self.cp_attention != "ring" and dims.cp == 1:
             out.append(
                 f"--cp-attention {self.cp_attention} only applies with --cp > 1 (got cp=1); add --cp N or drop it"
