@@ -173,6 +173,8 @@ def _refusal(main, argv: list[str]) -> str:
         ("plan", ["--world", "4", "--tp", "2", "--strategy", "ddp"], ["ddp", "tp=2"]),
         ("plan", ["--world", "4", "--strategies", "fsdp,zero9"], ["zero9"]),
         ("plan", ["--world", "4", "--json", "/"], ["--json '/' is a directory; give a file name"]),  # before any work
+        ("plan", ["--world", "4", "--moe-experts", "4", "--ep", "3"], ["--ep 3 does not divide the 4 experts"]),
+        ("plan", ["--world", "4", "--ep", "2"], ["--ep 2 splits a mixture of experts' experts; add --moe-experts"]),
         ("simulate", ["--world", "64", "--strategy", "zero2"], ["--strategy zero2 is not simulated"]),
         ("simulate", ["--world", "64", "--strategy", "ddp"], ["--strategy ddp is not simulated", "fsdp or hsdp"]),
         ("simulate", ["--world", "8", "--ranks", "0,8"], ["--ranks '0,8'", "from 0 to 7"]),
@@ -195,6 +197,24 @@ def test_planner_and_simulator_refuse_in_one_line(command, flags, needles, tmp_p
     line = _refusal(main, flags)
     assert all(n in line for n in needles), (flags, line)
     assert not list(tmp_path.iterdir()), list(tmp_path.iterdir())  # nothing written
+
+
+def test_a_mixture_of_experts_plan_shows_each_layouts_ep(capsys):
+    """One row per ep degree: without the column, the rows of ep 1 and 2 of a layout read the same."""
+    assert plan_main(["--world", "4", "--moe-experts", "4", "--dim", "32", "--n-heads", "4", "--n-layers", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = next(ln.split() for ln in lines if ln.lstrip().startswith("#"))
+    assert head[:7] == ["#", "pp", "dpr", "dps", "cp", "tp", "ep"], head
+    rows = [ln.split()[1:7] for ln in lines if ln.strip()[:1].isdigit()]
+    assert len(rows) == len({tuple(r) for r in rows}) and any(r[5] == "2" for r in rows), rows
+
+
+def test_a_flag_that_narrows_the_layouts_is_said(capsys):
+    """--cp-attention ulysses makes every layout without context parallel invalid (the trainer would refuse the
+    flag there): said in a note, not left to be noticed."""
+    assert plan_main(["--world", "4", "--cp-attention", "ulysses", "--dim", "32", "--n-heads", "4"]) == 0
+    err = capsys.readouterr().err
+    assert "note: --cp-attention ulysses applies with --cp > 1: the layouts without context parallel" in err, err
 
 
 @pytest.mark.parametrize(

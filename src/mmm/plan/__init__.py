@@ -132,10 +132,20 @@ def plan(
             out += _combos(config, world, degrees, strategies)
     out.sort(key=lambda c: not c.valid)
     if fixed and not out:
-        raise UsageError(
-            f"no layout of {world} ranks has {', '.join(f'{k}={v}' for k, v in fixed.items())}: "
-            f"the degrees must multiply to {world}"
-        )
+        ep = fixed.get("ep", 1)
+        if ep > 1 and not experts:
+            why = f"--ep {ep} splits a mixture of experts' experts; add --moe-experts N (a multiple of {ep})"
+        elif ep > 1 and experts % ep:
+            why = f"--ep {ep} does not divide the {experts} experts; give an ep that divides them"
+        elif ep > 1:
+            why = "ep borrows its ranks from dp_shard x cp, which it must divide, and the other degrees multiply to"
+            why = f"no layout of {world} ranks has {', '.join(f'{k}={v}' for k, v in fixed.items())}: {why} {world}"
+        else:
+            why = (
+                f"no layout of {world} ranks has {', '.join(f'{k}={v}' for k, v in fixed.items())}: "
+                f"the degrees must multiply to {world}"
+            )
+        raise UsageError(why)
     return out
 
 

@@ -167,7 +167,10 @@ def format_table(combos, *, valid_only: bool = False) -> str:
     """The planner's listing: valid layouts with estimates, then invalid ones with reasons."""
     valid = [c for c in combos if c.valid]
     groups = sorted({g for c in valid for g in (c.comm or {})})
-    head = ["#", "pp", "dpr", "dps", "cp", "tp", "strategy", "params", "grads", "optim", "activ", "total"]
+    axes = ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
+    axes += ["ep"] if any("ep" in c.degrees for c in combos) else []  # a mixture of experts: one row per ep
+    head = ["#", "pp", "dpr", "dps", "cp", "tp", *(["ep"] if "ep" in axes else [])]
+    head += ["strategy", "params", "grads", "optim", "activ", "total"]
     head += [f"comm:{g}" for g in groups]
     rows = []
     for i, c in enumerate(valid, 1):
@@ -175,7 +178,7 @@ def format_table(combos, *, valid_only: bool = False) -> str:
         rows.append(
             [
                 str(i),
-                *(str(c.degrees[a]) for a in ("pp", "dp_replicate", "dp_shard", "cp", "tp")),
+                *(str(c.degrees.get(a, 1)) for a in axes),
                 c.strategy,
                 *(
                     f"{m[k] / MIB:.1f}" if k in m else "-"
@@ -216,6 +219,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         gap
         and f"the closed-form estimates do not model {gap}: none given below; python -m mmm.plan.simulate "
         "runs the step itself",
+        how.cp_attention != "ring"
+        and f"--cp-attention {how.cp_attention} applies with --cp > 1: the layouts without context parallel are "
+        "invalid here (drop it to plan them)",
     ]
     for line in filter(None, notes):
         print(f"python -m mmm.plan: note: {line}", file=sys.stderr)

@@ -267,6 +267,12 @@ def _simulate(recipe, ns: argparse.Namespace, argv: list[str]) -> str:
             "--float8 is not simulated (torchao's float8 matmuls need a CUDA device); drop it for the bf16 "
             "step's estimate, or add --no-step"
         )
+    if ns.pick and config.parallel.cp_attention != "ring":  # the trainer takes the pick with the flag: cp > 1
+        print(
+            f"python -m mmm.plan.simulate: note: --cp-attention {config.parallel.cp_attention} applies with --cp > 1: "
+            "only layouts with context parallel are ranked (drop it to rank every layout)",
+            file=sys.stderr,
+        )
     unused = run_only_flags(config)
     if unused:  # the trainer's command line is welcome here; say what of it a simulated step leaves out
         print(
