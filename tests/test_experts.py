@@ -234,7 +234,7 @@ def test_the_expert_load_lands_on_the_rank_of_the_first_expert(tmp_path):
     "argv, needle",
     [
         (["--expert-load", "2"], "--expert-load 2 applies to a mixture of experts; this model has none"),
-        (["--moe-experts", "8", "--expert-load", "9"], "--expert-load 9 must be between 1 (balanced) and 8"),
+        (["--moe-experts", "8", "--expert-load", "9"], "--expert-load 9 must be between 1 (balanced) and 4 (every"),
     ],
 )
 def test_expert_load_refusals(argv, needle):
