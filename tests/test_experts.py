@@ -263,3 +263,25 @@ def test_the_planner_holds_a_given_expert_parallel_degree():
     held = {c.degrees.get("ep", 1) for c in plan_for(parse_request([*flags, "--ep", "2"]))}
     free = {c.degrees.get("ep", 1) for c in plan_for(parse_request(flags))}
     assert held == {2} and free == {1, 2, 4}, (held, free)
+
+
+def test_the_pick_takes_full_checkpointing_where_selective_cannot_run_with_experts(tmp_path):
+    """On a device small enough to need activation checkpointing, --pick tried selective on the ep 2 layout too,
+    which fails in backward (torch), and the whole pick died; now ep 2 takes full, the others the least that fits."""
+    hw = tmp_path / "small.json"
+    hw.write_text(
+        json.dumps(
+            {"name": "small", "devices_per_node": 8, "memory_gb": 0.0195, "peak_tflops": {"bf16": 989.4, "fp32": 66.9},
+             "intra_node_gbps": 450, "inter_node_gbps": 25, "latency_us": 10, "matmul_efficiency": 0.6,
+             "memory_bandwidth_gbps": 3350, "memory_efficiency": 0.6, "source": "a test"}
+        )
+    )  # fmt: skip
+    out = tmp_path / "pick.json"
+    shape = ["--moe-experts", "4", "--dim", "64", "--n-layers", "2", "--n-heads", "4", "--seq-len", "256"]
+    res = run([*SIM, "--world", "2", *shape, "--batch-size", "8", "--pick", "--hardware", str(hw), "--json", str(out)],
+              timeout=240)  # fmt: skip
+    assert res.returncode == 0, res.output
+    rows = {r["label"]: r for r in json.loads(out.read_text())}
+    ep2 = [r for label, r in rows.items() if "-ep2-" in label]
+    assert ep2 and all(r["ac"] == "full" for r in ep2), {k: r["ac"] for k, r in rows.items()}
+    assert any(r["ac"] == "selective" for r in rows.values()), {k: r["ac"] for k, r in rows.items()}
