@@ -25,10 +25,12 @@ scheduler to be Slurm and stops; EZPZ_SCHEDULER=unknown is set for its runs unle
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import selectors
+import signal
 import statistics
 import subprocess
 import sys
@@ -79,6 +81,10 @@ def _problems(args: argparse.Namespace) -> list[str]:
     dp = args.ranks // args.tp
     if args.batch_size % dp:
         problems.append(f"--batch-size {args.batch_size} is not divisible by dp={dp} (ranks / tp)")
+    if args.dim % args.n_heads:
+        problems.append(f"--dim {args.dim} is not divisible by --n-heads {args.n_heads}")
+    if args.n_heads % args.n_kv_heads:
+        problems.append(f"--n-heads {args.n_heads} is not divisible by --n-kv-heads {args.n_kv_heads}")
     if args.n_heads % args.tp or args.n_kv_heads % args.tp:
         problems.append(f"--n-heads {args.n_heads} and --n-kv-heads {args.n_kv_heads} must divide by --tp {args.tp}")
     if args.steps <= FIRST_STEADY:
@@ -129,7 +135,10 @@ def commands(args: argparse.Namespace, ezpz_python: str, out: Path, i: int) -> d
 def timed_run(cmd: list[str], env: dict[str, str], timeout: float, log: Path) -> dict:
     """Runs cmd, reading its merged output as it comes; the time each step's `iter=N` line arrived."""
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, bufsize=0)
+    # a session of its own: a timed-out run's ranks end with the launcher, not after it
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, bufsize=0, start_new_session=True
+    )
     seen: dict[int, float] = {}
     lines: list[str] = []
     sel = selectors.DefaultSelector()
@@ -155,9 +164,15 @@ def timed_run(cmd: list[str], env: dict[str, str], timeout: float, log: Path) ->
                 if m and "loss=" in line:
                     seen.setdefault(int(m.group(1)), now)
         rc = proc.wait(timeout=max(1.0, timeout - (time.monotonic() - t0)))
-    except (TimeoutError, subprocess.TimeoutExpired):
-        proc.kill()
-        proc.wait()
+    except (TimeoutError, subprocess.TimeoutExpired, KeyboardInterrupt) as e:
+        for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=wait)
+                break
+        if isinstance(e, KeyboardInterrupt):
+            raise
         rc = None
     wall = time.monotonic() - t0
     log.parent.mkdir(parents=True, exist_ok=True)

@@ -91,7 +91,7 @@ def C(name, base, ranks, flags="", launcher="launch") -> Case:
 MATRIX = [
     # data parallel and tensor parallel (llama)
     C("fsdp-dp4", "llama", 4, "--tp 1", "torchrun"),
-    C("fsdp-dp2-tp2", "llama", 4, "--tpsize 2"),
+    C("fsdp-dp2-tp2-clip", "llama8-clip", 4, "--tpsize 2"),  # the demo's layout, clipped over its 2-D shards
     C("ddp-dp4", "llama", 4, "--strategy ddp"),
     C("hsdp-2x2", "llama", 4, "--strategy hsdp --dp-replicate 2", "torchrun"),
     C("fsdp-dp2-tp4", "llama", 8, "--tp 4", "torchrun"),
@@ -188,7 +188,7 @@ def compare(got: list[dict], want: list[dict], keys=("loss", "grad_norm")) -> di
 
 
 # in make test-fast whatever their time: the demo's layout (TP x FSDP) and a pipeline over FSDP
-FAST_ROWS = {"fsdp-dp2-tp2", "pp2-dp2-clip"}
+FAST_ROWS = {"fsdp-dp2-tp2-clip", "pp2-dp2-clip"}
 
 
 @pytest.mark.parametrize(

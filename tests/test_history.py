@@ -164,12 +164,12 @@ def test_an_earlier_history_is_moved_aside_never_emptied(tmp_path):
     assert not (tmp_path / "history.jsonl").read_text()
     assert [json.loads(x)["loss"] for x in again.replaced.read_text().splitlines()] == [1.0, 2.0]
     again.update(1, loss=3.0)
-    with open(tmp_path / "history.jsonl", "a") as f:
-        f.write('{"iter": 2.0, "loss": 4.0}\n{"iter": 3, "lo')  # a float step, a line cut short
+    with open(tmp_path / "history.jsonl", "ab") as f:  # a float step, a line cut short mid-character
+        f.write(b'{"iter": 2.0, "loss": 4.0}\n{"iter": 3, "lo\xc3')
     resumed = History(tmp_path, resume=1)
     assert [r["loss"] for r in resumed.rows] == [3.0]
-    kept = resumed.replaced.read_text().splitlines()
-    assert kept == ['{"iter": 2.0, "loss": 4.0}', '{"iter": 3, "lo'], kept
+    kept = resumed.replaced.read_bytes().splitlines()
+    assert kept == [b'{"iter": 2.0, "loss": 4.0}', b'{"iter": 3, "lo\xc3'], kept  # byte for byte
     assert len(list(tmp_path.glob("history.replaced-*.jsonl"))) == 2
     (tmp_path / "d" / "history.jsonl").mkdir(parents=True)
     with pytest.raises(UsageError, match="history.jsonl is a folder; History writes history.jsonl there"):
@@ -191,3 +191,9 @@ def test_any_metric_name_and_infinite_values_reach_every_output(tmp_path):
     assert list(ds["train_loss"].values[[0, 2]]) == [1.0, 2.0] and math.isinf(ds["train_loss"].values[1])
     assert sorted(p.name for p in (tmp_path / "plots").glob("*.txt")) == ["say__hi_.txt", "train_loss.txt"]
     assert (tmp_path / "plots" / "train_loss.png").stat().st_size > 1000
+    both = History(tmp_path / "both", warmup=0)  # two names of one file name: the second gets _2, both kept
+    both.update(1, **{"train/loss": 1.0, "train_loss": 2.0})
+    both.finalize(print_plots=False)
+    ds = xr.open_dataset(tmp_path / "both" / "history.nc")
+    assert (float(ds["train_loss"][0]), float(ds["train_loss_2"][0])) == (1.0, 2.0)
+    assert sorted(p.name for p in (tmp_path / "both" / "plots").glob("*.png")) == ["train_loss.png", "train_loss_2.png"]

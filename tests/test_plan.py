@@ -363,6 +363,7 @@ def test_sweep_bad_input(flags, needles, tmp_path):
         (["--ranks", "4", "--tp", "3"], "--tp 3 does not divide --ranks 4"),
         (["--ranks", "4", "--tp", "2", "--batch-size", "5"], "--batch-size 5 is not divisible by dp=2"),
         (["--steps", "3"], "--steps 3: give more than 3"),
+        (["--dim", "100", "--n-heads", "8"], "--dim 100 is not divisible by --n-heads 8"),
         (["--ezpz-python", "/nonexistent/python"], "--ezpz-python '/nonexistent/python' is not an executable file"),
         (["--ezpz-python", sys.executable], "has no ezpz.examples.fsdp_tp; install ezpz in an environment"),
         (["--out", "FILE"], "is a file; pass a directory"),

@@ -73,7 +73,7 @@ def atomic_write_text(path: Path, text: str) -> None:
     if path.is_dir():  # before a temporary file beside it is made
         raise IsADirectoryError(f"{path} is a directory, not a file to write")
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
+    tmp.write_text(text, encoding="utf-8", errors="surrogateescape")  # a kept line's bytes, as they were
     os.replace(tmp, path)
 
 
@@ -140,7 +140,7 @@ class History:
         if path is not None and path.is_dir():
             raise UsageError(f"{path} is a folder; History writes {path.name} there: give another outdir")
         if resume is not None and path is not None and path.is_file():
-            for line in path.read_text(errors="replace").splitlines():
+            for line in path.read_text(encoding="utf-8", errors="surrogateescape").splitlines():
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError:
@@ -160,7 +160,7 @@ class History:
                 os.replace(path, self.replaced)
                 get_logger().info("history: %s held an earlier history: moved to %s", path, self.replaced)
             # line-buffered: every step reaches the OS as it finishes (survives a crash or SIGKILL)
-            self._file = open(path, "a" if resume is not None else "w", buffering=1)
+            self._file = open(path, "a" if resume is not None else "w", buffering=1, encoding="utf-8")
 
     def update(
         self, step: int | Mapping[str, Any] | None = None, values: Mapping[str, Any] | None = None, /, **metrics: Any
@@ -197,6 +197,21 @@ class History:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def file_names(self, names: Iterable[str] | None = None) -> dict[str, str]:
+        """Each metric's :func:`file_name`, unique (``train/loss`` and ``train_loss`` both recorded: the second
+        in order of first appearance gets ``_2``), the same on every call."""
+        out: dict[str, str] = {}
+        taken: set[str] = set()
+        for m in self.metrics if names is None else names:
+            base = name = file_name(m)
+            n = 1
+            while name in taken or name == self.step_key:
+                n += 1
+                name = f"{base}_{n}"
+            taken.add(name)
+            out[m] = name
+        return out
 
     @property
     def metrics(self) -> list[str]:
@@ -243,7 +258,8 @@ class History:
         import xarray as xr
 
         coords = {self.step_key: np.asarray(self.steps(), dtype=np.int64)}
-        data = {file_name(m): ((self.step_key,), np.asarray(self.series(m), dtype=np.float64)) for m in self.metrics}
+        names = self.file_names()
+        data = {names[m]: ((self.step_key,), np.asarray(self.series(m), dtype=np.float64)) for m in self.metrics}
         ds = xr.Dataset(data, coords=coords)
         ds.attrs.update(_netcdf_attrs(attrs))
         return ds
@@ -261,8 +277,8 @@ class History:
         with h5netcdf.File(path, "w") as f:
             f.dimensions = {self.step_key: len(self.rows)}
             f.create_variable(self.step_key, (self.step_key,), data=np.asarray(self.steps(), dtype=np.int64))
-            for m in self.metrics:  # xarray's encoding of a float variable: NaN marks a missing value
-                v = f.create_variable(file_name(m), (self.step_key,), dtype=np.float64, fillvalue=np.nan)
+            for m, name in self.file_names().items():  # xarray's encoding of a float: NaN marks a missing value
+                v = f.create_variable(name, (self.step_key,), dtype=np.float64, fillvalue=np.nan)
                 v[:] = np.asarray(self.series(m), dtype=np.float64)
             for k, v in _netcdf_attrs(attrs).items():
                 f.attrs[k] = v
@@ -306,14 +322,21 @@ class History:
         steps = self.steps()
         texts = []
         prefix = "" if self.name == "history" else f"{self.name}_"
+        files = self.file_names()
         for name in names:
             text = text_plot(steps, self.series(name), title=f"{prefix}{name}", xlabel=self.step_key)
-            atomic_write_text(pdir / f"{prefix}{file_name(name)}.txt", text + "\n")
+            atomic_write_text(pdir / f"{prefix}{files.get(name, file_name(name))}.txt", text + "\n")
             texts.append(text)
         if print_plots and texts:
             sys.stdout.write("\n".join(texts) + "\n")
             sys.stdout.flush()
-        image_plots(steps, {f"{prefix}{n}": self.series(n) for n in names}, pdir, xlabel=self.step_key)
+        image_plots(
+            steps,
+            {f"{prefix}{files.get(n, file_name(n))}": self.series(n) for n in names},
+            pdir,
+            xlabel=self.step_key,
+            titles={f"{prefix}{files.get(n, file_name(n))}": f"{prefix}{n}" for n in names},
+        )
 
 
 def _netcdf_attrs(attrs: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -353,8 +376,15 @@ def text_plot(
     return _ANSI.sub("", plt.build())
 
 
-def image_plots(x: list[int], series: Mapping[str, list[float]], outdir: Path, *, xlabel: str = "iter") -> None:
-    """One PNG per metric (matplotlib, Agg backend)."""
+def image_plots(
+    x: list[int],
+    series: Mapping[str, list[float]],
+    outdir: Path,
+    *,
+    xlabel: str = "iter",
+    titles: Mapping[str, str] | None = None,
+) -> None:
+    """One PNG per metric (matplotlib, Agg backend), ``<key>.png`` (``titles``: a key's title, else the key)."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -364,7 +394,7 @@ def image_plots(x: list[int], series: Mapping[str, list[float]], outdir: Path, *
         fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
         ax.plot(x, [v if math.isfinite(v) else math.nan for v in y], lw=1)  # inf: a gap, as NaN
         ax.set_xlabel(xlabel)
-        ax.set_title(name)
+        ax.set_title((titles or {}).get(name, name))
         ax.grid(alpha=0.3)
         fig.tight_layout()
         tmp = outdir / f".{file_name(name)}.png.tmp"

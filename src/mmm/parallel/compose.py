@@ -312,7 +312,6 @@ def parallelize(
         problems.append(f"{type(model).__name__} is on the meta device: pass device= to materialise it on")
     if problems:
         raise UsageError("; ".join(problems))
-    model._mmm_parallelized = True  # its modules change in place from here: a second call would stack the plans
     if spec.float8:  # before the blocks are wrapped and compiled: their linear layers swapped in place
         problem = float8_device_problem(device or _param_device(model))
         if problem:
@@ -357,14 +356,23 @@ def parallelize(
             experts_mesh=mesh.get("efsdp"),
             experts_divide=mesh.size("dp_shard_cp"),
         )
-        return materialize(model, device=device, seed=seed, init=init) if on_meta else model
+        return _parallelized(materialize(model, device=device, seed=seed, init=init) if on_meta else model)
     if on_meta:  # before DDP, which broadcasts real parameters when it wraps
         materialize(model, device=device, seed=seed, init=init)
     if param_dtype != torch.float32:
         autocast_forward(model, param_dtype, device_type=(device or _param_device(model)).type)
     if spec.dp == "ddp" and mesh.dp_enabled:
-        return apply_ddp(model, mesh["dp"], device=device or _param_device(model))
-    return model
+        return _parallelized(apply_ddp(model, mesh["dp"], device=device or _param_device(model)), model)
+    return _parallelized(model)
+
+
+def _parallelized(result: nn.Module, model: nn.Module | None = None) -> nn.Module:
+    """Mark a model parallelize() has finished with (and the wrapper it returns): a second call would stack
+    its plans on the changed modules. A call that failed on a check leaves the model unmarked."""
+    for m in (result, model):
+        if m is not None:
+            m._mmm_parallelized = True
+    return result
 
 
 def _param_device(model: nn.Module) -> torch.device:

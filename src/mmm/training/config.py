@@ -298,8 +298,8 @@ class RunConfig:
         "--on-nonfinite",
         choices=("stop", "skip"),
         group="failures",
-        help="a NaN/inf loss: stop with an error naming the step (the last checkpoint stays the last good one), "
-        "or skip that step's update (torch strategies)",
+        help="a NaN/inf loss or gradient norm: stop with an error naming the step (the last checkpoint stays the "
+        "last good one), or skip that step's update (torch strategies)",
     )
 
     @property

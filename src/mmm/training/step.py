@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from mmm.dist import stop_flag
+from mmm.errors import UsageError
 
 
 def _local_scalar(loss: torch.Tensor) -> torch.Tensor:
@@ -56,7 +57,9 @@ class Reduced:
             if self._event is not None:
                 self._event.synchronize()
             loss, nonfinite, stop, grad_square = self._host.tolist()
-            self._values = (loss, nonfinite > 0, stop > 0)
+            # every rank's share finite, their sum not (an overflow): non-finite too, alike on every rank
+            nonfinite = nonfinite > 0 or (self.has_grad_norm and not math.isfinite(grad_square))
+            self._values = (loss, nonfinite, stop > 0)
             self._grad_norm = math.sqrt(grad_square) if self.has_grad_norm else None
         return self._values
 
@@ -180,9 +183,7 @@ def train_step(
         inputs, targets, loss_fn, mark=timer.mark, poison=poison == "nan", probe_memory=after_backward is not None
     )
     if poison == "nangrad":
-        grad = next((p.grad for p in engine.module.parameters() if p.grad is not None), None)
-        if grad is not None:  # a pipeline stage, a ZeRO engine without local grads: nothing to poison
-            grad.fill_(float("nan"))
+        _poison_a_gradient(engine)
     if after_backward is not None:
         after_backward()
     share = engine.grad_square_share()
@@ -193,6 +194,20 @@ def train_step(
     else:
         engine.step(reduced.grad_square if share is not None else None)
     return loss, reduced, StepTimes(timer, skipped if skip_nonfinite else None)
+
+
+def _poison_a_gradient(engine) -> None:
+    """MMM_FAULT=nangrad: the first gradient this rank holds a part of becomes NaN."""
+    for p in engine.module.parameters():
+        grad = p.grad
+        local = grad.to_local() if grad is not None and hasattr(grad, "to_local") else grad
+        if local is not None and local.numel():
+            local.fill_(float("nan"))
+            return
+    raise UsageError(  # DeepSpeed keeps the gradients in its own buffers: same on every rank
+        "MMM_FAULT=nangrad poisons a gradient of the model, and this engine holds none on it (DeepSpeed ZeRO keeps "
+        "its own); use nan@STEP, or a torch strategy"
+    )
 
 
 @torch.no_grad()
