@@ -11,14 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from mmm.errors import ArgumentParser, UsageError, print_error
+from mmm.errors import ArgumentParser, run_command
 from mmm.history import History
 
 KEYS = ("loss", "dt", "dtf", "dtb", "tps", "lr", "grad_norm", "mem")
@@ -93,8 +92,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UsageError as e:
-        print_error(str(e), prog="python benchmarks/history_bench.py")
-        sys.exit(2)
+    run_command(main, "python benchmarks/history_bench.py")

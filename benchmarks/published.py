@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mmm.errors import ArgumentParser, UsageError, print_error
+from mmm.errors import ArgumentParser, run_command
 from mmm.plan.hardware import load_hardware
 
 SHAPES = {  # hidden, layers, heads, kv heads, intermediate (vocabulary 128,256 for all)
@@ -196,8 +196,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UsageError as e:
-        print_error(str(e), prog="python benchmarks/published.py")
-        sys.exit(2)
+    run_command(main, "python benchmarks/published.py")

@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from mmm.errors import run_command
+
 LAUNCH = str(Path(sys.executable).parent / "launch")
 TRAINER_DEFAULTS = ["--max-iters", "10", "--log-every", "5", "--no-plots", "--measure"]
 MIB = 2**20
@@ -410,12 +412,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from mmm.errors import UsageError, print_error
-
-    try:
-        sys.exit(main())
-    except UsageError as e:
-        print_error(str(e), prog="python benchmarks/sweep.py")
-        sys.exit(2)
-    except KeyboardInterrupt:
-        sys.exit(130)
+    run_command(main, "python benchmarks/sweep.py")

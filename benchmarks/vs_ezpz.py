@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from mmm.cli import positive_int
-from mmm.errors import UsageError, folder_problem, print_error
+from mmm.errors import UsageError, folder_problem, run_command
 from mmm.models.llama import LlamaConfig
 
 ITER = re.compile(r"\biter=(\d+)\b")
@@ -252,10 +252,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UsageError as e:
-        print_error(str(e), prog="python benchmarks/vs_ezpz.py")
-        sys.exit(2)
-    except KeyboardInterrupt:
-        sys.exit(130)
+    run_command(main, "python benchmarks/vs_ezpz.py")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 
 class UsageError(Exception):
@@ -118,6 +118,19 @@ def print_error(message: str, *, prog: str | None = None, rank: int | None = Non
     name = f"{prog}: " if prog else ""
     sys.stderr.write(f"{prefix}{name}error: {message}\n")
     sys.stderr.flush()
+
+
+def run_command(main: Callable[[], int | None], prog: str) -> NoReturn:
+    """A one-process command's entry point: ``sys.exit(main())``; a :class:`UsageError` ends it with one line
+    and exit 2, Ctrl-C with exit 130 (no traceback for either)."""
+    try:
+        code = main()
+    except UsageError as e:
+        print_error(str(e), prog=prog)
+        code = 2
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code or 0)
 
 
 def first_line(e: BaseException) -> str:
