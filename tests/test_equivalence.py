@@ -138,6 +138,14 @@ MATRIX = [
     C("moe-ep2-tp2", "moe", 4, "--tp 2 --ep 2", "torchrun"),
     C("moe-dp2-cp2-ep2", "moe", 4, "--cp 2 --ep 2", "torchrun"),
     C("moe-dp2-ulysses-cp2-ep4", "moe", 4, "--cp 2 --cp-attention ulysses --ep 4"),
+    # gradient accumulation (--microbatches without a pipeline; --measure: each row's activation peak is one
+    # microbatch's): FSDP x TP clipped, HSDP (its all-reduce deferred), DDP (no_sync), DeepSpeed's own, and
+    # experts (their balancing loss's gradient scaled with the others)
+    C("acc2-fsdp-dp2-tp2-clip", "llama8-clip", 4, "--tp 2 --microbatches 2 --measure"),
+    C("acc2-hsdp-2x2", "llama", 4, "--strategy hsdp --dp-replicate 2 --microbatches 2 --measure", "torchrun"),
+    C("acc4-ddp-dp2", "llama", 2, "--strategy ddp --microbatches 4 --measure"),
+    C("acc2-zero2-dp2", "llama", 2, "--strategy zero2 --microbatches 2 --measure"),
+    C("acc2-moe-dp2-ep2", "moe", 2, "--ep 2 --microbatches 2 --measure"),
     # the ViT on 4 ranks: DDP, FSDP, ZeRO-1 and ZeRO-3 (ZeRO-2: the Llama's and the CNN's rows), and TP x FSDP
     *[C(f"vit-{s}-dp4", "vit", 4, f"--strategy {s}", "torchrun") for s in ("ddp", "fsdp", "zero1", "zero3")],
     C("vit-tp2-dp2", "vit", 4, "--tp 2"),
@@ -212,6 +220,12 @@ def test_layout_matches_one_process(references, tmp_path, case, request):
     flags = dict(zip(case.flags, case.flags[1:]))
     if int(flags.get("--tp", flags.get("--tpsize", 1))) > 1:
         assert "tp:Shard(0)" in res.stdout  # the sharding table shows the TP plan
+    if "--microbatches" in flags and "--pp" not in flags:  # gradient accumulation really ran
+        n = int(flags["--microbatches"])
+        assert summary["accumulation"] == {"microbatches": n}, summary.get("accumulation")
+        assert f"gradient accumulation: {n} microbatches of " in res.stdout
+        for rank in summary["measured_per_rank"]:  # a microbatch's activations at a time: 1/n of the step's
+            assert rank["activation_peak_bytes"] <= rank["activation_bytes"] / n * 1.05, rank
     if case.base == "cnn":  # the per-epoch evaluation over the sharded test set, too
         got, want = jsonl(tmp_path / "epochs.jsonl", key=None), jsonl(ref / "epochs.jsonl", key=None)
         assert compare(got, want, keys=("train_loss", "test_loss")) == pytest.approx(

@@ -155,28 +155,60 @@ class CommCounter(TorchDispatchMode):
         return dict(sorted(self.bytes.items()))
 
 
+_TO_LOCAL = ("_ToTorchTensorBackward", "ToLocalBackward")  # DTensor.to_local's backward, by torch version
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A parameter, a view of one, or a view of a DTensor parameter's local tensor (``p.to_local()[e]``, as
+    a mixture of experts' weights are used): storage the parameter's owner (FSDP) holds and frees, not the
+    step's activations. Such a view's base is the DTensor's inner tensor (a leaf that needs no gradient)
+    while the view needs one, through DTensor's ``to_local`` backward."""
+    base = t._base if t._base is not None else t
+    if base.is_leaf and base.requires_grad:
+        return True
+    if not (t.requires_grad and base.is_leaf):
+        return False
+    fn = t.grad_fn
+    for _ in range(4):  # through the view ops between the weight and its local tensor
+        if fn is None:
+            return False
+        if type(fn).__name__ in _TO_LOCAL:  # of a parameter (a leaf: AccumulateGrad), not of an activation
+            return any(type(f).__name__ == "AccumulateGrad" for f, _ in fn.next_functions if f is not None)
+        fn = fn.next_functions[0][0] if fn.next_functions else None
+    return False
+
+
 class SavedActivations:
-    """``with SavedActivations() as s: loss = model(x)`` then ``s.bytes``: distinct saved storages."""
+    """``with SavedActivations() as s: loss = model(x)`` then ``s.bytes``: distinct saved storages; and
+    ``s.peak_bytes``: the most of them alive at once (a backward frees what it used: under gradient
+    accumulation, or a pipeline's microbatches, the peak is one microbatch's, the sum all of them)."""
 
     def __init__(self) -> None:
         self._seen: set[int] = set()
-        self.bytes = 0
+        self.bytes = self.peak_bytes = self._live = 0
         self._ctx = None
 
+    def _freed(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self._live -= nbytes
+
     def _pack(self, t: torch.Tensor):
-        base = t._base if t._base is not None else t
-        if not (base.is_leaf and base.requires_grad):  # parameters (and views of them) are not activations
+        if not _is_parameter(t):  # parameters (and views of them) are not activations
             local = t._local_tensor if hasattr(t, "_local_tensor") else t
             try:
                 storage = local.untyped_storage()
                 key = storage._cdata  # the storage itself (a fake tensor's has no data pointer)
-                if key not in self._seen and storage.nbytes():
+                nbytes = storage.nbytes()
+                if key not in self._seen and nbytes:
                     self._seen.add(key)
-                    self.bytes += storage.nbytes()
+                    self.bytes += nbytes
+                    self._live += nbytes
                     # once freed (a microbatch's backward done), a new storage may take its place and key
-                    weakref.finalize(storage, self._seen.discard, key)
+                    weakref.finalize(storage, self._freed, key, nbytes)
             except (RuntimeError, NotImplementedError):
                 self.bytes += _nbytes(local)
+                self._live += _nbytes(local)  # its freeing unseen: alive to the end
+            self.peak_bytes = max(self.peak_bytes, self._live)
         return t
 
     def __enter__(self) -> SavedActivations:

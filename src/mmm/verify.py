@@ -33,7 +33,7 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 
 from mmm import dist
-from mmm.cli import ArgumentParser, Flags, nonnegative_float, option, override, positive_int, random_seed
+from mmm.cli import FLAGS, ArgumentParser, Flags, nonnegative_float, option, override, positive_int, random_seed
 from mmm.data import step_seed
 from mmm.dist import current
 from mmm.errors import RunError, UsageError
@@ -50,6 +50,7 @@ from mmm.parallel import (
     meta_init,
     parallelize,
 )
+from mmm.parallel.accumulate import accumulation_problems, deferred_gradient_sync, scale_gradients_, split_batch
 from mmm.parallel.compose import ac_problems, find_blocks, get_submodule
 from mmm.parallel.context import context_parallel, cp_problems, shard_sequence
 from mmm.parallel.experts import hf_ep_plan
@@ -161,6 +162,9 @@ def verify(
     per-step loss and global gradient norm. Collective: call it on every rank. Every rank gets the
     same :class:`Verdict`.
 
+    ``microbatches``: a pipeline's (default pp); without one, gradient accumulation over as many parts of
+    each rank's batch (:mod:`mmm.parallel.accumulate`), against the one process's whole batch.
+
     Context parallel (``cp_attention`` ring or ulysses) needs a model with the ``attn_fn`` hook and a
     ``shard_positions(positions)`` method (:func:`mmm.parallel.context.context_parallel`): each cp rank
     then trains its load-balanced share of every sequence."""
@@ -181,6 +185,11 @@ def verify(
             local_batch=global_batch // mesh.dp if global_batch % mesh.dp == 0 else None,
         )
         problems += [p for p in ac_problems(spec.ac, mesh.dims, schedule=pp_schedule) if p not in problems]
+    elif microbatches is not None:  # gradient accumulation over parts of each rank's batch
+        global_batch = batch_fn(1)[0].shape[0]
+        problems += accumulation_problems(
+            microbatches, global_batch // mesh.dp if global_batch % mesh.dp == 0 else None
+        )
     seq_len = 0
     if mesh.cp_enabled:
         example = batch_fn(1)[0]
@@ -251,10 +260,15 @@ def verify(
             inputs, targets = (shard_sequence(t, cp_rank, mesh.cp) for t in (inputs, targets))
         if pipe is not None:
             loss = pipe.step(inputs, targets)
-        else:
+        else:  # with microbatches, gradient accumulation: the gradients and loss are the parts' mean
+            n, loss = microbatches or 1, 0.0
             with loss_parallel_context(spec.loss_parallel and mesh.tp_enabled):
-                loss = loss_fn(model(inputs), targets)
-                loss.backward()
+                for i, (x, y) in enumerate(split_batch(inputs, targets, n)):
+                    with deferred_gradient_sync(model, last=i == n - 1):
+                        part = loss_fn(model(x), y)
+                        part.backward()
+                    loss = loss + part.detach() / n
+            scale_gradients_(model.parameters(), 1 / n)
         norms.append(clip_grad_norm_(model.parameters(), 0.0, pp_group=mesh.group("pp")))
         losses.append(mean_over(loss, mesh.group("dp_cp")))
         opt.step()
@@ -507,6 +521,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if check.model not in BUILTIN and ":" not in check.model:
         raise UsageError(f"--model {check.model!r}: use one of {', '.join(BUILTIN)}, or module:NAME")
     problems = par.problems(info.world_size)
+    dims = par.dims(info.world_size)
+    if dims is not None and dims.pp == 1 and check.batch_size % dims.dp == 0:  # gradient accumulation's parts
+        problems += accumulation_problems(par.microbatches, check.batch_size // dims.dp, spell=FLAGS)
     if problems:
         raise UsageError("; ".join(problems))
     mesh = init_mesh(**par.degrees, log_coordinates=False)

@@ -9,6 +9,7 @@ pipeline schedule runs forward and backward over microbatches (:class:`PipelineE
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mmm.errors import API, Spelling
+from mmm.errors import API, Spelling, UsageError
+from mmm.parallel.accumulate import deferred_gradient_sync, scale_gradients_, split_batch
 from mmm.parallel.compose import ParallelSpec, dp_problems, flat_dp_problems, parallelize, shards_parameters
 from mmm.parallel.grad_clip import clip_with_norm_, grad_norm_, square_share
 from mmm.parallel.mesh import Mesh, ParallelDims
@@ -123,6 +125,7 @@ class Engine:
     pipeline = None  # a mmm.parallel.pipeline.Pipeline under PP (PipelineEngine): it runs forward and backward
     grad_norm: torch.Tensor | float | None = None  # a 0-d device tensor until read (float(...))
     loss_parallel: bool = False  # the spec's loss parallel on a mesh with tp: the loss and its backward in it
+    microbatches: int = 1  # > 1: gradient accumulation over as many parts of a rank's batch (not under PP)
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -141,31 +144,68 @@ class Engine:
         poison: bool = False,
         probe_memory: bool = False,
     ) -> torch.Tensor:
-        """Forward, loss and backward of this rank's batch; returns the loss. ``mark()`` is called
-        before the forward, after the loss and after the backward (the step's dtf/dtb);
-        ``poison`` makes the loss NaN (fault injection); ``probe_memory`` tracks the gradient bytes
-        held during this backward (:meth:`state_bytes`)."""
+        """Forward, loss and backward of this rank's batch; returns the loss. With :attr:`microbatches`
+        N > 1, gradient accumulation (:mod:`mmm.parallel.accumulate`): N equal parts of the batch in turn,
+        the data-parallel reductions that can wait deferred to the last, the gradients and the returned loss
+        the mean over the parts. ``mark()`` is called before each part's forward, after its loss and after
+        its backward (the step's dtf/dtb: their sums); ``poison`` makes the loss NaN (fault injection);
+        ``probe_memory`` tracks the gradient bytes held during the (last part's) backward
+        (:meth:`state_bytes`)."""
+        n = self.microbatches
+        parts = [(inputs, targets)] if n == 1 else self._split(inputs, targets)
+        total = None
         with self.loss_context():
-            if mark is not None:
-                mark()
-            loss = loss_fn(self(inputs), targets)
-            if poison:
-                loss = loss * float("nan")
-            if mark is not None:
-                mark()
-            if probe_memory:
-                self.arm_memory_probe()
-            self.backward(loss)
-            if mark is not None:
-                mark()
-        return loss
+            for i, (x, y) in enumerate(parts):
+                last = i == n - 1
+                with self._accumulating(last):
+                    if mark is not None:
+                        mark()
+                    loss = loss_fn(self(x), y)
+                    if poison:
+                        loss = loss * float("nan")
+                    if mark is not None:
+                        mark()
+                    if probe_memory and last:
+                        self.arm_memory_probe()
+                    self.backward(loss)
+                    if mark is not None:
+                        mark()
+                if n == 1:
+                    return loss
+                if not last:
+                    self._micro_step()
+                total = loss.detach() if total is None else total + loss.detach()
+        self._average_gradients(n)
+        return total / n
+
+    def _split(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        try:
+            return split_batch(inputs, targets, self.microbatches)
+        except ValueError as e:  # the same on every rank: a setting, not a fault
+            raise UsageError(f"gradient accumulation: {e}") from None
+
+    def _accumulating(self, last: bool):
+        """The context of one part's backward (``last``: the batch's last part)."""
+        return deferred_gradient_sync(self.module, last=last)
+
+    def _micro_step(self) -> None:
+        """After each part but the last."""
+
+    def _average_gradients(self, n: int) -> None:
+        """After the last of ``n`` > 1 parts: the summed gradients become their mean."""
+        scale_gradients_(self.module.parameters(), 1 / n)
 
     def evaluate_loss(
         self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     ) -> torch.Tensor:
-        """The loss of one batch, forward only (call under ``torch.no_grad()`` with the model in eval mode)."""
+        """The loss of one batch, forward only (call under ``torch.no_grad()`` with the model in eval mode);
+        with :attr:`microbatches` > 1 the mean over as many parts (a part's logits at a time), where they
+        divide the batch."""
         with self.loss_context():
-            return loss_fn(self(inputs), targets)
+            if self.microbatches == 1 or inputs.shape[0] % self.microbatches:
+                return loss_fn(self(inputs), targets)
+            losses = [loss_fn(self(x), y) for x, y in self._split(inputs, targets)]
+            return sum(losses) / len(losses)
 
     def arm_memory_probe(self) -> None:
         """Track the most gradient bytes held during the next backward (engines that free gradients
@@ -318,6 +358,15 @@ class DeepSpeedEngine(Engine):
         self._grad_peak = 0
         self._probe_hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in params]
 
+    def _accumulating(self, last: bool):
+        return contextlib.nullcontext()  # DeepSpeed reduces at its accumulation boundary (its config's)
+
+    def _micro_step(self) -> None:
+        self.ds.step()  # before the boundary: counts the part, updates nothing (DeepSpeed's accumulation)
+
+    def _average_gradients(self, n: int) -> None:
+        pass  # DeepSpeed's backward divides each part's loss by its gradient_accumulation_steps
+
     def grad_square_share(self) -> None:
         return None  # DeepSpeed measures (and clips) the norm itself
 
@@ -350,6 +399,7 @@ def build_engine(
     offload_optimizer: bool = False,
     optimizer_args: dict[str, Any] | None = None,
     pipeline_args: dict[str, Any] | None = None,
+    microbatches: int | None = None,
     seed: int | None = None,
 ) -> Engine:
     """Parallelise ``model`` with ``spec`` (:func:`mmm.parallel.compose.parallelize`; under PP each
@@ -357,7 +407,10 @@ def build_engine(
     optimizer. ``strategy`` ddp/fsdp/hsdp is the spec's data-parallel mode; zero1/2/3 hand the
     (checkpointed, compiled) model to DeepSpeed, which also owns mixed precision and clipping.
     A model built on ``meta`` is materialised after sharding from ``seed`` (see :func:`parallelize`);
-    DeepSpeed gets it whole (ZeRO partitions after it is built)."""
+    DeepSpeed gets it whole (ZeRO partitions after it is built). ``microbatches``: under PP the
+    pipeline's (default pp); otherwise gradient accumulation over as many parts of each rank's batch
+    (default 1: none; :mod:`mmm.parallel.accumulate`), DeepSpeed's own under ZeRO."""
+    accumulate = 1 if mesh.pp_enabled or microbatches is None else microbatches
     if strategy in ZERO_STAGES:
         bare = spec.replace(dp="none", dtype="fp32", reshard_after_forward=None)  # DeepSpeed owns dp and dtype
         model = parallelize(model, mesh, bare, device=device, seed=seed)
@@ -369,6 +422,7 @@ def build_engine(
             dtype=spec.dtype,
             offload_optimizer=offload_optimizer,
             gradient_clipping=max_grad_norm,
+            gradient_accumulation=accumulate,
             **args,
         )
         optimizer = None if offload_optimizer else make_optimizer(model.parameters())
@@ -376,14 +430,18 @@ def build_engine(
             zero_initialize(model, optimizer, config=cfg, device_type=device.type), strategy=strategy
         )
         engine.loss_parallel = spec.loss_parallel and mesh.tp_enabled
+        engine.microbatches = accumulate
         return engine
     spec = spec.replace(dp=strategy)
     if mesh.pp_enabled:
-        pipe = build_pipeline(model, mesh, spec, device=device, seed=seed, **(pipeline_args or {}))
+        pipe = build_pipeline(
+            model, mesh, spec, device=device, seed=seed, microbatches=microbatches, **(pipeline_args or {})
+        )
         return PipelineEngine(
             pipe, make_optimizer(pipe.module.parameters()), strategy=strategy, max_grad_norm=max_grad_norm
         )
     model = parallelize(model, mesh, spec, device=device, seed=seed)
     engine = TorchEngine(model, make_optimizer(model.parameters()), strategy=strategy, max_grad_norm=max_grad_norm)
     engine.loss_parallel = spec.loss_parallel and mesh.tp_enabled
+    engine.microbatches = accumulate
     return engine

@@ -63,6 +63,7 @@ def zero_config(
     dtype: str,
     offload_optimizer: bool = False,
     gradient_clipping: float = 0.0,
+    gradient_accumulation: int = 1,
     lr: float = 1e-3,
     weight_decay: float = 0.0,
     betas: tuple[float, float] = (0.9, 0.999),
@@ -71,8 +72,8 @@ def zero_config(
     zero: dict[str, Any] = {"stage": stage}
     cfg: dict[str, Any] = {
         "train_batch_size": global_batch,
-        "train_micro_batch_size_per_gpu": global_batch // dp,
-        "gradient_accumulation_steps": 1,
+        "train_micro_batch_size_per_gpu": global_batch // dp // gradient_accumulation,
+        "gradient_accumulation_steps": gradient_accumulation,
         "gradient_clipping": gradient_clipping,
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,

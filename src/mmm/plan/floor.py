@@ -58,11 +58,11 @@ def trial_config(config: Config, combo: Combo, ac: str | None = None) -> Config:
 
 
 def _rank0_share(config: Config, world: int, combo: Combo) -> tuple[int, int, int]:
-    """Rank 0's part of a step of ``combo``: the blocks its pipeline stages hold, the microbatches, and
-    the sequences in each."""
+    """Rank 0's part of a step of ``combo``: the blocks its pipeline stages hold, the microbatches (a
+    pipeline's, or gradient accumulation's), and the sequences in each."""
     how, d = config.parallel, combo.degrees
     pp = d["pp"]
-    microbatches = (how.microbatches or pp) if pp > 1 else 1
+    microbatches = how.microbatches or pp  # without a pipeline, those of gradient accumulation (default 1)
     recipe = config.recipe
     n_blocks = recipe.shape(recipe.model_config(config.train)).blocks
     ranges = stage_layer_ranges(n_blocks, pp * how.stages_per_rank, how.split_points)

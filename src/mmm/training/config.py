@@ -87,9 +87,11 @@ class ParallelConfig(MeshConfig):
         None,
         "--microbatches",
         parse=positive_int,
-        shown="pp",
+        shown="pp; 1 without a pipeline",
         group="pipeline",
-        help="microbatches per step, dividing the per-dp-rank batch",
+        help="microbatches per step, dividing the per-dp-rank batch: a pipeline's; without one, gradient "
+        "accumulation (one optimizer step over N forward/backward passes of 1/N of the batch each: the same "
+        "step, activations for 1/N of it)",
     )
     stages_per_rank: int = option(
         1,
@@ -173,11 +175,7 @@ class ParallelConfig(MeshConfig):
         if dims.pp == 1:
             given = [
                 flag
-                for flag, value in (
-                    ("--pp-schedule", self.pp_schedule),
-                    ("--microbatches", self.microbatches),
-                    ("--split-points", self.split_points),
-                )
+                for flag, value in (("--pp-schedule", self.pp_schedule), ("--split-points", self.split_points))
                 if value is not None
             ]
             given += ["--stages-per-rank"] if self.stages_per_rank != 1 else []

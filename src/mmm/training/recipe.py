@@ -257,9 +257,9 @@ class Recipe:
             optimizer_args=args,
             offload_optimizer=how.offload_optimizer,
             seed=config.run.seed,
+            microbatches=how.microbatches,  # a pipeline's, or without one gradient accumulation
             pipeline_args=dict(  # used under pp > 1 only
                 loss_fn=self.loss,
-                microbatches=how.microbatches,
                 schedule=how.pipeline_schedule,
                 stages_per_rank=how.stages_per_rank,
                 split_points=how.split_points,

@@ -63,6 +63,7 @@ def _measuring(run, mesh):
         "comm_bytes": comm.result(),
         "comm_calls": dict(sorted(comm.calls.items())),
         "activation_bytes": saved.bytes,
+        "activation_peak_bytes": saved.peak_bytes,
     }
 
 

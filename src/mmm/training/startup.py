@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mmm import dist, env
+from mmm.cli import FLAGS
 from mmm.dist import launch_time
 from mmm.errors import UsageError, folder_problem
 from mmm.log import get_logger
+from mmm.parallel.accumulate import accumulation_problems
 from mmm.parallel.checkpoint_folder import complete_steps
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -71,14 +73,15 @@ class Startup:
 
 
 # --------------------------------------------------------------------------- start of a trainer
-def batch_problems(batch_size: int, dp: int) -> list[str]:
-    """The global batch must split evenly over the data-parallel ranks."""
-    if batch_size % dp == 0:
-        return []
-    return [
-        f"--batch-size {batch_size} is not divisible by {dp} data-parallel ranks; use a multiple of {dp} "
-        f"(e.g. {dp * max(1, round(batch_size / dp))})"
-    ]
+def batch_problems(batch_size: int, dp: int, *, microbatches: int | None = None) -> list[str]:
+    """The global batch must split evenly over the data-parallel ranks, and each rank's share into the
+    ``microbatches`` of gradient accumulation (given without a pipeline, whose own are checked with it)."""
+    if batch_size % dp:
+        return [
+            f"--batch-size {batch_size} is not divisible by {dp} data-parallel ranks; use a multiple of {dp} "
+            f"(e.g. {dp * max(1, round(batch_size / dp))})"
+        ]
+    return accumulation_problems(microbatches, batch_size // dp, spell=FLAGS)
 
 
 def start(example: str, config: Config, problems: Callable[[Config, int], list[str]]) -> tuple[Any, Path, Startup]:

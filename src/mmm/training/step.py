@@ -131,14 +131,16 @@ class _Timer:
             event.record()
             self.marks.append(event)
 
-    def seconds(self, i: int, j: int) -> float | None:
-        if len(self.marks) <= j:  # not marked: a pipeline schedule interleaves forward and backward
+    def seconds(self, phase: int) -> float | None:
+        """The summed time of ``phase`` (0: forward + loss, 1: backward) over the step's parts: its marks
+        come in threes (before the forward, after the loss, after the backward), one three a microbatch."""
+        if len(self.marks) < 3:  # not marked: a pipeline schedule interleaves forward and backward
             return None
-        a, b = self.marks[i], self.marks[j]
+        pairs = [(self.marks[k + phase], self.marks[k + phase + 1]) for k in range(0, len(self.marks) - 2, 3)]
         if self.kind is None:
-            return b - a
-        b.synchronize()
-        return a.elapsed_time(b) / 1e3
+            return sum(b - a for a, b in pairs)
+        self.marks[-1].synchronize()
+        return sum(a.elapsed_time(b) for a, b in pairs) / 1e3
 
 
 class StepTimes:
@@ -150,7 +152,7 @@ class StepTimes:
 
     def as_dict(self) -> dict[str, float | None]:
         t = self._timer
-        out = {"dtf": t.seconds(0, 1), "dtb": t.seconds(1, 2)}
+        out = {"dtf": t.seconds(0), "dtb": t.seconds(1)}
         if self.skipped is not None:
             out["skipped"] = int(self.skipped)
         return out

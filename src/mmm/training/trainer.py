@@ -101,6 +101,15 @@ def train(recipe: Recipe, config: Config, info, outdir, startup: Startup, *, pic
         else:
             log.info("model after parallelisation (%s, %s):\n%s", how.strategy, mesh.dims, engine.module)
         log.info("%s", describe_sharding(engine.module))
+        if engine.microbatches > 1:
+            local = config.train.batch_size // mesh.dp
+            log.info(
+                "gradient accumulation: %d microbatches of %d per rank (one optimizer step over the global batch "
+                "of %d)",
+                engine.microbatches,
+                local // engine.microbatches,
+                config.train.batch_size,
+            )
     startup.mark("parallelize")
 
     # 4. the loop: the recipe's data, batches and schedule; checkpoints (and where to start), the recorder
@@ -211,6 +220,8 @@ def train(recipe: Recipe, config: Config, info, outdir, startup: Startup, *, pic
         "global_batch": what.batch_size,
         **(loop.finish() if loop.finish is not None else {}),
     }
+    if engine.microbatches > 1:  # gradient accumulation (a pipeline's microbatches are under "pipeline")
+        extra["accumulation"] = {"microbatches": engine.microbatches}
     if pick is not None:
         extra["layout_pick"] = pick  # --pick-layout: what the planner picked, predicted, and why
     if engine.pipeline is not None:

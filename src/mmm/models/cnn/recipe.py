@@ -139,7 +139,7 @@ class DigitsRecipe(Recipe):
     name = "fsdp"
     config = DigitsTrainConfig
     run_config = DigitsRunConfig
-    parallel_flags = ("dp_replicate", "strategy", "offload_optimizer", "dtype")
+    parallel_flags = ("dp_replicate", "strategy", "offload_optimizer", "dtype", "microbatches")
     titles = {"mesh": "device mesh (dp_replicate x dp_shard = world size; dp_shard is inferred)"}
 
     def problems(self, config: Config[DigitsTrainConfig], world_size: int) -> list[str]:
@@ -149,7 +149,7 @@ class DigitsRecipe(Recipe):
             out.append(f"tp={par.tp}, pp={par.pp}, cp={par.cp}: the CNN trainer is data parallel only; leave them at 1")
         dims = par.dims(world_size)
         if dims is not None:
-            out += batch_problems(train.batch_size, dims.dp)
+            out += batch_problems(train.batch_size, dims.dp, microbatches=par.microbatches if dims.pp == 1 else None)
         return out + train.problems() + config.run.problems(strategy=par.strategy)
 
     def model_config(self, train: DigitsTrainConfig) -> DigitsConfig:

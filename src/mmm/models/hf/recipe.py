@@ -213,7 +213,7 @@ class HFCausalLMRecipe(Recipe):
                 f"({cfg.max_position_embeddings})"
             )
         if dims is not None:
-            out += batch_problems(train.batch_size, dims.dp)
+            out += batch_problems(train.batch_size, dims.dp, microbatches=par.microbatches if dims.pp == 1 else None)
             if train.batch_size % dims.dp == 0:
                 out += pipeline_problems(
                     pp=dims.pp,

@@ -10,7 +10,8 @@ Memory (bytes):
     ``(8/tp + 2) t d c + 4 t f c / tp`` (two RMSNorms keep input, normalised input and the
     gathered output; attention keeps q, k, v and its output; the SwiGLU keeps four f-wide tensors),
     plus the final norm and the logits; context parallel adds the ring's per-chunk scores. Under
-    pipeline parallel, microbatches in flight (all m for gpipe, up to pp for 1F1B) multiply it.
+    pipeline parallel, microbatches in flight (all m for gpipe, up to pp for 1F1B) multiply it; under
+    gradient accumulation (``--microbatches`` without a pipeline) one microbatch's is held.
     With ``--ac full`` a block keeps only its input (one block is recomputed at a time).
 
 Communication (payload bytes per step, as :class:`mmm.measure.CommCounter` counts them), by the
@@ -19,7 +20,9 @@ process group that carries it (a flattened view over one axis is that axis):
     blocks (under PP, by default, once per step: a stage keeps them gathered over its microbatches;
     with --reshard-after-forward true once per microbatch forward, once for backward), reduce-scatter of fp32
     gradients; HSDP adds an all-reduce of the gradient shard
-    over dp_replicate; DDP all-reduces fp32 gradients;
+    over dp_replicate; DDP all-reduces fp32 gradients; under gradient accumulation FSDP's traffic is
+    once per microbatch, HSDP's all-reduce and DDP's once per step (ZeRO's is counted once: DeepSpeed's
+    own accumulation is not modelled);
   * ZeRO-1/2/3: gradients reduced (all-reduce / reduce-scatter) and parameters all-gathered; ZeRO-3
     gathers again in backward only past DeepSpeed's ``stage3_max_live_parameters`` (1e9);
   * TP with sequence parallel: an all-gather and a reduce-scatter of a (t, d) activation around
@@ -99,6 +102,8 @@ def estimate_memory(config, world: int) -> dict[str, float]:
             m = par.microbatches or dims.pp
             in_flight = m if par.pp_schedule == "gpipe" else min(m, dims.pp)
             act = act / m * in_flight
+        elif par.microbatches:  # gradient accumulation: one microbatch's at a time
+            act = act / par.microbatches
         row = {"param_bytes": p * params, "grad_bytes": g * params, "optim_bytes": o * params, "activation_bytes": act}
         row["state_bytes"] = row["param_bytes"] + row["grad_bytes"] + row["optim_bytes"]
         row["total_bytes"] = row["state_bytes"] + act
@@ -147,8 +152,10 @@ def estimate_comm(config, world: int) -> dict[str, float]:
         regather = {"blocks": block_params, "all": params, "none": 0.0}[reshard]
         if dims.pp > 1 and reshard != "none":  # every microbatch's forward gathers; backward once more
             regather = params * (par.microbatches or dims.pp)
-        add(shard_view, (params + regather) * c)  # all-gathers in param dtype
-        add(shard_view, params * 4)  # reduce-scatter of fp32 gradients
+        # gradient accumulation: every microbatch gathers and reduce-scatters (HSDP's all-reduce waits)
+        passes = (par.microbatches or 1) if dims.pp == 1 else 1
+        add(shard_view, (params + regather) * c * passes)  # all-gathers in param dtype
+        add(shard_view, params * 4 * passes)  # reduce-scatter of fp32 gradients
         if strategy == "hsdp":
             add("dp_replicate", params * 4 / dims.dp_shard)
     elif strategy == "ddp" and dims.dp > 1:

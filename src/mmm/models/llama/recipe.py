@@ -314,7 +314,7 @@ def layout_problems(config: Config[LlamaTrainConfig], world_size: int) -> list[s
         seq_len=cfg.seq_len,
         spell=FLAGS,
     )
-    return out + batch_problems(train.batch_size, dims.dp)
+    return out + batch_problems(train.batch_size, dims.dp, microbatches=par.microbatches if dims.pp == 1 else None)
 
 
 def layout_free_problems(config: Config[LlamaTrainConfig], world_size: int) -> list[str]:

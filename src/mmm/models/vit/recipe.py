@@ -73,7 +73,17 @@ class ViTRecipe(Recipe):
     name = "vit"
     config = ViTTrainConfig
     # a dp x tp mesh: its degrees, the data-parallel strategy, dtype, compile and AC
-    parallel_flags = ("tp", "dp_replicate", "strategy", "offload_optimizer", "dtype", "compile", "float8", "ac")
+    parallel_flags = (
+        "tp",
+        "dp_replicate",
+        "strategy",
+        "offload_optimizer",
+        "dtype",
+        "compile",
+        "float8",
+        "ac",
+        "microbatches",
+    )
     titles = {"mesh": "device mesh (dp_replicate x dp_shard x tp = world size; dp_shard is inferred)"}
 
     def problems(self, config: Config[ViTTrainConfig], world_size: int) -> list[str]:
@@ -84,7 +94,7 @@ class ViTRecipe(Recipe):
         dims = par.dims(world_size)
         if dims is not None:
             out += vit_tp_problems(tp=dims.tp, num_heads=train.num_heads, spell=FLAGS)
-            out += batch_problems(train.batch_size, dims.dp)
+            out += batch_problems(train.batch_size, dims.dp, microbatches=par.microbatches if dims.pp == 1 else None)
         return out + config.run.problems(strategy=par.strategy)
 
     def build(self, model_config: ViTConfig) -> ViT:
