@@ -286,12 +286,14 @@ def teardown(*, ok: bool = True, finalize_mpi: bool | None = None) -> None:
 
 
 def _atexit_teardown() -> None:
-    # A program that forgot teardown(): destroy without a barrier (peers may have exited).
+    # A program that forgot teardown(): destroy without a barrier (peers may have exited), after ending the
+    # watcher, whose store request would otherwise outlive the store's host (an abort at exit, exit 134)
     liveness.record_exit("atexit")
     try:
         import torch.distributed as dist
 
         if dist.is_initialized():
+            liveness.release_watcher()
             dist.destroy_process_group()
     except Exception:
         pass
