@@ -69,6 +69,24 @@ def test_hf_llama_layouts_match_one_process(reference, tmp_path, flags):
     assert "Traceback" not in res.stderr and "Warning" not in res.stderr and "redistributing" not in res.stderr
 
 
+def test_selective_checkpointing_of_a_model_with_its_kv_cache_on(tmp_path):
+    """transformers' configs turn the key/value cache on by default; under activation checkpointing the
+    recomputation saw longer keys than the forward ("... not found in storage", in backward). parallelize
+    turns the cache off for training, and the layout matches one process."""
+    (tmp_path / "cached_lm.py").write_text(
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "def build():\n"
+        "    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,\n"
+        "                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)\n"
+        "    assert config.use_cache\n"
+        "    return LlamaForCausalLM(config)\n"
+    )
+    verify = ["-m", "mmm.verify", "--model", "cached_lm:build", "--ac", "selective", "--steps", "2"]
+    res = run([sys.executable, *verify], env=clean_env(PYTHONPATH=str(tmp_path)), timeout=180)
+    assert res.returncode == 0 and "PASS" in res.output, res.output
+    assert "config.use_cache turned off" in res.output
+
+
 # --------------------------------------------------------------------------- a mixture of experts
 HF_TRAINER = ["-m", "mmm.training.trainer", "--recipe", "hf", "--seq-len", "32", "--batch-size", "8"]
 HF_TRAINER += ["--max-iters", "4", "--lr", "3e-3", "--seed", "3", "--no-plots"]  # routing far from ties

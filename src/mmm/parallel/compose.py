@@ -266,6 +266,20 @@ def block_items(container: nn.Module) -> list[tuple[Any, nn.Module]]:
 
 
 # --------------------------------------------------------------------------- the composition
+def _no_kv_cache(model: nn.Module) -> None:
+    """A transformers model keeps a key/value cache in forward unless its ``config.use_cache`` is off (on by
+    default); under activation checkpointing the recomputation in backward then sees longer keys than the
+    forward did (torch: "... encountered during backward but not found in storage"). Training reads no
+    cache: it is turned off, as transformers' own gradient checkpointing does."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False) is True:
+        config.use_cache = False
+        log.info(
+            "%s: config.use_cache turned off (activation checkpointing recomputes without a cache)",
+            type(model).__name__,
+        )
+
+
 def parallelize(
     model: nn.Module,
     mesh: Mesh,
@@ -328,6 +342,8 @@ def parallelize(
         expert_modules(model, spec.ep_plan, allow_missing=spec.allow_missing)  # checked at ep=1 too
     path = find_blocks(model, spec.blocks)
     blocks = get_submodule(model, path) if path is not None else None
+    if spec.ac != "none":
+        _no_kv_cache(model)
     units = []
     if blocks is not None:
         for key, block in block_items(blocks):
