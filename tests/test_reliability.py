@@ -292,6 +292,8 @@ def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path, runner):
     assert jsonl(out / "history.jsonl", "iter") == [1, 2, 3, 4]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stopped_by"] == "SIGTERM" and (out / "history.nc").is_file()
+    for rank in summary["memory_per_rank"]:  # measured with gradients, though the run never reached its last step
+        assert rank["grad_bytes"] == rank["param_bytes"] > 0 and rank["optim_bytes"] == 2 * rank["param_bytes"], rank
 
 
 def test_sigterm_to_launch_preempts_the_job_gracefully(tmp_path):

@@ -83,6 +83,10 @@ def probe(config, out: Path) -> None:
 
     dist.barrier()
     step_s = _timed(train_step, 5)
+    dist.barrier()
+    # the peak again, after the step: a busy machine slows one measurement, and a peak measured low makes
+    # the step's efficiency more than 1 (a file --hardware refuses)
+    peak = max(peak, calibrate_cpu("fp32", seconds=1.0))
     per_rank = recipe.per_step(replace(config.train, batch_size=rows), cfg)  # tokens or samples
     efficiency = (recipe.flops_per_unit(cfg) or 0.0) * per_rank / (step_s * peak)
     part = torch.zeros(4 * 2**20 // world)  # 16 MiB gathered
@@ -95,6 +99,12 @@ def probe(config, out: Path) -> None:
     dist.barrier()
     latency_s = _timed(lambda: dist.all_reduce(one), 50)
     found = mdist.gather_objects((peak, efficiency, moved / gather_s, latency_s))
+    if min(f[1] for f in found) > 1:  # every rank's step beat its measured peak: the machine was busy
+        raise UsageError(
+            f"the step reached {min(f[1] for f in found):.2f}x of the matmul peak measured beside it "
+            f"({min(f[0] for f in found) / 1e9:.1f} GFLOP/s): other work on this machine disturbed the "
+            "measurement; run python -m mmm.plan.calibrate again with the machine idle (nothing was written)"
+        )
     if info.rank == 0:
         peak_min = min(f[0] for f in found)
         hw = {

@@ -63,6 +63,9 @@ def fit(
     dist.graceful_sigterm()
     engine.train()
     final = steps[-1] if len(steps) else None
+    # the state (gradients and optimizer state included) is measured on the last step, and on the second in
+    # case the run stops early (SIGTERM, a stop flag): the first has no optimizer state yet
+    probed = {final, steps[1] if len(steps) > 1 else final}
     with run:
         for step in steps:
             run.begin_step(step)
@@ -80,7 +83,7 @@ def fit(
                     sync=run.sync,
                     poison=poison,
                     skip_nonfinite=skip_nonfinite,
-                    after_backward=(lambda: run.capture_memory(engine)) if last else None,
+                    after_backward=(lambda: run.capture_memory(engine)) if step in probed else None,
                 )
             values: dict[str, float] = {}
             updated = after_update(step) if after_update is not None else {}
