@@ -7,9 +7,9 @@ at 500 W, 8 per host, 400 Gb/s per GPU between hosts) this simulates the same mo
 batch, sequence length and activation checkpointing with ``python -m mmm.plan.simulate --hardware
 h100`` (bf16, eager) and prints the predicted tokens/s per GPU and peak memory beside the published
 ones. The models are given as Hugging Face ``config.json`` files written here (the public shapes of
-Llama 3.1 8B, 70B and 405B; the 3.1 rope scaling is left out: mmm's Llama has plain rotary
-embeddings, and it changes no shape, FLOP or byte). A sanity check, not a proof: torchtitan's 70B and
-405B rows also use torch.compile, Float8 matmuls and async TP, which the prediction does not model.
+Llama 3.1 8B, 70B and 405B; the 3.1 rope scaling is left out: it changes no shape, FLOP or byte).
+A sanity check, not a proof: torchtitan's 70B and 405B rows also use torch.compile, Float8 matmuls
+and async TP, which the prediction does not model.
 One row is Megatron Bridge's (its DGX-H100 Llama 3 8B run, FP8 with Transformer Engine's kernels), two
 the Llama 3 paper's 405B pretraining on 16,384 H100s (Meta's own stack, bf16, 400 TFLOP/s per GPU), with
 1F1B and with an interleaved schedule as the paper's. Rows with a pipeline are simulated by blocks

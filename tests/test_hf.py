@@ -1,12 +1,15 @@
 """A Hugging Face transformers LlamaForCausalLM through mmm's public API (examples/bring_your_own_model.py):
 dp2 x tp2 and pp2 x dp2 give one process's per-step loss and global gradient norm."""
 
+import json
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import clean_env, jsonl, launch, max_rel_diff, run
+from mmm.errors import UsageError
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'mmm[hf]')")
 
@@ -67,6 +70,45 @@ def test_hf_llama_layouts_match_one_process(reference, tmp_path, flags):
     for key in ("loss", "grad_norm"):
         assert max_rel_diff([r[key] for r in got], [r[key] for r in reference]) <= RTOL, key
     assert "Traceback" not in res.stderr and "Warning" not in res.stderr and "redistributing" not in res.stderr
+
+
+def test_llama_3_1_rope_scaling_loads_and_gives_transformers_logits(tmp_path):
+    """A Llama 3.1 config (rope_type "llama3": long wavelengths stretched, short ones kept, the rest
+    between; this one has all three) loads into mmm's Llama with transformers' logits, and its export
+    writes the scaling back. Without the scaling the logits differ by ~4e-3."""
+    from mmm.models.llama import Llama
+    from mmm.models.llama.hf import hf_llama_config, llama_config_from_hf, load_hf_llama
+
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 16.0, "original_max_position_embeddings": 128}
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_scaling={"rope_type": "llama3", **scaling},
+        use_cache=False,
+    )
+    theirs = transformers.LlamaForCausalLM(config).eval()
+    theirs.save_pretrained(tmp_path)
+    cfg = llama_config_from_hf(tmp_path, seq_len=200)
+    assert cfg.rope_scaling == scaling
+    mine = Llama(cfg).eval()
+    load_hf_llama(mine, tmp_path)
+    tokens = torch.randint(0, 256, (2, 200))
+    with torch.no_grad():
+        want, got = theirs(tokens).logits, mine(tokens)
+    assert (want - got).abs().max() <= 1e-5 * want.std(), (want - got).abs().max()
+    back = transformers.LlamaConfig(**hf_llama_config(cfg))
+    assert {k: back.rope_parameters[k] for k in ("rope_type", *scaling)} == {"rope_type": "llama3", **scaling}
+    other = json.loads((tmp_path / "config.json").read_text())
+    other["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    (tmp_path / "config.json").write_text(json.dumps(other))
+    with pytest.raises(UsageError, match="rope_type 'yarn' .*plain rotary embeddings, or Llama 3.1's 'llama3'"):
+        llama_config_from_hf(tmp_path)
 
 
 def test_selective_checkpointing_of_a_model_with_its_kv_cache_on(tmp_path):

@@ -38,6 +38,8 @@ _BLOCK_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
+# a Hugging Face config's rope_type "llama3" (Llama 3.1): mmm.models.llama.model.llama3_frequencies
+LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 _TOP_NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
@@ -62,9 +64,16 @@ def llama_config_from_hf(path: str | Path, *, seq_len: int | None = None) -> Lla
         )
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    problems = []
-    if rope_type != "default":
-        problems.append(f"rope_type {rope_type!r} (mmm's Llama has plain rotary embeddings)")
+    problems, scaling = [], None
+    if rope_type == "llama3":
+        scaling = {k: rope.get(k) for k in LLAMA3_ROPE}
+        bad = [k for k, v in scaling.items() if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0]
+        if bad:
+            problems.append(f"rope_type 'llama3' needs {', '.join(bad)} (positive numbers)")
+        elif scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+            problems.append("rope_type 'llama3' needs high_freq_factor > low_freq_factor")
+    elif rope_type != "default":
+        problems.append(f"rope_type {rope_type!r} (mmm's Llama has plain rotary embeddings, or Llama 3.1's 'llama3')")
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             problems.append(f"{flag}=true (mmm's Llama has no biases)")
@@ -85,6 +94,7 @@ def llama_config_from_hf(path: str | Path, *, seq_len: int | None = None) -> Lla
         ffn_hidden_dim=hf["intermediate_size"],
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rope_scaling=scaling,
     )
 
 
@@ -114,6 +124,7 @@ def load_hf_llama(model: nn.Module, path: str | Path) -> None:
 def hf_llama_config(cfg: LlamaConfig, *, tied: bool = False, dtype: torch.dtype = torch.float32) -> dict:
     """transformers' ``LlamaConfig`` (as config.json) of mmm's :class:`~mmm.models.llama.LlamaConfig`:
     the inverse of :func:`llama_config_from_hf` (``max_position_embeddings`` is ``seq_len``)."""
+    rope_type = "llama3" if cfg.rope_scaling else "default"
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -126,9 +137,10 @@ def hf_llama_config(cfg: LlamaConfig, *, tied: bool = False, dtype: torch.dtype 
         "vocab_size": cfg.vocab_size,
         "max_position_embeddings": cfg.seq_len,
         "rms_norm_eps": cfg.norm_eps,
-        # rope_parameters for transformers >= 5, rope_theta for the releases before
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+        # rope_parameters for transformers >= 5, rope_theta (and rope_scaling) for the releases before
+        "rope_parameters": {"rope_type": rope_type, "rope_theta": float(cfg.rope_theta), **(cfg.rope_scaling or {})},
         "rope_theta": float(cfg.rope_theta),
+        **({"rope_scaling": {"rope_type": rope_type, **cfg.rope_scaling}} if cfg.rope_scaling else {}),
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,

@@ -9,6 +9,7 @@ plan can shard heads without the model knowing.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -39,6 +40,9 @@ class LlamaConfig:
     """The SwiGLU hidden width itself (a Hugging Face config's intermediate_size); overrides the rule above."""
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    """Llama 3.1's rotary frequency scaling (``rope_type`` "llama3" of a Hugging Face config): ``factor``,
+    ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``; None: plain rotary."""
     moe_experts: int = 0
     """Routed experts per block (0: a dense SwiGLU feed-forward): :mod:`mmm.models.llama.moe`."""
     moe_top_k: int = 2
@@ -131,11 +135,33 @@ class LlamaConfig:
         return total + (self.vocab_size * d if embedding else 0)
 
 
-def rope_table(head_dim: int, seq_len: int, theta: float) -> torch.Tensor:
-    """cos/sin for rotary embeddings: shape (seq_len, head_dim // 2, 2)."""
+def rope_table(head_dim: int, seq_len: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    """cos/sin for rotary embeddings: shape (seq_len, head_dim // 2, 2); ``scaling``: Llama 3.1's
+    (:func:`llama3_frequencies`)."""
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling:
+        freqs = llama3_frequencies(freqs, **scaling)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), freqs)
     return torch.stack((angles.cos(), angles.sin()), dim=-1)
+
+
+def llama3_frequencies(
+    freqs: torch.Tensor,
+    *,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max_position_embeddings: int,
+) -> torch.Tensor:
+    """Llama 3.1's rotary frequencies for a longer context: a wavelength shorter than
+    ``original / high_freq_factor`` is kept, one longer than ``original / low_freq_factor`` is stretched
+    ``factor`` times (its frequency divided), and those between move smoothly from one to the other."""
+    wavelen = 2 * math.pi / freqs
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    between = (1 - smooth) * freqs / factor + smooth * freqs
+    long = wavelen > original_max_position_embeddings / low_freq_factor
+    short = wavelen < original_max_position_embeddings / high_freq_factor
+    return torch.where(long, freqs / factor, torch.where(short, freqs, between))
 
 
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -231,7 +257,8 @@ class Llama(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.register_buffer("rope", rope_table(cfg.head_dim, cfg.seq_len, cfg.rope_theta), persistent=False)
+        rope = rope_table(cfg.head_dim, cfg.seq_len, cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("rope", rope, persistent=False)
         self.init_weights()
 
     def init_weights(self) -> None:
