@@ -133,3 +133,22 @@ def test_a_batch_the_schedule_cannot_take_is_one_line():
     with pytest.raises(UsageError, match="a batch of 16 after the first step's 8: .* keep the batch size at 8"):
         pipe.step(torch.zeros(16, 3), torch.zeros(16, 3), share_loss=False)
     assert ran == [8]
+
+
+def test_build_engine_takes_the_microbatches_once():
+    """build_engine's microbatches (a pipeline's, or gradient accumulation's) were a pipeline_args entry
+    before: that spelling still works, and the two disagreeing are refused before anything is built."""
+    from mmm.errors import UsageError
+    from mmm.parallel.strategy import build_engine
+
+    with pytest.raises(UsageError, match="microbatches=2 and pipeline_args microbatches=4: give it once"):
+        build_engine(
+            nn.Linear(2, 2),
+            None,
+            None,
+            strategy="fsdp",
+            make_optimizer=None,
+            device=torch.device("cpu"),
+            microbatches=2,
+            pipeline_args={"microbatches": 4},
+        )

@@ -185,3 +185,19 @@ def test_a_recipe_names_what_it_lacks_in_one_line(tmp_path, monkeypatch):
     with pytest.raises(UsageError, match="has no example_batch: the planner and mmm.verify need"):
         bare.example_batch(None, rows=1)
     assert DIGITS.summary(DigitsConfig(img_size=8)) == {"type": "DigitsCNN", "img_size": 8, "num_params": 151_306}
+
+
+def test_the_trainer_checks_the_accumulation_of_a_recipe_that_does_not():
+    """--microbatches is every trainer's: a recipe of your own whose problems() says nothing of it still has
+    a --microbatches that does not split each rank's batch refused before the run (not at its first step)."""
+    from mmm.models.llama.recipe import LLAMA
+    from mmm.training.trainer import checked
+
+    config = LLAMA.command_line().parse(["--batch-size", "8", "--microbatches", "3"])
+    assert checked(lambda c, w: [])(config, 2) == [
+        "--microbatches 3 does not divide the per-dp-rank batch 4 (the global batch over the data-parallel ranks); "
+        "use a divisor of 4, e.g. 2 or 4"
+    ]
+    assert len(checked(LLAMA.problems)(config, 2)) == 1  # mmm's recipe says it already: once
+    good = LLAMA.command_line().parse(["--batch-size", "8", "--microbatches", "2"])
+    assert checked(lambda c, w: [])(good, 2) == []

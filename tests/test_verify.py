@@ -70,12 +70,14 @@ def test_bad_input(flags, needle):
             ["--model", "llama-moe", "--ep", "2", "--cp", "2", "--dp-shard", "1", "--cp-attention", "ulysses"],
             "cp=2 x ep=2",
         ),
+        # DDP with its all-reduce deferred; the forward passes are counted, not taken from the flag
+        (["--strategy", "ddp", "--microbatches", "4"], "dp=2, gradient accumulation: 4 forward passes a step"),
     ],
-    ids=["ring-cp2", "moe-ulysses-cp2-ep2"],
+    ids=["ring-cp2", "moe-ulysses-cp2-ep2", "ddp-accumulate4"],
 )
 def test_context_and_expert_parallel(flags, layout):
-    """verify runs context parallel (both kinds: the model's attn_fn hook and shard_positions) and expert
-    parallel (the model's experts plan) against one process."""
+    """verify runs context parallel (both kinds: the model's attn_fn hook and shard_positions), expert
+    parallel (the model's experts plan) and gradient accumulation against one process."""
     res = run(launch("-n", "2", *VERIFY, *flags), timeout=180)
     assert res.returncode == 0, res.output
     assert f"PASS: {layout}" in res.stdout, res.stdout

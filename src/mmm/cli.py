@@ -210,7 +210,7 @@ def override(cls: type, name: str, default: Any = MISSING, **changes: Any) -> An
 GROUPS = {
     "mesh": "device mesh (pp x dp_replicate x dp_shard x cp x tp = world size)",
     "dp": "data parallelism",
-    "pipeline": "microbatches, and pipeline parallel (with --pp > 1)",
+    "pipeline": "microbatches (gradient accumulation; a pipeline's with --pp > 1) and pipeline parallel",
     "model": "model",
     "training": "training",
     "schedule": "learning-rate schedule",

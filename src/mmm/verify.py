@@ -246,6 +246,8 @@ def verify(
         model = parallelize(model, mesh, spec, device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses, norms = [], []
+    forwards = [0]  # the model's forward passes (the verdict says how many a step took: accumulation's parts)
+    counter = model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     for step in range(1, steps + 1):
         inputs, targets = batch_fn(step)
         if inputs.shape[0] % mesh.dp:
@@ -273,8 +275,11 @@ def verify(
         losses.append(mean_over(loss, mesh.group("dp_cp")))
         opt.step()
         opt.zero_grad()
+    counter.remove()
     layout = " x ".join(f"{a}={mesh.size(a)}" for a in ("pp", "dp", "cp", "tp", "ep") if mesh.size(a) > 1) or "1 rank"
     layout += f" ({cp_attention} attention)" if mesh.cp_enabled else ""
+    if pipe is None and (microbatches or 1) > 1:  # counted, not taken from the argument
+        layout += f", gradient accumulation: {forwards[0] / steps:g} forward passes a step"
     return Verdict(ref[0].tolist(), ref[1].tolist(), losses, norms, rtol=rtol, layout=f"{layout}, dp={spec.dp}")
 
 

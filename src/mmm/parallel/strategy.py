@@ -410,6 +410,14 @@ def build_engine(
     DeepSpeed gets it whole (ZeRO partitions after it is built). ``microbatches``: under PP the
     pipeline's (default pp); otherwise gradient accumulation over as many parts of each rank's batch
     (default 1: none; :mod:`mmm.parallel.accumulate`), DeepSpeed's own under ZeRO."""
+    pipeline_args = dict(pipeline_args or {})
+    if "microbatches" in pipeline_args:  # where it was given before build_engine took it for accumulation too
+        given = pipeline_args.pop("microbatches")
+        if microbatches is not None and given != microbatches:
+            raise UsageError(
+                f"microbatches={microbatches} and pipeline_args microbatches={given}: give it once, as microbatches="
+            )
+        microbatches = given
     accumulate = 1 if mesh.pp_enabled or microbatches is None else microbatches
     if strategy in ZERO_STAGES:
         bare = spec.replace(dp="none", dtype="fp32", reshard_after_forward=None)  # DeepSpeed owns dp and dtype
@@ -434,9 +442,7 @@ def build_engine(
         return engine
     spec = spec.replace(dp=strategy)
     if mesh.pp_enabled:
-        pipe = build_pipeline(
-            model, mesh, spec, device=device, seed=seed, microbatches=microbatches, **(pipeline_args or {})
-        )
+        pipe = build_pipeline(model, mesh, spec, device=device, seed=seed, microbatches=microbatches, **pipeline_args)
         return PipelineEngine(
             pipe, make_optimizer(pipe.module.parameters()), strategy=strategy, max_grad_norm=max_grad_norm
         )

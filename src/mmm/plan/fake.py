@@ -296,7 +296,8 @@ def simulate_by_blocks(
         step = None
         if a.step is not None:
             step = {k: grow(a.step[k], b.step[k], n) for k in ("comm_bytes", "comm_calls", "comm_by_kind")}
-            step |= {k: grow(a.step[k], b.step[k], n) for k in ("activation_bytes", "matmul_flops", "memory_bytes")}
+            grown = ("activation_bytes", "activation_peak_bytes", "matmul_flops", "memory_bytes")
+            step |= {k: grow(a.step[k], b.step[k], n) for k in grown}
             peak = grow(a.step["peak"], b.step["peak"], n)
             carried = carried_peak(a.step["memory_trace"], b.step["memory_trace"], (n - 4 * per_rank) / per_rank)
             peak["total"] = max(peak["total"], carried)
@@ -550,6 +551,7 @@ def fake_step(
         "comm_calls": dict(sorted(comm.calls.items())),
         "comm_by_kind": dict(sorted(comm.by_kind.items())),
         "activation_bytes": saved.bytes,
+        "activation_peak_bytes": saved.peak_bytes,  # the most held at once (one microbatch's, accumulating)
         "matmul_flops": work.matmul_flops,
         "memory_bytes": work.memory_bytes,
         "peak": {"total": memory.peak, "before_step": memory.start},

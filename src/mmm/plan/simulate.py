@@ -179,7 +179,7 @@ def format_reports(reports: list[RankReport]) -> str:
     if stepped:
         lines += ["", "one training step, simulated on fake tensors (payload bytes as --measure counts them):"]
         lines.append(
-            f"{'rank':>6}  {'peak MiB':>9} {'(before step)':>13} {'saved act MiB':>13}  "
+            f"{'rank':>6}  {'peak MiB':>9} {'(before step)':>13} {'saved act MiB':>13} {'(at once)':>9}  "
             "communication by mesh axis: MiB (calls)"
         )
         for r in stepped:
@@ -188,9 +188,11 @@ def format_reports(reports: list[RankReport]) -> str:
                 f"{axis} {n / MIB:.1f} ({r.step['comm_calls'].get(axis, 0)})"
                 for axis, n in r.step["comm_bytes"].items()
             )
+            held = r.step.get("activation_peak_bytes", r.step["activation_bytes"])
             lines.append(
                 f"{r.rank:>6}  {peak['total'] / MIB:>9.1f} {peak['before_step'] / MIB:>13.1f} "
-                f"{r.step['activation_bytes'] / MIB:>13.1f}  {comm or '-'}   ({r.setup_s.get('step', 0):.1f} s)"
+                f"{r.step['activation_bytes'] / MIB:>13.1f} {held / MIB:>9.1f}  "
+                f"{comm or '-'}   ({r.setup_s.get('step', 0):.1f} s)"
             )
     predicted = [r for r in reports if r.prediction is not None]
     if predicted:

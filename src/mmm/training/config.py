@@ -87,11 +87,11 @@ class ParallelConfig(MeshConfig):
         None,
         "--microbatches",
         parse=positive_int,
-        shown="pp; 1 without a pipeline",
+        shown="1; pp under --pp",
         group="pipeline",
-        help="microbatches per step, dividing the per-dp-rank batch: a pipeline's; without one, gradient "
-        "accumulation (one optimizer step over N forward/backward passes of 1/N of the batch each: the same "
-        "step, activations for 1/N of it)",
+        help="microbatches per step, dividing the per-dp-rank batch: gradient accumulation (one optimizer step "
+        "over N forward/backward passes of 1/N of the batch each: the same step, activations for 1/N of it); "
+        "under pipeline parallel (--pp, where the trainer has it), the pipeline's microbatches",
     )
     stages_per_rank: int = option(
         1,

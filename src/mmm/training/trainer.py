@@ -23,12 +23,31 @@ from mmm.training.config import Config
 from mmm.training.loop import fit
 from mmm.training.recipe import RECIPE_HELP, Context, Recipe, recipe_named, split_recipe_flag
 from mmm.training.recorder import Recorder
-from mmm.training.startup import Startup, start
+from mmm.training.startup import Startup, batch_problems, start
 from mmm.training.step import StepSync
 from mmm.training.summary import compiled_graphs, torchinfo_summary, write_summary
 
 # a layout chooser (mmm.plan.pick.take_pick): (recipe, config, argv, dist info) -> (config, the pick's record)
 PickLayout = Callable[[Recipe, Config, list, Any], tuple[Config, dict]]
+
+
+def checked(problems):
+    """A recipe's ``problems`` and the trainer's own that every recipe needs, said once: the gradient
+    accumulation's parts must split each rank's batch (mmm's recipes check it themselves; a recipe of
+    your own need not)."""
+
+    def check(config, world_size: int) -> list[str]:
+        found = problems(config, world_size)
+        dims = config.parallel.dims(world_size)
+        if dims is not None and dims.pp == 1:
+            found += [
+                p
+                for p in batch_problems(config.train.batch_size, dims.dp, microbatches=config.parallel.microbatches)
+                if p not in found
+            ]
+        return found
+
+    return check
 
 
 def main(
@@ -47,7 +66,7 @@ def main(
     if check_world is not None:  # launch asks whether this job would run on that many ranks: nothing starts
         if dist.discover_ranks(use_mpi4py=False).world_size > 1:
             raise UsageError("MMM_CHECK_WORLD is launch's, for a one-process check of the flags; unset it in the job")
-        check = recipe.layout_free_problems if recipe.picks_layout(config) else recipe.problems
+        check = recipe.layout_free_problems if recipe.picks_layout(config) else checked(recipe.problems)
         found = check(config, check_world)
         if found:
             raise UsageError("; ".join(found))
@@ -59,7 +78,9 @@ def main(
         )
     picking = pick is not None and recipe.picks_layout(config)
     # with a pick to come, the layout's checks wait for it (the pick runs them); the rest are checked now
-    info, outdir, startup = start(recipe.name, config, recipe.layout_free_problems if picking else recipe.problems)
+    info, outdir, startup = start(
+        recipe.name, config, recipe.layout_free_problems if picking else checked(recipe.problems)
+    )
     chosen = None
     if picking:
         config, chosen = pick(recipe, config, argv, info)

@@ -140,7 +140,10 @@ class DigitsRecipe(Recipe):
     config = DigitsTrainConfig
     run_config = DigitsRunConfig
     parallel_flags = ("dp_replicate", "strategy", "offload_optimizer", "dtype", "microbatches")
-    titles = {"mesh": "device mesh (dp_replicate x dp_shard = world size; dp_shard is inferred)"}
+    titles = {
+        "mesh": "device mesh (dp_replicate x dp_shard = world size; dp_shard is inferred)",
+        "pipeline": "gradient accumulation",
+    }
 
     def problems(self, config: Config[DigitsTrainConfig], world_size: int) -> list[str]:
         train, par = config.train, config.parallel

@@ -84,7 +84,10 @@ class ViTRecipe(Recipe):
         "ac",
         "microbatches",
     )
-    titles = {"mesh": "device mesh (dp_replicate x dp_shard x tp = world size; dp_shard is inferred)"}
+    titles = {
+        "mesh": "device mesh (dp_replicate x dp_shard x tp = world size; dp_shard is inferred)",
+        "pipeline": "gradient accumulation",
+    }
 
     def problems(self, config: Config[ViTTrainConfig], world_size: int) -> list[str]:
         train, par = config.train, config.parallel
