@@ -81,17 +81,12 @@ def test_llama_3_1_rope_scaling_loads_and_gives_transformers_logits(tmp_path):
 
     scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 16.0, "original_max_position_embeddings": 128}
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rope_scaling={"rope_type": "llama3", **scaling},
-        use_cache=False,
-    )
+    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    import hf_lm  # the tiny transformers Llama of the verify tests, its rotary scaled
+
+    config = hf_lm.build().config
+    config.max_position_embeddings, rope = 256, {"rope_type": "llama3", "rope_theta": 1e4, **scaling}
+    setattr(config, "rope_parameters" if "rope_parameters" in config.to_dict() else "rope_scaling", rope)  # 5 / 4.x
     theirs = transformers.LlamaForCausalLM(config).eval()
     theirs.save_pretrained(tmp_path)
     cfg = llama_config_from_hf(tmp_path, seq_len=200)
