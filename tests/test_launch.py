@@ -459,9 +459,12 @@ def test_a_probe_held_up_by_a_busy_scheduler_keeps_its_host(tmp_path):
     assert time.monotonic() - t0 < 10
 
 
-def test_ctrl_c_while_probing_hosts_stops_every_probe(tmp_path):
+@pytest.mark.parametrize("starting_s", [0, 2], ids=["running", "starting"])
+def test_ctrl_c_while_probing_hosts_stops_every_probe(tmp_path, starting_s):
     """Ctrl-C while launch probes the hosts after a failure: every probe (and what it started) is stopped at
-    once, and launch leaves with one line and exit 130, not a traceback after the probes' 30 s."""
+    once, and launch leaves with one line and exit 130, not a traceback after the probes' 30 s. Also a probe
+    whose start was under way at the Ctrl-C (a busy machine: it started after launch stopped the others,
+    and launch waited out its 30 s)."""
     silent = tmp_path / "silent.sh"
     silent.write_text(f"#!/bin/sh\nexec sleep 3{os.getpid() % 10}7\n")  # a probe of a host that is gone
     silent.chmod(0o755)
@@ -473,7 +476,9 @@ def test_ctrl_c_while_probing_hosts_stops_every_probe(tmp_path):
         "from mmm.launch.plan import LaunchPlan\n"
         "alloc = Allocation('slurm', ['node1', 'node2'], 2, 0)\n"
         "plan = LaunchPlan('srun', ['srun', 'python3'], 4, 2, alloc)\n"
-        f"probe = lambda hostfile, env: LaunchPlan('srun', [{str(silent)!r}], 1, 1, alloc)\n"
+        "import time\n"
+        f"probe = lambda hostfile, env: time.sleep({starting_s}) or LaunchPlan('srun', [{str(silent)!r}], 1, 1, "
+        "alloc)\n"
         "cli._main = lambda argv: print('probing', flush=True) or hostloss.lost_hosts(plan, {}, probe) or 0\n"
         "sys.exit(main([]))\n"
     )

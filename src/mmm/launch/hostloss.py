@@ -14,6 +14,8 @@ import os
 import signal
 import subprocess
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -50,9 +52,12 @@ def lost_hosts(
     the plan."""
     hosts = plan_hosts(plan)
     children: list[subprocess.Popen] = []
+    stopping = threading.Event()  # Ctrl-C: a probe starting or waiting in its thread stops at once too
     with tempfile.TemporaryDirectory(prefix="mmm-probe-") as folder:
 
         def answers(host: str) -> bool:
+            if stopping.is_set():
+                return False
             hostfile = write_hostfile(plan, Path(folder), [host], 1, name=f"probe-{host}")
             errors = Path(folder) / f"probe-{host}.err"
             try:
@@ -69,19 +74,26 @@ def lost_hosts(
                 children.append(child)
             except (OSError, UsageError):
                 return False
-            try:
-                return child.wait(timeout=timeout_s) == 0
-            except subprocess.TimeoutExpired:
-                _stop(child)
-                # held up by the scheduler, not by the host: the scheduler vouches for it (srun: "Requested
-                # nodes are busy", "step creation temporarily disabled"); the relaunch will wait as this did
-                said = errors.read_text(errors="replace").lower() if errors.exists() else ""
-                return any(words in said for words in BUSY)
+            deadline = time.monotonic() + timeout_s
+            while not stopping.is_set():
+                try:
+                    return child.wait(timeout=max(0.0, min(0.2, deadline - time.monotonic()))) == 0
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() >= deadline:
+                        break
+            _stop(child)  # timed out, or Ctrl-C
+            if stopping.is_set():
+                return False
+            # held up by the scheduler, not by the host: the scheduler vouches for it (srun: "Requested
+            # nodes are busy", "step creation temporarily disabled"); the relaunch will wait as this did
+            said = errors.read_text(errors="replace").lower() if errors.exists() else ""
+            return any(words in said for words in BUSY)
 
         pool = ThreadPoolExecutor(max_workers=min(PROBES_AT_ONCE, max(1, len(hosts))))
         try:
             answered = dict(zip(hosts, pool.map(answers, hosts)))
         except KeyboardInterrupt:  # Ctrl-C while probing: stop every probe now, then leave as asked
+            stopping.set()
             for child in children:
                 _stop(child)
             raise
