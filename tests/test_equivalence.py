@@ -93,7 +93,6 @@ MATRIX = [
     C("fsdp-dp4", "llama", 4, "--tp 1", "torchrun"),
     C("fsdp-dp2-tp2-clip", "llama8-clip", 4, "--tpsize 2"),  # the demo's layout, clipped over its 2-D shards
     C("ddp-dp4", "llama", 4, "--strategy ddp"),
-    C("hsdp-2x2", "llama", 4, "--strategy hsdp --dp-replicate 2", "torchrun"),
     C("fsdp-dp2-tp4", "llama", 8, "--tp 4", "torchrun"),
     C("fsdp-dp2-tp2-ac-selective", "llama", 4, "--tp 2 --ac selective", "torchrun"),
     C("fsdp-dp4-no-reshard", "llama", 4, "--reshard-after-forward false"),
@@ -142,6 +141,7 @@ MATRIX = [
     # microbatch's): FSDP x TP clipped, HSDP (its all-reduce deferred), DDP (no_sync), DeepSpeed's own, and
     # experts (their balancing loss's gradient scaled with the others)
     C("acc2-fsdp-dp2-tp2-clip", "llama8-clip", 4, "--tp 2 --microbatches 2 --measure"),
+    # (HSDP 2x2 without accumulation: the two-host row, and with tp and AC)
     C("acc2-hsdp-2x2", "llama", 4, "--strategy hsdp --dp-replicate 2 --microbatches 2 --measure", "torchrun"),
     C("acc4-ddp-dp2", "llama", 2, "--strategy ddp --microbatches 4 --measure"),
     C("acc2-zero2-dp2", "llama", 2, "--strategy zero2 --microbatches 2 --measure"),

@@ -296,12 +296,12 @@ def test_run_main_runs_the_programs_atexit_handlers(tmp_path):
 def test_a_program_that_never_tears_down_exits_cleanly(tmp_path):
     """The docs' first snippet: init_mesh starts the process group, and the program ends without
     teardown(). Every rank leaves at exit with 0 (each rank's watcher, waiting on rank 0's store, used to be
-    cut off by rank 0's exit: an abort, exit 134, and pages of the store client's warnings)."""
+    cut off by rank 0's exit: an abort, exit 134 on 2 ranks as on 4, and pages of the store client's warnings)."""
     script = tmp_path / "mesh_only.py"
     script.write_text("from mmm.parallel import init_mesh\nmesh = init_mesh(tp=2)\nprint('dims', mesh.tp, mesh.dp)\n")
-    res = run(launch("-n", "4", "python3", str(script)), timeout=120)
+    res = run(launch("-n", "2", "python3", str(script)), timeout=120)
     assert res.returncode == 0, res.output
-    assert res.stdout.count("dims 2 2") == 4, res.output
+    assert res.stdout.count("dims 2 1") == 2, res.output
     assert "terminate called" not in res.output and "TCPStore" not in res.output, res.output
 
 
