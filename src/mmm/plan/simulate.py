@@ -188,7 +188,7 @@ def format_reports(reports: list[RankReport]) -> str:
                 f"{axis} {n / MIB:.1f} ({r.step['comm_calls'].get(axis, 0)})"
                 for axis, n in r.step["comm_bytes"].items()
             )
-            held = r.step.get("activation_peak_bytes", r.step["activation_bytes"])
+            held = r.step["activation_peak_bytes"]
             lines.append(
                 f"{r.rank:>6}  {peak['total'] / MIB:>9.1f} {peak['before_step'] / MIB:>13.1f} "
                 f"{r.step['activation_bytes'] / MIB:>13.1f} {held / MIB:>9.1f}  "
