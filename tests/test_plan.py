@@ -704,10 +704,19 @@ def test_pick_ranks_the_layouts_and_holds_the_given_degrees(tmp_path):
     sim += ["--hardware", str(tmp_path / "full.json"), *row["flags"], "--json", str(tmp_path / "one.json")]
     assert run(sim).returncode == 0  # the pick's flags as given: the same prediction
     assert json.loads((tmp_path / "one.json").read_text())[0]["prediction"]["step_s"] == row["step_s"]
+    # --ac given holds; what does not fit without it fits with gradient accumulation's microbatches (the
+    # fewest that do: the global batch kept), a peak under the step's without
     res = run([*pick, "--hardware", str(tmp_path / "full.json"), *one, "--ac", "none"])
-    assert res.returncode == 0 and "pick: none; no layout fits in memory" in res.stdout, res.output  # --ac holds
+    assert res.returncode == 0, res.output
+    (acc,) = json.loads(out.read_text())
+    assert acc["label"].endswith("-mb2") and acc["flags"][-2:] == ["--microbatches", "2"] and acc["ac"] is None, acc
+    assert acc["fits"] and "(2 microbatches accumulated)" in acc["why"] and "pick: --tp 2" in res.stdout, acc
+    res = run([*pick, "--hardware", str(tmp_path / "full.json"), *one, "--ac", "none", "--microbatches", "1"])
+    assert res.returncode == 0 and "pick: none; no layout fits in memory" in res.stdout, res.output  # both held
+    (whole,) = json.loads(out.read_text())
+    assert acc["ranks"][0]["prediction"]["peak_bytes"] < 0.8 * whole["ranks"][0]["prediction"]["peak_bytes"]
     small = _hardware_file(tmp_path / "small.json", memory_gb=0.03)  # the state fits, the step's peak not
-    res = run([*pick, "--hardware", small, "--tp", "2", "--cp", "2"], timeout=300)
+    res = run([*pick, "--hardware", small, "--tp", "2", "--cp", "2", "--microbatches", "1"], timeout=300)
     assert res.returncode == 0, res.output
     assert "DOES NOT FIT" in res.stdout and "pick: none; no layout fits in memory" in res.stdout
     tiny = _hardware_file(tmp_path / "tiny.json", memory_gb=1e-5)  # not even the state: nothing simulated
@@ -803,13 +812,20 @@ def test_calibrate_measures_this_machine_for_the_simulator(tmp_path):
 def test_the_trainer_takes_the_planners_pick(tmp_path):
     """--pick-layout: rank 0 asks the planner, every rank trains on its pick, the log and summary.json say why."""
     hw = _hardware_file(tmp_path / "hw.json")
-    # --strategy hsdp alone is refused (it needs --dp-replicate > 1): the run trains only on a pick's layout
-    args = ["-m", "mmm.examples.fsdp_tp", *tiny_llama(max_iters=2), "--strategy", "hsdp", "--pick-layout", hw]
+    # --strategy hsdp alone is refused (it needs --dp-replicate > 1): the run trains only on a pick's layout;
+    # 6.5 MB per device: HSDP 2x2's step peaks at 7.8 MB with no AC (--ac none holds), 4.7 MB with gradient
+    # accumulation's 2 microbatches
+    fit = _hardware_file(tmp_path / "fit.json", memory_gb=0.0065)
+    acc = ["--seq-len", "128", "--batch-size", "16", "--ac", "none"]
+    args = ["-m", "mmm.examples.fsdp_tp", *tiny_llama(max_iters=2), *acc, "--strategy", "hsdp", "--pick-layout", fit]
     res = run_ranks(4, args, tmp_path / "out")
     s = json.loads((tmp_path / "out" / "summary.json").read_text())
     pick = s["layout_pick"]
     assert pick["hardware"] == "two per node" and pick["strategy"] == "hsdp"  # the given --strategy held
     assert s["mesh"] == pick["degrees"] and s["strategy"] == "hsdp" and s["mesh"]["dp_replicate"] >= 2
+    assert pick["microbatches"] == 2 and pick["label"].endswith("-mb2") and pick["ac"] is None, pick
+    assert s["accumulation"] == {"microbatches": 2}, s.get("accumulation")
+    assert "gradient accumulation: 2 microbatches of 2 per rank" in res.output, res.output
     assert [r["step_s"] for r in pick["ranked"]] == sorted(r["step_s"] for r in pick["ranked"])
     assert f"layout: the planner picked {pick['label']} of {pick['layouts']} on two per node" in res.output
     # a pipeline given, its microbatches not: the planner's count is the one the pipeline runs (a model

@@ -63,7 +63,9 @@ class Ranked:
             if t >= 0.005 * p["step_s"]
         ]
         peak = max(r.prediction["peak_bytes"] for r in self.reports)
-        return f"{' + '.join(parts)}; peak {peak / 2**30:.2f} of {p['memory_bytes'] / 2**30:.0f} GiB"
+        accumulated = self.combo.microbatches if self.combo.degrees["pp"] == 1 else None
+        held = f" ({accumulated} microbatches accumulated)" if accumulated else ""
+        return f"{' + '.join(parts)}; peak {peak / 2**30:.2f} of {p['memory_bytes'] / 2**30:.0f} GiB{held}"
 
 
 PARALLEL_AFTER_S = 10.0
@@ -81,6 +83,9 @@ AC_ORDER = ("none", "selective", "full")
 MICROBATCHES_PER_STAGE = (1, 2, 4)
 # variants with more microbatches of pipelines left out by their floor that --pick simulates, at most
 REVIVED_AT_MOST = 4
+# gradient accumulation's part counts --pick without --microbatches tries, at most, on a layout without a
+# pipeline that fits with no activation checkpointing (each at least twice the last: 2, 4, 8, 16)
+ACCUMULATION_TRIES = 4
 
 
 def _microbatch_variants(config: Config, world: int, combo: Combo) -> list[Combo]:
@@ -95,32 +100,75 @@ def _microbatch_variants(config: Config, world: int, combo: Combo) -> list[Combo
     return out
 
 
-def _simulate_layout(task) -> tuple[list[RankReport] | None, str | None, str | None]:
-    """One layout of :func:`rank_layouts`: its reports, or why the simulator refused it; and the
-    activation checkpointing chosen (the first of ``acs`` whose peak fits; None: ``config``'s). With
-    ``stops`` (each AC's floor) and ``best``: no reports (nor reason) once the AC to try next has a floor
-    no faster than ``best`` (the layout cannot be the pick with that much recomputation or more)."""
-    config, combo, world, per_node, hardware, acs, stops, best, expert_load = task
+def _accumulation_variants(config: Config, world: int, combo: Combo) -> list[Combo]:
+    """Without a pipeline, ``combo`` with gradient accumulation's microbatches, the fewest first (each at least
+    twice the last, at most :data:`ACCUMULATION_TRIES`), where the trainer takes them (the per-dp-rank batch
+    splits so): what the step holds at once falls with each; the global batch, and so the numerics, stay."""
+    d = combo.degrees
+    batch = getattr(config.train, "batch_size", None)
+    if d["pp"] > 1 or combo.microbatches or not isinstance(batch, int):
+        return []
+    per_rank = batch // max(1, world // (d["cp"] * d["tp"]))
+    out, last = [], 1
+    for parts in range(2, per_rank + 1):
+        if len(out) == ACCUMULATION_TRIES:
+            break
+        variant = replace(combo, microbatches=parts)
+        if (
+            parts >= 2 * last
+            and per_rank % parts == 0
+            and not config.recipe.problems(trial_config(config, variant), world)
+        ):
+            out.append(variant)
+            last = parts
+    return out
+
+
+def _simulate_layout(task) -> tuple[list[RankReport] | None, str | None, str | None, int | None]:
+    """One layout of :func:`rank_layouts`: its reports, or why the simulator refused it; the activation
+    checkpointing chosen (the first of ``acs`` whose peak fits; None: ``config``'s); and, where none fits
+    without, gradient accumulation's microbatches (``accumulate``: the fewest of
+    :func:`_accumulation_variants` with which an AC fits, each tried with ``acs`` again; None: none). A
+    layout that fits in no trial is reported with its last one (the most microbatches, the heaviest AC). With
+    ``stops`` (each AC's floor) and ``best``: no reports (nor reason) once the ACs left to try have a floor
+    no faster than ``best`` (the layout cannot be the pick with that much recomputation or more; accumulation
+    adds to a step's floor, never takes from it)."""
+    config, combo, world, per_node, hardware, acs, stops, best, expert_load, accumulate = task
     # rank 0 (FSDP's first shards are the largest when a dimension does not split evenly); under a
     # pipeline also the rank of the same coordinates in the last stage (rank 0's first step waits for
     # its shapes: it is simulated first, once)
     ranks = [0, world - world // combo.degrees["pp"]] if combo.degrees["pp"] > 1 else [0]
-    reports = None
-    for ac in acs or (None,):
-        if stops and stops[ac] >= best:
-            return None, None, ac
-        try:
-            trial = trial_config(config, combo, ac)
-            if acs and ac != acs[-1] and trial.parallel.problems(world):
-                continue  # an AC this layout cannot run with (selective with ep, or a zero-bubble pipeline)
-            reports = simulate_by_blocks(
-                trial, world=world, ranks=ranks, devices_per_node=per_node, hardware=hardware, expert_load=expert_load
-            )
-        except UsageError as e:
-            return None, str(e), ac
-        if all(r.prediction["fits"] for r in reports):  # less recomputation is faster: the first that fits
-            break
-    return reports, None, (ac if ac != config.parallel.ac else None)
+    reports, tried, stopped = None, (None, combo), None
+    for variant in (combo, *(_accumulation_variants(config, world, combo) if accumulate else ())):
+        for ac in acs or (None,):
+            if stops and stops[ac] >= best:
+                stopped = stopped or ac
+                break  # this AC and the heavier ones cannot win; more microbatches may fit with a lighter one
+            try:
+                trial = trial_config(config, variant, ac)
+                if acs and ac != acs[-1] and trial.parallel.problems(world):
+                    continue  # an AC this layout cannot run with (selective with ep, or a zero-bubble pipeline)
+                reports = simulate_by_blocks(
+                    trial,
+                    world=world,
+                    ranks=ranks,
+                    devices_per_node=per_node,
+                    hardware=hardware,
+                    expert_load=expert_load,
+                )
+            except UsageError as e:
+                if variant is combo:
+                    return None, str(e), ac, None
+                break  # the simulator refuses these microbatches (the layout itself it took): none more tried
+            tried = (ac, variant)
+            if all(r.prediction["fits"] for r in reports):  # less recomputation is faster: the first that fits
+                return reports, None, (ac if ac != config.parallel.ac else None), variant.microbatches
+        if reports is None:
+            break  # nothing of this layout simulated: nothing to accumulate either
+    if stopped:
+        return None, None, stopped, None
+    ac, variant = tried
+    return reports, None, (ac if ac != config.parallel.ac else None), variant.microbatches
 
 
 def end_with_parent(parent: int) -> None:
@@ -150,19 +198,23 @@ def _simulate_layouts(
     stops=None,
     best=math.inf,
     expert_load: float = 1.0,
+    accumulate: bool = False,
 ):
-    """Each of ``combos`` simulated (:func:`_simulate_layout`), paired with its result. ``jobs``: processes
-    at once (``None``: decided here, by how long the first, cheapest layout took). ``stops``: each
-    layout's floor per activation checkpointing, by label; ``best``: the step to beat."""
+    """Each of ``combos`` simulated (:func:`_simulate_layout`), paired with its result (reports, refusal,
+    AC chosen); the combo with gradient accumulation's microbatches where ``accumulate`` chose them.
+    ``jobs``: processes at once (``None``: decided here, by how long the first, cheapest layout took).
+    ``stops``: each layout's floor per activation checkpointing, by label; ``best``: the step to beat."""
     # the simulated step's ops grow with the ring attention's steps and the pipeline's stages: the
     # cheapest layout first (it decides whether to use more processes), the rest longest first
     combos = sorted(combos, key=lambda c: c.degrees["cp"] * c.degrees["pp"])
     stops = stops or {}
-    tasks = [(config, c, world, per_node, hardware, acs, stops.get(c.label), best, expert_load) for c in combos]
+    tasks = [
+        (config, c, world, per_node, hardware, acs, stops.get(c.label), best, expert_load, accumulate) for c in combos
+    ]
     first = []
     if jobs is None and tasks:  # the first layout here; the others at once if they take longer than starting processes
         t0 = time.perf_counter()
-        first = [(combos[0], _simulate_layout(tasks[0]))]
+        first = [_simulate_layout(tasks[0])]
         jobs = _usable_cores() if (time.perf_counter() - t0) * (len(tasks) - 1) > PARALLEL_AFTER_S else 1
     rest = tasks[len(first) :][::-1]
     if min(jobs or 1, len(rest)) > 1:  # fresh interpreters: each simulation sets up a process group of its own
@@ -173,7 +225,10 @@ def _simulate_layouts(
             results = list(pool.map(_simulate_layout, rest))
     else:
         results = [_simulate_layout(task) for task in rest]
-    return first + [(task[1], result) for task, result in zip(rest, results, strict=True)]
+    done = zip([t[1] for t in [*tasks[: len(first)], *rest]], first + results, strict=True)
+    return [
+        (replace(c, microbatches=mb) if mb else c, (reports, refused, ac)) for c, (reports, refused, ac, mb) in done
+    ]
 
 
 def rank_layouts(
@@ -203,7 +258,10 @@ def rank_layouts(
     :data:`AC_ORDER` (none, selective, full) whose peak fits, rather than the one in ``config`` (its
     floor counts none: the lowest). ``choose_microbatches``: a pipeline layout is also ranked with 2 and
     4 microbatches per stage (:data:`MICROBATCHES_PER_STAGE`; a smaller bubble, smaller microbatches)
-    where the trainer takes them. A mixture of experts is also ranked over its ep degrees (those that
+    where the trainer takes them, and a layout without a pipeline that fits with no activation
+    checkpointing takes gradient accumulation's fewest microbatches with which one does (2, 4, 8, ...:
+    :func:`_accumulation_variants`; the global batch kept, where a smaller ``--batch-size`` would change
+    the training). A mixture of experts is also ranked over its ep degrees (those that
     split its experts), routing by plan (``expert_load``: the first expert's tokens over the mean)."""
     per_node = devices_per_node or hardware.devices_per_node
     combos = [c for c in plan(world, config, strategies=list(strategies), fixed=fixed) if c.valid]
@@ -237,7 +295,10 @@ def rank_layouts(
     # their step is simulated) does not already make them slower than the best of those
     acs = AC_ORDER if choose_ac else None
     plain = [c for c in combos if c.degrees["pp"] == 1 and c.degrees["cp"] == 1]
-    done = _simulate_layouts(plain, config, world, per_node, hardware, jobs, acs, expert_load=expert_load)
+    acc = choose_microbatches  # gradient accumulation, for the layouts without a pipeline that fit with no AC
+    done = _simulate_layouts(
+        plain, config, world, per_node, hardware, jobs, acs, expert_load=expert_load, accumulate=acc
+    )
     best = min((r.step_s for r in (Ranked(c, rep) for c, (rep, _, _) in done if rep) if r.fits), default=math.inf)
     floor_config = replace(config, parallel=replace(config.parallel, ac=AC_ORDER[0])) if choose_ac else config
     others = [c for c in combos if c not in plain]
@@ -290,7 +351,9 @@ def rank_layouts(
         revived = revived[:REVIVED_AT_MOST]
     # jobs given or decided again: by the pace of this batch's own first layout and its own count
     left = [c for c in others if c not in slower] + revived
-    more = _simulate_layouts(left, config, world, per_node, hardware, jobs, acs, stops_for(left), best, expert_load)
+    more = _simulate_layouts(
+        left, config, world, per_node, hardware, jobs, acs, stops_for(left), best, expert_load, acc
+    )
     # then the pipelines' variants with more microbatches that could beat the best: the simulated step
     # less the bubble they save (the rest of the step does not fall with more microbatches), or, where
     # the step needed more activation checkpointing than the least (a variant's smaller microbatches
@@ -322,7 +385,9 @@ def rank_layouts(
             sum(len(vs) for vs in variants.values()),
             best * 1e3,
         )
-    more += _simulate_layouts(tried, config, world, per_node, hardware, jobs, acs, stops_for(tried), best, expert_load)
+    more += _simulate_layouts(
+        tried, config, world, per_node, hardware, jobs, acs, stops_for(tried), best, expert_load, acc
+    )
     out, refused_by_reason, stopped = [], {}, []
     for combo, (reports, refused, ac) in [*done, *more]:
         if refused:  # refused once built (the planner's checks passed): out of the ranking, said why
