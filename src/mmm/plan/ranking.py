@@ -83,9 +83,6 @@ AC_ORDER = ("none", "selective", "full")
 MICROBATCHES_PER_STAGE = (1, 2, 4)
 # variants with more microbatches of pipelines left out by their floor that --pick simulates, at most
 REVIVED_AT_MOST = 4
-# gradient accumulation's part counts --pick without --microbatches tries, at most, on a layout without a
-# pipeline that fits with no activation checkpointing (each at least twice the last: 2, 4, 8, 16)
-ACCUMULATION_TRIES = 4
 
 
 def _microbatch_variants(config: Config, world: int, combo: Combo) -> list[Combo]:
@@ -101,74 +98,96 @@ def _microbatch_variants(config: Config, world: int, combo: Combo) -> list[Combo
 
 
 def _accumulation_variants(config: Config, world: int, combo: Combo) -> list[Combo]:
-    """Without a pipeline, ``combo`` with gradient accumulation's microbatches, the fewest first (each at least
-    twice the last, at most :data:`ACCUMULATION_TRIES`), where the trainer takes them (the per-dp-rank batch
-    splits so): what the step holds at once falls with each; the global batch, and so the numerics, stay."""
+    """Without a pipeline, ``combo`` with each count of gradient accumulation's microbatches the trainer takes
+    (dividing the per-dp-rank batch), the fewest first: what the step holds at once falls with each; the
+    global batch, and so the numerics, stay."""
     d = combo.degrees
     batch = getattr(config.train, "batch_size", None)
     if d["pp"] > 1 or combo.microbatches or not isinstance(batch, int):
         return []
     per_rank = batch // max(1, world // (d["cp"] * d["tp"]))
-    out, last = [], 1
+    out = []
     for parts in range(2, per_rank + 1):
-        if len(out) == ACCUMULATION_TRIES:
-            break
         variant = replace(combo, microbatches=parts)
-        if (
-            parts >= 2 * last
-            and per_rank % parts == 0
-            and not config.recipe.problems(trial_config(config, variant), world)
-        ):
+        if per_rank % parts == 0 and not config.recipe.problems(trial_config(config, variant), world):
             out.append(variant)
-            last = parts
     return out
+
+
+def _parts_to_fit(reports: list[RankReport], variants: list[Combo], usable: float) -> list[Combo]:
+    """Of ``variants`` (:func:`_accumulation_variants`), those with enough microbatches for the peak of the
+    step ``reports`` simulated to fit in ``usable`` bytes, the fewest first. What each rank held before the
+    step stays; the rest of its peak (saved activations, the backward's transients) taken as divided among
+    the microbatches: a bound that the fewest counts it leaves may still miss (gradients do not divide)."""
+    need = 1.0
+    for r in reports:
+        held = r.step["peak"]["before_step"]
+        if held >= usable:
+            return []  # not even what the step starts with fits
+        need = max(need, (r.prediction["peak_bytes"] - held) / (usable - held))
+    return [v for v in variants if v.microbatches >= need]
 
 
 def _simulate_layout(task) -> tuple[list[RankReport] | None, str | None, str | None, int | None]:
     """One layout of :func:`rank_layouts`: its reports, or why the simulator refused it; the activation
-    checkpointing chosen (the first of ``acs`` whose peak fits; None: ``config``'s); and, where none fits
-    without, gradient accumulation's microbatches (``accumulate``: the fewest of
-    :func:`_accumulation_variants` with which an AC fits, each tried with ``acs`` again; None: none). A
-    layout that fits in no trial is reported with its last one (the most microbatches, the heaviest AC). With
-    ``stops`` (each AC's floor) and ``best``: no reports (nor reason) once the ACs left to try have a floor
-    no faster than ``best`` (the layout cannot be the pick with that much recomputation or more; accumulation
-    adds to a step's floor, never takes from it)."""
+    checkpointing chosen (the first of ``acs`` whose peak fits; None: ``config``'s); and gradient
+    accumulation's microbatches chosen (None: none). With ``accumulate``, an AC whose step does not fit
+    is also tried with the fewest microbatches that its peak says would fit (then the next count), and
+    the pick is the fastest that fits of each AC's (an AC stops the search once its step without
+    accumulation is no faster than the pick so far: more recomputation and more microbatches only add).
+    A layout that fits in no trial is reported with its last one (the heaviest AC). With ``stops`` (each
+    AC's floor) and ``best``: no reports (nor reason) once the AC to try next has a floor no faster than
+    ``best`` and nothing lighter fit (the layout cannot be the pick with that much recomputation or more)."""
     config, combo, world, per_node, hardware, acs, stops, best, expert_load, accumulate = task
     # rank 0 (FSDP's first shards are the largest when a dimension does not split evenly); under a
     # pipeline also the rank of the same coordinates in the last stage (rank 0's first step waits for
     # its shapes: it is simulated first, once)
     ranks = [0, world - world // combo.degrees["pp"]] if combo.degrees["pp"] > 1 else [0]
-    reports, tried, stopped = None, (None, combo), None
-    for variant in (combo, *(_accumulation_variants(config, world, combo) if accumulate else ())):
-        for ac in acs or (None,):
-            if stops and stops[ac] >= best:
-                stopped = stopped or ac
-                break  # this AC and the heavier ones cannot win; more microbatches may fit with a lighter one
+    variants = _accumulation_variants(config, world, combo) if accumulate else []
+    usable = (1 - MEMORY_MARGIN) * hardware.memory_bytes
+
+    def simulated(variant: Combo, ac: str | None) -> list[RankReport]:
+        trial = trial_config(config, variant, ac)
+        return simulate_by_blocks(
+            trial, world=world, ranks=ranks, devices_per_node=per_node, hardware=hardware, expert_load=expert_load
+        )
+
+    def step_s(reports: list[RankReport]) -> float:
+        return max(r.prediction["step_s"] for r in reports)
+
+    def fits(reports: list[RankReport]) -> bool:
+        return all(r.prediction["fits"] for r in reports)
+
+    picked = last = None  # (reports, ac, microbatches)
+    for ac in acs or (None,):
+        if stops and stops[ac] >= best:
+            if picked is None:
+                return None, None, ac, None
+            break
+        if acs and ac != acs[-1] and trial_config(config, combo, ac).parallel.problems(world):
+            continue  # an AC this layout cannot run with (selective with ep, or a zero-bubble pipeline)
+        try:
+            reports = simulated(combo, ac)
+        except UsageError as e:
+            return None, str(e), ac, None
+        last = (reports, ac, None)
+        if picked is not None and step_s(reports) >= step_s(picked[0]):
+            break  # this AC and the heavier ones, with any microbatches, are no faster than the pick
+        if fits(reports):  # the fastest of this AC; a heavier one is slower
+            picked = last
+            break
+        for variant in _parts_to_fit(reports, variants, usable)[:2]:
             try:
-                trial = trial_config(config, variant, ac)
-                if acs and ac != acs[-1] and trial.parallel.problems(world):
-                    continue  # an AC this layout cannot run with (selective with ep, or a zero-bubble pipeline)
-                reports = simulate_by_blocks(
-                    trial,
-                    world=world,
-                    ranks=ranks,
-                    devices_per_node=per_node,
-                    hardware=hardware,
-                    expert_load=expert_load,
-                )
-            except UsageError as e:
-                if variant is combo:
-                    return None, str(e), ac, None
-                break  # the simulator refuses these microbatches (the layout itself it took): none more tried
-            tried = (ac, variant)
-            if all(r.prediction["fits"] for r in reports):  # less recomputation is faster: the first that fits
-                return reports, None, (ac if ac != config.parallel.ac else None), variant.microbatches
-        if reports is None:
-            break  # nothing of this layout simulated: nothing to accumulate either
-    if stopped:
-        return None, None, stopped, None
-    ac, variant = tried
-    return reports, None, (ac if ac != config.parallel.ac else None), variant.microbatches
+                more = simulated(variant, ac)
+            except UsageError:
+                break  # the simulator refuses these microbatches (the layout itself it took)
+            last = (more, ac, variant.microbatches)
+            if fits(more):
+                if picked is None or step_s(more) < step_s(picked[0]):
+                    picked = last
+                break
+    reports, ac, microbatches = picked or last
+    return reports, None, (ac if ac != config.parallel.ac else None), microbatches
 
 
 def end_with_parent(parent: int) -> None:
@@ -258,10 +277,10 @@ def rank_layouts(
     :data:`AC_ORDER` (none, selective, full) whose peak fits, rather than the one in ``config`` (its
     floor counts none: the lowest). ``choose_microbatches``: a pipeline layout is also ranked with 2 and
     4 microbatches per stage (:data:`MICROBATCHES_PER_STAGE`; a smaller bubble, smaller microbatches)
-    where the trainer takes them, and a layout without a pipeline that fits with no activation
-    checkpointing takes gradient accumulation's fewest microbatches with which one does (2, 4, 8, ...:
-    :func:`_accumulation_variants`; the global batch kept, where a smaller ``--batch-size`` would change
-    the training). A mixture of experts is also ranked over its ep degrees (those that
+    where the trainer takes them; and a layout without a pipeline whose step does not fit is also tried
+    with gradient accumulation (:func:`_simulate_layout`: per AC, the fewest microbatches its peak says
+    would fit; the fastest that fits wins; the global batch kept, where a smaller ``--batch-size`` would
+    change the training). A mixture of experts is also ranked over its ep degrees (those that
     split its experts), routing by plan (``expert_load``: the first expert's tokens over the mean)."""
     per_node = devices_per_node or hardware.devices_per_node
     combos = [c for c in plan(world, config, strategies=list(strategies), fixed=fixed) if c.valid]
@@ -295,7 +314,7 @@ def rank_layouts(
     # their step is simulated) does not already make them slower than the best of those
     acs = AC_ORDER if choose_ac else None
     plain = [c for c in combos if c.degrees["pp"] == 1 and c.degrees["cp"] == 1]
-    acc = choose_microbatches  # gradient accumulation, for the layouts without a pipeline that fit with no AC
+    acc = choose_microbatches  # gradient accumulation, for the layouts without a pipeline whose step does not fit
     done = _simulate_layouts(
         plain, config, world, per_node, hardware, jobs, acs, expert_load=expert_load, accumulate=acc
     )
