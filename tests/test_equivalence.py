@@ -137,6 +137,9 @@ MATRIX = [
     C("moe-ep2-tp2", "moe", 4, "--tp 2 --ep 2", "torchrun"),
     C("moe-dp2-cp2-ep2", "moe", 4, "--cp 2 --ep 2", "torchrun"),
     C("moe-dp2-ulysses-cp2-ep4", "moe", 4, "--cp 2 --cp-attention ulysses --ep 4"),
+    # replicated experts (ep 1): HSDP (the balancing counts over every data-parallel rank) and DDP
+    C("moe-hsdp-2x2", "moe", 4, "--strategy hsdp --dp-replicate 2"),
+    C("moe-ddp-dp2", "moe", 2, "--strategy ddp"),
     # gradient accumulation (--microbatches without a pipeline; --measure: each row's activation peak is one
     # microbatch's): FSDP x TP clipped, HSDP (its all-reduce deferred), DDP (no_sync), DeepSpeed's own, and
     # experts (their balancing loss's gradient scaled with the others)

@@ -87,13 +87,20 @@ def test_a_rank_whose_experts_get_no_token_still_runs_every_all_to_all():
     "argv, world, needle",
     [
         (["--ep", "2"], 4, "--ep 2 splits a mixture of experts' experts; add --moe-experts N"),
-        (["--moe-experts", "6", "--ep", "4"], 4, "--moe-experts 6 is not divisible by ep=4"),
+        (
+            ["--moe-experts", "6", "--ep", "4"],
+            4,
+            "--moe-experts 6 is not divisible by ep=4; each expert-parallel rank "
+            "holds as many experts: use ep 2 or 1 (dividing both 6 and dp_shard x cp = 4)",
+        ),
+        (["--moe-experts", "1"], 1, "--moe-top-k 2 (its default) must be between 1 and --moe-experts 1"),
         (["--moe-experts", "6", "--ep", "3"], 4, "ep=3 does not divide dp_shard x cp = 4 x 1 = 4"),
         (["--moe-experts", "8", "--ep", "2", "--dp-shard", "1", "--pp", "4"], 4, "ep=2 does not divide dp_shard"),
         (["--moe-experts", "4", "--moe-top-k", "5"], 2, "--moe-top-k 5 must be between 1 and --moe-experts 4"),
         (["--moe-experts", "8", "--moe-hidden", "33", "--tp", "2"], 4, "--moe-hidden 33 is not divisible by --tp 2"),
         (["--moe-aux", "0.1"], 2, "--moe-aux 0.1 only applies to a mixture of experts; add --moe-experts N"),
-        (["--moe-experts", "8", "--strategy", "ddp"], 2, "--moe-experts with --strategy ddp is not supported yet"),
+        (["--moe-experts", "8", "--strategy", "zero2"], 2, "--moe-experts with --strategy zero2 is not supported yet"),
+        (["--moe-experts", "8", "--strategy", "ddp", "--ep", "2"], 2, "--strategy ddp with --ep 2: DDP replicates"),
         (["--moe-experts", "8", "--export-hf", "x"], 2, "--export-hf writes a dense Hugging Face Llama"),
     ],
 )
@@ -101,6 +108,32 @@ def test_refusals_name_the_value(argv, world, needle):
     config = LLAMA.command_line().parse([*tiny_llama(), *argv])
     problems = LLAMA.problems(config, world)
     assert any(needle in p for p in problems), problems
+
+
+def test_a_config_built_in_code_is_refused_when_built():
+    """Llama(LlamaConfig(...)) from Python checks what the flags would: not at its first forward (an index
+    out of range, a division by zero) nor silently dense (a negative expert count)."""
+    for changes, needle in (
+        ({"moe_experts": 4, "moe_top_k": 8}, "--moe-top-k 8 must be between 1 and --moe-experts 4"),
+        ({"moe_experts": 4, "moe_top_k": 0}, "--moe-top-k 0 must be between 1"),
+        ({"moe_experts": -1}, "--moe-experts -1 must be >= 0 (0: a dense model)"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            Llama(LlamaConfig(dim=32, n_layers=1, n_heads=4, vocab_size=64, seq_len=8, **changes))
+
+
+def test_a_run_whose_tokens_take_every_expert_writes_strict_json(tmp_path):
+    """top-k = experts: no next expert, so no routing margin (it was infinity, which JSON cannot spell and
+    strict readers refuse): the history and summary parse without NaN or Infinity."""
+    res = run([sys.executable, *MODULE, *tiny_llama(max_iters=2), "--moe-experts", "2", "--outdir", str(tmp_path)])
+    assert res.returncode == 0, res.output
+
+    def refuse(name):
+        raise ValueError(f"{name} in strict JSON")
+
+    rows = [json.loads(line, parse_constant=refuse) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
+    assert rows and all("moe_load_max" in r and "moe_margin" not in r for r in rows), rows
+    json.loads((tmp_path / "summary.json").read_text(), parse_constant=refuse)
 
 
 def test_a_refusal_ends_every_rank_in_one_line():

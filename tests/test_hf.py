@@ -190,3 +190,18 @@ def test_hf_mixture_of_experts_through_verify(qwen3_moe, tmp_path):
     assert res.returncode == 0, res.output
     assert "no --ep-plan given: using the experts plan Qwen3MoeForCausalLM's config carries" in res.output
     assert "PASS: dp=2 x ep=2" in res.stdout
+
+
+def test_a_mixture_the_recipe_cannot_train_as_configured_is_refused_naming_the_fix(tmp_path):
+    """A config that asks for transformers' own balancing loss (output_router_logits), which the recipe's
+    cross-entropy would not add, is refused rather than trained unbalanced; an ep that does not split the
+    experts names the degrees that do."""
+    from mmm.models.hf.recipe import HF_CAUSAL_LM
+
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, head_dim=8)
+    shape |= dict(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2)
+    transformers.Qwen3MoeConfig(**shape, num_experts=6, output_router_logits=True).save_pretrained(tmp_path)
+    config = HF_CAUSAL_LM.command_line().parse(["--hf-config", str(tmp_path), "--ep", "4", "--batch-size", "8"])
+    problems = HF_CAUSAL_LM.problems(config, 4)
+    assert any("output_router_logits is true" in p and "set output_router_logits to false" in p for p in problems)
+    assert any("--ep 4 does not divide the model's 6 experts; use --ep 2 or 1" in p for p in problems), problems

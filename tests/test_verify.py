@@ -48,7 +48,7 @@ def test_a_tolerance_of_zero_fails_with_a_one_line_error():
     [
         (["--model", "nosuch"], "--model 'nosuch': use one of llama, llama-moe, vit, hf-llama, or module:NAME"),
         (["--model", "vit", "--cp", "2"], "cp=2: context parallel splits token sequences (batch, seq)"),
-        (["--ep", "2"], "ep=2 but the spec has no ep_plan: the model has no routed experts to split"),
+        (["--ep", "2"], "ep=2 but the spec has no ep_plan: give one naming the model's experts modules"),
         (
             ["--model", "own_lm:build", "--tp-plan", "own_lm:TP_PLAN", "--cp", "2"],
             "no module of TinyLM has an 'attn_fn' attribute",

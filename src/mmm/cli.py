@@ -254,7 +254,7 @@ class MeshConfig:
     ep: int = option(
         1,
         "--ep",
-        parse=degree,
+        parse=positive_int,  # not inferred: no -1
         group="mesh",
         help="expert-parallel degree: a mixture of experts' routed experts split over this many of the dp-shard x "
         "cp ranks (tokens sent to their experts by all-to-all); dividing dp-shard x cp",

@@ -110,10 +110,10 @@ def spec_problems(spec: ParallelSpec, dims: ParallelDims) -> list[str]:
         out.append(f"tp={dims.tp} but the spec has no tp_plan; give one (module-name patterns -> styles)")
     if dims.ep > 1 and not spec.ep_plan:
         out.append(
-            f"ep={dims.ep} but the spec has no ep_plan: the model has no routed experts to split (a plan names "
-            "its experts modules, mmm.parallel.experts)"
+            f"ep={dims.ep} but the spec has no ep_plan: give one naming the model's experts modules "
+            "(mmm.parallel.experts; a transformers mixture: ep_plan=hf_ep_plan(model)), or ep=1"
         )
-    if dims.ep > 1 and spec.dp != "fsdp":
+    if dims.ep > 1 and spec.dp == "none":  # (ddp: dp_problems; hsdp: the mesh's check)
         out.append(f"ep={dims.ep} needs dp='fsdp' (got dp={spec.dp!r}): the experts are sharded over what remains")
     out += float8_problems(spec.float8, tp=dims.tp, dtype=spec.dtype, strategy=spec.dp)
     out += ac_problems(spec.ac, dims)
@@ -174,6 +174,12 @@ def dp_problems(dp: str, dims: ParallelDims, *, field: str = "dp", spell: Spelli
     if dp == "fsdp":
         out += flat_dp_problems(dp, dims, field=field, spell=spell)
     bad = {k: v for k, v in {"tp": dims.tp, "cp": dims.cp, "pp": dims.pp}.items() if v > 1}
+    if dp == "ddp" and dims.ep > 1:
+        out.append(
+            f"{spell(field, dp)} with {spell('ep', dims.ep)}: DDP replicates every parameter, and expert parallel "
+            f"splits the experts over the data-parallel ranks; use {spell(field, 'fsdp')}, or {spell('ep', 1)} "
+            "(DDP with replicated experts)"
+        )
     if dp == "ddp" and bad:
         out.append(
             f"{spell(field, dp)} does not compose with tp/cp/pp (got {', '.join(spell(k, v) for k, v in bad.items())})"

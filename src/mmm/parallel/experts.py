@@ -66,11 +66,19 @@ def expert_modules(model: nn.Module, plan, *, allow_missing: bool = False) -> li
     return found
 
 
-def ep_problems(*, ep: int, num_experts: int, spell=None) -> list[str]:
-    """What an ep degree requires of the model: its experts split evenly."""
+def ep_problems(*, ep: int, num_experts: int, room: int | None = None, spell=None) -> list[str]:
+    """What an ep degree requires of the model: its experts split evenly (``room``: the ranks ep borrows
+    from, dp_shard x cp, to name the degrees that would do)."""
     if ep > 1 and num_experts % ep:
         name = "num_experts" if spell is None else spell.name("moe_experts")
-        return [f"{name} {num_experts} is not divisible by ep={ep}; each expert-parallel rank holds as many experts"]
+        fits = [d for d in range(1, num_experts + 1) if not num_experts % d and (room is None or not room % d)]
+        which = f"use ep {' or '.join(map(str, fits[-2:][::-1]))}" + (
+            f" (dividing both {num_experts} and dp_shard x cp = {room})" if room is not None else ""
+        )
+        return [
+            f"{name} {num_experts} is not divisible by ep={ep}; each expert-parallel rank holds as many experts: "
+            + which
+        ]
     return []
 
 
@@ -240,7 +248,13 @@ def hf_experts_problem(module: nn.Module) -> str | None:
 
 def hf_ep_plan(config, prefix: str = "") -> dict[str, str]:
     """An experts plan from a transformers config's ``base_model_ep_plan``: the modules it dispatches
-    tokens to (``ep_dispatch_experts``), rooted at ``prefix`` (e.g. ``"model."``); {} when it has none."""
+    tokens to (``ep_dispatch_experts``), rooted at ``prefix`` (e.g. ``"model."``); {} when it has none.
+    Given the model itself (``hf_ep_plan(model)``, as ``hf_tp_plan``), its config, rooted at the model."""
+    if isinstance(config, nn.Module):
+        model, config = config, getattr(config, "config", None)
+        base = getattr(model, "base_model_prefix", "")
+        if not prefix and base and getattr(model, base, None) is not None:
+            prefix = f"{base}."
     plan = dict(getattr(config, "base_model_ep_plan", None) or {})
     return {f"{prefix}{k}": "experts" for k, v in plan.items() if v == "ep_dispatch_experts"}
 
@@ -364,7 +378,7 @@ def balance_experts(modules: list[nn.Module], *, data_group=None, pp_group=None)
     ``moe_load_min``/``moe_load_max`` (tokens of the least and the most loaded expert of any layer, over
     the layer's mean), ``moe_aux`` (the auxiliary loss, summed over layers; without one, absent) and
     ``moe_margin`` (the closest any token's k-th and next expert came, bias included: a near-tie there
-    may route differently on another layout)."""
+    may route differently on another layout; absent where each token takes every expert)."""
     counts = torch.stack([m.tokens_per_expert for m in modules])
     aux = torch.stack([m.aux_sum for m in modules])
     margin = torch.stack([m.min_margin for m in modules]).min()
@@ -386,7 +400,9 @@ def balance_experts(modules: list[nn.Module], *, data_group=None, pp_group=None)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     if pp_group is not None:  # the stages' layers add up
         dist.all_reduce(value.reshape(1), group=pp_group)
-    record = {"moe_load_min": -worst[0], "moe_load_max": worst[1], "moe_margin": -worst[2]}
+    record = {"moe_load_min": -worst[0], "moe_load_max": worst[1]}
+    if all(m.top_k < m.num_experts for m in modules):  # every expert chosen: no next one, no margin (not inf)
+        record["moe_margin"] = -worst[2]
     if any(m.aux_weight > 0 for m in modules):
         record["moe_aux"] = value
     return record

@@ -48,12 +48,12 @@ def strategy_problems(
             )
         return out
     out = flat_dp_problems(strategy, dims, field="strategy", spell=spell)
-    bad = {k: v for k, v in {"tp": dims.tp, "cp": dims.cp, "pp": dims.pp}.items() if v > 1}
+    bad = {k: v for k, v in {"tp": dims.tp, "cp": dims.cp, "pp": dims.pp, "ep": dims.ep}.items() if v > 1}
     if bad:
         out.append(
             f"{spell('strategy', strategy)} (DeepSpeed) runs pure data parallel here; got "
             f"{', '.join(spell(k, v) for k, v in bad.items())}: use {spell('strategy', 'fsdp')} to combine "
-            "with tp/cp/pp"
+            "with tp/cp/pp/ep"
         )
     if not deepspeed_available():
         out.append(

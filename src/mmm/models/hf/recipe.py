@@ -183,6 +183,13 @@ class HFCausalLMRecipe(Recipe):
             return [*out, str(e)]
         except ImportError:
             return [*out, "--recipe hf needs transformers: pip install 'mmm[hf]'"]
+        if getattr(cfg, "output_router_logits", False):
+            coef = getattr(cfg, "router_aux_loss_coef", None)
+            out.append(
+                f"--hf-config {train.hf_config}: output_router_logits is true, which asks transformers for its "
+                f"load-balancing loss (router_aux_loss_coef {coef}); the hf recipe's loss is the logits' "
+                "cross-entropy and would not add it: set output_router_logits to false in its config.json"
+            )
         plan = dict(getattr(cfg, "base_model_tp_plan", None) or {})
         dims = par.dims(world_size)
         if dims is not None and dims.ep > 1:
@@ -193,7 +200,12 @@ class HFCausalLMRecipe(Recipe):
                     "ep_dispatch_experts): no experts to split; use --ep 1"
                 )
             elif experts and experts % dims.ep:
-                out.append(f"--ep {dims.ep} does not divide the model's {experts} experts; use a divisor of {experts}")
+                room = dims.dp_shard * dims.cp
+                fits = [d for d in range(1, experts + 1) if not experts % d and not room % d][-2:][::-1]
+                out.append(
+                    f"--ep {dims.ep} does not divide the model's {experts} experts; use --ep "
+                    f"{' or '.join(map(str, fits))} (dividing both {experts} and dp_shard x cp = {room})"
+                )
         if dims is not None and dims.tp > 1:
             if not plan:
                 out.append(f"--tp {dims.tp}: {type(cfg).__name__} carries no TP plan (base_model_tp_plan); use --tp 1")

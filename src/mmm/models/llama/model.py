@@ -100,6 +100,8 @@ class LlamaConfig:
         return out
 
     def moe_problems(self) -> list[str]:
+        if self.moe_experts < 0:
+            return [f"--moe-experts {self.moe_experts} must be >= 0 (0: a dense model)"]
         if not self.moe:
             defaults = {f.name: f.default for f in fields(self)}
             moe = ("moe_top_k", "moe_hidden", "moe_shared", "moe_aux", "moe_bias_rate")
@@ -110,7 +112,8 @@ class LlamaConfig:
             return [f"{', '.join(given)} only {verb} to a mixture of experts; add --moe-experts N or drop them"]
         out = []
         if not 1 <= self.moe_top_k <= self.moe_experts:
-            out.append(f"--moe-top-k {self.moe_top_k} must be between 1 and --moe-experts {self.moe_experts}")
+            default = " (its default)" if self.moe_top_k == type(self).moe_top_k else ""
+            out.append(f"--moe-top-k {self.moe_top_k}{default} must be between 1 and --moe-experts {self.moe_experts}")
         if self.moe_hidden is not None and self.moe_hidden < 1:
             out.append(f"--moe-hidden {self.moe_hidden} must be >= 1")
         if self.moe_shared < 0:
@@ -252,6 +255,9 @@ class TransformerBlock(nn.Module):
 class Llama(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
+        problems = cfg.problems()
+        if problems:  # a config built in code: refused here rather than at its first forward
+            raise ValueError(f"LlamaConfig: {'; '.join(problems)}")
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})

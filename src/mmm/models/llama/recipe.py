@@ -303,9 +303,12 @@ def layout_problems(config: Config[LlamaTrainConfig], world_size: int) -> list[s
             f"--ep {dims.ep} splits a mixture of experts' experts; add --moe-experts N (a multiple of {dims.ep})"
         )
     if cfg.moe:
-        out += ep_problems(ep=dims.ep, num_experts=cfg.moe_experts, spell=FLAGS)
-    if cfg.moe and par.strategy != "fsdp":
-        out.append(f"--moe-experts with --strategy {par.strategy} is not supported yet; use --strategy fsdp")
+        out += ep_problems(ep=dims.ep, num_experts=cfg.moe_experts, room=dims.dp_shard * dims.cp, spell=FLAGS)
+    if cfg.moe and par.strategy.startswith("zero"):  # (ep > 1 without fsdp: the library's ep check says so)
+        out.append(
+            f"--moe-experts with --strategy {par.strategy} is not supported yet (DeepSpeed's engine and checkpoints "
+            "are not verified with experts); use --strategy fsdp, hsdp or ddp"
+        )
     out += tp_problems(
         tp=dims.tp,
         n_heads=cfg.n_heads,
