@@ -132,7 +132,7 @@ MATRIX = [
     # a mixture of experts, expert parallel (ep borrows its ranks from dp_shard x cp): alone, under FSDP over
     # the rest, across a pipeline, with the experts' width over tp, with ring and all-to-all context parallel
     C("moe-dp2-ep2", "moe", 2, "--ep 2"),
-    C("moe-dp4-ep2", "moe", 4, "--ep 2", "torchrun"),
+    C("moe-dp4-ep2-ac-selective", "moe", 4, "--ep 2 --ac selective", "torchrun"),  # (efsdp 2; at 1 it is refused)
     C("moe-pp2-dp2-ep2", "moe", 4, "--pp 2 --ep 2 --microbatches 2"),
     C("moe-ep2-tp2", "moe", 4, "--tp 2 --ep 2", "torchrun"),
     C("moe-dp2-cp2-ep2", "moe", 4, "--cp 2 --ep 2", "torchrun"),

@@ -165,7 +165,7 @@ def _simulate_layout(task) -> tuple[list[RankReport] | None, str | None, str | N
                 return None, None, ac, None
             break
         if acs and ac != acs[-1] and trial_config(config, combo, ac).parallel.problems(world):
-            continue  # an AC this layout cannot run with (selective with ep, or a zero-bubble pipeline)
+            continue  # an AC this layout cannot run with (selective with ep at efsdp 1, or a zero-bubble pipeline)
         try:
             reports = simulated(combo, ac)
         except UsageError as e:
