@@ -149,6 +149,8 @@ MATRIX = [
     C("acc4-ddp-dp2", "llama", 2, "--strategy ddp --microbatches 4 --measure"),
     C("acc2-zero2-dp2", "llama", 2, "--strategy zero2 --microbatches 2 --measure"),
     C("acc2-moe-dp2-ep2", "moe", 2, "--ep 2 --microbatches 2 --measure"),
+    # context parallel's ring with accumulation and full AC, a pick the planner can make
+    C("acc2-cp2-ac-full", "llama", 2, "--cp 2 --dp-shard 1 --ac full --microbatches 2 --measure"),
     # the ViT on 4 ranks: DDP, FSDP, ZeRO-1 and ZeRO-3 (ZeRO-2: the Llama's and the CNN's rows), and TP x FSDP
     *[C(f"vit-{s}-dp4", "vit", 4, f"--strategy {s}", "torchrun") for s in ("ddp", "fsdp", "zero1", "zero3")],
     C("vit-tp2-dp2", "vit", 4, "--tp 2"),

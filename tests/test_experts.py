@@ -91,7 +91,7 @@ def test_a_rank_whose_experts_get_no_token_still_runs_every_all_to_all():
             ["--moe-experts", "6", "--ep", "4"],
             4,
             "--moe-experts 6 is not divisible by ep=4; each expert-parallel rank "
-            "holds as many experts: use ep 2 or 1 (dividing both 6 and dp_shard x cp = 4)",
+            "holds as many experts: use --ep 2 or --ep 1 (dividing both 6 and dp_shard x cp = 4)",
         ),
         (["--moe-experts", "1"], 1, "--moe-top-k 2 (its default) must be between 1 and --moe-experts 1"),
         (["--moe-experts", "6", "--ep", "3"], 4, "ep=3 does not divide dp_shard x cp = 4 x 1 = 4"),

@@ -207,7 +207,7 @@ def test_a_mixture_of_experts_plan_shows_each_layouts_ep(capsys):
     lines = capsys.readouterr().out.splitlines()
     head = next(ln.split() for ln in lines if ln.lstrip().startswith("#"))
     assert head[:7] == ["#", "pp", "dpr", "dps", "cp", "tp", "ep"], head
-    rows = [ln.split()[1:7] for ln in lines if ln.strip()[:1].isdigit()]
+    rows = [ln.split()[1:8] for ln in lines if ln.strip()[:1].isdigit()]  # the degrees and the strategy
     assert len(rows) == len({tuple(r) for r in rows}) and any(r[5] == "2" for r in rows), rows
 
 
@@ -806,6 +806,7 @@ def test_calibrate_measures_this_machine_for_the_simulator(tmp_path):
     for flags, needle in [
         (["--ranks", "2", "--tp", "2", "--dtype", "bf16"], "--tp, --dtype: calibration measures the machine"),
         (["--ranks", "1"], "--ranks 1: bandwidth needs at least 2 ranks"),
+        (["--ranks", "2", "--moe-experts", "2", "--moe-top-k", "3"], "--moe-top-k 3 must be between 1 and"),
     ]:
         assert_clean_user_error(run([*calibrate, *flags], timeout=60), needle)
 

@@ -72,7 +72,8 @@ def ep_problems(*, ep: int, num_experts: int, room: int | None = None, spell=Non
     if ep > 1 and num_experts % ep:
         name = "num_experts" if spell is None else spell.name("moe_experts")
         fits = [d for d in range(1, num_experts + 1) if not num_experts % d and (room is None or not room % d)]
-        which = f"use ep {' or '.join(map(str, fits[-2:][::-1]))}" + (
+        degree = (lambda d: f"ep={d}") if spell is None else (lambda d: spell("ep", d))
+        which = f"use {' or '.join(degree(d) for d in fits[-2:][::-1])}" + (
             f" (dividing both {num_experts} and dp_shard x cp = {room})" if room is not None else ""
         )
         return [

@@ -133,7 +133,8 @@ def ep_problems(ep, degrees: dict[str, int]) -> list[str]:
         ]
     if ep > 1 and degrees["dp_replicate"] > 1:
         return [
-            f"ep={ep} with dp_replicate={degrees['dp_replicate']} (HSDP) is not supported; use fsdp (dp_replicate=1)"
+            f"ep={ep} with dp_replicate={degrees['dp_replicate']} (HSDP) is not supported; use fsdp (dp_replicate=1), "
+            "or ep=1 (HSDP with the experts replicated)"
         ]
     return []
 

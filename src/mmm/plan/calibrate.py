@@ -130,9 +130,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(ns.out).expanduser()
     trainer_argv = without_flags(argv, {"--ranks", "--out"}, {"--probe"})  # --recipe goes on to the ranks
     config = recipe.command_line().parse(without_flags(own, {"--ranks", "--out"}, {"--probe"}))
+    _refuse_layout_flags(config)
+    problems = recipe.layout_free_problems(config, 1)  # each rank measures one whole model
+    if problems:
+        raise UsageError("; ".join(problems))
     if not recipe.flops_per_unit(recipe.model_config(config.train)):
         raise UsageError(f"--recipe {recipe.name}: its model's FLOPs are not known (Recipe.flops_per_unit)")
-    _refuse_layout_flags(config)
     if ns.probe:  # a rank under launch: run_main (cli) tears the job down cleanly on every rank
         probe(config, out)
         return 0

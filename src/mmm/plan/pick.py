@@ -202,7 +202,8 @@ def take_pick(recipe: Recipe, config: Config, argv: list[str], info) -> tuple[Co
         kind, message = found[0]
         raise UsageError(message) if kind == "usage" else RuntimeError(message)
     pick: Pick = found[0]
-    # the planner's activation checkpointing and pipeline microbatches, where it chose them (given ones hold)
+    # the planner's activation checkpointing and microbatches (a pipeline's, or gradient accumulation's), where
+    # it chose them (given ones hold)
     chosen = {k: v for k, v in (("ac", pick.ac), ("microbatches", pick.microbatches)) if v}
     config = replace(config, parallel=replace(config.parallel, **pick.degrees, strategy=pick.strategy, **chosen))
     problems = recipe.layout_problems(config, info.world_size)  # the rest were checked at the start

@@ -77,7 +77,8 @@ def _usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-# activation checkpointing, least recomputation first: --pick without --ac takes the first that fits
+# activation checkpointing, least recomputation first: --pick without --ac takes the first that fits (or,
+# with gradient accumulation tried too, the fastest that fits of each AC's)
 AC_ORDER = ("none", "selective", "full")
 # a pipeline's microbatches per stage that --pick without --microbatches ranks (1: the trainer's default)
 MICROBATCHES_PER_STAGE = (1, 2, 4)
@@ -99,11 +100,14 @@ def _microbatch_variants(config: Config, world: int, combo: Combo) -> list[Combo
 
 def _accumulation_variants(config: Config, world: int, combo: Combo) -> list[Combo]:
     """Without a pipeline, ``combo`` with each count of gradient accumulation's microbatches the trainer takes
-    (dividing the per-dp-rank batch), the fewest first: what the step holds at once falls with each; the
-    global batch, and so the numerics, stay."""
+    (dividing the per-dp-rank batch; a recipe whose trainer offers no --microbatches: none), the fewest
+    first: what the step holds at once falls with each; the global batch, and so the numerics, stay."""
     d = combo.degrees
     batch = getattr(config.train, "batch_size", None)
+    offered = getattr(config.recipe, "parallel_flags", None)
     if d["pp"] > 1 or combo.microbatches or not isinstance(batch, int):
+        return []
+    if offered is not None and "microbatches" not in offered:
         return []
     per_rank = batch // max(1, world // (d["cp"] * d["tp"]))
     out = []
@@ -135,7 +139,7 @@ def _simulate_layout(task) -> tuple[list[RankReport] | None, str | None, str | N
     is also tried with the fewest microbatches that its peak says would fit (then the next count), and
     the pick is the fastest that fits of each AC's (an AC stops the search once its step without
     accumulation is no faster than the pick so far: more recomputation and more microbatches only add).
-    A layout that fits in no trial is reported with its last one (the heaviest AC). With ``stops`` (each
+    A layout that fits in no trial is reported with its heaviest AC's step without accumulation. With ``stops`` (each
     AC's floor) and ``best``: no reports (nor reason) once the AC to try next has a floor no faster than
     ``best`` and nothing lighter fit (the layout cannot be the pick with that much recomputation or more)."""
     config, combo, world, per_node, hardware, acs, stops, best, expert_load, accumulate = task
@@ -143,7 +147,7 @@ def _simulate_layout(task) -> tuple[list[RankReport] | None, str | None, str | N
     # pipeline also the rank of the same coordinates in the last stage (rank 0's first step waits for
     # its shapes: it is simulated first, once)
     ranks = [0, world - world // combo.degrees["pp"]] if combo.degrees["pp"] > 1 else [0]
-    variants = _accumulation_variants(config, world, combo) if accumulate else []
+    variants = None  # gradient accumulation's, made at the first step that does not fit
     usable = (1 - MEMORY_MARGIN) * hardware.memory_bytes
 
     def simulated(variant: Combo, ac: str | None) -> list[RankReport]:
@@ -158,7 +162,7 @@ def _simulate_layout(task) -> tuple[list[RankReport] | None, str | None, str | N
     def fits(reports: list[RankReport]) -> bool:
         return all(r.prediction["fits"] for r in reports)
 
-    picked = last = None  # (reports, ac, microbatches)
+    picked = last = None  # (reports, ac, microbatches); last: the last AC's step without accumulation
     for ac in acs or (None,):
         if stops and stops[ac] >= best:
             if picked is None:
@@ -169,6 +173,8 @@ def _simulate_layout(task) -> tuple[list[RankReport] | None, str | None, str | N
         try:
             reports = simulated(combo, ac)
         except UsageError as e:
+            if picked is not None:  # a lighter AC fit (with microbatches): the heavier one is not needed
+                break
             return None, str(e), ac, None
         last = (reports, ac, None)
         if picked is not None and step_s(reports) >= step_s(picked[0]):
@@ -176,15 +182,16 @@ def _simulate_layout(task) -> tuple[list[RankReport] | None, str | None, str | N
         if fits(reports):  # the fastest of this AC; a heavier one is slower
             picked = last
             break
+        if variants is None:
+            variants = _accumulation_variants(config, world, combo) if accumulate else []
         for variant in _parts_to_fit(reports, variants, usable)[:2]:
             try:
                 more = simulated(variant, ac)
             except UsageError:
                 break  # the simulator refuses these microbatches (the layout itself it took)
-            last = (more, ac, variant.microbatches)
             if fits(more):
                 if picked is None or step_s(more) < step_s(picked[0]):
-                    picked = last
+                    picked = (more, ac, variant.microbatches)
                 break
     reports, ac, microbatches = picked or last
     return reports, None, (ac if ac != config.parallel.ac else None), microbatches
@@ -275,7 +282,8 @@ def rank_layouts(
     process may use if, at its pace, they would take more than :data:`PARALLEL_AFTER_S`). ``every``:
     none left out by its floor. ``choose_ac``: each layout takes the first activation checkpointing of
     :data:`AC_ORDER` (none, selective, full) whose peak fits, rather than the one in ``config`` (its
-    floor counts none: the lowest). ``choose_microbatches``: a pipeline layout is also ranked with 2 and
+    floor counts none: the lowest); with gradient accumulation tried too, the fastest that fits of each
+    AC's. ``choose_microbatches``: a pipeline layout is also ranked with 2 and
     4 microbatches per stage (:data:`MICROBATCHES_PER_STAGE`; a smaller bubble, smaller microbatches)
     where the trainer takes them; and a layout without a pipeline whose step does not fit is also tried
     with gradient accumulation (:func:`_simulate_layout`: per AC, the fewest microbatches its peak says

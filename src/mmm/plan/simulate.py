@@ -106,8 +106,9 @@ def build_parser(recipe=None) -> ArgumentParser:
         action="store_true",
         help="with --hardware: simulate every layout of --world ranks the simulator can run (fsdp/hsdp; "
         "mesh flags given hold their value), each with the least activation checkpointing that fits (none, "
-        "selective, full; --ac given holds) and pipelines with 1, 2 and 4 microbatches per stage "
-        "(--microbatches given holds), rank them by predicted step time among those that fit, explain "
+        "selective, full; --ac given holds), pipelines with 1, 2 and 4 microbatches per stage, and a step "
+        "that does not fit also with gradient accumulation's microbatches, the fastest that fits winning "
+        "(--microbatches given holds); rank them by predicted step time among those that fit, explain "
         "the best few and print the pick's flags",
     )
     g.add_argument(
