@@ -107,10 +107,9 @@ MATRIX = [
     C("dp2-cp2", "llama", 4, "--cp 2", "torchrun"),
     C("cp2-tp2-ac-full", "llama", 4, "--cp 2 --tp 2 --ac full"),
     # all-to-all (Ulysses) context parallel: heads split over cp; cp4 x tp2 repeats K/V (2 kv heads per TP
-    # rank over 4 cp ranks)
+    # rank over 4 cp ranks; cp2 x tp2 is trimmed: cp4 x tp2 holds the composition, the experts' row ulysses with ep)
     C("ulysses-cp2", "llama", 2, "--cp 2 --dp-shard 1 --cp-attention ulysses", "torchrun"),
     C("ulysses-cp4", "llama", 4, "--cp 4 --dp-shard 1 --cp-attention ulysses"),
-    C("ulysses-cp2-tp2", "llama", 4, "--cp 2 --tp 2 --cp-attention ulysses"),
     C("ulysses-cp4-tp2", "llama", 8, "--cp 4 --tp 2 --cp-attention ulysses", "torchrun"),
     C("pp2-cp2-tp2", "llama", 8, "--pp 2 --cp 2 --tp 2 --microbatches 2", "torchrun"),
     # pipeline parallel
