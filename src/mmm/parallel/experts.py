@@ -66,14 +66,19 @@ def expert_modules(model: nn.Module, plan, *, allow_missing: bool = False) -> li
     return found
 
 
+def ep_degrees(num_experts: int, room: int | None = None) -> list[int]:
+    """The ep degrees that split ``num_experts`` (and divide ``room``, the dp_shard x cp ranks ep borrows
+    from, when given), the largest first."""
+    return [d for d in range(num_experts, 0, -1) if not num_experts % d and (room is None or not room % d)]
+
+
 def ep_problems(*, ep: int, num_experts: int, room: int | None = None, spell=None) -> list[str]:
     """What an ep degree requires of the model: its experts split evenly (``room``: the ranks ep borrows
     from, dp_shard x cp, to name the degrees that would do)."""
     if ep > 1 and num_experts % ep:
         name = "num_experts" if spell is None else spell.name("moe_experts")
-        fits = [d for d in range(1, num_experts + 1) if not num_experts % d and (room is None or not room % d)]
         degree = (lambda d: f"ep={d}") if spell is None else (lambda d: spell("ep", d))
-        which = f"use {' or '.join(degree(d) for d in fits[-2:][::-1])}" + (
+        which = f"use {' or '.join(degree(d) for d in ep_degrees(num_experts, room)[:2])}" + (
             f" (dividing both {num_experts} and dp_shard x cp = {room})" if room is not None else ""
         )
         return [

@@ -24,7 +24,7 @@ from mmm.cli import FLAGS, flag_problems, option, positive_int
 from mmm.data import DATASETS, dataset_problems, local_batches, make_dataset
 from mmm.errors import UsageError
 from mmm.parallel.compose import ParallelSpec
-from mmm.parallel.experts import hf_ep_plan
+from mmm.parallel.experts import ep_degrees, hf_ep_plan
 from mmm.parallel.loss import cross_entropy
 from mmm.parallel.meta import meta_init
 from mmm.parallel.pipeline import pipeline_problems
@@ -201,10 +201,10 @@ class HFCausalLMRecipe(Recipe):
                 )
             elif experts and experts % dims.ep:
                 room = dims.dp_shard * dims.cp
-                fits = [d for d in range(1, experts + 1) if not experts % d and not room % d][-2:][::-1]
                 out.append(
                     f"--ep {dims.ep} does not divide the model's {experts} experts; use --ep "
-                    f"{' or '.join(map(str, fits))} (dividing both {experts} and dp_shard x cp = {room})"
+                    f"{' or '.join(map(str, ep_degrees(experts, room)[:2]))} (dividing both {experts} and dp_shard x "
+                    f"cp = {room})"
                 )
         if dims is not None and dims.tp > 1:
             if not plan:
