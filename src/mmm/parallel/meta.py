@@ -45,6 +45,27 @@ from mmm.errors import UsageError
 WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod")
 
 
+# the in-place initialisers a constructor calls: on a meta tensor they have nothing to fill
+_INITIALISERS = frozenset(
+    [getattr(nn.init, n) for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")]
+    + [getattr(torch.Tensor, n) for n in ("normal_", "uniform_", "random_", "bernoulli_", "fill_", "zero_")]
+    + [getattr(torch.Tensor, n) for n in ("exponential_", "log_normal_", "cauchy_", "geometric_", "copy_")]
+)
+
+
+class _SkipMetaInit(torch.overrides.TorchFunctionMode):
+    """Initialisers on meta tensors return at once. On meta, torch runs their random ones through its
+    Python reference kernels, whose first call imports torch._dynamo (~0.5 s of CPU a process)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _INITIALISERS:  # nn.init's pass the tensor by keyword
+            target = args[0] if args else kwargs.get("tensor")
+            if isinstance(target, torch.Tensor) and target.is_meta:
+                return target
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def meta_init() -> Iterator[None]:
     """Build a model with every parameter on ``meta`` (no memory, no initialisation work) and
@@ -59,15 +80,17 @@ def meta_init() -> Iterator[None]:
 
     nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
     try:
-        yield
+        with _SkipMetaInit():  # the constructor's initialisation of the parameters it registered: nothing to do
+            yield
     finally:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
 def count_params(build: Callable[[], nn.Module]) -> int:
     """Parameters of the model ``build()`` makes, built wholly on the meta device: no memory at all (under
-    :func:`meta_init` each parameter passes through host memory first), buffers left uncomputed."""
-    with torch.device("meta"):
+    :func:`meta_init` each parameter passes through host memory first), buffers left uncomputed and
+    initialisers skipped."""
+    with torch.device("meta"), _SkipMetaInit():
         return sum(p.numel() for p in build().parameters())
 
 
@@ -200,7 +223,8 @@ def materialize(
                 put(i, full)
                 torch.manual_seed(param_seed(seed, name))
                 try:
-                    init_fn(owner)
+                    with _SkipMetaInit():  # the other parameters are placeholders: nothing to fill
+                        init_fn(owner)
                 except AttributeError as err:
                     if "reset_parameters" in str(err):
                         raise UsageError(

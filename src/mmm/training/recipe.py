@@ -26,6 +26,7 @@ from torch import nn
 from mmm.cli import nonempty_text
 from mmm.errors import UsageError
 from mmm.parallel.compose import ParallelSpec
+from mmm.parallel.meta import count_params
 from mmm.parallel.optim import adamw
 from mmm.parallel.strategy import ZERO_STAGES, Engine, build_engine
 from mmm.training.config import Config, ParallelConfig, RunConfig, trainer_flags
@@ -155,6 +156,11 @@ class Recipe:
     def build(self, model_config) -> nn.Module:
         """The plain single-device model (called under :func:`mmm.parallel.meta_init`)."""
         raise NotImplementedError
+
+    def param_count(self, model_config) -> int:
+        """The model's parameters, known before it is built (the trainer sizes host memory's handling by
+        them): by default counted on a build on meta; a recipe that knows the closed form says it."""
+        return count_params(lambda: self.build(model_config))
 
     def spec(self, how: ParallelConfig, model_config) -> ParallelSpec:
         """How the model is parallelised: its TP plan, blocks, AC, compile, dtype (the strategy is the flag's)."""

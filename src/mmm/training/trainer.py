@@ -16,7 +16,6 @@ from mmm.errors import UsageError
 from mmm.log import get_logger
 from mmm.parallel import describe_sharding, init_mesh, meta_init
 from mmm.parallel.compose import mixed_precision
-from mmm.parallel.meta import count_params
 from mmm.parallel.optim import implementation
 from mmm.training.checkpoints import open_checkpoints
 from mmm.training.config import Config
@@ -100,7 +99,7 @@ def train(recipe: Recipe, config: Config, info, outdir, startup: Startup, *, pic
     #    its own shards in step 3, every weight seeded by --seed and its name (any mesh, the same weights)
     cfg = recipe.model_config(what)
     if info.device.type == "cpu":  # a large model in host memory: freed tensors go back at once (decided
-        dist.return_freed_host_memory(4 * count_params(lambda: recipe.build(cfg)))  # before tensors come and go)
+        dist.return_freed_host_memory(4 * recipe.param_count(cfg))  # before tensors come and go)
     with meta_init():
         model = recipe.build(cfg)
     n_params = sum(p.numel() for p in model.parameters())

@@ -467,6 +467,9 @@ class LlamaRecipe(Recipe):
     def build(self, model_config: LlamaConfig) -> Llama:
         return Llama(model_config)
 
+    def param_count(self, model_config: LlamaConfig) -> int:
+        return model_config.num_params()
+
     def spec(self, how, model_config) -> ParallelSpec:
         return parallel_spec(how, model_config)
 
