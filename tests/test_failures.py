@@ -226,22 +226,6 @@ def test_a_sigint_that_stops_nothing_escalates_to_sigterm():
     assert 9 < took < 40, took
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("runner", ["torchrun", "mpiexec"])
-def test_consecutive_four_rank_runs_exit_zero(runner):
-    """PLATFORM.md 'Exit abort': every finished run must exit 0 on every rank (2 + 2 runs here; every
-    other multi-rank test adds to the count)."""
-    script = str(SCRIPTS / "ddp_step.py")
-    codes = []
-    for _ in range(2):
-        res = run(torchrun(4, script) if runner == "torchrun" else mpiexec(4, script), timeout=120)
-        codes.append(res.returncode)
-        assert "terminate called" not in res.output, res.output
-        assert res.returncode == 0, res.output
-        assert "ok loss_sum=" in res.stdout
-    assert codes == [0] * 2
-
-
 def test_import_mmm_and_parallel_stay_light():
     code = (
         "import sys, mmm; assert 'torch' not in sys.modules, 'import mmm pulled torch'\n"

@@ -654,14 +654,7 @@ def test_pick_ranks_the_layouts_and_holds_the_given_degrees(tmp_path):
     assert float(said.group(3)) >= float(said.group(4)) == round(four["step_s"] * 1e3, 1), res.output
     assert four["ac"] is None and "--ac" not in four["flags"], four  # no AC needed to fit: none added
     assert f"pick: {' '.join(four['flags'])}" in res.stdout and "ranked by predicted step time" in res.stdout
-    every = [*pick, "--hardware", hw, "--tp", "2", "--json", str(out), "--every", "--jobs", "2"]
-    res = run(every, timeout=300)  # two processes simulate them all: the same pick, every layout predicted
-    assert res.returncode == 0, res.output
-    rows = json.loads(out.read_text())
-    assert len(rows) == 5 and rows[0]["label"] == four["label"], [r["label"] for r in rows]
-    assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows) and all(r["fits"] for r in rows)
-    for r in rows:  # the reason names what the step waits for: compute and TP's collectives
-        assert "compute" in r["why"] and "tp " in r["why"]
+    assert "compute" in four["why"] and "tp " in four["why"], four  # the reason: what the step waits for
     # a pipeline whose floor loses may win with more microbatches: the variants whose own floor is under
     # the best are simulated (a slow network: FSDP's traffic across nodes costs more than 8 microbatches'
     # bubble, not more than 2's)
