@@ -415,6 +415,18 @@ FAST_S = 6.0
 DURATIONS_FILE = Path(__file__).parent / "durations.json"
 RECORDED = ROOT / ".pytest_cache" / "mmm-durations.json"  # what the last runs measured (make durations)
 _DURATIONS: dict[str, float] = {}
+# the CPU each test's processes used (the worker's own and every child it reaped): on 2 busy cores the suite's
+# time is its CPU, most of it ranks importing torch; listed at the end to show what a trim would save
+CPU_RECORDED = ROOT / ".pytest_cache" / "mmm-cpu.json"
+_CPU: dict[str, float] = {}
+_CPU_KEY = pytest.StashKey[float]()
+
+
+def _cpu_now() -> float:
+    import resource
+
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 # a module whose tests read a run its own module- or session-scoped fixture makes (a reference run, a
@@ -475,11 +487,24 @@ def pytest_configure(config):
         )
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[_CPU_KEY] = _cpu_now()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    if call.when == "teardown" and _CPU_KEY in item.stash:  # carried to the controller by the teardown report
+        item.user_properties.append(("cpu_s", _cpu_now() - item.stash[_CPU_KEY]))
+
+
 def pytest_runtest_logreport(report):
     """Rows of the fault campaign's table, as each report arrives (from this process or an xdist worker);
-    each test's time (setup, call and teardown) for :data:`RECORDED`."""
+    each test's time (setup, call and teardown) for :data:`RECORDED`, its CPU for :data:`CPU_RECORDED`."""
     node = _node(report.nodeid)
     _DURATIONS[node] = _DURATIONS.get(node, 0.0) + report.duration
+    if report.when == "teardown":
+        _CPU.update({node: value for name, value in report.user_properties if name == "cpu_s"})
     if report.when == "call":
         _FAULT_ROWS.extend(tuple(value) for name, value in report.user_properties if name == "fault_outcome")
         _BAD_INPUT_ROWS.extend(tuple(value) for name, value in report.user_properties if name == "bad_input")
@@ -494,6 +519,8 @@ def pytest_sessionfinish(session):
         RECORDED.parent.mkdir(parents=True, exist_ok=True)
         merged = {**old, **{k: round(v, 1) for k, v in _DURATIONS.items()}}
         RECORDED.write_text(json.dumps(dict(sorted(merged.items())), indent=0) + "\n")
+        if _CPU:
+            CPU_RECORDED.write_text(json.dumps({k: round(v, 1) for k, v in sorted(_CPU.items())}, indent=0) + "\n")
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -511,6 +538,11 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep("-", "bad-input campaign: input / exit / seconds / the one line")
         for what, line, code, seconds in rows:
             terminalreporter.write_line(f"{what:<{width}}  exit {code}  {seconds:5.2f}s  {line}")
+    if len(_CPU) > 20:
+        top = sorted(_CPU.items(), key=lambda kv: -kv[1])[:20]
+        terminalreporter.write_sep("-", f"CPU: {sum(_CPU.values()):,.0f} s over {len(_CPU)} tests; the most (s)")
+        for node, seconds in top:
+            terminalreporter.write_line(f"{seconds:7.1f}  {node}")
 
 
 @pytest.fixture(scope="session", autouse=True)
