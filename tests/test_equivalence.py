@@ -9,6 +9,8 @@ configuration, computed once and shared.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 from dataclasses import dataclass
 
@@ -150,16 +152,23 @@ MATRIX = [
 
 @pytest.fixture(scope="session")
 def references(tmp_path_factory):
-    """The output folder of the single-process run of each base, made on first use."""
-    cache: dict = {}
+    """The output folder of the single-process run of each base, made on first use, once per test session:
+    under pytest-xdist the first worker that needs it makes it (a file lock), the others read it."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers' own folders sit in this session's
+        root = root.parent
 
     def get(base: str):
-        if base not in cache:
-            out = tmp_path_factory.mktemp(f"single-{base}")
-            res = run([sys.executable, *BASES[base], "--outdir", str(out)], timeout=180)
-            assert res.returncode == 0, res.output
-            cache[base] = out
-        return cache[base]
+        out, done = root / f"single-{base}", root / f"single-{base}.done"
+        with FileLock(str(root / f"single-{base}.lock")):
+            if not done.exists():
+                shutil.rmtree(out, ignore_errors=True)
+                res = run([sys.executable, *BASES[base], "--outdir", str(out)], timeout=180)
+                assert res.returncode == 0, res.output
+                done.touch()
+        return out
 
     return get
 

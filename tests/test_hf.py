@@ -162,14 +162,20 @@ def test_hf_mixture_of_experts_with_expert_parallel_matches_one_process(qwen3_mo
     """transformers' Qwen3-MoE experts split over ep by its config's own experts plan (base_model_ep_plan):
     their forward sends tokens by all-to-all; with tp its own TP plan too (q_norm/k_norm's
     replicated_with_grad_allreduce, the experts' packed_colwise gate_up_proj); loss and grad norm equal
-    one process's."""
+    one process's, and so does the expert load the run records (counted where each experts module is handed
+    its tokens, summed over the data-parallel ranks, the stages' worst combined)."""
     config, reference = qwen3_moe
     cmd = launch("-n", "4", "python3", *HF_TRAINER, "--hf-config", str(config), *flags, "--outdir", str(tmp_path))
     res = run(cmd, timeout=240)
     assert res.returncode == 0, res.output
     got = jsonl(tmp_path / "history.jsonl", key=None)
-    for key in ("loss", "grad_norm"):
+    for key in ("loss", "grad_norm", "moe_load_min", "moe_load_max"):
         assert max_rel_diff([r[key] for r in got], [r[key] for r in reference]) <= RTOL, key
+    assert all(0 <= r["moe_load_min"] <= 1 <= r["moe_load_max"] <= 8 / 2 for r in got), got  # 8 experts, top-2
+    assert len({r["moe_load_max"] for r in got}) > 1, got  # counted each step, not once
+    experts = json.loads((tmp_path / "summary.json").read_text())["experts"]
+    assert experts["experts"] == 8 and experts["top_k"] == 2 and experts["ep"] == 2, experts
+    assert experts["moe_load_max"] == got[-1]["moe_load_max"], experts
     placement = "etp:_StridedShard(1)" if "--tp" in flags else "efsdp:_StridedShard(0), ep:Shard(0)"
     assert placement in res.stdout, res.stdout  # the experts' placement in the sharding table
 

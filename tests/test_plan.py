@@ -756,6 +756,18 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity here")
+def test_the_pick_spawns_no_more_processes_than_idle_cores(monkeypatch):
+    """--pick's automatic --jobs: the cores the machine's load leaves idle (this process counted as its own),
+    at least 1: on a busy machine more processes would only add their starts to the same cores."""
+    from mmm.plan import ranking
+
+    cores = len(os.sched_getaffinity(0))
+    for load, want in ((0.0, cores), (1.0, cores), (cores + 8.0, 1), (cores - 0.5, min(cores, 2))):
+        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
+        assert ranking._usable_cores() == want, (load, cores)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 def test_a_killed_pick_leaves_no_layout_simulating(tmp_path):
     """--pick simulates layouts in processes of its own: killed (as a launcher or a user kills it), it takes

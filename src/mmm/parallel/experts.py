@@ -315,6 +315,63 @@ class _HFExpertsForward:
         return self.module.gate_up_proj.shape[0]
 
 
+# --------------------------------------------------------------------------- the load of a model's own router
+def _count_tokens(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of a Hugging Face experts module: adds up the tokens its router handed each expert
+    (``top_k_index``), in training forwards only: not an AC recomputation (in backward), nor a pipeline's
+    shape inference or a simulated step (``counting`` off)."""
+    if not (module.counting and module.training and torch.is_grad_enabled()):
+        return
+    if torch._C._current_graph_task_id() != -1:
+        return
+    if len(args) > 1:  # (hidden_states, top_k_index, top_k_weights), positional in transformers' models
+        index = args[1]
+    else:  # by keyword, whose name varies by family: the one integer tensor
+        index = next(v for v in kwargs.values() if isinstance(v, torch.Tensor) and not v.is_floating_point())
+    with torch.no_grad():
+        counts = torch.bincount(index.reshape(-1), minlength=module.gate_up_proj.shape[0]).float()
+        module.routed_tokens = counts if module.routed_tokens is None else module.routed_tokens + counts
+
+
+def count_expert_tokens(model: nn.Module) -> list[nn.Module]:
+    """Make every Hugging Face experts module of ``model`` (whose router keeps no count, unlike mmm's
+    :class:`mmm.models.llama.moe.Router`) count the tokens it is handed per expert, for :func:`expert_load`.
+    Returns them, in model order (none on a pipeline stage without one)."""
+    found = []
+    for module in model.modules():
+        if hf_experts_problem(module) is None and not hasattr(module, "routed_tokens"):
+            module.counting, module.routed_tokens = True, None
+            module.register_forward_pre_hook(_count_tokens, with_kwargs=True)
+            found.append(module)
+    return found
+
+
+@torch.no_grad()
+def expert_load(modules: list[nn.Module], *, data_group=None, device: torch.device) -> dict[str, torch.Tensor]:
+    """After a step, on every rank (collectives), for modules :func:`count_expert_tokens` made count: their
+    tokens per expert summed over ``data_group`` (data and context parallel: the ranks holding other tokens),
+    the counters reset, and the step's record as 0-d tensors, the same on every rank and layout as in one
+    process: ``moe_load_min``/``moe_load_max``, the least and the most loaded expert of any layer over the
+    layer's mean (every rank's worst, by one MAX reduction: a pipeline stage without experts joins it)."""
+    worst = torch.full((2,), -float("inf"), device=device)
+    if modules:
+        counts = torch.stack(
+            [
+                m.routed_tokens if m.routed_tokens is not None else torch.zeros(m.gate_up_proj.shape[0], device=device)
+                for m in modules
+            ]
+        )
+        if data_group is not None:
+            dist.all_reduce(counts, group=data_group)
+        load = counts / counts.mean(dim=1, keepdim=True).clamp(min=1)
+        worst = torch.stack([-load.min(), load.max()])
+        for m in modules:
+            m.routed_tokens = None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return {"moe_load_min": -worst[0], "moe_load_max": worst[1]}
+
+
 # --------------------------------------------------------------------------- a simulated step
 def planned_counts(slots: int, experts: int, *, load: float = 1.0) -> list[int]:
     """``slots`` token slots (tokens x top_k) over ``experts``: expert 0 gets ``load`` x the mean (capped at

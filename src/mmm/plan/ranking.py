@@ -74,7 +74,15 @@ simulate one after another, they are simulated at once (a process starts in ~2 s
 
 
 def _usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """The cores this process may use that other work leaves idle: its affinity, less the machine's load
+    (the last minute's run queue, this process counted as one of its own). On a busy machine more
+    processes would only add their start (each imports torch: seconds of CPU) to the same cores."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        busy = os.getloadavg()[0] - 1
+    except OSError:  # no load average here
+        return cores
+    return max(1, min(cores, math.floor(cores - busy + 0.5)))
 
 
 # activation checkpointing, least recomputation first: --pick without --ac takes the first that fits (or,

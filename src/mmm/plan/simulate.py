@@ -117,7 +117,8 @@ def build_parser(recipe=None) -> ArgumentParser:
         default=None,
         metavar="N",
         help="with --pick: layouts simulated at once, each in a process of its own [the cores this process may "
-        "use, when the others at the first layout's pace would take over 10 s; else 1]",
+        "use that the machine's load leaves idle, when the others at the first layout's pace would take over "
+        "10 s; else 1]",
     )
     g.add_argument(
         "--every",

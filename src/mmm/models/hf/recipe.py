@@ -24,7 +24,7 @@ from mmm.cli import FLAGS, flag_problems, option, positive_int
 from mmm.data import DATASETS, dataset_problems, local_batches, make_dataset
 from mmm.errors import UsageError
 from mmm.parallel.compose import ParallelSpec
-from mmm.parallel.experts import ep_degrees, hf_ep_plan
+from mmm.parallel.experts import count_expert_tokens, ep_degrees, expert_load, hf_ep_plan
 from mmm.parallel.loss import cross_entropy
 from mmm.parallel.meta import meta_init
 from mmm.parallel.pipeline import pipeline_problems
@@ -346,13 +346,34 @@ class HFCausalLMRecipe(Recipe):
             return {"val_loss": val_loss, "val_ppl": perplexity(val_loss)}
 
         schedule = what.schedule(total_steps=what.max_iters)
+        after_update, experts = None, self.experts(ctx.model_config)
+        if experts:  # the mixture's expert load, counted where its experts are handed their tokens
+            counters, data_group = count_expert_tokens(engine.unwrapped()), mesh.group("dp_cp")
+
+            def after_update(step):
+                return expert_load(counters, data_group=data_group, device=ctx.device)
+
+        def finish():
+            out = {"dataset": dataset.name, "tokens_per_step": what.batch_size * what.seq_len}
+            if experts:
+                last = ctx.run.hist.rows[-1] if ctx.run.hist.rows else {}
+                out["experts"] = {
+                    "experts": experts,
+                    "top_k": getattr(cfg, "num_experts_per_tok", None),
+                    "ep": mesh.ep,
+                    "experts_per_rank": experts // mesh.ep,
+                    **{k: last[k] for k in ("moe_load_min", "moe_load_max") if k in last},
+                }
+            return out
+
         return Loop(
             last_step=what.max_iters,
             lr_at=schedule,
             batch=batch,
             evaluate=held_out,
+            after_update=after_update,
             meta={"dataset": what.dataset, "lr_schedule": schedule.as_dict()},
-            finish=lambda: {"dataset": dataset.name, "tokens_per_step": what.batch_size * what.seq_len},
+            finish=finish,
         )
 
 
