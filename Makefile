@@ -9,6 +9,13 @@ TEST_WORKERS ?= 3
 # the slowest tests listed at the end of `make test` (0: all of them)
 DURATIONS ?= 40
 export OMP_NUM_THREADS ?= 1
+# the interpreter .venv is built from (PYTHON=/path/to/python3 to choose): the system's python3 where it is
+# 3.10+ with venv, as distributions build CPython with profile-guided and link-time optimisation (pyenv's
+# default build has neither: a rank of the tiny trainer took 18% more CPU on it, docs/testing.md), else
+# the first python3 on PATH
+PYTHON ?= $(shell /usr/bin/python3 -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 10))' \
+	2>/dev/null && echo /usr/bin/python3 || echo python3)
+export PYTHON
 
 .PHONY: demo smoke test test-fast durations test-deps lint format venv clean pyc
 
