@@ -3,6 +3,7 @@ pruning removes, what a crash between two renames leaves, what a resume refuses.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -382,6 +383,16 @@ def test_a_relaunch_resumes_its_own_lineage_not_the_abandoned_branch(saved_run, 
     assert rows == [3, 4, 5, 6], rows
 
 
+class _Reduced:
+    """Pickles as ``fn(*args)``."""
+
+    def __init__(self, fn, args) -> None:
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return (self.fn, self.args)
+
+
 class _Planted:
     """What someone who can write to a checkpoint folder could leave as its ``.metadata``: unpickling runs
     a command."""
@@ -408,6 +419,18 @@ def test_a_checkpoint_runs_no_code_and_others_cannot_write_to_it(tmp_path):
     (step_dir(root, 2) / ".metadata").write_bytes(pickle.dumps(_Planted(marker)))
     again = saver(root)
     assert "posix.system is not something DCP writes" in (again.damage(2) or ""), again.damage(2)
+    # Python 3.11.0-3.11.4 pickle an enum member (DCP's memory format) as getattr(cls, name): that reads,
+    # and getattr reaching anything else does not
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    from mmm.parallel.checkpoint_files import _MetadataUnpickler
+
+    member = _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
+    reduced = pickle.dumps(_Reduced(getattr, (_MEM_FORMAT_ENCODING, member.name)))
+    assert _MetadataUnpickler(io.BytesIO(reduced)).load() is member
+    for cls, name in ((torch.Size, "__reduce__"), (_MEM_FORMAT_ENCODING, "__class__")):
+        with pytest.raises(pickle.UnpicklingError, match="is not something DCP writes"):
+            _MetadataUnpickler(io.BytesIO(pickle.dumps(_Reduced(getattr, (cls, name))))).load()
     assert again.load("latest")["step"] == 1 and not marker.exists()
     with pytest.raises(UsageError, match="is damaged"):
         saver(root).load("2")
