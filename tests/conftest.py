@@ -519,8 +519,10 @@ def pytest_sessionfinish(session):
         RECORDED.parent.mkdir(parents=True, exist_ok=True)
         merged = {**old, **{k: round(v, 1) for k, v in _DURATIONS.items()}}
         RECORDED.write_text(json.dumps(dict(sorted(merged.items())), indent=0) + "\n")
-        if _CPU:
-            CPU_RECORDED.write_text(json.dumps({k: round(v, 1) for k, v in sorted(_CPU.items())}, indent=0) + "\n")
+        if _CPU:  # merged as the times are (make test's second run adds the Slurm tests')
+            old = json.loads(CPU_RECORDED.read_text()) if CPU_RECORDED.exists() else {}
+            merged = {**old, **{k: round(v, 1) for k, v in _CPU.items()}}
+            CPU_RECORDED.write_text(json.dumps(dict(sorted(merged.items())), indent=0) + "\n")
 
 
 def pytest_terminal_summary(terminalreporter):

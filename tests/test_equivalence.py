@@ -94,16 +94,14 @@ MATRIX = [
     # data parallel and tensor parallel (llama)
     C("fsdp-dp2-tp2-clip", "llama8-clip", 4, "--tpsize 2"),  # the demo's layout, clipped over its 2-D shards
     C("fsdp-dp2-tp4", "llama", 8, "--tp 4", "torchrun"),
-    C("fsdp-dp2-tp2-ac-selective", "llama", 4, "--tp 2 --ac selective", "torchrun"),
     C("fsdp-dp2-no-reshard", "llama", 2, "--tp 1 --reshard-after-forward false", "torchrun"),  # (FSDP alone: held)
     C("hsdp-2x2-tp2-ac-full", "llama", 8, "--strategy hsdp --dp-replicate 2 --tp 2 --ac full"),
     # two hosts: HSDP's replicate axis (gradient all-reduce) across them, each shard group inside one;
     # a pipeline with one stage per host
     C("hosts2-hsdp-2x2", "llama", 4, "--strategy hsdp --dp-replicate 2", "pbs/openmpi"),
-    # context parallel (ring cp 2 alone: the accumulation rows)
+    # context parallel (ring cp 2 alone: the accumulation rows; cp 2 x tp 2: the 4-D row)
     C("cp4", "llama", 4, "--cpsize 4 --dp-shard 1"),
     C("dp2-cp2", "llama", 4, "--cp 2", "torchrun"),
-    C("cp2-tp2-ac-full", "llama", 4, "--cp 2 --tp 2 --ac full --measure"),
     # all-to-all (Ulysses) context parallel: heads split over cp; cp4 x tp2 repeats K/V (2 kv heads per TP
     # rank over 4 cp ranks; cp 2 alone and cp2 x tp2 are trimmed: these and the experts' row hold them)
     C("ulysses-cp4", "llama", 4, "--cp 4 --dp-shard 1 --cp-attention ulysses"),
@@ -131,7 +129,12 @@ MATRIX = [
     # gradient accumulation (--microbatches without a pipeline; --measure: each row's activation peak is one
     # microbatch's): FSDP x TP clipped, HSDP (its all-reduce deferred), DDP (no_sync), DeepSpeed's own, and
     # experts (their balancing loss's gradient scaled with the others)
-    C("acc2-fsdp-dp2-tp2-clip", "llama8-clip", 4, "--tp 2 --microbatches 2 --on-nonfinite skip --measure"),
+    C(
+        "acc2-fsdp-dp2-tp2-clip-ac-sel",
+        "llama8-clip",
+        4,
+        "--tp 2 --microbatches 2 --ac selective --on-nonfinite skip --measure",
+    ),
     # (HSDP 2x2 without accumulation: the two-host row, and with tp and AC)
     C("acc2-hsdp-2x2", "llama", 4, "--strategy hsdp --dp-replicate 2 --microbatches 2 --measure", "torchrun"),
     C("acc4-ddp-dp2", "llama", 2, "--strategy ddp --microbatches 4 --measure"),
