@@ -2,6 +2,8 @@
 mixture of experts (:mod:`mmm.models.llama.moe`) and the expert-parallel forward of Hugging Face experts
 modules (:mod:`mmm.parallel.experts`).
 
+Also :func:`counts_tokens`, when a forward counts toward the expert load.
+
 Tokens arrive sorted by expert, ``counts[e]`` of them for expert e. :func:`padded_groups` places each
 expert's rows at the start of a group padded to ``GROUP_ALIGN`` rows (the rest zeros) in a buffer whose
 size is known without the counts (every group padded by at most ``GROUP_ALIGN - 1`` rows), so counts on
@@ -31,6 +33,16 @@ def no_tokens(x: torch.Tensor, features: int, *weights: torch.Tensor) -> torch.T
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype  # as a matmul's
     held = x.sum() + sum(w.sum() for w in weights)
     return x.new_zeros((0, features), dtype=dtype) + 0.0 * held.to(dtype)
+
+
+def counts_tokens(module: torch.nn.Module) -> bool:
+    """Whether a router's or experts module's forward now is a training forward whose tokens count toward
+    the expert load: ``module.counting`` and training with grad on, and not an activation checkpoint's
+    recomputation (that runs inside backward), a pipeline's shape inference or a simulated step (those
+    turn ``counting`` off)."""
+    if not (module.counting and module.training and torch.is_grad_enabled()):
+        return False
+    return torch._C._current_graph_task_id() == -1
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mmm.errors import UsageError
-from mmm.models.grouped import grouped_linear, grouped_mm_available, no_tokens, padded_groups
+from mmm.models.grouped import counts_tokens, grouped_linear, grouped_mm_available, no_tokens, padded_groups
 from mmm.parallel.context import all_to_all, all_to_all_autograd
 
 EP_STYLES = ("experts",)
@@ -320,9 +320,7 @@ def _count_tokens(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook of a Hugging Face experts module: adds up the tokens its router handed each expert
     (``top_k_index``), in training forwards only: not an AC recomputation (in backward), nor a pipeline's
     shape inference or a simulated step (``counting`` off)."""
-    if not (module.counting and module.training and torch.is_grad_enabled()):
-        return
-    if torch._C._current_graph_task_id() != -1:
+    if not counts_tokens(module):
         return
     if len(args) > 1:  # (hidden_states, top_k_index, top_k_weights), positional in transformers' models
         index = args[1]

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmm.models.grouped import grouped_linear, grouped_mm_available, no_tokens, padded_groups
+from mmm.models.grouped import counts_tokens, grouped_linear, grouped_mm_available, no_tokens, padded_groups
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -143,9 +143,7 @@ class Router(nn.Module):
         weights = scores.gather(-1, experts)
         if self.top_k > 1:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        # a training forward: not an AC recomputation (in backward), nor a pipeline's shape inference
-        counting = self.counting and self.training and torch.is_grad_enabled()
-        counting = counting and torch._C._current_graph_task_id() == -1
+        counting = counts_tokens(self)
         aux = None
         if self.aux_weight > 0 and self.training:
             aux = self._sequence_aux(scores.view(bsz, seq, -1), experts.view(bsz, seq, -1), seq)
