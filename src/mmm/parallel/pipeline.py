@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mmm.errors import API, Spelling, UsageError
+from mmm.parallel.accumulate import accumulation_problems
 from mmm.parallel.compose import (
     ParallelSpec,
     ac_problems,
@@ -116,14 +117,9 @@ def pipeline_problems(
             f"{spell('n_layers', n_layers)} does not split evenly into {stages}; use a multiple of "
             f"{num_stages} or {spell.name('split_points')}"
         )
-    if microbatches < 1:
-        out.append(f"{spell('microbatches', microbatches)} must be >= 1")
-    elif local_batch is not None and local_batch % microbatches:
-        out.append(
-            f"{spell('microbatches', microbatches)} does not divide the per-dp-rank batch {local_batch}; "
-            f"use a divisor of {local_batch}"
-        )
-    elif not multi and microbatches < pp and schedule == "1f1b":
+    batch = accumulation_problems(microbatches, local_batch, spell=spell)  # the same rule as accumulation's
+    out += batch
+    if not batch and not multi and microbatches < pp and schedule == "1f1b":
         out.append(f"{spell('schedule', schedule)} needs {spell.name('microbatches')} >= pp ({pp}); got {microbatches}")
     return out
 
