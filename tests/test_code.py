@@ -34,18 +34,20 @@ HEAVY = {"torch", "numpy"}  # deferred only by modules that `import mmm` or `lau
 # what `import torch` loads: importing them inside a function of a module that loads torch saves nothing
 # (deeper submodules, e.g. torch.distributed.tensor, .checkpoint or .pipelining, load on first use)
 WITH_TORCH = {"torch", "torch.nn", "torch.nn.functional", "torch.distributed", "torch.utils.checkpoint"}
-# mmm's own modules imported inside a function, and why
+# mmm's own modules imported inside a function: (the importer, the module it defers) and why
 OWN_DEFERRED = {
-    "mmm.__main__": "the smoke test parses its flags before torch loads",
-    "mmm.data": "token files (mmm.data.tokens) only for --dataset bin/hf",
-    "mmm.data.__main__": "the prepare command only when asked for",
-    "mmm.data.prepare": "token files only when asked for",
-    "mmm.dist.state": "mmm's version and device module, which import the package being set up",
+    ("mmm.__main__", "mmm.parallel"): "the smoke test parses its flags before torch loads",
+    ("mmm.data", "mmm.data.tokens"): "token files only for --dataset bin/hf",
+    ("mmm.data.__main__", "mmm.data.prepare"): "the prepare command only when asked for",
+    ("mmm.data.prepare", "mmm.data.tokens"): "token files only when asked for",
 }
-# the layers, lowest first: a module may import its own layer and those below, never above
+# the layers, lowest first: a module may import its own layer and those below, never above. mmm.models
+# is plain single-device code at the bottom, but for a model's parts of the library beside it
+# (MODEL_PARTS: the parallel layer) and its recipe (the training layer): see _layer
 LAYERS = [
+    ("mmm.models",),
     ("mmm.errors", "mmm.env", "mmm.log", "mmm.cli", "mmm.faults", "mmm.dist"),
-    ("mmm.parallel", "mmm.models", "mmm.data", "mmm.measure", "mmm.flops"),
+    ("mmm.parallel", "mmm.data", "mmm.measure", "mmm.flops"),
     ("mmm.history", "mmm.tracking", "mmm.training"),
     ("mmm.examples", "mmm.trainer", "mmm.plan", "mmm.verify", "mmm.launch", "mmm.__main__"),
 ]
@@ -80,6 +82,7 @@ def _imports(path: Path):
         if type_checking:
             continue
         if isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}:{node.lineno}: a relative import; name the module in full"
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
         else:
             names = [a.name for a in node.names]
@@ -142,7 +145,7 @@ def test_imports_inside_functions_defer_something():
                 continue
             if top == "torch" and names[0] not in WITH_TORCH:
                 continue
-            if top == "mmm" and module in OWN_DEFERRED:
+            if top == "mmm" and all((module, dep) in OWN_DEFERRED for dep in {_own(n) for n in names} - {"mmm"}):
                 continue
             if top in sys.stdlib_module_names and top == "ctypes":  # loaded at the moment of exit only
                 continue
@@ -157,9 +160,17 @@ def _is_recipe(module: str) -> bool:
     return module.startswith("mmm.models.") and module.endswith(".recipe")
 
 
+# a model's parts of the library, beside it (mmm.models.<model>.<part>): its TP plan and shape checks, its
+# context-parallel hook, its Hugging Face checkpoint mapping, its closed-form memory estimate
+MODEL_PARTS = ("tp", "context", "hf", "estimate")
+
+
 def _layer(module: str) -> int:
     if _is_recipe(module):
         return LAYERS.index(("mmm.history", "mmm.tracking", "mmm.training"))
+    parts = module.split(".")
+    if parts[:2] == ["mmm", "models"] and len(parts) == 4 and parts[3] in MODEL_PARTS:
+        return LAYERS.index(("mmm.parallel", "mmm.data", "mmm.measure", "mmm.flops"))
     for i, names in enumerate(LAYERS):
         if any(module == n or module.startswith(n + ".") for n in names):
             return i
@@ -178,3 +189,45 @@ def test_imports_point_one_way():
                 if _layer(dep) > _layer(module):
                     upward.append(f"{path.relative_to(SRC)}:{node.lineno}: {module} imports {dep}")
     assert not upward, "\n".join(upward)
+
+
+def _graph() -> dict[str, set[str]]:
+    """Who imports whom among mmm's modules, top-level or in a function (``from a import b`` of a
+    submodule ``b`` names ``a.b``, not ``a``)."""
+    out = {module: set() for module in MODULES}
+    for module, path in MODULES.items():
+        for _, _, _, names in _imports(path):
+            named = {_own(n) for n in names[1:]} or {_own(names[0])}
+            if any(_own(n) == names[0] for n in names[1:]):  # a name that is not a submodule of names[0]
+                named.add(names[0])
+            out[module] |= {m for m in named if m and m not in (module, "mmm")}
+    return out
+
+
+def test_no_import_circles():
+    """No module reaches itself through imports, not even through one inside a function (one strongly
+    connected component per module, by Tarjan's algorithm)."""
+    graph, index, low, stack, on_stack, circles = _graph(), {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                circles.append(" <-> ".join(sorted(component)))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not circles, "modules that import each other:\n" + "\n".join(circles)

@@ -14,8 +14,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from mmm import dist
 from mmm import env as mmm_env
 from mmm.cli import ArgumentParser, MeshConfig, add_flags, from_flags, nonempty_text
+from mmm.errors import UsageError
+from mmm.log import get_logger
 
 
 def build_parser() -> ArgumentParser:
@@ -57,13 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.report_dir = Path(args.report_dir) if args.report_dir is not None else None
     if args.report_dir is not None and args.report_dir.exists() and not args.report_dir.is_dir():
-        from mmm.errors import UsageError
-
         raise UsageError(f"--report-dir {args.report_dir} exists and is not a directory; pass a directory path")
 
-    from mmm import dist
-    from mmm.log import get_logger
-    from mmm.parallel import init_mesh
+    from mmm.parallel import init_mesh  # torch: after the flags are parsed
 
     log = get_logger()
     info = dist.setup(device=args.device)

@@ -27,23 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
+from mmm.data.seeds import step_generator, step_seed  # noqa: F401  (step_seed: public here)
+from mmm.errors import UsageError
+
 DATASETS = ("synthetic", "pydoc", "bin", "hf")
 ON_DISK = ("bin", "hf")  # datasets read from --data-dir
 BYTE_VOCAB = 256
-_STEP_STRIDE = 1_000_003  # steps per seed before generator seeds repeat
-
-
-_SPLIT_SALT = {"train": 0, "val": 0x9E3779B97F4A7C15}  # a held-out split draws from a stream of its own
-
-
-def step_seed(seed: int, step: int, split: str = "train") -> int:
-    """The generator seed of a run's step (or epoch) ``step`` of ``split``: a function of the run's ``seed``
-    and the step alone, within what ``torch.Generator.manual_seed`` takes for any seed the flags accept."""
-    return (seed * _STEP_STRIDE + step + _SPLIT_SALT[split]) % 2**63
-
-
-def _step_generator(seed: int, step: int, split: str = "train") -> torch.Generator:
-    return torch.Generator().manual_seed(step_seed(seed, step, split))
 
 
 @dataclass
@@ -56,7 +45,7 @@ class SyntheticTokens:
     def global_batch(self, seed: int, step: int, batch: int, rows: slice = slice(None)) -> torch.Tensor:
         """Step ``step``'s global batch of ``batch`` sequences, or only its ``rows`` (the same values:
         the per-row draws are made for the whole batch, the sequences built for the rows asked)."""
-        g = _step_generator(seed, step, self.split)
+        g = step_generator(seed, step, self.split)
         x0 = torch.randint(0, self.vocab_size, (batch, 1), generator=g)[rows]
         c = torch.randint(1, 9, (batch, 1), generator=g)[rows]
         seq = [x0]
@@ -78,7 +67,7 @@ class ByteCorpus:
         self.name = name
 
     def global_batch(self, seed: int, step: int, batch: int, rows: slice = slice(None)) -> torch.Tensor:
-        g = _step_generator(seed, step)
+        g = step_generator(seed, step)
         starts = torch.randint(0, len(self.data) - self.seq_len - 1, (batch,), generator=g)[rows]
         idx = starts[:, None] + torch.arange(self.seq_len + 1)
         return self.data[idx].long()
@@ -137,8 +126,6 @@ def dataset_problems(
     name: str, *, vocab_size: int, data_dir=None, text_column: str | None = None, tokenizer: str | None = None
 ) -> list[str]:
     """Problems with the data flags that need no data read (beyond meta.json or the tokenizer)."""
-    from mmm.errors import UsageError
-
     out = []
     if name not in ON_DISK:
         given = [

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from mmm.data import step_seed
+from mmm.data.seeds import step_seed
 from mmm.errors import UsageError
 
 MNIST_FILES = {

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from mmm import env
-from mmm.data import _step_generator
+from mmm.data.seeds import step_generator
 from mmm.errors import UsageError
 from mmm.log import get_logger
 
@@ -68,7 +68,7 @@ class TokenWindows:
     def global_batch(self, seed: int, step: int, batch: int, rows: slice = slice(None)) -> torch.Tensor:
         """Step ``step``'s global batch (``batch`` windows), or only its ``rows``: the starts are drawn
         for the whole batch, the tokens read for the rows asked."""
-        starts = torch.randint(0, len(self.tokens) - self.seq_len, (batch,), generator=_step_generator(seed, step))
+        starts = torch.randint(0, len(self.tokens) - self.seq_len, (batch,), generator=step_generator(seed, step))
         idx = starts[rows].numpy()[:, None] + np.arange(self.seq_len + 1)
         return torch.from_numpy(np.asarray(self.tokens[idx], dtype=np.int64))
 

@@ -13,12 +13,13 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from mmm import env
+from mmm import __version__, env
 from mmm.dist import liveness
-from mmm.dist.device import DEFAULT_TIMEOUT_S, pick_backend, pick_device, timeout_seconds
+from mmm.dist.device import DEFAULT_TIMEOUT_S, pick_backend, pick_device, return_freed_host_memory, timeout_seconds
 from mmm.dist.ranks import RankInfo, discover_ranks
 from mmm.dist.rendezvous import raise_open_file_limit, rendezvous
 from mmm.errors import first_line
+from mmm.log import configure as configure_logging
 from mmm.log import get_logger
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -109,8 +110,6 @@ def banner(di: DistInfo | None = None) -> str:
     """One line on where this job runs: launcher, ranks, nodes, device, backend, versions."""
     import torch
 
-    from mmm import __version__
-
     di = di or info()
     mpi = f" mpi4py={sys.modules['mpi4py'].__version__}" if "mpi4py" in sys.modules else ""
     return (
@@ -146,9 +145,7 @@ def setup(
     env.check()  # every mmm variable's value, before any work (one read late would fail a finished run)
     ranks = discover_ranks()
     liveness.record_pid(ranks.rank, ranks.local_world_size)
-    from mmm import log as mlog
-
-    mlog.configure(rank=ranks.rank, world_size=ranks.world_size, all_ranks=all_ranks_log)
+    configure_logging(rank=ranks.rank, world_size=ranks.world_size, all_ranks=all_ranks_log)
     timeout_s = timeout_seconds(timeout)
     t_import = time.perf_counter()
     import torch  # noqa: F401  (timed: the first import of torch is part of startup)
@@ -158,8 +155,6 @@ def setup(
     dev = pick_device(ranks.local_rank, device)
     bind_device(dev)
     if dev.type == "cpu" and env.get("MMM_HOST_MALLOC") == "return":  # see the function
-        from mmm.dist.device import return_freed_host_memory
-
         return_freed_host_memory()
     want_pg = True if init_process_group is None else init_process_group
     backend = None
