@@ -272,7 +272,8 @@ def plots(ds, outdir: Path) -> None:
     """tokens/s per layout and the dtf/dtb split, as png (matplotlib) and text (plotext)."""
     import numpy as np
 
-    from mmm.history import _ANSI, atomic_write_text
+    from mmm.files import write_atomic
+    from mmm.history import _ANSI
 
     outdir.mkdir(parents=True, exist_ok=True)
     ok = [i for i in range(ds.sizes["combo"]) if ds["ok"].values[i]]
@@ -289,7 +290,7 @@ def plots(ds, outdir: Path) -> None:
     plt.plotsize(110, 3 * len(labels) + 4)
     plt.bar(labels, tps, orientation="horizontal", marker="#", width=0.6)
     plt.title("tokens/s per layout")
-    atomic_write_text(outdir / "tokens_per_s.txt", _ANSI.sub("", plt.build()) + "\n")
+    write_atomic(outdir / "tokens_per_s.txt", _ANSI.sub("", plt.build()) + "\n")
     plt.clf()
     plt.theme("clear")
     plt.plotsize(110, 3 * len(labels) + 4)
@@ -297,7 +298,7 @@ def plots(ds, outdir: Path) -> None:
         labels, [dtf, dtb], labels=["dtf (#)", "dtb (=)"], orientation="horizontal", marker=["#", "="], width=0.6
     )
     plt.title("forward (dtf) + backward (dtb) seconds per step")
-    atomic_write_text(outdir / "step_split.txt", _ANSI.sub("", plt.build()) + "\n")
+    write_atomic(outdir / "step_split.txt", _ANSI.sub("", plt.build()) + "\n")
 
     import matplotlib
 
@@ -402,9 +403,9 @@ def main(argv=None) -> int:
     ds.to_netcdf(tmp, engine=_netcdf_engine())
     os.replace(tmp, out / "results.nc")
     table = markdown(ds, cores=os.cpu_count())
-    from mmm.history import atomic_write_text
+    from mmm.files import write_atomic
 
-    atomic_write_text(out / "results.md", table)
+    write_atomic(out / "results.md", table)
     plots(ds, out / "plots")
     print(table, flush=True)
     print(f"wrote {out / 'results.nc'}, {out / 'results.md'}, {out / 'plots'}/", flush=True)

@@ -46,7 +46,7 @@ OWN_DEFERRED = {
 # (MODEL_PARTS: the parallel layer) and its recipe (the training layer): see _layer
 LAYERS = [
     ("mmm.models",),
-    ("mmm.errors", "mmm.env", "mmm.log", "mmm.cli", "mmm.faults", "mmm.dist"),
+    ("mmm.errors", "mmm.env", "mmm.files", "mmm.log", "mmm.cli", "mmm.faults", "mmm.dist"),
     ("mmm.parallel", "mmm.data", "mmm.measure", "mmm.flops"),
     ("mmm.history", "mmm.tracking", "mmm.training"),
     ("mmm.examples", "mmm.trainer", "mmm.plan", "mmm.verify", "mmm.launch", "mmm.__main__"),

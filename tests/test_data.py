@@ -104,7 +104,8 @@ def test_prepare_writes_both_dtypes_and_meta(corpus):
 
 
 def test_windows_are_the_same_for_any_dp_split_and_dtype(corpus):
-    from mmm.data import _step_generator, local_batches, make_dataset
+    from mmm.data import local_batches, make_dataset
+    from mmm.data.seeds import step_generator
 
     seq, batch = 32, 8
     d16 = make_dataset("bin", vocab_size=VOCAB, seq_len=seq, data_dir=corpus.bin16)
@@ -118,7 +119,7 @@ def test_windows_are_the_same_for_any_dp_split_and_dtype(corpus):
             parts = [d16.global_batch(5, step, batch, rows=slice(r * local, (r + 1) * local)) for r in range(dp)]
             assert torch.equal(torch.cat(parts), whole)
         assert torch.equal(d32.global_batch(5, step, batch), whole)  # uint32 files read as the same tokens
-        starts = torch.randint(0, len(train) - seq, (batch,), generator=_step_generator(5, step))
+        starts = torch.randint(0, len(train) - seq, (batch,), generator=step_generator(5, step))
         assert torch.equal(whole, torch.stack([torch.from_numpy(train[s : s + seq + 1]) for s in starts.tolist()]))
     # the trainer's iterator: dp rank r's rows of each step, inputs and labels shifted by one
     x, y = next(local_batches(d16, seed=5, global_batch=batch, dp_rank=1, dp_size=2, start_step=7))

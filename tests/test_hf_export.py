@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -181,9 +182,10 @@ def _tiny_llama():
 
 def test_an_export_never_deletes_what_its_folder_held(tmp_path, monkeypatch):
     """--export-hf into a folder that holds weights (an earlier export, or the very checkpoint the run
-    started from with --init-from): the old files are moved aside whole, after the new export is complete;
-    an index naming a file outside the folder deletes nothing; a full disk mid-write leaves the folder as
-    it was."""
+        started from with --init-from): the old files are moved aside whole, after the new export (its tokenizer
+    too) is complete;
+        an index naming a file outside the folder deletes nothing; a full disk mid-write leaves the folder as
+        it was."""
     import safetensors.torch
 
     from mmm.errors import RunError
@@ -204,15 +206,18 @@ def test_an_export_never_deletes_what_its_folder_held(tmp_path, monkeypatch):
     def full_disk(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
-    with pytest.raises(RunError, match=r"no space left in .*nothing there was changed"):
-        export_hf_llama(model, dest, cfg)
-    assert {p.name: p.read_bytes() for p in dest.iterdir()} == before  # untouched
-    assert sorted(p.name for p in dest.parent.iterdir()) == ["llama"]  # no half-written export left
-    monkeypatch.undo()
+    tokenizer = {"tokenizer.json": b'{"new": 1}'}
+    for failing in (safetensors.torch, "save_file"), (Path, "write_bytes"):  # the weights; the tokenizer after
+        monkeypatch.setattr(*failing, full_disk)
+        with pytest.raises(RunError, match=r"no space left in .*nothing there was changed"):
+            export_hf_llama(model, dest, cfg, files=tokenizer)
+        assert {p.name: p.read_bytes() for p in dest.iterdir()} == before  # untouched
+        assert sorted(p.name for p in dest.parent.iterdir()) == ["llama"]  # no half-written export left
+        monkeypatch.undo()
 
-    export_hf_llama(model, dest, cfg)
+    export_hf_llama(model, dest, cfg, files=tokenizer)
     assert victim.read_text() == "not a shard"
-    assert sorted(p.name for p in dest.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in dest.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert (dest / "tokenizer.json").read_bytes() == tokenizer["tokenizer.json"]
     (aside,) = [p for p in dest.parent.iterdir() if p.name.startswith("llama.old-")]
     assert {p.name: p.read_bytes() for p in aside.iterdir()} == before  # every old file, intact

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -20,6 +21,56 @@ def test_update_appends_a_line_per_step_immediately(tmp_path):
     h.update(2, loss=2.0, dt=0.2, tps=torch.tensor(1000, dtype=torch.int64))
     lines = (tmp_path / "history.jsonl").read_text().splitlines()
     assert [json.loads(x)["iter"] for x in lines] == [1, 2] and json.loads(lines[1])["tps"] == 1000
+
+
+def _record_fsyncs(monkeypatch) -> list[str]:
+    """The paths os.fsync is called on from now on (through /proc/self/fd)."""
+    synced, real = [], os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return synced
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc to name the fsynced files")
+def test_files_are_written_whole_and_durably(tmp_path, monkeypatch):
+    """write_atomic: a failed write leaves the old file and no temporary one; a durable write fsyncs the
+    data before the rename and the folder after it; the history is fsynced at a checkpoint (sync) and at
+    the end, its resume rewrite and summary.json as they are written."""
+    from mmm.files import write_atomic
+
+    synced = _record_fsyncs(monkeypatch)
+    path = tmp_path / "summary.json"
+    path.write_text("old")
+
+    def half_then_full_disk(f) -> None:
+        f.write(b"half")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        write_atomic(path, half_then_full_disk)
+    assert path.read_text() == "old" and sorted(os.listdir(tmp_path)) == ["summary.json"]
+    write_atomic(path, "new \udcff")  # a kept line's undecodable byte, as it was read
+    assert path.read_bytes() == b"new \xff" and synced == [str(tmp_path / ".summary.json.tmp"), str(tmp_path)]
+    synced.clear()
+    write_atomic(path, b"remade", durable=False)
+    assert path.read_bytes() == b"remade" and not synced
+
+    h = History(tmp_path / "run")
+    h.update(1, loss=1.0)
+    h.sync()
+    assert synced == [str(tmp_path / "run" / "history.jsonl")]
+    synced.clear()
+    again = History(tmp_path / "run", resume=0)  # rewritten: step 1 set aside, the history emptied
+    assert str(tmp_path / "run" / "history.jsonl") in [s.replace(".history.jsonl.tmp", "history.jsonl") for s in synced]
+    again.update(1, loss=2.0)
+    synced.clear()
+    again.finalize(plots=False)
+    assert synced[0] == str(tmp_path / "run" / "history.jsonl"), synced
+    assert str(tmp_path / "run" / ".summary.json.tmp") in synced
 
 
 def test_a_resume_keeps_the_rows_of_the_steps_it_runs_again_beside_the_history(tmp_path):

@@ -35,6 +35,7 @@ from typing import Any
 
 from mmm import faults
 from mmm.errors import UsageError
+from mmm.files import fsync_path, write_atomic
 from mmm.log import get_logger
 
 DEFAULT_WARMUP = 2
@@ -69,14 +70,6 @@ def file_name(metric: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.+-]", "_", metric) or "_"
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    if path.is_dir():  # before a temporary file beside it is made
-        raise IsADirectoryError(f"{path} is a directory, not a file to write")
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8", errors="surrogateescape")  # a kept line's bytes, as they were
-    os.replace(tmp, path)
-
-
 def _aside_path(path: Path) -> Path:
     """``<name>.replaced-<UTC time>-<pid>.jsonl`` beside ``path``, one that does not exist yet."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
@@ -94,7 +87,7 @@ def keep_aside(path: Path, rows: list[dict], step_key: str, unread: Iterable[str
     drops them, and say so: a rolled-back run's abandoned steps stay."""
     aside = _aside_path(path)
     unread = list(unread)
-    atomic_write_text(aside, "".join(_json_line(r) for r in rows) + "".join(f"{line}\n" for line in unread))
+    write_atomic(aside, "".join(_json_line(r) for r in rows) + "".join(f"{line}\n" for line in unread))
     steps = [r[step_key] for r in rows]
     what = [f"{step_key} {min(steps)}-{max(steps)} run again" if steps else ""]
     what += [f"{len(unread)} lines that are no step's row" if unread else ""]
@@ -154,7 +147,7 @@ class History:
             if resume is not None:
                 if later or unread:  # kept, not dropped: a rolled-back branch's steps (its loss spike, say)
                     self.replaced = keep_aside(path, later, step_key, unread)
-                atomic_write_text(path, "".join(_json_line(r) for r in self.rows))
+                write_atomic(path, "".join(_json_line(r) for r in self.rows))
             elif path.is_file() and path.stat().st_size:  # an earlier history here: set aside, never emptied
                 self.replaced = _aside_path(path)
                 os.replace(path, self.replaced)
@@ -194,6 +187,13 @@ class History:
             for hook in self.hooks:
                 hook(rec)
         return rec
+
+    def sync(self) -> None:
+        """Make the rows written so far durable (``history.jsonl`` is appended a line at a time: a killed
+        process loses none, a node crash could lose the last ones): at every checkpoint and at the end."""
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -302,15 +302,18 @@ class History:
             **(extra or {}),
         }
         if self._file is not None:
+            self.sync()
             self._file.close()
             self._file = None
         if not self.write or not self.rows:
             return summary
         tmp = self.outdir / f".{self.name}.nc.tmp"
         self._write_netcdf(tmp, {k: v for k, v in summary.items() if k != "stats"})
+        fsync_path(tmp)
         os.replace(tmp, self.outdir / f"{self.name}.nc")
+        fsync_path(self.outdir)
         if summary_file:
-            atomic_write_text(self.outdir / summary_file, json.dumps(summary, indent=2, default=str) + "\n")
+            write_atomic(self.outdir / summary_file, json.dumps(summary, indent=2, default=str) + "\n")
         if plots:
             names = list(metrics_to_plot) if metrics_to_plot is not None else self.metrics
             self._plots(names, print_plots)
@@ -325,7 +328,7 @@ class History:
         files = self.file_names()
         for name in names:
             text = text_plot(steps, self.series(name), title=f"{prefix}{name}", xlabel=self.step_key)
-            atomic_write_text(pdir / f"{prefix}{files.get(name, file_name(name))}.txt", text + "\n")
+            write_atomic(pdir / f"{prefix}{files.get(name, file_name(name))}.txt", text + "\n", durable=False)  # remade
             texts.append(text)
         if print_plots and texts:
             sys.stdout.write("\n".join(texts) + "\n")

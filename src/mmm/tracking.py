@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from mmm.errors import first_line
-from mmm.history import atomic_write_text
+from mmm.files import write_atomic
 from mmm.log import rich_wanted
 from mmm.parallel.mesh import check_degrees
 
@@ -450,7 +450,7 @@ def write_report(
     else:
         lines += ["No plots (`--no-plots`).", ""]
     path = outdir / "report.md"
-    atomic_write_text(path, "\n".join(lines))
+    write_atomic(path, "\n".join(lines))
     return path
 
 

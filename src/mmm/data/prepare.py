@@ -17,7 +17,6 @@ import argparse
 import json
 import math
 import os
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import numpy as np
 from mmm.cli import fraction, nonempty_text
 from mmm.errors import ArgumentParser, UsageError
 from mmm.faults import crash_point
+from mmm.files import write_atomic
 
 PROG = "python -m mmm.data prepare"
 
@@ -178,20 +178,9 @@ def prepare(
         "documents": len(files),
     }
     if hasattr(tok, "path"):
-        shutil.copyfile(tok.path, out / "tokenizer.json.tmp")
-        os.replace(out / "tokenizer.json.tmp", out / "tokenizer.json")
+        write_atomic(out / "tokenizer.json", Path(tok.path).read_bytes())
         meta["tokenizer"] = "tokenizer.json"
-    tmp = out / "meta.json.tmp"
-    with open(tmp, "w") as f:
-        f.write(json.dumps(meta, indent=1) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out / "meta.json")
-    fd = os.open(out, os.O_RDONLY)  # the renames themselves on disk
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_atomic(out / "meta.json", json.dumps(meta, indent=1) + "\n")  # and the renames before it, on disk
     return meta
 
 

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from mmm import env
 from mmm.data.seeds import step_generator
 from mmm.errors import UsageError
+from mmm.files import write_atomic
 from mmm.log import get_logger
 
 DTYPES = ("uint16", "uint32")
@@ -508,16 +509,8 @@ def _write_token_cache(path: Path, meta: Path, data_dir: Path, split: str, text_
     tokens, source = hf_token_array(data_dir, split=split, text_column=text_column, tokenizer=tokenizer)
     path.parent.mkdir(parents=True, exist_ok=True)
     description = json.dumps({"dtype": str(tokens.dtype), "tokens": int(tokens.size), "source": source}).encode()
-    for target, write in ((path, lambda f: tokens.tofile(f)), (meta, lambda f: f.write(description))):
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        try:
-            with open(tmp, "wb") as f:
-                write(f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        finally:
-            tmp.unlink(missing_ok=True)
+    for target, data in ((path, tokens.tofile), (meta, description)):
+        write_atomic(target, data, tmp=target.with_name(f".{target.name}.{os.getpid()}.tmp"))
 
 
 # --------------------------------------------------------------------------- vocabulary

@@ -38,6 +38,7 @@ from typing import IO, Any
 
 from mmm import env
 from mmm.dist.rankwatch import start_host_watcher
+from mmm.files import write_atomic
 
 # The watcher's idle store request: a wait that times out makes the store client print two C++ warnings
 # (measured: 4 lines per rank every 30 s with a 30 s wait), so it waits 20 days (below the 2**31 ms a
@@ -329,7 +330,7 @@ def record_pid(rank: int, local_size: int = 1) -> None:
         elif not os.path.isdir(folder):
             return
         path = Path(folder, f"{me}.{os.getpid()}")
-        _write_whole(path, str(rank))
+        write_atomic(path, str(rank), durable=False)
         _pid_file = path
     except OSError:
         return
@@ -342,16 +343,9 @@ def record_exit(how: int | str) -> None:
     take it for one that was killed or crashed."""
     if _pid_file is not None:
         try:
-            _write_whole(_pid_file.with_name(_pid_file.name + ".exit"), str(how))
+            write_atomic(_pid_file.with_name(_pid_file.name + ".exit"), str(how), durable=False)
         except OSError:
             pass
-
-
-def _write_whole(path: Path, text: str) -> None:
-    """Readers see the file whole or not at all (its name appears only once written)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 _pid_file: Path | None = None

@@ -51,6 +51,7 @@ from mmm import faults
 from mmm.dist.exits import RankZeroFailed, all_ok, gather_objects, on_rank0, uninterrupted
 from mmm.dist.state import current
 from mmm.errors import RunError, UsageError
+from mmm.files import fsync_path
 from mmm.parallel.checkpoint_files import SafeLoadPlanner, SafeReader, dcp_damage
 from mmm.parallel.checkpoint_folder import (
     META,
@@ -58,7 +59,6 @@ from mmm.parallel.checkpoint_folder import (
     complete_steps,
     crash_point,
     disk_full,
-    fsync_path,
     keep_from_others,
     meta_of,
     missing_step,

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from mmm import env, faults
 from mmm.errors import API, Spelling, folder_problem
+from mmm.files import fsync_path
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 META = "mmm.json"
@@ -191,16 +192,6 @@ def keep_from_others(path: Path) -> None:
             os.chmod(path, stat.S_IMODE(mode) & ~stat.S_IWOTH)
     except OSError:  # not ours to change: the load names it, with the chmod
         pass
-
-
-def fsync_path(path: Path) -> None:
-    """Make a file's data, or a folder's entries (renames, new files), durable (a node crash after a
-    checkpoint is marked complete must not lose any of it)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 _deleting: list[Any] = []  # threads removing pruned checkpoints (rank 0)

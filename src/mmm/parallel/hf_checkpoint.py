@@ -35,6 +35,7 @@ from torch import nn
 
 from mmm.dist.exits import RankZeroFailed, on_rank0
 from mmm.errors import RunError, UsageError, folder_problem
+from mmm.files import fsync_path
 from mmm.log import get_logger
 from mmm.parallel.checkpoint_folder import crash_point
 from mmm.parallel.meta import canonical_name
@@ -215,10 +216,13 @@ def export_safetensors(
     config: Mapping | None = None,
     pp_group=None,
     dtype: torch.dtype | None = None,
+    files: Mapping[str, bytes] | None = None,
 ) -> Path | None:
     """Write every parameter of ``model`` to ``out_dir/model.safetensors`` under the name
     ``sources[name]`` gives (rows of a rotary :class:`Source` permuted back to rotate-half), and
-    ``config`` as ``config.json``. Works on any mesh: every rank must call it, since DTensor shards
+    ``config`` as ``config.json``, and ``files`` (name -> bytes, e.g. ``tokenizer.json``; rank 0's count)
+    beside them, all in the folder before it takes ``out_dir``'s place. Works on any mesh: every rank must
+    call it, since DTensor shards
     (FSDP, TP, both) are gathered one parameter at a time with ``full_tensor()``; under pipeline
     parallel, pass the pipeline's ``pp_group``: the ranks of rank 0's pipeline send their stages'
     parameters to rank 0, one tensor at a time. Only rank 0 holds the whole model (on the host) and
@@ -267,7 +271,11 @@ def export_safetensors(
                 dist.recv(buf, src=peer, group=pp_group)
                 tensors[key] = buf.to("cpu", dtype or param_dtype).contiguous()
     try:  # rank 0 writes; every rank learns how it went (none waits at a barrier if it fails)
-        on_rank0(lambda: _write_checkpoint(out, tensors, expected={s.key for s in sources.values()}, config=config))
+        on_rank0(
+            lambda: _write_checkpoint(
+                out, tensors, expected={s.key for s in sources.values()}, config=config, files=files
+            )
+        )
     except (OSError, RankZeroFailed) as e:
         if "No space left on device" not in str(e) and "Disk quota exceeded" not in str(e):
             raise
@@ -279,7 +287,12 @@ def export_safetensors(
 
 
 def _write_checkpoint(
-    out: Path, tensors: dict[str, torch.Tensor], *, expected: set[str], config: Mapping | None
+    out: Path,
+    tensors: dict[str, torch.Tensor],
+    *,
+    expected: set[str],
+    config: Mapping | None,
+    files: Mapping[str, bytes] | None = None,
 ) -> None:
     from safetensors.torch import save_file
 
@@ -299,11 +312,13 @@ def _write_checkpoint(
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if config is not None:
             (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for name, data in (files or {}).items():  # e.g. tokenizer.json: in the folder before it is complete
+            (tmp / name).write_bytes(data)
         mode = 0o666 & ~_umask()  # safetensors writes 0600: the weights as readable as the config beside them
         for f in tmp.iterdir():
             f.chmod(mode)
-            _fsync(f)
-        _fsync(tmp)
+            fsync_path(f)
+        fsync_path(tmp)
         crash_point("export")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # our own incomplete export; nothing of ``out`` touched
@@ -315,7 +330,7 @@ def _write_checkpoint(
     elif out.exists():
         out.rmdir()
     os.replace(tmp, out)
-    _fsync(out.parent)
+    fsync_path(out.parent)
     if aside is not None:
         get_logger().info("export: what %s held before is now %s (nothing was deleted)", out, aside)
 
@@ -331,11 +346,3 @@ def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

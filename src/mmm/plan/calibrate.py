@@ -34,8 +34,8 @@ import torch.distributed as dist
 from mmm import dist as mdist
 from mmm.cli import ArgumentParser, nonempty_text, positive_int, without_flags
 from mmm.errors import UsageError, print_error
+from mmm.files import write_atomic
 from mmm.flops import calibrate_cpu
-from mmm.history import atomic_write_text
 from mmm.training.recipe import Recipe, add_recipe_flag, recipe_from_argv
 
 
@@ -120,7 +120,7 @@ def probe(config, out: Path) -> None:
             "source": f"python -m mmm.plan.calibrate --ranks {world}, {time.strftime('%Y-%m-%d %H:%M')}",
             "model": {"recipe": recipe.name, **recipe.summary(cfg), "rows_per_rank": rows},
         }
-        atomic_write_text(out, json.dumps(hw, indent=2) + "\n")
+        write_atomic(out, json.dumps(hw, indent=2) + "\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

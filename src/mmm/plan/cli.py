@@ -26,7 +26,7 @@ from pathlib import Path
 
 from mmm.cli import ArgumentParser, nonempty_text, positive_int
 from mmm.errors import UsageError, file_problem, print_error
-from mmm.history import atomic_write_text
+from mmm.files import write_atomic
 from mmm.parallel.strategy import STRATEGIES
 from mmm.plan import AXES, Combo, plan, run_only_flags
 from mmm.training.config import Config
@@ -122,7 +122,7 @@ def write_json(path: str, text: str) -> None:
         print(text)
         return
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(Path(path), text + "\n")
+    write_atomic(Path(path), text + "\n")
 
 
 def _strategies(strategy: str | None, strategies: str | None) -> list[str] | None:

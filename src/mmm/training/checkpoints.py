@@ -3,7 +3,6 @@ last good one a stop can name (:class:`CheckpointPolicy`); the full model gather
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Callable
 from typing import Any
@@ -12,9 +11,10 @@ import torch
 
 from mmm import dist, env
 from mmm.errors import RunError
+from mmm.files import write_atomic
 from mmm.log import get_logger
 from mmm.parallel.checkpoint import Checkpointer
-from mmm.parallel.checkpoint_folder import disk_full, fsync_path, latest_step, no_space, step_dir
+from mmm.parallel.checkpoint_folder import disk_full, latest_step, no_space, step_dir
 from mmm.training.startup import Startup, restart_attempt
 
 
@@ -122,16 +122,9 @@ def save_full_model(engine, path, *, is_main: bool) -> None:
         state = get_model_state_dict(engine.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def write() -> None:  # rank 0; its failure (a full disk) raised on every rank at once
-        tmp = path.with_name(f".{path.name}.tmp")
-        try:
-            with open(tmp, "wb") as f:
-                torch.save({k: v.detach().cpu() for k, v in state.items()}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)  # an earlier model.pt is replaced only by a whole one
-            fsync_path(path.parent)
+        try:  # an earlier model.pt is replaced only by a whole one
+            write_atomic(path, lambda f: torch.save({k: v.detach().cpu() for k, v in state.items()}, f))
         except BaseException as e:
-            tmp.unlink(missing_ok=True)
             if no_space(e) or disk_full(path.parent):
                 free = shutil.disk_usage(path.parent).free / 2**20
                 raise RunError(

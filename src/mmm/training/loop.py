@@ -106,6 +106,7 @@ def fit(
                 **values,
             )
             if checkpoints.due(step, last=last, stopping=stopping):
+                run.hist.sync()  # the history up to a checkpoint is as durable as the checkpoint
                 checkpoints.save(step, run.last_loss, final=last or stopping)
             if after_step is not None:
                 after_step(step)

@@ -17,6 +17,7 @@ transformers' ``LlamaForCausalLM.from_pretrained`` loads, and that :func:`load_h
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -153,7 +154,13 @@ def hf_llama_config(cfg: LlamaConfig, *, tied: bool = False, dtype: torch.dtype 
 
 
 def export_hf_llama(
-    model: nn.Module, out_dir: str | Path, cfg: LlamaConfig, *, pp_group=None, dtype: torch.dtype | None = None
+    model: nn.Module,
+    out_dir: str | Path,
+    cfg: LlamaConfig,
+    *,
+    pp_group=None,
+    dtype: torch.dtype | None = None,
+    files: Mapping[str, bytes] | None = None,
 ) -> Path | None:
     """Write mmm's Llama ``model`` as a Hugging Face Llama checkpoint in ``out_dir``: ``config.json``
     (:func:`hf_llama_config`) and ``model.safetensors`` (HF names; query/key rows permuted back from
@@ -175,4 +182,5 @@ def export_hf_llama(
         config=hf_llama_config(cfg, tied=tied, dtype=param_dtype),
         pp_group=pp_group,
         dtype=dtype,
+        files=files,
     )

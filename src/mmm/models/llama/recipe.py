@@ -406,11 +406,14 @@ def export_hf(train: LlamaTrainConfig, engine, cfg, info, run, log) -> None:
     )
     # read first: the folder it lives in may be the export's, whose old contents are moved aside
     tokenizer_bytes = tokenizer.read_bytes() if info.is_main and tokenizer is not None and tokenizer.is_file() else None
-    out = export_hf_llama(engine.unwrapped(), train.export_hf, cfg, pp_group=pp_group)
-    if out is not None and tokenizer_bytes is not None:
-        (out / "tokenizer.json").write_bytes(tokenizer_bytes)
+    files = {"tokenizer.json": tokenizer_bytes} if tokenizer_bytes is not None else None
+    export_hf_llama(engine.unwrapped(), train.export_hf, cfg, pp_group=pp_group, files=files)
     if info.is_main:
-        log.info("Hugging Face checkpoint written to %s (config.json, model.safetensors)", train.export_hf)
+        log.info(
+            "Hugging Face checkpoint written to %s (config.json, model.safetensors%s)",
+            train.export_hf,
+            ", tokenizer.json" if files else "",
+        )
 
 
 def expert_balance(engine, mesh):
