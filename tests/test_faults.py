@@ -243,7 +243,7 @@ def test_a_full_disk_while_saving_the_model_keeps_the_earlier_one(tmp_path, outc
         "size = int(sys.argv[2])\n"
         "engine = types.SimpleNamespace(strategy='ddp', module=torch.nn.Linear(size, size))\n"
         "try:\n"
-        "    save_full_model(engine, Path(sys.argv[1]), is_main=True)\n"
+        "    save_full_model(engine, Path(sys.argv[1]))\n"
         "except RunError as e:\n"
         "    print('error:', e); sys.exit(1)\n"
     )

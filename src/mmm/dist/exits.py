@@ -88,10 +88,6 @@ def stop_flag() -> int:
     return _STOP_SIGNAL or 0
 
 
-def _is_user_error(e: BaseException) -> bool:
-    return isinstance(e, UsageError)
-
-
 def run_main(
     main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None, *, prog: str | None = None
 ) -> NoReturn:

@@ -142,7 +142,7 @@ def run_with_retries(
     base = {**os.environ, **first.env}
     folder = tempfile.mkdtemp(prefix="mmm-hosts-") if drop else None
     try:
-        return _attempts(replan, first, retries, quiet, probe, drop, folder, fresh_port, chose_addr, base)
+        return _attempts(replan, retries, quiet, probe, drop, folder, fresh_port, chose_addr, base)
     finally:
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)  # launch's own hostfiles
@@ -203,7 +203,7 @@ def lost_hosts_message(lost: Sequence[str], *, retries: bool) -> str:
     )
 
 
-def _attempts(replan, first, retries, quiet, probe, drop, folder, fresh_port, chose_addr, base) -> int:
+def _attempts(replan, retries, quiet, probe, drop, folder, fresh_port, chose_addr, base) -> int:
     attempt = 0
     where: dict[str, object] = {}  # hostfile and nproc of the hosts that remain, once one is lost
     dropped: list[str] = []

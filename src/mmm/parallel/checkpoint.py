@@ -276,9 +276,9 @@ class Checkpointer:
             error = e
         crash_point("rng", step)
         all_ok(error)
-        on_rank0(lambda: self._commit(step, extra, world, final, tmp))
+        on_rank0(lambda: self._commit(step, extra, world, tmp))
 
-    def _commit(self, step: int, extra: dict[str, Any] | None, world: int, final: Path, tmp: Path) -> None:
+    def _commit(self, step: int, extra: dict[str, Any] | None, world: int, tmp: Path) -> None:
         """Rank 0, once every rank's files are durable: ``mmm.json`` last, then the folder in place and the
         prune (:func:`mmm.parallel.checkpoint_folder.commit`)."""
         commit(self.root, step, tmp, self._meta(step, extra, world), keep_last=self.keep_last, log=self.log)

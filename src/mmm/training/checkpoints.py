@@ -108,8 +108,8 @@ class CheckpointPolicy:
         return "no checkpoint was saved"
 
 
-def save_full_model(engine, path, *, is_main: bool) -> None:
-    """Gather the full (unsharded) weights and save them on rank 0."""
+def save_full_model(engine, path) -> None:
+    """Gather the full (unsharded) weights and save them on rank 0 (every rank calls it)."""
     if engine.strategy.startswith("zero"):
         state = (
             engine.ds._zero3_consolidated_16bit_state_dict()
@@ -133,7 +133,7 @@ def save_full_model(engine, path, *, is_main: bool) -> None:
                 ) from None
             raise
 
-    dist.on_rank0(write)  # a collective: every rank calls save_full_model (``is_main``: rank 0 writes)
+    dist.on_rank0(write)  # a collective: every rank calls save_full_model, rank 0 writes
 
 
 def open_checkpoints(engine, options, *, meta: dict[str, Any], startup: Startup | None = None, extra_at=None, log=None):

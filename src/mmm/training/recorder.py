@@ -197,10 +197,6 @@ class Recorder:
             self.trackers.close(failed=True)  # after the late step: the trackers have it too
         return False
 
-    def restart_clock(self) -> None:
-        """The next step's ``dt`` starts now (after work that is not a training step: an evaluation)."""
-        self._t_last = time.perf_counter()
-
     def exclude(self, seconds: float) -> None:
         """Leave ``seconds`` of this iteration (an evaluation) out of its ``dt``."""
         if self._t_last is not None:

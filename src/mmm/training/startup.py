@@ -113,7 +113,7 @@ def start(example: str, config: Config, problems: Callable[[Config, int], list[s
         if info.num_nodes > 1:
             check_shared(config.run.checkpoint_dir, "--checkpoint-dir")
     outdir = resolve_outdir(config.run.outdir, example)
-    keep_earlier_run(config.run, outdir, info)
+    keep_earlier_run(config.run, outdir)
     return info, outdir, startup
 
 
@@ -166,7 +166,7 @@ def earlier_run(run, outdir: Path) -> dict[str, str]:
     return found
 
 
-def keep_earlier_run(run, outdir: Path, info) -> None:
+def keep_earlier_run(run, outdir: Path) -> None:
     """Never overwrite an earlier run by starting afresh in its folders (a resubmitted job script without
     --resume would re-save its steps and prune its newest checkpoints first): refuse in one line, or with
     ``--start-over`` move those folders aside (rank 0, before anyone writes; nothing is deleted)."""

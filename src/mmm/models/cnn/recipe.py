@@ -279,7 +279,7 @@ class DigitsRecipe(Recipe):
             epochs().finalize(plots=not ctx.config.run.no_plots, print_plots=False, summary_file=None)
             rows = epochs().rows
             if what.save_model:
-                save_full_model(engine, ctx.outdir / "model.pt", is_main=ctx.info.is_main)
+                save_full_model(engine, ctx.outdir / "model.pt")
             last_epoch = rows[-1] if rows else {}  # none when stopped inside the first epoch
             return {
                 "dataset": data.name,
