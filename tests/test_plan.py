@@ -201,6 +201,25 @@ def test_planner_and_simulator_refuse_in_one_line(command, flags, needles, tmp_p
     assert not list(tmp_path.iterdir()), list(tmp_path.iterdir())  # nothing written
 
 
+def test_no_valid_layout_says_the_runs_own_problem_or_the_nearest_layouts(tmp_path, monkeypatch):
+    """A problem of every layout (the run's own: --init-from a folder without config.json) is said alone, not
+    once per layout with each layout's others; where each layout has its own, the nearest ones are said."""
+    monkeypatch.chdir(tmp_path)
+    line = _refusal(plan_main, ["--world", "2", "--init-from", "."])
+    assert line == "no valid layout of 2 ranks: no config.json in .: a Hugging Face checkpoint directory has one"
+    line = _refusal(plan_main, ["--world", "3", "--dim", "64", "--n-heads", "8"])
+    assert line.startswith("no valid layout of 3 ranks: 30 layouts tried, the nearest: ") and len(line) < 400, line
+    assert "--batch-size 16 is not divisible by 3 data-parallel ranks" in line, line
+
+
+def test_a_recipes_run_only_flags_are_noted_not_dropped(capsys):
+    """Flags that shape the run and not a step (the CNN's --epochs and --save-model, any trainer's schedule)
+    are said in a note, for every recipe: the planner takes a trainer's command line as it is."""
+    assert plan_main(["--recipe", "cnn", "--world", "2", "--epochs", "3", "--save-model", "--lr", "0.1"]) == 0
+    err = capsys.readouterr().err
+    assert "note: --lr, --epochs, --save-model shape the run, not a layout's memory" in err, err
+
+
 def test_a_mixture_of_experts_plan_shows_each_layouts_ep(capsys):
     """One row per ep degree: without the column, the rows of ep 1 and 2 of a layout read the same."""
     assert plan_main(["--world", "4", "--moe-experts", "4", "--dim", "32", "--n-heads", "4", "--n-layers", "2"]) == 0

@@ -178,17 +178,11 @@ def _combos(config: Config, world: int, degrees: dict[str, int], strategies) -> 
     return out
 
 
-# trainer flags that decide what a run writes, reads back or watches, or how its weights move, not what one
-# step holds or sends
-RUN_ONLY = {"eval_every", "eval_iters", "export_hf", "measure", "max_iters", "lr_schedule", "warmup_steps"}
-RUN_ONLY |= {"min_lr", "lr_decay_steps", "seed", "lr", "weight_decay"}
-
-
 def run_only_flags(config: Config) -> list[str]:
     """The trainer's flags given (not at their default) that neither the planner nor the simulator uses:
     said in a note, so a trainer's command line pasted here is welcome and nothing of it silently dropped."""
     given = []
-    for section, names in ((config.train, RUN_ONLY), (config.run, None)):
+    for section, names in ((config.train, config.recipe.run_only_fields()), (config.run, None)):
         for f in flag_fields(type(section)):
             if (names is None or f.name in names) and getattr(section, f.name) != f.default:
                 given.append(f.metadata["flags"][0])

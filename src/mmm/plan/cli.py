@@ -154,7 +154,15 @@ def plan_for(request: PlanRequest) -> list[Combo]:
     strategies = _strategies(request.strategy, request.strategies)
     combos = plan(request.world, request.config, strategies=strategies, fixed=fixed)
     if not any(c.valid for c in combos):
-        reasons = "; ".join(dict.fromkeys(p for c in combos for p in c.problems))
+        found = list(dict.fromkeys(p for c in combos for p in c.problems))
+        everywhere = [p for p in found if all(p in c.problems for c in combos)]  # no layout's: the run's own
+        if everywhere:
+            reasons = "; ".join(everywhere)
+        else:  # each layout has its own: the nearest ones (fewest problems), not a wall of every reason
+            fewest = min(len(c.problems) for c in combos)
+            nearest = [c for c in combos if len(c.problems) == fewest]
+            reasons = "; ".join(f"{' '.join(c.flags)}: {'; '.join(c.problems)}" for c in nearest[:2])
+            reasons = f"{len(combos)} layouts tried, the nearest: {reasons}"
         held = ", ".join(f"{a}={v}" for a, v in fixed.items() if v is not None)
         raise UsageError(
             f"no valid layout of {request.world} ranks{' with ' + held if held else ''}"

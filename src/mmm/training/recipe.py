@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -30,6 +30,8 @@ from mmm.parallel.meta import count_params
 from mmm.parallel.optim import adamw
 from mmm.parallel.strategy import ZERO_STAGES, Engine, build_engine
 from mmm.training.config import Config, ParallelConfig, RunConfig, trainer_flags
+from mmm.training.evaluation import EvalConfig
+from mmm.training.schedule import ScheduleConfig
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -102,7 +104,9 @@ class Recipe:
     (the dataclass of the "what to train" flags, with ``batch_size`` (the global batch) and
     ``lr``), ``run_config`` (its :class:`RunConfig`), ``parallel_flags`` (the
     :class:`ParallelConfig` fields on its command line; None: all), ``titles`` (--help's section
-    titles), ``rate`` (the throughput's name in History: ``tps`` or ``samples_per_s``).
+    titles), ``rate`` (the throughput's name in History: ``tps`` or ``samples_per_s``), ``run_only`` (the
+    fields of ``config`` that decide how long a run goes, what it writes or reads back, not what one step
+    holds or sends: the planner says it leaves them; the schedule's and evaluation's are so already).
 
     Methods to write: :meth:`build`, :meth:`spec`, :meth:`loss`, :meth:`problems`, :meth:`loop`, and for
     the planner and mmm.verify :meth:`example_batch` (with :meth:`shape` and :meth:`with_blocks` for a
@@ -115,6 +119,13 @@ class Recipe:
     parallel_flags: tuple[str, ...] | None = None
     titles: Mapping[str, str] = {}
     rate: str = "samples_per_s"
+    run_only: frozenset[str] = frozenset()
+
+    def run_only_fields(self) -> frozenset[str]:
+        """``run_only`` and the fields every trainer's run has that shape no step: the learning-rate
+        schedule's, the evaluation's, ``max_iters``."""
+        common = {f.name for cls in (ScheduleConfig, EvalConfig) for f in fields(cls)} | {"max_iters"}
+        return frozenset(common) | self.run_only
 
     # --- the command line and its checks
     def command_line(self, doc: str = "", prog: str | None = None):

@@ -138,6 +138,7 @@ class DigitsRecipe(Recipe):
 
     name = "fsdp"
     config = DigitsTrainConfig
+    run_only = frozenset({"epochs", "steps_per_epoch", "test_batch_size", "gamma", "save_model"})
     run_config = DigitsRunConfig
     parallel_flags = ("dp_replicate", "strategy", "offload_optimizer", "dtype", "microbatches")
     titles = {

@@ -452,6 +452,7 @@ class LlamaRecipe(Recipe):
 
     name = EXAMPLE
     config = LlamaTrainConfig
+    run_only = frozenset({"export_hf", "init_from", "measure", "weight_decay"})
     titles = {"model": "model (Llama-style)"}
     rate = "tps"
 
