@@ -380,7 +380,7 @@ def test_bad_flags_found_before_any_data_is_read(corpus, tmp_path):
 
     assert dataset_problems("bin", vocab_size=VOCAB) == ["--dataset bin reads a directory: add --data-dir DIR"]
     assert dataset_problems("synthetic", vocab_size=256, data_dir="x")[0].startswith(
-        "--data-dir only applies with --dataset bin or hf (got --dataset synthetic); drop it"
+        "--data-dir only applies with --dataset bin or hf (got --dataset synthetic); pick one of those or drop it"
     )
     assert (
         "--tokenizer 'nope.json' does not exist"

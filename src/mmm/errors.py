@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -84,6 +84,13 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def only_with(given: Sequence[str], needs: str, fix: str) -> str:
+    """The problem of settings ``given`` (spelled as the user wrote them) that only matter ``needs`` (e.g.
+    ``"with --pp > 1 (got pp=1)"``): one line saying so, ``fix`` (e.g. ``"add --pp N"``) or drop them."""
+    verb, them = ("applies", "it") if len(given) == 1 else ("apply", "them")
+    return f"{', '.join(given)} only {verb} {needs}; {fix} or drop {them}"
 
 
 def folder_problem(where: str, path: str | os.PathLike) -> str | None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from mmm.data.seeds import step_generator, step_seed  # noqa: F401  (step_seed: public here)
-from mmm.errors import UsageError
+from mmm.errors import UsageError, only_with
 
 DATASETS = ("synthetic", "pydoc", "bin", "hf")
 ON_DISK = ("bin", "hf")  # datasets read from --data-dir
@@ -134,11 +134,7 @@ def dataset_problems(
             if v is not None
         ]
         if given:
-            verb, them = ("applies", "it") if len(given) == 1 else ("apply", "them")
-            out.append(
-                f"{', '.join(given)} only {verb} with --dataset bin or hf (got --dataset {name}); "
-                f"drop {them} or pick one of those"
-            )
+            out.append(only_with(given, f"with --dataset bin or hf (got --dataset {name})", "pick one of those"))
     elif name == "bin" and (text_column is not None or tokenizer is not None):
         out.append(
             "--text-column and --tokenizer apply to --dataset hf; token files (--dataset bin) are already "

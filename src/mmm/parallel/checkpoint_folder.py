@@ -31,7 +31,7 @@ from typing import Any
 import torch.distributed as dist
 
 from mmm import env, faults
-from mmm.errors import API, Spelling, folder_problem
+from mmm.errors import API, Spelling, folder_problem, only_with
 from mmm.files import fsync_path
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -134,11 +134,7 @@ def checkpoint_problems(
         out.append(f"{spell('keep_last', keep_last)} must be >= 0 (0 keeps every checkpoint)")
     given = [spell(k, v) for k, v in (("checkpoint_every", checkpoint_every), ("keep_last", keep_last)) if v > 0]
     if given and checkpoint_dir is None:
-        out.append(
-            f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} with "
-            f"{spell.name('checkpoint_dir')} (the folder to save in); "
-            "add one or drop them"
-        )
+        out.append(only_with(given, f"with {spell.name('checkpoint_dir')} (the folder to save in)", "add one"))
     if checkpoint_dir is not None:
         path = Path(checkpoint_dir)
         problem = folder_problem(spell("checkpoint_dir", checkpoint_dir), path)

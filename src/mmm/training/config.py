@@ -34,6 +34,7 @@ from mmm.cli import (
     random_seed,
     seconds,
 )
+from mmm.errors import only_with
 from mmm.parallel.activation_checkpoint import AC_MODES
 from mmm.parallel.checkpoint_folder import checkpoint_problems
 from mmm.parallel.compose import ac_problems, compile_problems, shards_parameters
@@ -180,12 +181,9 @@ class ParallelConfig(MeshConfig):
             ]
             given += ["--stages-per-rank"] if self.stages_per_rank != 1 else []
             if given:
-                verb, them = ("applies", "it") if len(given) == 1 else ("apply", "them")
-                out.append(f"{', '.join(given)} only {verb} with --pp > 1 (got pp=1); add --pp N or drop {them}")
+                out.append(only_with(given, "with --pp > 1 (got pp=1)", "add --pp N"))
         if self.cp_attention != "ring" and dims.cp == 1:
-            out.append(
-                f"--cp-attention {self.cp_attention} only applies with --cp > 1 (got cp=1); add --cp N or drop it"
-            )
+            out.append(only_with([f"--cp-attention {self.cp_attention}"], "with --cp > 1 (got cp=1)", "add --cp N"))
         if self.reshard_after_forward != "auto" and not shards_parameters(dims, self.strategy):
             out.append(
                 f"--reshard-after-forward {self.reshard_after_forward} is an FSDP option; --strategy "
@@ -313,7 +311,7 @@ class RunConfig:
         out += tracker_problems(self.trackers)
         for flag, value in (("--wandb-project", self.wandb_project), ("--wandb-name", self.wandb_name)):
             if value is not None and not self.wandb:
-                out.append(f"{flag} only applies with --wandb; add --wandb or drop it")
+                out.append(only_with([flag], "with --wandb", "add --wandb"))
         if self.start_over and self.resume is not None:
             out.append(f"--start-over and --resume {self.resume} contradict each other; choose one")
         if self.timeout is not None and not self.timeout > 0:

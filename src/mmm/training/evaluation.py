@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from mmm.cli import nonnegative_int, option, positive_int
+from mmm.errors import only_with
 
 
 @dataclass
@@ -52,7 +53,7 @@ class EvalConfig:
         if self.eval_iters is not None and self.eval_iters < 1:
             out.append(f"--eval-iters {self.eval_iters} must be >= 1")
         if self.eval_iters is not None and not self.eval_every:
-            out.append(f"--eval-iters {self.eval_iters} only applies with --eval-every N; add it or drop --eval-iters")
+            out.append(only_with([f"--eval-iters {self.eval_iters}"], "with --eval-every N", "add it"))
         return out
 
 
