@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from mmm.cli import FLAGS, flag_problems, option, positive_int
-from mmm.data import DATASETS, dataset_problems, local_batches, make_dataset
+from mmm.data import DATASETS, dataset_problems, make_dataset
 from mmm.errors import UsageError
 from mmm.parallel.compose import ParallelSpec
 from mmm.parallel.experts import count_expert_tokens, ep_degrees, expert_load, hf_ep_plan
@@ -30,11 +30,11 @@ from mmm.parallel.meta import meta_init
 from mmm.parallel.pipeline import pipeline_problems
 from mmm.parallel.tensor import HF_STYLES, hf_experts_plan, hf_tp_plan
 from mmm.training.config import Config
-from mmm.training.evaluation import EvalConfig, perplexity
+from mmm.training.evaluation import EvalConfig
 from mmm.training.recipe import Context, Loop, Recipe, Shape
 from mmm.training.schedule import ScheduleConfig
 from mmm.training.startup import batch_problems
-from mmm.training.step import evaluate
+from mmm.training.tokens import held_out_batches, held_out_loss, step_batches
 
 
 @dataclass
@@ -326,24 +326,15 @@ class HFCausalLMRecipe(Recipe):
         what = config.train
         data = {"vocab_size": cfg.vocab_size, "seq_len": what.seq_len, "data_dir": what.data_dir}
         dataset = make_dataset(what.dataset, **data)
-        dp = {"seed": config.run.seed, "global_batch": what.batch_size, "dp_rank": mesh.coord("dp"), "dp_size": mesh.dp}
-        heldout = []
+        rows = {"seed": config.run.seed, "global_batch": what.batch_size, "mesh": mesh, "device": ctx.device}
+        batch = step_batches(dataset, **rows)  # this rank's rows of each step's global batch
+        heldout = []  # the data's val split: the same --eval-iters global batches at every evaluation
         if what.eval_every:
-            val = local_batches(make_dataset(what.dataset, split="val", **data), start_step=0, device=ctx.device, **dp)
-            heldout = [next(val) for _ in range(what.eval_batches)]
-        stream = None
-
-        def batch(step):  # this dp rank's rows of the step's global batch, from the first step on
-            nonlocal stream
-            if stream is None:
-                stream = local_batches(dataset, start_step=step - 1, device=ctx.device, **dp)
-            return next(stream)
+            heldout = held_out_batches(make_dataset(what.dataset, split="val", **data), count=what.eval_batches, **rows)
 
         def held_out(step, last):
-            if not what.eval_due(step, last=last):
-                return {}
-            val_loss = evaluate(engine, heldout, self.loss, sync=ctx.run.sync)
-            return {"val_loss": val_loss, "val_ppl": perplexity(val_loss)}
+            due = what.eval_due(step, last=last)
+            return held_out_loss(engine, heldout, self.loss, sync=ctx.run.sync) if due else {}
 
         schedule = what.schedule(total_steps=what.max_iters)
         after_update, experts = None, self.experts(ctx.model_config)

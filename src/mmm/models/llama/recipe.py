@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from mmm.cli import FLAGS, Flags, flag_problems, nonnegative_float, nonnegative_int, option, positive_int
-from mmm.data import DATASETS, data_vocab_size, dataset_problems, local_batches, make_dataset
+from mmm.data import DATASETS, data_vocab_size, dataset_problems, make_dataset
 from mmm.errors import UsageError
 from mmm.flops import llama_flops_per_token
 from mmm.log import get_logger
@@ -21,18 +21,18 @@ from mmm.models.llama.hf import export_hf_llama, llama_config_from_hf, load_hf_l
 from mmm.models.llama.model import Llama, LlamaConfig
 from mmm.models.llama.tp import llama_tp_plan, tp_problems
 from mmm.parallel.compose import ParallelSpec
-from mmm.parallel.context import cp_problems, shard_sequence
+from mmm.parallel.context import cp_problems
 from mmm.parallel.experts import balance_experts, ep_problems, routers
 from mmm.parallel.hf_checkpoint import export_problems
 from mmm.parallel.loss import cross_entropy
 from mmm.parallel.pipeline import pipeline_problems
 from mmm.parallel.strategy import Engine
 from mmm.training.config import Config
-from mmm.training.evaluation import EvalConfig, perplexity
+from mmm.training.evaluation import EvalConfig
 from mmm.training.recipe import Context, Loop, Recipe, Shape
 from mmm.training.schedule import ScheduleConfig
 from mmm.training.startup import batch_problems
-from mmm.training.step import evaluate
+from mmm.training.tokens import held_out_batches, held_out_loss, step_batches
 
 EXAMPLE = "fsdp_tp"
 DEFAULT_VOCAB = 256  # bytes: the vocabulary when neither --vocab-size nor the data gives one
@@ -363,29 +363,6 @@ def loss_fn(logits, labels):
     return cross_entropy(logits, labels)
 
 
-def heldout_batches(config: Config[LlamaTrainConfig], cfg, mesh, device) -> list:
-    """This rank's part of the ``--eval-iters`` held-out global batches (the same ones at every
-    evaluation; the data's ``val`` split), sharded over the sequence under context parallel."""
-    train = config.train
-    val = make_dataset(
-        train.dataset, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, split="val", **train.data_options()
-    )
-    stream = local_batches(
-        val,
-        seed=config.run.seed,
-        global_batch=train.batch_size,
-        dp_rank=mesh.coord("dp"),
-        dp_size=mesh.dp,
-        start_step=0,
-        device=device,
-    )
-    out = [next(stream) for _ in range(train.eval_batches)]
-    if mesh.cp_enabled:
-        r = mesh.coord("cp")
-        out = [(shard_sequence(x, r, mesh.cp), shard_sequence(y, r, mesh.cp)) for x, y in out]
-    return out
-
-
 def export_hf(train: LlamaTrainConfig, engine, cfg, info, run, log) -> None:
     """--export-hf DIR after the last step (not after a SIGTERM stop): every rank takes part in the
     gather, rank 0 writes; the data's tokenizer.json goes along when there is one."""
@@ -557,33 +534,17 @@ class LlamaRecipe(Recipe):
     def loop(self, ctx: Context) -> Loop:
         config, cfg, mesh, engine = ctx.config, ctx.model_config, ctx.mesh, ctx.engine
         what = config.train
-        dataset = make_dataset(what.dataset, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, **what.data_options())
-        heldout = heldout_batches(config, cfg, mesh, ctx.device) if what.eval_every else None
-        stream = None
-
-        def batch(step):  # this dp rank's rows of the step's global batch (its sequence shard under cp)
-            nonlocal stream
-            if stream is None:  # the data from the first step on (after --resume: where it stopped)
-                stream = local_batches(
-                    dataset,
-                    seed=config.run.seed,
-                    global_batch=what.batch_size,
-                    dp_rank=mesh.coord("dp"),
-                    dp_size=mesh.dp,
-                    start_step=step - 1,
-                    device=ctx.device,
-                )
-            inputs, labels = next(stream)
-            if mesh.cp_enabled:
-                cp_rank = mesh.coord("cp")
-                inputs, labels = shard_sequence(inputs, cp_rank, mesh.cp), shard_sequence(labels, cp_rank, mesh.cp)
-            return inputs, labels
+        data = {"vocab_size": cfg.vocab_size, "seq_len": cfg.seq_len, **what.data_options()}
+        dataset = make_dataset(what.dataset, **data)
+        rows = {"seed": config.run.seed, "global_batch": what.batch_size, "mesh": mesh, "device": ctx.device}
+        batch = step_batches(dataset, **rows)  # this rank's rows (its sequence shard under cp)
+        heldout = []  # the data's val split: the same --eval-iters global batches at every evaluation
+        if what.eval_every:
+            heldout = held_out_batches(make_dataset(what.dataset, split="val", **data), count=what.eval_batches, **rows)
 
         def held_out(step, last):  # the held-out loss every --eval-every steps (left out of the step's dt)
-            if not what.eval_due(step, last=last):
-                return {}
-            val_loss = evaluate(engine, heldout, loss_fn, sync=ctx.run.sync)
-            return {"val_loss": val_loss, "val_ppl": perplexity(val_loss)}
+            due = what.eval_due(step, last=last)
+            return held_out_loss(engine, heldout, loss_fn, sync=ctx.run.sync) if due else {}
 
         def finish():  # --export-hf DIR: a Hugging Face checkpoint
             export_hf(what, engine, cfg, ctx.info, ctx.run, ctx.log)
