@@ -287,11 +287,17 @@ def test_loading_a_checkpoint_runs_no_code_from_its_folder(tmp_path):
         def __reduce__(self):
             return (os.system, (f"touch {marker}",))
 
+    import torch
+
     ck = saver(tmp_path / "ck")
     ck.save(2)
-    (step_dir(tmp_path / "ck", 2) / "rng" / "rank00000.pt").write_bytes(pickle.dumps({"cpu": Planted()}))
+    rng = step_dir(tmp_path / "ck", 2) / "rng" / "rank00000.pt"
+    torch.save({"cpu": Planted()}, rng)  # a whole torch file whose pickle would run code
     with pytest.raises(UsageError, match=r"rank00000.pt is not an RNG state as mmm writes it"):
         ck.load("latest")
+    rng.write_bytes(pickle.dumps({"cpu": Planted()}))  # a bare pickle: not even a torch file
+    with pytest.raises(UsageError, match=r"step 2 .* is damaged: rng/rank00000.pt is not a whole torch file"):
+        ck.load("2")
     assert not marker.exists()
 
 

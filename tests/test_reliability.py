@@ -6,6 +6,7 @@ Faults are injected with MMM_FAULT (mmm.faults): the rank sends itself the real 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -152,6 +153,14 @@ def test_deepspeed_checkpoint_resume_and_mesh_check(tmp_path):
     )
     assert res.returncode == 2 and "Traceback" not in res.output, res.output
     assert "same mesh" in res.stderr and "dp_shard" in res.stderr, res.stderr
+
+    # the newest checkpoint damaged (a rank's optimizer states cut short): the one before it, with a warning
+    (states,) = (ck / "step-00000006" / "deepspeed").rglob("zero_pp_rank_1_*optim_states.pt")
+    os.truncate(states, 500)
+    again = tmp_path / "again"
+    res = ok(torchrun(2, *zero, "--max-iters", "6", "--checkpoint-dir", str(ck), "--resume", "--outdir", str(again)))
+    assert "step 6 in" in res.output and "is damaged" in res.output and "is not a whole torch file" in res.output
+    assert jsonl(again / "history.jsonl") == jsonl(out / "history.jsonl")[3:]
 
 
 @pytest.mark.parametrize(

@@ -52,7 +52,7 @@ from mmm.dist.exits import RankZeroFailed, all_ok, gather_objects, on_rank0, uni
 from mmm.dist.state import current
 from mmm.errors import RunError, UsageError
 from mmm.files import fsync_path
-from mmm.parallel.checkpoint_files import SafeLoadPlanner, SafeReader, dcp_damage
+from mmm.parallel.checkpoint_files import SafeLoadPlanner, SafeReader, dcp_damage, torch_file_damage
 from mmm.parallel.checkpoint_folder import (
     META,
     commit,
@@ -474,9 +474,9 @@ class Checkpointer:
             f = path / name
             if not f.exists() or f.is_file() and f.stat().st_size == 0:
                 return f"{name} is {'empty' if f.exists() else 'missing'}"
-        if saved.get("format") == "dcp":
-            return dcp_damage(path)  # every shard file as long as the metadata says
-        return None
+        if saved.get("format") == "dcp" and (damage := dcp_damage(path)):  # each shard as long as the metadata says
+            return damage
+        return torch_file_damage(path)  # DeepSpeed's files and the RNG states: each a whole torch.save archive
 
     def check_compatible(self, saved: dict[str, Any], path: Path) -> None:
         problems = []

@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import io
 import pickle
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,20 @@ def dcp_damage(folder: Path) -> str | None:
         size = f.stat().st_size
         if size < end:
             return f"{name} is cut short ({size} of {end} bytes)"
+    return None
+
+
+def torch_file_damage(folder: Path) -> str | None:
+    """What is wrong with the files ``torch.save`` wrote under ``folder`` (DeepSpeed's states, RNG states):
+    the first that is not a whole zip archive (cut short, overwritten) or holds nothing; None when each
+    reads as one. A cheap look at each file's directory, not at its contents."""
+    for f in sorted(p for p in Path(folder).rglob("*.pt") if p.is_file()):
+        try:
+            with zipfile.ZipFile(f) as z:
+                if not z.namelist():
+                    return f"{f.relative_to(folder)} holds nothing"
+        except (zipfile.BadZipFile, OSError) as e:
+            return f"{f.relative_to(folder)} is not a whole torch file ({e})"
     return None
 
 
