@@ -221,3 +221,33 @@ def test_an_export_never_deletes_what_its_folder_held(tmp_path, monkeypatch):
     assert (dest / "tokenizer.json").read_bytes() == tokenizer["tokenizer.json"]
     (aside,) = [p for p in dest.parent.iterdir() if p.name.startswith("llama.old-")]
     assert {p.name: p.read_bytes() for p in aside.iterdir()} == before  # every old file, intact
+
+
+def test_damaged_weights_are_refused_in_one_line_naming_the_file(tmp_path):
+    """--init-from a folder whose model.safetensors is cut short or not safetensors at all, whose index is not
+    JSON or has no weight_map, or names a shard that is not there: one line naming the file, no traceback."""
+    from mmm.errors import UsageError
+    from mmm.models.llama import export_hf_llama, load_hf_llama
+
+    model, cfg = _tiny_llama()
+    good = tmp_path / "good"
+    export_hf_llama(model, good, cfg)
+    weights = (good / "model.safetensors").read_bytes()
+    cases = {
+        "cut": {"model.safetensors": weights[: len(weights) // 2]},
+        "junk": {"model.safetensors": b"junk\n"},
+        "index-not-json": {"model.safetensors.index.json": b"{"},
+        "index-without-map": {"model.safetensors.index.json": b'{"metadata": {}}'},
+        "index-names-nothing-there": {"model.safetensors.index.json": b'{"weight_map": {"a": "gone.safetensors"}}'},
+    }
+    for name, files in cases.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_bytes((good / "config.json").read_bytes())
+        for file, data in files.items():
+            (folder / file).write_bytes(data)
+        with pytest.raises(UsageError) as e:
+            load_hf_llama(_tiny_llama()[0], folder)
+        line = str(e.value)
+        assert "\n" not in line and str(folder) in line, (name, line)
+        assert "cannot be read as safetensors" in line or "is not a safetensors index" in line or "lacks" in line, line

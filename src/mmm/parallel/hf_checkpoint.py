@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mmm.dist.exits import RankZeroFailed, on_rank0
-from mmm.errors import RunError, UsageError, folder_problem
+from mmm.errors import RunError, UsageError, first_line, folder_problem
 from mmm.files import fsync_path
 from mmm.log import get_logger
 from mmm.parallel.checkpoint_folder import crash_point, disk_full, no_space
@@ -56,21 +56,38 @@ def tensor_files(path: Path) -> dict[str, Path]:
     else:
         index = path / "model.safetensors.index.json"
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            return {k: path / v for k, v in weight_map.items()}
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                return {str(k): path / str(v) for k, v in weight_map.items()}
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise UsageError(
+                    f"{index} is not a safetensors index (a JSON object with a weight_map: {type(e).__name__}: "
+                    f"{first_line(e)}); save the checkpoint again with transformers' save_pretrained()"
+                ) from None
         files = sorted(path.glob("*.safetensors"))
     if not files:
         raise UsageError(
             f"no safetensors checkpoint in {path} (expected model.safetensors or "
             "model.safetensors.index.json); save one with transformers' save_pretrained()"
         )
-    from safetensors import safe_open
-
     out = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as handle:
+        with open_safetensors(f) as handle:
             out.update({k: f for k in handle.keys()})
     return out
+
+
+def open_safetensors(file: Path):
+    """``safe_open`` of one file, a file that is missing or not safetensors (cut short, another format)
+    refused in one line naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise UsageError(
+            f"{file} cannot be read as safetensors ({first_line(e)}); copy or save the checkpoint again"
+        ) from None
 
 
 def local_region(param: torch.Tensor) -> tuple[slice, ...]:
@@ -121,7 +138,6 @@ def load_safetensors(
     checkpoint at ``path``: ``sources[name]`` (or the parameter's own name) says which tensor.
     Shapes are checked; a parameter the checkpoint lacks is an error. Returns the checkpoint's
     tensors nothing took (e.g. ``lm_head.weight`` of a tied model)."""
-    from safetensors import safe_open
     from torch.distributed.tensor import DTensor
 
     path = Path(path)
@@ -141,7 +157,7 @@ def load_safetensors(
             f"{' ...' if len(missing) > 4 else ''}"
         )
     for file, items in plan.items():
-        with safe_open(str(file), framework="pt") as handle:
+        with open_safetensors(file) as handle:
             for param, src, name in items:
                 shape = tuple(handle.get_slice(src.key).get_shape())
                 if shape != tuple(param.shape):
