@@ -211,3 +211,36 @@ def test_a_mixture_the_recipe_cannot_train_as_configured_is_refused_naming_the_f
     problems = HF_CAUSAL_LM.problems(config, 4)
     assert any("output_router_logits is true" in p and "set output_router_logits to false" in p for p in problems)
     assert any("--ep 4 does not divide the model's 6 experts; use --ep 2 or 1" in p for p in problems), problems
+
+
+def test_a_config_transformers_refuses_or_a_layout_it_cannot_split_is_refused_in_one_line(tmp_path):
+    """A config.json transformers refuses (a field of the wrong type; heads that do not divide the width; a
+    negative size) is one problem naming it, not a traceback from building the model; a model whose blocks
+    are not in model.layers (GPT-2's transformer.h) trains with FSDP, its blocks found, and is refused a
+    pipeline (named where its blocks are)."""
+    from mmm.models.hf.recipe import HF_CAUSAL_LM, _blocks
+
+    llama = dict(model_type="llama", hidden_size=64, num_hidden_layers=1, intermediate_size=64, vocab_size=100)
+    cases = {
+        "type": ({**llama, "num_attention_heads": 4, "hidden_size": "big"}, "expected int, got str"),
+        "heads": ({**llama, "num_attention_heads": 5}, "not a multiple of the number of attention heads"),
+        "negative": ({**llama, "num_attention_heads": 4, "intermediate_size": -4}, "negative dimension"),
+    }
+    for name, (raw, needle) in cases.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(raw))
+        try:
+            config = HF_CAUSAL_LM.command_line().parse(["--hf-config", str(path)])
+            problems = HF_CAUSAL_LM.problems(config, 1)
+        except UsageError as e:
+            problems = [str(e)]
+        assert any(needle in p and str(path) in p and "\n" not in p for p in problems), (name, problems)
+
+    gpt2 = tmp_path / "gpt2.json"
+    gpt2.write_text(json.dumps(dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=100)))
+    assert _blocks(transformers.AutoConfig.from_pretrained(gpt2).to_json_string()) == "transformer.h"
+    config = HF_CAUSAL_LM.command_line().parse(["--hf-config", str(gpt2), "--pp", "2", "--batch-size", "4"])
+    assert any("keeps its blocks in transformer.h" in p and "use --pp 1" in p for p in HF_CAUSAL_LM.problems(config, 2))
+    trainer = [sys.executable, "-m", "mmm.training.trainer", "--recipe", "hf", "--hf-config", str(gpt2)]
+    res = run([*trainer, "--seq-len", "16", "--batch-size", "4", "--max-iters", "2", "--outdir", str(tmp_path / "o")])
+    assert res.returncode == 0, res.output

@@ -22,8 +22,8 @@ import torch
 
 from mmm.cli import FLAGS, flag_problems, option, positive_int
 from mmm.data import DATASETS, dataset_problems, make_dataset
-from mmm.errors import UsageError
-from mmm.parallel.compose import ParallelSpec
+from mmm.errors import Spelling, UsageError, first_line
+from mmm.parallel.compose import ParallelSpec, find_blocks, get_submodule
 from mmm.parallel.experts import count_expert_tokens, ep_degrees, expert_load, hf_ep_plan
 from mmm.parallel.loss import cross_entropy
 from mmm.parallel.meta import meta_init
@@ -108,12 +108,19 @@ def load_hf_config(path: str):
             f"--hf-config {path!r}: model_type {kind!r} has no causal LM in transformers "
             "(AutoModelForCausalLM); the hf recipe trains causal language models"
         )
+    from huggingface_hub.errors import StrictDataclassError  # transformers' configs validate their fields
+
     try:
         config = AutoConfig.for_model(kind, **raw)
-    except (ValueError, KeyError) as e:
-        raise UsageError(f"--hf-config {path!r}: transformers does not know model_type {kind!r} ({e})") from None
+    except (ValueError, KeyError, TypeError, StrictDataclassError) as e:  # a field of the wrong type or value
+        why = " ".join(str(e).split())  # its validator's lines, as one
+        raise UsageError(f"--hf-config {path!r}: transformers refuses it ({why})") from None
     config.use_cache = False
     return config
+
+
+# the trainer's flags, and the model's block count as its config names it (it has no --n-layers)
+HF_FLAGS = Spelling(flags={**FLAGS.flags, "n_layers": "--hf-config's num_hidden_layers"})
 
 
 @dataclass(frozen=True)
@@ -128,6 +135,19 @@ def _causal_lm(config):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_config(config)
+
+
+@cache
+def _blocks(config_json: str) -> str:
+    """Where the causal LM of this config keeps its repeated blocks: ``model.layers`` (Llama, Mistral, Qwen,
+    ...), else the largest list of same-typed modules (GPT-2's ``transformer.h``), found on meta."""
+    from transformers import AutoConfig
+
+    raw = json.loads(config_json)
+    with torch.device("meta"):
+        model = _causal_lm(AutoConfig.for_model(raw.pop("model_type"), **raw))
+    layers = get_submodule(model, "model.layers")
+    return "model.layers" if isinstance(layers, torch.nn.ModuleList) else find_blocks(model, "auto") or "model.layers"
 
 
 @cache
@@ -183,6 +203,14 @@ class HFCausalLMRecipe(Recipe):
             return [*out, str(e)]
         except ImportError:
             return [*out, "--recipe hf needs transformers: pip install 'mmm[hf]'"]
+        try:  # on meta (no memory), once: the FLOPs count builds it too
+            _params_outside_embedding(cfg.to_json_string())
+        except (ValueError, TypeError, RuntimeError) as e:  # the config's values (heads, sizes), not mmm's code
+            return [
+                *out,
+                f"--hf-config {train.hf_config}: transformers cannot build {type(cfg).__name__}'s model from it "
+                f"({first_line(e)}); fix that value in its config.json",
+            ]
         if getattr(cfg, "output_router_logits", False):
             coef = getattr(cfg, "router_aux_loss_coef", None)
             out.append(
@@ -224,6 +252,11 @@ class HFCausalLMRecipe(Recipe):
                 f"--seq-len {train.seq_len} is longer than the model's max_position_embeddings "
                 f"({cfg.max_position_embeddings})"
             )
+        if dims is not None and dims.pp > 1 and (blocks := _blocks(cfg.to_json_string())) != "model.layers":
+            out.append(
+                f"--pp {dims.pp}: {type(cfg).__name__}'s model keeps its blocks in {blocks}; the hf recipe splits "
+                "pipelines of Llama-family models (blocks in model.layers): use --pp 1"
+            )
         if dims is not None:
             out += batch_problems(train.batch_size, dims.dp, microbatches=par.microbatches if dims.pp == 1 else None)
             if train.batch_size % dims.dp == 0:
@@ -235,7 +268,7 @@ class HFCausalLMRecipe(Recipe):
                     microbatches=par.microbatches or dims.pp,
                     local_batch=train.batch_size // dims.dp,
                     split_points=par.split_points,
-                    spell=FLAGS,
+                    spell=HF_FLAGS,
                 )
         out += dataset_problems(train.dataset, vocab_size=cfg.vocab_size, data_dir=train.data_dir)
         return out + config.run.problems(strategy=par.strategy)
@@ -271,7 +304,7 @@ class HFCausalLMRecipe(Recipe):
         return ParallelSpec(
             tp_plan=tp_plan,
             ep_plan=ep_plan,
-            blocks="model.layers",
+            blocks=_blocks(model_config.config.to_json_string()),
             ac=how.ac,
             compile=how.compile,
             float8=how.float8,
