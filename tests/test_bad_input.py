@@ -604,14 +604,24 @@ def test_launch_refuses_before_any_rank_starts(tmp_path, rows):
     rows("MMM_TIMEOUT=1e20 launch -n 2 ...", lines[0].split("error: ", 1)[1], res.returncode, res.seconds)
 
 
-def test_a_command_no_rank_could_start_is_refused_by_launch_and_not_retried(rows):
-    """A misspelled program: mpiexec would print its own 12-line box, exit 66, and --retries would relaunch it."""
-    res = run(launch("--retries", "2", "-n", "2", "pythn3", "-m", "mmm"), timeout=60)
+@pytest.mark.parametrize(
+    "program, needle",
+    [
+        ("pythn3", "cannot start 'pythn3': not found on PATH"),
+        ("./train.py", "cannot start './train.py': not executable"),
+    ],
+    ids=["misspelled", "not-executable"],
+)
+def test_a_command_no_rank_could_start_is_refused_by_launch_and_not_retried(rows, tmp_path, program, needle):
+    """A misspelled program, or a script here without its execute bit: mpiexec would print its own 8-12-line
+    box, exit 66 or 183, and --retries would relaunch it."""
+    (tmp_path / "train.py").write_text("print('trained')\n")  # mode 644
+    res = run(launch("--retries", "2", "-n", "2", program), timeout=60, cwd=tmp_path)
     lines = [ln for ln in res.stderr.splitlines() if "error:" in ln]
     assert res.returncode == 2 and len(lines) == 1, res.output
-    assert "cannot start 'pythn3': not found on PATH" in lines[0], res.output
+    assert needle in lines[0], res.output
     assert "relaunching" not in res.output and "mpiexec" not in res.stderr, res.output
-    rows("launch --retries 2 -n 2 pythn3 -m mmm", lines[0].split("error: ", 1)[1], res.returncode, res.seconds)
+    rows(f"launch --retries 2 -n 2 {program}", lines[0].split("error: ", 1)[1], res.returncode, res.seconds)
 
 
 def test_flag_checks_in_process():

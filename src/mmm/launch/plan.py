@@ -78,7 +78,7 @@ def _check_program(program: str, env: Mapping[str, str]) -> None:
     if program in {"python", "python3"}:
         return  # this environment's interpreter (_resolve_python)
     if "/" in program:
-        if not os.path.isabs(program):
+        if not os.path.isabs(program) and not os.path.exists(program):
             return  # relative to the ranks' working folder, which the launcher's options may change
         if os.path.isdir(program):
             raise UsageError(f"cannot start {program!r}: it is a folder, not a program")
