@@ -100,6 +100,29 @@ def test_unavailable_or_unknown_device_or_backend(variables, needle):
     assert_clean_user_error(res, needle)
 
 
+@pytest.mark.parametrize(
+    "addr, code, needle",
+    [
+        ("no.such.host.invalid", 2, "MASTER_ADDR=no.such.host.invalid: no such host"),
+        ("127.0.0.1", 1, "the 2 ranks did not all meet at 127.0.0.1:"),
+    ],
+    ids=["unknown-host", "no-peer"],
+)
+def test_a_rendezvous_that_cannot_happen_is_one_line(addr, code, needle):
+    """Rank 0 of 2 alone (no launcher): a MASTER_ADDR no rank could reach is named at once (torch's store
+    would retry it with a warning a second until the timeout); a peer that never comes is said with the
+    timeout given (3 s here, not the 600 s default)."""
+    from mmm.dist.rendezvous import free_port
+
+    env = clean_env(WORLD_SIZE="2", RANK="0", MASTER_ADDR=addr, MASTER_PORT=str(free_port()), MMM_TIMEOUT="3")
+    res = run([sys.executable, "-m", "mmm"], env=env, timeout=60)
+    assert res.returncode == code, res.output
+    assert_clean_user_error(res, needle)
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    if code == 1:
+        assert "within 3 s (--timeout, MMM_TIMEOUT)" in res.stderr, res.stderr
+
+
 def test_report_dir_that_is_a_file(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")

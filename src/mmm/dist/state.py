@@ -18,7 +18,7 @@ from mmm.dist import liveness
 from mmm.dist.device import DEFAULT_TIMEOUT_S, pick_backend, pick_device, return_freed_host_memory, timeout_seconds
 from mmm.dist.ranks import RankInfo, discover_ranks
 from mmm.dist.rendezvous import raise_open_file_limit, rendezvous
-from mmm.errors import first_line
+from mmm.errors import RunError, UsageError, first_line
 from mmm.log import configure as configure_logging
 from mmm.log import get_logger
 
@@ -204,10 +204,29 @@ def _init_process_group(ranks: RankInfo, backend: str, dev, timeout_s: float) ->
         return
     raise_open_file_limit(ranks)
     addr, port = rendezvous(ranks)
+    try:  # a name no rank could reach: one line, before torch's store retries it (a warning a second)
+        socket.getaddrinfo(addr, port)
+    except (socket.gaierror, UnicodeError) as e:
+        raise UsageError(
+            f"MASTER_ADDR={addr}: no such host ({getattr(e, 'strerror', None) or e}); set it to rank 0's host "
+            "name or address, or start with `launch` (it sets it)",
+            same_on_all_ranks=False,
+        ) from None
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
-    dist.init_process_group(
-        backend, init_method=f"tcp://{addr}:{port}", rank=ranks.rank, world_size=ranks.world_size, **kwargs
-    )
+    try:
+        dist.init_process_group(
+            backend, init_method=f"tcp://{addr}:{port}", rank=ranks.rank, world_size=ranks.world_size, **kwargs
+        )
+    except dist.DistError as e:
+        text = " ".join(str(e).split())
+        if "timed out" not in text.lower() and "timeout" not in text.lower():
+            raise
+        raise RunError(
+            f"the {ranks.world_size} ranks did not all meet at {addr}:{port} within {timeout_s:g} s (--timeout, "
+            f"MMM_TIMEOUT): a rank did not start, or the ranks were given different MASTER_ADDR/MASTER_PORT "
+            f"({text[:160]})",
+            same_on_all_ranks=False,
+        ) from None
 
 
 def seed_all(seed: int) -> None:
