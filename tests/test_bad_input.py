@@ -288,6 +288,22 @@ def test_config_checks_name_the_value_and_the_fix(rows):
         rows(f"{trainer} {' '.join(flags)} ({world} ranks)", line, 2, time.perf_counter() - t0)
 
 
+def test_a_warmup_that_leaves_no_step_timed_is_refused(rows):
+    """--warmup N >= --max-iters would leave the timing statistics to every step (the flag silently off);
+    the default on a run that short is left alone (its summary says every step counts)."""
+    from mmm.training.recipe import recipe_named
+    from mmm.training.startup import warmup_problems
+
+    llama = recipe_named("llama")
+    t0 = time.perf_counter()
+    (line,) = warmup_problems(llama.command_line().parse(["--max-iters", "3", "--warmup", "3"]))
+    assert line.startswith("--warmup 3 leaves none of the run's 3 steps (--max-iters)"), line
+    assert "--warmup 2 or fewer" in line, line
+    rows("fsdp_tp --max-iters 3 --warmup 3", line, 2, time.perf_counter() - t0)
+    assert warmup_problems(llama.command_line().parse(["--max-iters", "3", "--warmup", "2"])) == []
+    assert warmup_problems(llama.command_line().parse(["--max-iters", "2"])) == []  # the default warmup, 2
+
+
 def test_a_prepare_that_would_leave_no_training_tokens_writes_nothing(tmp_path, rows):
     """--val-fraction so high that train.bin would hold no window: refused, no folder left behind."""
     from mmm.data.prepare import prepare

@@ -11,6 +11,7 @@ import socket
 import stat
 import time
 from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -84,6 +85,19 @@ def batch_problems(batch_size: int, dp: int, *, microbatches: int | None = None)
     return accumulation_problems(microbatches, batch_size // dp, spell=FLAGS)
 
 
+def warmup_problems(config: Config) -> list[str]:
+    """``--warmup N`` given that leaves no step of the run timed (the statistics would then take every step,
+    the flag silently off). The default (2) on a run that short is left alone: its summary says so."""
+    warmup, steps = config.run.warmup, getattr(config.train, "max_iters", None)
+    default = next(f.default for f in fields(type(config.run)) if f.name == "warmup")
+    if steps is None or warmup == default or warmup < steps:
+        return []
+    return [
+        f"--warmup {warmup} leaves none of the run's {steps} steps (--max-iters) in the timing statistics; use "
+        f"--warmup {steps - 1} or fewer, or more --max-iters"
+    ]
+
+
 def start(example: str, config: Config, problems: Callable[[Config, int], list[str]]) -> tuple[Any, Path, Startup]:
     """Set up the distributed job for a parsed ``config``, log the banner, check the config, pick the
     output folder; returns (dist info, output folder, startup clock).
@@ -100,7 +114,7 @@ def start(example: str, config: Config, problems: Callable[[Config, int], list[s
                 "relaunched without host(s) %s: they did not answer after the failure (launch --drop-lost-hosts)",
                 ", ".join(dropped_hosts()),
             )
-    found = problems(config, info.world_size)
+    found = problems(config, info.world_size) + warmup_problems(config)
     if found:
         raise UsageError("; ".join(found))
     if config.run.checkpoint_dir:
