@@ -382,6 +382,9 @@ def test_bad_flags_found_before_any_data_is_read(corpus, tmp_path):
     assert dataset_problems("synthetic", vocab_size=256, data_dir="x")[0].startswith(
         "--data-dir only applies with --dataset bin or hf (got --dataset synthetic); pick one of those or drop it"
     )
+    assert dataset_problems("pydoc", vocab_size=256, text_column="text") == [
+        "--text-column only applies with --dataset hf (got --dataset pydoc); pick it or drop it"
+    ]
     assert (
         "--tokenizer 'nope.json' does not exist"
         in dataset_problems("hf", vocab_size=256, data_dir=corpus.root, tokenizer="nope.json")[0]

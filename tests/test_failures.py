@@ -83,7 +83,7 @@ def test_every_rank_exits_nonzero_on_bad_input():
 @pytest.mark.parametrize(
     "variables, needle",
     [
-        ({"MMM_DEVICE": "cuda"}, "device 'cuda' was MMM_DEVICE but this machine has none"),
+        ({"MMM_DEVICE": "cuda"}, "MMM_DEVICE=cuda but this machine has none"),
         ({"MMM_DEVICE": "gpu"}, "MMM_DEVICE='gpu': the device takes one of auto, cpu, cuda, xpu, mps"),  # by launch
         ({"MMM_BACKEND": "nccl"}, "MMM_BACKEND=nccl: this torch ("),  # a backend torch knows, not built here
     ],

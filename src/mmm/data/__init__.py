@@ -128,13 +128,12 @@ def dataset_problems(
     """Problems with the data flags that need no data read (beyond meta.json or the tokenizer)."""
     out = []
     if name not in ON_DISK:
-        given = [
-            f
-            for f, v in (("--data-dir", data_dir), ("--text-column", text_column), ("--tokenizer", tokenizer))
-            if v is not None
-        ]
+        if data_dir is not None:
+            needs = f"with --dataset bin or hf (got --dataset {name})"
+            out.append(only_with(["--data-dir"], needs, "pick one of those"))
+        given = [f for f, v in (("--text-column", text_column), ("--tokenizer", tokenizer)) if v is not None]
         if given:
-            out.append(only_with(given, f"with --dataset bin or hf (got --dataset {name})", "pick one of those"))
+            out.append(only_with(given, f"with --dataset hf (got --dataset {name})", "pick it"))
     elif name == "bin" and (text_column is not None or tokenizer is not None):
         out.append(
             "--text-column and --tokenizer apply to --dataset hf; token files (--dataset bin) are already "

@@ -44,9 +44,10 @@ def pick_device(local_rank: int = 0, requested: str | None = None) -> torch.devi
     count = _available(kind)
     if count == 0:
         have = [k for k in ("cuda", "xpu", "mps") if _available(k)] + ["cpu"]
+        where = f"device {kind!r} was requested" if requested else f"MMM_DEVICE={kind}"
+        fix = "ask for auto or one of those (--device)" if requested else "set MMM_DEVICE=auto or one of those"
         raise UsageError(
-            f"device {kind!r} was {origin} but this machine has none (torch {torch.__version__}); "
-            f"available: {', '.join(have)}; set MMM_DEVICE=auto or one of those"
+            f"{where} but this machine has none (torch {torch.__version__}); available: {', '.join(have)}; {fix}"
         )
     if kind == "cpu":
         return torch.device("cpu")
