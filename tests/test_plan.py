@@ -830,6 +830,7 @@ def test_calibrate_measures_this_machine_for_the_simulator(tmp_path):
     for flags, needle in [
         (["--ranks", "2", "--tp", "2", "--dtype", "bf16"], "--tp, --dtype: calibration measures the machine"),
         (["--ranks", "1"], "--ranks 1: bandwidth needs at least 2 ranks"),
+        (["--ranks", "2", "--lr", "0.5", "--outdir", "o", "--wandb"], "--lr, --outdir, --wandb: calibration measures"),
         (["--ranks", "2", "--moe-experts", "2", "--moe-top-k", "3"], "--moe-top-k 3 must be between 1 and"),
     ]:
         assert_clean_user_error(run([*calibrate, *flags], timeout=60), needle)

@@ -36,6 +36,7 @@ from mmm.cli import ArgumentParser, nonempty_text, positive_int, without_flags
 from mmm.errors import UsageError, print_error
 from mmm.files import write_atomic
 from mmm.flops import calibrate_cpu
+from mmm.plan import run_only_flags
 from mmm.training.recipe import Recipe, add_recipe_flag, recipe_from_argv
 
 
@@ -170,10 +171,11 @@ def _refuse_layout_flags(config) -> None:
     ]
     if config.recipe.picks_layout(config):
         changed.append("--pick-layout")
+    changed += [flag for flag in run_only_flags(config) if flag not in changed]  # where a run writes, how long
     if changed:
         raise UsageError(
             f"{', '.join(changed)}: calibration measures the machine (fp32 matmuls, one model per rank, gloo), "
-            "not a layout; drop them (give only the model's shape and --batch-size)"
+            "not a layout or a run; drop them (give only the model's shape and --batch-size)"
         )
 
 
