@@ -37,6 +37,7 @@ __all__ = [
     "nonnegative_float",
     "positive_float",
     "positive_int",
+    "world_size",
     "refuses",
     "seconds",
     "shell_words",
@@ -79,6 +80,19 @@ def positive_int(text: str) -> int:
     value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+MAX_WORLD = 1 << 20  # ranks a job may have for the planner and simulator: more than any machine holds
+
+
+@refuses("x", "", "0", "-1", str(MAX_WORLD + 1))
+def world_size(text: str) -> int:
+    """A job's number of ranks, 1 to :data:`MAX_WORLD` (a larger one is a typo: its layouts would take
+    minutes to list)."""
+    value = positive_int(text)
+    if value > MAX_WORLD:
+        raise argparse.ArgumentTypeError(f"{value} ranks is more than any machine holds; at most {MAX_WORLD}")
     return value
 
 

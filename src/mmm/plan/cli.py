@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmm.cli import ArgumentParser, nonempty_text, positive_int
+from mmm.cli import ArgumentParser, nonempty_text, world_size
 from mmm.errors import UsageError, file_problem, print_error
 from mmm.files import write_atomic
 from mmm.parallel.strategy import STRATEGIES
@@ -45,7 +45,7 @@ def build_parser(recipe: Recipe | None = None) -> ArgumentParser:
     p.set_defaults(tp=None, pp=None, cp=None, dp_replicate=None, dp_shard=None, ep=None, strategy=None)
     add_recipe_flag(p)
     g = p.add_argument_group("planner")
-    g.add_argument("--world", type=positive_int, required=True, help="number of ranks (processes) to plan for")
+    g.add_argument("--world", type=world_size, required=True, help="number of ranks (processes) to plan for")
     g.add_argument(
         "--strategies",
         type=nonempty_text,

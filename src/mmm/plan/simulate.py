@@ -52,7 +52,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from mmm.cli import ArgumentParser, nonempty_text, positive_float, positive_int, without_flags
+from mmm.cli import ArgumentParser, nonempty_text, positive_float, positive_int, without_flags, world_size
 from mmm.errors import UsageError, print_error
 from mmm.log import configure
 from mmm.plan import AXES, run_only_flags
@@ -73,7 +73,7 @@ def build_parser(recipe=None) -> ArgumentParser:
     p.description = __doc__.split("\n\n")[0]
     p.epilog = __doc__.split("\n\n", 2)[2]
     g = p.add_argument_group("simulation")
-    g.add_argument("--world", type=positive_int, required=True, help="ranks of the job to simulate")
+    g.add_argument("--world", type=world_size, required=True, help="ranks of the job to simulate")
     g.add_argument(
         "--ranks",
         type=nonempty_text,
