@@ -492,3 +492,14 @@ def test_ctrl_c_while_probing_hosts_stops_every_probe(tmp_path, starting_s):
     probes = subprocess.run(["pgrep", "-f", f"sleep 3{os.getpid() % 10}7"], capture_output=True, text=True).stdout
     assert p.returncode == 130 and "Traceback" not in err and seconds < 5, (p.returncode, seconds, err)
     assert "interrupted (Ctrl-C)" in err and not probes.split(), (err, probes)
+
+
+def test_a_lost_host_whose_name_does_not_resolve_is_called_a_typo():
+    """After a failed attempt, a host that does not answer because its name resolves nowhere (a typo in the
+    hostfile) is said to be one, not a host lost to a crash with --drop-lost-hosts as the fix."""
+    from mmm.launch.run import lost_hosts_message
+
+    typo = lost_hosts_message(["localhost", "nosuchnode.invalid"], retries=False)
+    assert typo.startswith("host nosuchnode.invalid in the hostfile: no such host") and "localhost" not in typo
+    lost = lost_hosts_message(["localhost"], retries=False)
+    assert lost.startswith("host localhost did not answer after the failure: lost") and "--drop-lost-hosts" in lost

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -194,7 +195,24 @@ def find_lost_hosts(
     return lost_hosts(plan, env, probe)
 
 
+def _resolves(host: str) -> bool:
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError):
+        return False
+    return True
+
+
 def lost_hosts_message(lost: Sequence[str], *, retries: bool) -> str:
+    """Why the job ended: hosts whose names do not resolve (a typo in the hostfile, more likely than a host
+    lost), else the hosts that stopped answering."""
+    unknown = [h for h in lost if not _resolves(h)]
+    if unknown:
+        s = "s" if len(unknown) > 1 else ""
+        return (
+            f"host{s} {', '.join(unknown)} in the hostfile: no such host (the name does not resolve here); "
+            "fix its spelling, or drop it from the hostfile"
+        )
     s = "s" if len(lost) > 1 else ""
     fix = "launch --retries N --drop-lost-hosts" if not retries else "--drop-lost-hosts"
     return (
