@@ -23,6 +23,14 @@ def test_torchrun_variables():
     assert discover_ranks(env).num_nodes == 2
 
 
+def test_a_world_size_without_a_rank_is_refused_not_run_as_one_process():
+    """A script that exported WORLD_SIZE=2 but no RANK (a rank of its own to set, forgotten): every process
+    would train alone as rank 0 of 1; refused naming both. WORLD_SIZE=1 is one process."""
+    with pytest.raises(UsageError, match=r"^WORLD_SIZE=2 is set but RANK is not: set both"):
+        discover_ranks({"WORLD_SIZE": "2"})
+    assert discover_ranks({"WORLD_SIZE": "1"}) == RankInfo(0, 1, 0, 1, "single")
+
+
 def test_openmpi_variables():
     env = {
         "OMPI_COMM_WORLD_RANK": "3",
