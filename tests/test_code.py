@@ -15,6 +15,7 @@ EXTRAS = {
     "pydoc_data",  # 0.5 MB of text, for --dataset pydoc only
     "datasets",
     "deepspeed",
+    "huggingface_hub",  # with transformers
     "intel_extension_for_pytorch",
     "matplotlib",
     "mpi4py",

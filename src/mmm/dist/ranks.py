@@ -144,9 +144,10 @@ def discover_ranks(env: Mapping[str, str] | None = None, *, use_mpi4py: bool = T
         info = RankInfo(comm.Get_rank(), comm.Get_size(), local.Get_rank(), local.Get_size(), "mpi4py")
         local.Free()
         return info
-    if "WORLD_SIZE" in env and env["WORLD_SIZE"].strip() != "1":  # a script's own, half set: not one process
+    world = mmm_env.get("WORLD_SIZE", env=env)  # checked as a count
+    if world not in (None, 1):  # a script's own, half set: not one process
         raise UsageError(
-            f"WORLD_SIZE={env['WORLD_SIZE']} is set but RANK is not: set both (each rank its own RANK), or start "
+            f"WORLD_SIZE={world} is set but RANK is not: set both (each rank its own RANK), or start "
             "with `launch` or torchrun (they set them); unset WORLD_SIZE for a single process",
             same_on_all_ranks=False,
         )
