@@ -123,6 +123,23 @@ def test_a_rendezvous_that_cannot_happen_is_one_line(addr, code, needle):
         assert "within 3 s (--timeout, MMM_TIMEOUT)" in res.stderr, res.stderr
 
 
+@pytest.mark.parametrize(
+    "variables, needle",
+    [
+        ({"WORLD_SIZE": "0"}, "WORLD_SIZE='0': a count launchers set takes a positive integer"),
+        ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x': a rank or node id launchers set takes an integer >= 0"),
+        ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 is set but RANK is not"),
+    ],
+    ids=["world-0", "rank-x", "no-rank"],
+)
+def test_bad_rank_variables_are_said_by_the_process_itself(variables, needle):
+    """Who this process is cannot be known, so it cannot leave the message to rank 0: it says it (was
+    exit 2 with nothing printed)."""
+    res = run([sys.executable, "-m", "mmm"], env=clean_env(**variables), timeout=60)
+    assert res.returncode == 2, res.output
+    assert_clean_user_error(res, needle)
+
+
 def test_report_dir_that_is_a_file(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")

@@ -113,7 +113,9 @@ def run_main(
         code = e.exit_code
         together = e.same_on_all_ranks
         rank = _rank_for_messages()
-        if rank == 0 or not e.same_on_all_ranks:
+        if rank is None:  # what is wrong is who this process is (a bad WORLD_SIZE): each process says it
+            print_error(str(e), prog=prog)
+        elif rank == 0 or not e.same_on_all_ranks:
             print_error(str(e), prog=prog, rank=rank if not e.same_on_all_ranks and rank else None)
             if rank == 0 and e.same_on_all_ranks:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)  # printed: a launcher's SIGTERM may end it now
