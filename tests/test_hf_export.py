@@ -182,10 +182,9 @@ def _tiny_llama():
 
 def test_an_export_never_deletes_what_its_folder_held(tmp_path, monkeypatch):
     """--export-hf into a folder that holds weights (an earlier export, or the very checkpoint the run
-        started from with --init-from): the old files are moved aside whole, after the new export (its tokenizer
-    too) is complete;
-        an index naming a file outside the folder deletes nothing; a full disk mid-write leaves the folder as
-        it was."""
+    started from with --init-from): the old files are moved aside whole, after the new export (its tokenizer
+    too) is complete; an index naming a file outside the folder deletes nothing; a full disk mid-write leaves
+    the folder as it was."""
     import safetensors.torch
 
     from mmm.errors import RunError

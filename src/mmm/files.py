@@ -9,6 +9,7 @@ skip the fsyncs. Standard library only: every layer uses it.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -49,5 +50,9 @@ def write_atomic(
         tmp.unlink(missing_ok=True)
         raise
     if durable:
-        fsync_path(path.parent)
+        try:
+            fsync_path(path.parent)
+        except OSError as e:  # a mount that takes no fsync of a folder (some FUSE, CIFS): the file is written
+            if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.ENOSYS, errno.EBADF, errno.EACCES):
+                raise
     return path

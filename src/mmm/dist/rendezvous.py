@@ -153,3 +153,15 @@ def raise_open_file_limit(info: RankInfo) -> int:
             same_on_all_ranks=False,
         )
     return target
+
+
+def unknown_host(name: str) -> bool:
+    """``name`` (a host name or address; IPv6 in brackets too) certainly names no host: the resolver says
+    so (not a temporary failure of it, which torch's own retries may outlast)."""
+    try:
+        socket.getaddrinfo(name.strip("[]"), None)
+    except UnicodeError:
+        return True
+    except socket.gaierror as e:
+        return e.errno in {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
+    return False

@@ -17,7 +17,7 @@ from mmm import __version__, env
 from mmm.dist import liveness
 from mmm.dist.device import DEFAULT_TIMEOUT_S, pick_backend, pick_device, return_freed_host_memory, timeout_seconds
 from mmm.dist.ranks import RankInfo, discover_ranks
-from mmm.dist.rendezvous import raise_open_file_limit, rendezvous
+from mmm.dist.rendezvous import raise_open_file_limit, rendezvous, unknown_host
 from mmm.errors import RunError, UsageError, first_line
 from mmm.log import configure as configure_logging
 from mmm.log import get_logger
@@ -204,27 +204,32 @@ def _init_process_group(ranks: RankInfo, backend: str, dev, timeout_s: float) ->
         return
     raise_open_file_limit(ranks)
     addr, port = rendezvous(ranks)
-    try:  # a name no rank could reach: one line, before torch's store retries it (a warning a second)
-        socket.getaddrinfo(addr, port)
-    except (socket.gaierror, UnicodeError) as e:
+    if unknown_host(addr):  # one line now, not torch's store retrying the name (a warning a second)
+        given = env.get("MASTER_ADDR") == addr
         raise UsageError(
-            f"MASTER_ADDR={addr}: no such host ({getattr(e, 'strerror', None) or e}); set it to rank 0's host "
-            "name or address, or start with `launch` (it sets it)",
+            f"{'MASTER_ADDR=' + addr if given else 'the rendezvous host ' + repr(addr)}: no such host (the name "
+            "does not resolve here); "
+            + (
+                "set it to rank 0's host name or address, or start with `launch` (it sets it)"
+                if given
+                else "set MASTER_ADDR to rank 0's host name or address"
+            ),
             same_on_all_ranks=False,
-        ) from None
+        )
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
     try:
         dist.init_process_group(
             backend, init_method=f"tcp://{addr}:{port}", rank=ranks.rank, world_size=ranks.world_size, **kwargs
         )
-    except dist.DistError as e:
+    except (dist.DistStoreError, dist.DistNetworkError) as e:  # the rendezvous's store, not a backend's
         text = " ".join(str(e).split())
-        if "timed out" not in text.lower() and "timeout" not in text.lower():
+        if "timed out" not in text.lower():
             raise
+        who = "rank 0 waited for the others" if ranks.rank == 0 else f"rank {ranks.rank} could not reach rank 0"
         raise RunError(
-            f"the {ranks.world_size} ranks did not all meet at {addr}:{port} within {timeout_s:g} s (--timeout, "
-            f"MMM_TIMEOUT): a rank did not start, or the ranks were given different MASTER_ADDR/MASTER_PORT "
-            f"({text[:160]})",
+            f"the {ranks.world_size} ranks did not all meet at {addr}:{port} within {timeout_s:g} s (MMM_TIMEOUT, "
+            f"or the trainers' --timeout): {who}; a rank did not start, a firewall is between them, or they were "
+            f"given different MASTER_ADDR/MASTER_PORT (...{text[-200:]})",
             same_on_all_ranks=False,
         ) from None
 

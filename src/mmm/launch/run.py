@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -14,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from mmm.dist.ranks import without_launcher_vars
-from mmm.dist.rendezvous import free_port
+from mmm.dist.rendezvous import free_port, unknown_host
 from mmm.errors import DIVERGED_EXIT, UsageError, print_error
 from mmm.launch.hostloss import lost_hosts, plan_hosts, write_hostfile
 from mmm.launch.mpi import FLAVORS, Flavor
@@ -195,30 +194,26 @@ def find_lost_hosts(
     return lost_hosts(plan, env, probe)
 
 
-def _resolves(host: str) -> bool:
-    try:
-        socket.getaddrinfo(host, None)
-    except (socket.gaierror, UnicodeError):
-        return False
-    return True
-
-
 def lost_hosts_message(lost: Sequence[str], *, retries: bool) -> str:
     """Why the job ended: hosts whose names do not resolve (a typo in the hostfile, more likely than a host
     lost), else the hosts that stopped answering."""
-    unknown = [h for h in lost if not _resolves(h)]
+    unknown = [h for h in lost if unknown_host(h)]
+    lost = [h for h in lost if h not in unknown]
+    said = []
     if unknown:
         s = "s" if len(unknown) > 1 else ""
-        return (
-            f"host{s} {', '.join(unknown)} in the hostfile: no such host (the name does not resolve here); "
-            "fix its spelling, or drop it from the hostfile"
+        said.append(
+            f"host{s} {', '.join(unknown)}: no such host (the name does not resolve here; a typo in the hostfile "
+            "or host list?): fix or drop it"
         )
-    s = "s" if len(lost) > 1 else ""
-    fix = "launch --retries N --drop-lost-hosts" if not retries else "--drop-lost-hosts"
-    return (
-        f"host{s} {', '.join(lost)} did not answer after the failure: lost (crashed, powered off or cut off "
-        f"from the others), which ended the job; {fix} relaunches on the hosts that remain"
-    )
+    if lost:
+        s = "s" if len(lost) > 1 else ""
+        fix = "launch --retries N --drop-lost-hosts" if not retries else "--drop-lost-hosts"
+        said.append(
+            f"host{s} {', '.join(lost)} did not answer after the failure: lost (crashed, powered off or cut off "
+            f"from the others), which ended the job; {fix} relaunches on the hosts that remain"
+        )
+    return "; ".join(said)
 
 
 def _attempts(replan, retries, quiet, probe, drop, folder, fresh_port, chose_addr, base) -> int:

@@ -93,9 +93,14 @@ def torch_file_damage(folder: Path) -> str | None:
     reads as one. A cheap look at each file's directory, not at its contents."""
     for f in sorted(p for p in Path(folder).rglob("*.pt") if p.is_file()):
         try:
+            with open(f, "rb") as handle:
+                if handle.read(2) == b"\x80\x02":  # torch's legacy (non-zip) format: nothing cheap to look at
+                    continue
             with zipfile.ZipFile(f) as z:
                 if not z.namelist():
                     return f"{f.relative_to(folder)} holds nothing"
+        except FileNotFoundError:
+            continue  # gone since the listing (a prune deleting it): not damage of what is read
         except (zipfile.BadZipFile, OSError) as e:
             return f"{f.relative_to(folder)} is not a whole torch file ({e})"
     return None

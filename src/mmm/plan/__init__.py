@@ -182,7 +182,8 @@ def run_only_flags(config: Config) -> list[str]:
     """The trainer's flags given (not at their default) that neither the planner nor the simulator uses:
     said in a note, so a trainer's command line pasted here is welcome and nothing of it silently dropped."""
     given = []
-    for section, names in ((config.train, config.recipe.run_only_fields()), (config.run, None)):
+    recipe = config.recipe or Recipe()  # a Config built in code may name none: the fields every run has
+    for section, names in ((config.train, recipe.run_only_fields()), (config.run, None)):
         for f in flag_fields(type(section)):
             if (names is None or f.name in names) and getattr(section, f.name) != f.default:
                 given.append(f.metadata["flags"][0])

@@ -53,7 +53,7 @@ class EvalConfig:
         if self.eval_iters is not None and self.eval_iters < 1:
             out.append(f"--eval-iters {self.eval_iters} must be >= 1")
         if self.eval_iters is not None and not self.eval_every:
-            out.append(only_with([f"--eval-iters {self.eval_iters}"], "with --eval-every N", "add it"))
+            out.append(only_with([f"--eval-iters {self.eval_iters}"], "with --eval-every N", "add --eval-every N"))
         return out
 
 
