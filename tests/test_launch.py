@@ -459,7 +459,6 @@ def test_a_probe_held_up_by_a_busy_scheduler_keeps_its_host(tmp_path):
     assert time.monotonic() - t0 < 10
 
 
-@pytest.mark.alone  # "at once" is timed: beside the suite's 8-rank runs on 2 cores it timed out (20 s) once
 @pytest.mark.parametrize("starting_s", [0, 2], ids=["running", "starting"])
 def test_ctrl_c_while_probing_hosts_stops_every_probe(tmp_path, starting_s):
     """Ctrl-C while launch probes the hosts after a failure: every probe (and what it started) is stopped at

@@ -88,6 +88,7 @@ def build_parser() -> ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``launch``: its exit code (the job's, 2 for bad input, 130 for a Ctrl-C outside the job)."""
+    _unignore_stop_signals()  # first: a Ctrl-C must reach the handling below even in a background job
     try:
         return _main(argv)
     except KeyboardInterrupt:  # between attempts, or while probing hosts: every probe already stopped
@@ -96,7 +97,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None = None) -> int:
-    _unignore_stop_signals()
     try:
         args = build_parser().parse_args(argv)
         mmm_env.check()  # the values every rank would refuse, refused here before any starts
