@@ -141,14 +141,21 @@ def _causal_lm(config):
 
 
 @cache
-def _blocks(config_json: str) -> str:
-    """Where the causal LM of this config keeps its repeated blocks: ``model.layers`` (Llama, Mistral, Qwen,
-    ...), else the largest list of same-typed modules (GPT-2's ``transformer.h``), found on meta."""
+def _meta_causal_lm(config_json: str):
+    """The causal LM of this config built on meta (no memory), once per config: its blocks and its
+    parameter count are read from the same build."""
     from transformers import AutoConfig
 
     raw = json.loads(config_json)
     with torch.device("meta"):
-        model = _causal_lm(AutoConfig.for_model(raw.pop("model_type"), **raw))
+        return _causal_lm(AutoConfig.for_model(raw.pop("model_type"), **raw))
+
+
+@cache
+def _blocks(config_json: str) -> str:
+    """Where the causal LM of this config keeps its repeated blocks: ``model.layers`` (Llama, Mistral, Qwen,
+    ...), else the largest list of same-typed modules (GPT-2's ``transformer.h``), found on meta."""
+    model = _meta_causal_lm(config_json)
     layers = get_submodule(model, "model.layers")
     return "model.layers" if isinstance(layers, torch.nn.ModuleList) else find_blocks(model, "auto") or "model.layers"
 
@@ -156,11 +163,7 @@ def _blocks(config_json: str) -> str:
 @cache
 def _params_outside_embedding(config_json: str) -> int:
     """Parameters of the causal LM of this config outside its input embedding (built on meta: no memory)."""
-    from transformers import AutoConfig
-
-    raw = json.loads(config_json)
-    with torch.device("meta"):
-        model = _causal_lm(AutoConfig.for_model(raw.pop("model_type"), **raw))
+    model = _meta_causal_lm(config_json)
     return sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
 
 
