@@ -200,6 +200,12 @@ def launch(*args: str) -> list[str]:
     return [str(BIN / "launch"), *args]
 
 
+def on_ranks(n: int, *args: str) -> list[str]:
+    """``python <args>`` on n local ranks through ``launch`` (which imports no torch: torchrun's agent does,
+    ~2 s of CPU a run). torchrun where the launcher is what a test is about."""
+    return launch("-n", str(n), "python3", *args)
+
+
 def error_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if "error:" in line]
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_clean_user_error, jsonl, launch, max_rel_diff, run, torchrun
+from conftest import assert_clean_user_error, jsonl, launch, max_rel_diff, on_ranks, run
 
 tokenizers = pytest.importorskip("tokenizers", reason="tokenizers is not installed (pip install 'mmm[data]')")
 
@@ -232,7 +232,7 @@ def test_two_ranks_match_one_process_and_resume_on_the_same_batches(corpus, refe
     got = jsonl(out / "history.jsonl", key=None)
     for key in ("loss", "grad_norm"):
         assert max_rel_diff([r[key] for r in got], [r[key] for r in reference[:3]]) <= RTOL, key
-    res = run(torchrun(2, *common, "--max-iters", "6", "--resume", "latest", "--outdir", str(out)), timeout=240)
+    res = run(on_ranks(2, *common, "--max-iters", "6", "--resume", "latest", "--outdir", str(out)), timeout=240)
     assert res.returncode == 0, res.output
     assert "resumed from" in res.output
     got = jsonl(out / "history.jsonl", key=None)

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import SHORT_CNN, TINY_VIT, assert_clean_user_error, clean_env, jsonl, launch, max_rel_diff, run, torchrun
+from conftest import SHORT_CNN, TINY_VIT, assert_clean_user_error, clean_env, jsonl, launch, max_rel_diff, on_ranks, run
 
 RTOL = 1e-5
 CNN = SHORT_CNN
@@ -33,13 +33,8 @@ def vit_reference(tmp_path_factory):
     return _single(tmp_path_factory, VIT, "vit1")
 
 
-def _parallel(n, args, tmp_path, runner, timeout=300, env=None):
-    cmd = (
-        torchrun(n, *args, "--outdir", str(tmp_path))
-        if runner == "torchrun"
-        else launch("-n", str(n), "python3", *args, "--outdir", str(tmp_path))
-    )
-    res = run(cmd, timeout=timeout, env=env)
+def _parallel(n, args, tmp_path, timeout=300, env=None):
+    res = run(on_ranks(n, *args, "--outdir", str(tmp_path)), timeout=timeout, env=env)
     assert res.returncode == 0, res.output
     return res
 
@@ -70,7 +65,7 @@ def test_state_bytes_per_rank_match_zero_theory(tmp_path, strategy):
         strategy,
     ]
     extensions = tmp_path / "torch_extensions"  # what DeepSpeed JIT-compiles, in a folder of this test's own
-    _parallel(2, big, tmp_path, "launch", env=clean_env(TORCH_EXTENSIONS_DIR=str(extensions)))
+    _parallel(2, big, tmp_path, env=clean_env(TORCH_EXTENSIONS_DIR=str(extensions)))
     # DeepSpeed's CPU backend builds a shared-memory all-reduce kernel (25-45 s here) only its inference
     # uses; mmm skips it (mmm.parallel.zero): training never builds a kernel without --offload-optimizer
     assert not (extensions.exists() and any(extensions.iterdir())), sorted(extensions.rglob("*"))[:5]
@@ -190,8 +185,8 @@ def test_zero2_optimizer_offload_runs_and_matches(tmp_path):
     """--offload-optimizer uses DeepSpeed's own CPU AdamW (JIT-compiled once per machine, cached under
     ~/.cache/torch_extensions), so it matches torch's AdamW closely, not bit for bit."""
     base = [*VIT, "--strategy", "zero2"]
-    _parallel(2, base, tmp_path / "plain", "launch")
-    _parallel(2, [*base, "--offload-optimizer"], tmp_path / "offload", "launch", timeout=1200)
+    _parallel(2, base, tmp_path / "plain")
+    _parallel(2, [*base, "--offload-optimizer"], tmp_path / "offload", timeout=1200)
     assert (
         max_rel_diff(jsonl(tmp_path / "offload" / "history.jsonl"), jsonl(tmp_path / "plain" / "history.jsonl")) <= 1e-4
     )

@@ -90,38 +90,40 @@ def C(name, base, ranks, flags="", launcher="launch") -> Case:
     return Case(name, base, ranks, tuple(flags.split()), launcher)
 
 
+# launch (local) for most rows; torchrun for three (its agent imports torch, ~2 s of CPU a run), two hosts
+# under PBS for two: the launchers themselves are tested in test_multirank, test_mpi_flavors, test_multihost
 MATRIX = [
     # data parallel and tensor parallel (llama)
     C("fsdp-dp2-tp2-clip", "llama8-clip", 4, "--tpsize 2"),  # the demo's layout, clipped over its 2-D shards
     C("fsdp-dp2-tp4", "llama", 8, "--tp 4", "torchrun"),
-    C("fsdp-dp2-no-reshard", "llama", 2, "--tp 1 --reshard-after-forward false", "torchrun"),  # (FSDP alone: held)
+    C("fsdp-dp2-no-reshard", "llama", 2, "--tp 1 --reshard-after-forward false"),  # (FSDP alone: held)
     C("hsdp-2x2-tp2-ac-full", "llama", 8, "--strategy hsdp --dp-replicate 2 --tp 2 --ac full"),
     # two hosts: HSDP's replicate axis (gradient all-reduce) across them, each shard group inside one;
     # a pipeline with one stage per host
     C("hosts2-hsdp-2x2", "llama", 4, "--strategy hsdp --dp-replicate 2", "pbs/openmpi"),
     # context parallel (ring cp 2 alone: the accumulation rows; cp 2 x tp 2: the 4-D row)
     C("cp4", "llama", 4, "--cpsize 4 --dp-shard 1"),
-    C("dp2-cp2", "llama", 4, "--cp 2", "torchrun"),
+    C("dp2-cp2", "llama", 4, "--cp 2"),
     # all-to-all (Ulysses) context parallel: heads split over cp; cp4 x tp2 repeats K/V (2 kv heads per TP
     # rank over 4 cp ranks; cp 2 alone and cp2 x tp2 are trimmed: these and the experts' row hold them)
     C("ulysses-cp4", "llama", 4, "--cp 4 --dp-shard 1 --cp-attention ulysses"),
-    C("ulysses-cp4-tp2", "llama", 8, "--cp 4 --tp 2 --cp-attention ulysses", "torchrun"),
-    C("pp2-cp2-tp2", "llama", 8, "--pp 2 --cp 2 --tp 2 --microbatches 2", "torchrun"),
+    C("ulysses-cp4-tp2", "llama", 8, "--cp 4 --tp 2 --cp-attention ulysses"),
+    C("pp2-cp2-tp2", "llama", 8, "--pp 2 --cp 2 --tp 2 --microbatches 2"),
     # pipeline parallel: each schedule once alone (1f1b and interleaved at pp 4; at pp 2: trimmed, the
     # two-host and composed rows run pp 2), gpipe with an uneven split (layers 0-2 | 3-7)
-    C("pp2-gpipe-split-at-3", "llama8", 2, "--pp 2 --pp-schedule gpipe --split-points 3 --microbatches 4", "torchrun"),
-    C("pp4-1f1b", "llama8", 4, "--pp 4 --pp-schedule 1f1b --microbatches 8", "torchrun"),
+    C("pp2-gpipe-split-at-3", "llama8", 2, "--pp 2 --pp-schedule gpipe --split-points 3 --microbatches 4"),
+    C("pp4-1f1b", "llama8", 4, "--pp 4 --pp-schedule 1f1b --microbatches 8"),
     C("pp4-interleaved", "llama8", 4, "--pp 4 --pp-schedule interleaved-1f1b --stages-per-rank 2 --microbatches 4"),
-    C("pp2-dp2-clip", "llama8-clip", 4, "--pp 2 --microbatches 2", "torchrun"),  # norms summed over stages
+    C("pp2-dp2-clip", "llama8-clip", 4, "--pp 2 --microbatches 2"),  # norms summed over stages
     C("pp2-tp2-clip", "llama8-clip", 4, "--pp 2 --tp 2 --microbatches 2 --measure"),  # over stages and TP shards
     C("hosts2-pp2-dp2", "llama8", 4, "--pp 2 --pp-schedule 1f1b --microbatches 2", "pbs/mpich"),
     # a mixture of experts, expert parallel (ep borrows its ranks from dp_shard x cp): alone, under FSDP over
     # the rest, across a pipeline, with the experts' width over tp, with ring and all-to-all context parallel
     # (ep 2 alone: the accumulation row)
-    C("moe-dp4-ep2-ac-selective", "moe", 4, "--ep 2 --ac selective", "torchrun"),  # (efsdp 2; at 1 it is refused)
+    C("moe-dp4-ep2-ac-selective", "moe", 4, "--ep 2 --ac selective"),  # (efsdp 2; at 1 it is refused)
     C("moe-pp2-dp2-ep2", "moe", 4, "--pp 2 --ep 2 --microbatches 2"),
     C("moe-ep2-tp2", "moe", 4, "--tp 2 --ep 2", "torchrun"),
-    C("moe-dp2-cp2-ep2", "moe", 4, "--cp 2 --ep 2", "torchrun"),
+    C("moe-dp2-cp2-ep2", "moe", 4, "--cp 2 --ep 2"),
     C("moe-dp2-ulysses-cp2-ep4", "moe", 4, "--cp 2 --cp-attention ulysses --ep 4"),
     # replicated experts (ep 1): HSDP (the balancing counts over every data-parallel rank) and DDP
     C("moe-hsdp-2x2", "moe", 4, "--strategy hsdp --dp-replicate 2"),
@@ -136,7 +138,7 @@ MATRIX = [
         "--tp 2 --microbatches 2 --ac selective --on-nonfinite skip --measure",
     ),
     # (HSDP 2x2 without accumulation: the two-host row, and with tp and AC)
-    C("acc2-hsdp-2x2", "llama", 4, "--strategy hsdp --dp-replicate 2 --microbatches 2 --measure", "torchrun"),
+    C("acc2-hsdp-2x2", "llama", 4, "--strategy hsdp --dp-replicate 2 --microbatches 2 --measure"),
     C("acc4-ddp-dp2", "llama", 2, "--strategy ddp --microbatches 4 --measure"),
     C("acc2-zero2-dp2-clip", "llama8-clip", 2, "--strategy zero2 --microbatches 2 --measure"),  # DeepSpeed clips
     C("acc2-moe-dp2-ep2", "moe", 2, "--ep 2 --microbatches 2 --measure"),
@@ -144,8 +146,9 @@ MATRIX = [
     C("acc2-cp2-ac-full", "llama", 2, "--cp 2 --dp-shard 1 --ac full --microbatches 2 --measure"),
     # the ViT: FSDP on 4 ranks (its 10-class head sharded unevenly), ZeRO-1 and ZeRO-3 on 2 (ZeRO-2: the
     # Llama's and the CNN's rows), and TP x FSDP (DDP, one generic wrapper: the Llama's and the experts' rows)
-    C("vit-fsdp-dp4", "vit", 4, "--strategy fsdp", "torchrun"),
-    *[C(f"vit-{s}-dp2", "vit", 2, f"--strategy {s}", "torchrun") for s in ("zero1", "zero3")],
+    C("vit-fsdp-dp4", "vit", 4, "--strategy fsdp"),
+    C("vit-zero1-dp2", "vit", 2, "--strategy zero1", "torchrun"),  # DeepSpeed under torchrun
+    C("vit-zero3-dp2", "vit", 2, "--strategy zero3"),
     C("vit-tp2-dp2", "vit", 4, "--tp 2"),
     # the CNN on 2 ranks, its per-epoch evaluation too: FSDP and ZeRO-2 (ZeRO-1 and ZeRO-3: the ViT's rows)
     *[C(f"cnn-{s}-dp2", "cnn", 2, f"--strategy {s}") for s in ("fsdp", "zero2")],

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import SCRIPTS, assert_clean_user_error, jsonl, launch, max_rel_diff, run, tiny_llama, torchrun
+from conftest import SCRIPTS, assert_clean_user_error, jsonl, launch, max_rel_diff, on_ranks, run, tiny_llama
 from mmm.models.llama.model import Llama, LlamaConfig
 from mmm.models.llama.recipe import LLAMA
 from mmm.parallel.optim import SEVERAL_MESHES, torch_version
@@ -77,7 +77,7 @@ def test_a_rank_whose_experts_get_no_token_still_runs_every_all_to_all():
     """Every token goes to ep rank 0's experts: rank 1's experts get none, yet its backward returns its
     tokens' gradients through the all-to-all (rank 0 waits on it) and the gradients are one process's.
     A pipeline's first step met this at random: its shape inference runs a stage on uninitialized inputs."""
-    res = run(torchrun(2, str(SCRIPTS / "ep_no_tokens.py"), "route"), timeout=90)
+    res = run(on_ranks(2, str(SCRIPTS / "ep_no_tokens.py"), "route"), timeout=90)
     assert res.returncode == 0, res.output
     assert re.search(r"rank 1: gradients as one process's \([^)]*\), expert grads 0(?![.\d])", res.stdout), res.stdout
     assert "rank 0: gradients as one process's" in res.stdout, res.stdout
@@ -147,7 +147,7 @@ def test_resume_on_another_expert_parallel_degree(tmp_path):
     balancing bias (a saved buffer, moved every step) restored, the data where it stopped."""
     full, ck = tmp_path / "full", tmp_path / "ck"
     res = run(
-        torchrun(
+        on_ranks(
             4,
             *MODULE,
             *MODEL,
@@ -200,7 +200,7 @@ def test_bf16_is_on_for_the_experts(tmp_path):
     """bf16 under expert parallel moves the losses off fp32's (it is on) and stays near them."""
     fp32, bf16 = tmp_path / "fp32", tmp_path / "bf16"
     for out, extra in ((fp32, []), (bf16, ["--dtype", "bf16"])):
-        res = run(torchrun(2, *MODULE, *MODEL, "--ep", "2", *extra, "--outdir", str(out)), timeout=240)
+        res = run(on_ranks(2, *MODULE, *MODEL, "--ep", "2", *extra, "--outdir", str(out)), timeout=240)
         assert res.returncode == 0, res.output
     a, b = jsonl(fp32 / "history.jsonl"), jsonl(bf16 / "history.jsonl")
     assert 1e-5 < max_rel_diff(b, a) < 2e-2, (a, b)
@@ -232,7 +232,7 @@ def test_a_simulated_expert_parallel_step_is_the_real_one(tmp_path):
     state exact; every group's calls exact and its bytes exact but the all-to-all's, which depend on the
     routing (balanced by plan; measured within 0.2%); saved activations within 1%."""
     real = tmp_path / "real"
-    res = run(torchrun(4, *MODULE, *SMALL, "--ep", "2", "--measure", "--outdir", str(real)), timeout=240)
+    res = run(on_ranks(4, *MODULE, *SMALL, "--ep", "2", "--measure", "--outdir", str(real)), timeout=240)
     assert res.returncode == 0, res.output
     sim_json = tmp_path / "sim.json"
     res = run([*SIM, "--world", "4", "--ranks", "0,1,2,3", "--json", str(sim_json), *SMALL, "--ep", "2"], timeout=240)
