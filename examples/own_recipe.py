@@ -50,7 +50,9 @@ class GPTShape:
 class GPT(nn.Module):
     def __init__(self, s: GPTShape) -> None:
         super().__init__()
-        self.embed, self.norm, self.head = nn.Embedding(s.vocab, s.dim), nn.LayerNorm(s.dim), nn.Linear(s.dim, s.vocab)
+        self.embed, self.norm = nn.Embedding(s.vocab, s.dim), nn.LayerNorm(s.dim)
+        # no bias: a biased Linear on (batch, seq, dim) returns a view, which FSDP2 warns of at the model's output
+        self.head = nn.Linear(s.dim, s.vocab, bias=False)
         self.blocks = nn.ModuleList(Block(s.dim, s.head_dim) for _ in range(s.depth))
 
     def forward(self, tokens):

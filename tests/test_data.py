@@ -103,6 +103,23 @@ def test_prepare_writes_both_dtypes_and_meta(corpus):
     assert (corpus.bin32 / "train.bin").stat().st_size == 2 * (corpus.bin16 / "train.bin").stat().st_size
 
 
+def test_a_prepare_over_an_earlier_one_leaves_no_tokenizer_of_the_old_tokens(corpus, tmp_path):
+    """Prepared again with bytes where a BPE dataset was: the old tokenizer.json goes (an export would ship it
+    with the byte-level tokens), and a tokenizer.json put back by hand is not taken for the tokens'."""
+    from mmm.data import data_tokenizer
+
+    out = tmp_path / "data"
+    prepare("--tokenizer", str(corpus.tokenizer), "--out", str(out), str(corpus.root / "docs" / "doc0.txt"))
+    assert data_tokenizer("bin", out) == out / "tokenizer.json"
+    prepare("--tokenizer", "bytes", "--out", str(out), str(corpus.root / "docs" / "doc0.txt"))
+    assert json.loads((out / "meta.json").read_text())["tokenizer"] == "bytes"
+    assert not (out / "tokenizer.json").exists()
+    (out / "tokenizer.json").write_bytes(corpus.tokenizer.read_bytes())
+    assert data_tokenizer("bin", out) is None
+    (out / "meta.json").unlink()  # a folder of token files without meta.json: its tokenizer.json is the one
+    assert data_tokenizer("bin", out) == out / "tokenizer.json"
+
+
 def test_windows_are_the_same_for_any_dp_split_and_dtype(corpus):
     from mmm.data import local_batches, make_dataset
     from mmm.data.seeds import step_generator

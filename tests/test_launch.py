@@ -404,33 +404,47 @@ def test_rank_watch_channel_stuck_from_other_hosts_connections_and_signals(tmp_p
 
 
 def test_a_watcher_passes_launchs_signals_to_its_hosts_ranks(tmp_path):
-    """The other side: a host's watcher sends SIGUSR1/SIGUSR2 from launch to each of its live ranks, and
-    nothing else."""
+    """The other side: a host's watcher sends SIGUSR1/SIGUSR2, SIGINT and SIGTERM from launch to each of its
+    live ranks, and nothing else; a stopping signal also to a rank that notes itself later (still starting)."""
+    import select
+
     from mmm.dist.rankwatch import HostWatch, _relay_signals
 
-    got = tmp_path / "got"
-    code = (
-        "import signal, sys, time\n"
-        f"signal.signal(signal.SIGUSR2, lambda *a: open({str(got)!r}, 'w').close())\n"
-        "signal.signal(signal.SIGTERM, lambda *a: sys.exit(5))\n"
-        "print('ready', flush=True); time.sleep(30)\n"
-    )
-    rank = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    def rank_process(name):
+        code = (
+            "import signal, sys, time\n"
+            f"signal.signal(signal.SIGUSR2, lambda *a: open({str(tmp_path / (name + '.usr2'))!r}, 'w').close())\n"
+            f"signal.signal(signal.SIGTERM, lambda *a: open({str(tmp_path / (name + '.term'))!r}, 'w').close())\n"
+            "signal.signal(signal.SIGHUP, lambda *a: sys.exit(5))\n"
+            "print('ready', flush=True); time.sleep(30)\n"
+        )
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "ready"
+        return p
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    ranks = [rank_process("r0")]
     try:
-        assert rank.stdout.readline().strip() == "ready"
-        watch = HostWatch(tmp_path, 1)
-        watch.rank_of[rank.pid] = "0"
+        watch = HostWatch(notes, 2)
+        watch.rank_of[ranks[0].pid] = "0"
         ours, launchs = socket.socketpair()
         t = threading.Thread(target=_relay_signals, args=(ours, watch), daemon=True)
         t.start()
-        launchs.sendall(b'{"signal": 15}\n' + f'{{"signal": {int(signal.SIGUSR2)}}}\n'.encode())  # SIGTERM: refused
-        assert _until(got.exists), "SIGUSR2 not passed on"
-        assert rank.poll() is None  # the SIGTERM line was not
+        for signum in (signal.SIGHUP, signal.SIGUSR2, signal.SIGTERM):  # SIGHUP: refused
+            launchs.sendall(f'{{"signal": {int(signum)}}}\n'.encode())
+        assert _until(lambda: (tmp_path / "r0.usr2").exists() and (tmp_path / "r0.term").exists()), "not passed on"
+        assert ranks[0].poll() is None  # the SIGHUP line was not
+        ranks.append(rank_process("r1"))  # a rank that notes itself after the SIGTERM: it gets it too
+        (notes / f"{watch.host}.{ranks[1].pid}").write_text("1")
+        watch._look(select.poll(), {})
+        assert _until((tmp_path / "r1.term").exists) and not (tmp_path / "r1.usr2").exists()
         launchs.close()
         t.join(timeout=5)
     finally:
-        rank.kill()
-        rank.wait()
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
 
 
 def test_a_probe_held_up_by_a_busy_scheduler_keeps_its_host(tmp_path):

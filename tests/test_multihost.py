@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -247,6 +248,34 @@ def test_a_rank_killed_on_the_second_host_ends_the_job_naming_rank_and_host(
         assert not on_node2 & watchers, on_node2 & watchers
         left = [f for h in two_hosts.names for f in two_hosts.tmp(h).glob("mmm-pids-*/*")]
         assert not left, left
+
+
+def test_sigterm_to_launch_stops_an_open_mpi_job_on_two_hosts_after_a_checkpoint(two_hosts, shared_dir):
+    """A preemption's SIGTERM to launch (PBS, Open MPI on two hosts): prterun would SIGKILL the ranks within a
+    second, so launch sends SIGTERM to the ranks itself (node2's through that host's rank watcher). Every rank
+    finishes its step, the checkpoint of that step is saved, the summary says why, exit 0."""
+    out, ck = shared_dir / "out", shared_dir / "ck"
+    train = [*TRAIN[:-2], "--max-iters", "100000", "--checkpoint-dir", str(ck), "--outdir", str(out)]
+    env = {**pbs_job(two_hosts, shared_dir), "MMM_TIMEOUT": "300"}
+    p = two_hosts.popen(
+        "node1", [str(BIN / "launch"), "python3", *train], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, stdin=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        hist, deadline = out / "history.jsonl", time.monotonic() + 120
+        while time.monotonic() < deadline and p.poll() is None:
+            if hist.exists() and len(hist.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.2)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+    finally:
+        kill_group(p)
+    assert p.returncode == 0, err
+    steps = [json.loads(line)["iter"] for line in hist.read_text().splitlines()]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 3, steps
+    assert complete_steps(ck) == [steps[-1]], sorted(q.name for q in ck.iterdir())
+    assert json.loads((out / "summary.json").read_text())["stopped_by"] == "SIGTERM"
 
 
 # --------------------------------------------------------------------------- where rank 0 runs under Slurm

@@ -306,29 +306,13 @@ def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path, runner):
         assert rank["grad_bytes"] == rank["param_bytes"] > 0 and rank["optim_bytes"] == 2 * rank["param_bytes"], rank
 
 
-def test_sigterm_to_launch_preempts_the_job_gracefully(tmp_path):
-    ck, out = tmp_path / "ck", tmp_path / "out"
+def _signal_a_training_job(launcher: str, out, sig: signal.Signals, *flags: str) -> tuple[int, str]:
+    """launch a 2-rank run that would train for ever, ``sig`` to launch after its 3rd step: exit code, stderr."""
     p = subprocess.Popen(
-        launch(
-            "--launcher",
-            "local",
-            "-n",
-            "2",
-            "python3",
-            *FSDP_TP,
-            "--max-iters",
-            "100000",
-            "--checkpoint-dir",
-            str(ck),
-            "--outdir",
-            str(out),
-        ),
-        env=clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        stdin=subprocess.DEVNULL,
-    )
+        launch("--launcher", launcher, "-n", "2", "python3", *FSDP_TP, "--max-iters", "100000", *flags, "--outdir",
+               str(out)),
+        env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
     hist = out / "history.jsonl"
     deadline = time.monotonic() + 90
     while (
@@ -337,12 +321,26 @@ def test_sigterm_to_launch_preempts_the_job_gracefully(tmp_path):
         and (not hist.exists() or len(hist.read_text().splitlines()) < 3)
     ):
         time.sleep(0.2)
-    p.send_signal(signal.SIGTERM)
+    p.send_signal(sig)
     _, err = p.communicate(timeout=60)
-    assert p.returncode == 0, err
-    steps = jsonl(hist, "iter")
+    return p.returncode, err
+
+
+@pytest.mark.parametrize("launcher", ["local", "mpiexec"])
+def test_sigterm_to_launch_preempts_the_job_gracefully(tmp_path, launcher):
+    """SIGTERM to launch: every rank finishes its step and saves, exit 0. Under Open MPI launch sends it to the
+    ranks itself (prterun would SIGKILL them within a second of passing it on), and a Ctrl-C ends the job with
+    130, without Open MPI's box."""
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    code, err = _signal_a_training_job(launcher, out, signal.SIGTERM, "--checkpoint-dir", str(ck))
+    assert code == 0, err
+    steps = jsonl(out / "history.jsonl", "iter")
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 3
     assert [q.name for q in ck.iterdir()] == [f"step-{steps[-1]:08d}"]
+    assert json.loads((out / "summary.json").read_text())["stopped_by"] == "SIGTERM"
+    if launcher == "mpiexec":
+        code, err = _signal_a_training_job(launcher, tmp_path / "int", signal.SIGINT)
+        assert code == 130 and "prterun detected" not in err, (code, err)
 
 
 def test_nonfinite_loss_or_gradient_stops_naming_the_step_and_the_last_good_checkpoint(tmp_path):

@@ -56,8 +56,20 @@ def parse(text: str) -> dict[int, list[tuple[str, int | None]]]:
                 f"MMM_FAULT={text!r}: {part!r} is not KIND@STEP[:RANK] with KIND one of "
                 f"{', '.join(KINDS)} (e.g. kill@5:1)"
             )
+        if int(m["step"]) < 1:
+            raise UsageError(f"MMM_FAULT={text!r}: {part!r} names step 0; the steps start at 1 (e.g. kill@5:1)")
         out.setdefault(int(m["step"]), []).append((m["kind"], int(m["rank"]) if m["rank"] else None))
     return out
+
+
+def unreachable(world_size: int) -> list[str]:
+    """The problem with ``MMM_FAULT`` faults that name a rank this job does not have (they would never fire)."""
+    text = env.get("MMM_FAULT", "")
+    far = [f"{kind}@{step}:{rank}" for step, faults in parse(text).items() for kind, rank in faults if rank is not None]
+    far = [f for f in far if int(f.rpartition(":")[2]) >= world_size]
+    if not far:
+        return []
+    return [f"MMM_FAULT={text!r}: {', '.join(far)} names a rank this job of {world_size} does not have"]
 
 
 def _save_spec(text: str) -> str:
@@ -75,8 +87,8 @@ def _fault_spec(text: str) -> str:
     return text
 
 
-env.declare("MMM_FAULT", env.Kind(f"KIND@STEP[:RANK], comma-separated, KIND one of {', '.join(KINDS)}", _fault_spec,
-                                  ("boom@3", "kill@x", "kill")))  # fmt: skip
+env.declare("MMM_FAULT", env.Kind(f"KIND@STEP[:RANK], comma-separated, STEP from 1, KIND one of {', '.join(KINDS)}",
+                                  _fault_spec, ("boom@3", "kill@x", "kill", "nan@0")))  # fmt: skip
 env.declare("MMM_SAVE_FAULT", env.Kind(f"STAGE[@STEP][:RANK|:all], STAGE one of {', '.join(SAVE_STAGES)}",
                                        _save_spec, ("boom", "rng@x", "history@2:1")))  # fmt: skip
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -120,6 +121,19 @@ def data_vocab_size(name: str, *, data_dir=None, tokenizer: str | None = None) -
     from mmm.data.tokens import data_vocab_size as on_disk
 
     return on_disk(name, data_dir=data_dir, tokenizer=tokenizer)
+
+
+def data_tokenizer(name: str, data_dir) -> Path | None:
+    """The tokenizer.json that came with a token folder (``--dataset bin``): the one ``prepare`` wrote beside
+    the tokens, if meta.json names it (a folder without meta.json: its tokenizer.json, if any); None when
+    meta.json says the tokens are another tokenizer's (``bytes``: an earlier prepare's file may be left)."""
+    if name != "bin" or not data_dir:
+        return None
+    from mmm.data.tokens import read_meta
+
+    file = Path(data_dir) / "tokenizer.json"
+    named = read_meta(file.parent).get("tokenizer", file.name)
+    return file if named == file.name and file.is_file() else None
 
 
 def dataset_problems(

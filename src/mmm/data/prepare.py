@@ -180,6 +180,8 @@ def prepare(
     if hasattr(tok, "path"):
         write_atomic(out / "tokenizer.json", Path(tok.path).read_bytes())
         meta["tokenizer"] = "tokenizer.json"
+    else:  # an earlier prepare's tokenizer would be taken for these tokens' (an export ships it)
+        (out / "tokenizer.json").unlink(missing_ok=True)
     write_atomic(out / "meta.json", json.dumps(meta, indent=1) + "\n")  # and the renames before it, on disk
     return meta
 

@@ -74,6 +74,9 @@ class HostWatch(threading.Thread):
         self.times: list[float] = []  # the time of each wake-up
         self.blind = False
         self.done = threading.Event()
+        self.pending: set[int] = set()  # stopping signals the ranks noted from now on get too
+        self._sent: set[tuple[int, int]] = set()  # (pid, signal) delivered: never twice
+        self._deliver_lock = threading.Lock()
 
     def run(self) -> None:
         poller, fds = select.poll(), {}
@@ -108,6 +111,25 @@ class HostWatch(threading.Thread):
             for fd in fds:
                 os.close(fd)
 
+    def deliver(self, signum: int, *, later: bool = False) -> int:
+        """Send ``signum`` to each noted rank of this host that has not ended, once; ``later``: also to each
+        rank noted from now on (a stop request must reach the ranks still starting). Returns how many it
+        reached now."""
+        with self._deliver_lock:
+            if later:
+                self.pending.add(signum)
+            ended = {pid for pids in list(self.ended) for pid in pids}
+            pids = [pid for pid in list(self.rank_of) if pid not in ended and (pid, signum) not in self._sent]
+            reached = 0
+            for pid in pids:
+                self._sent.add((pid, signum))
+                try:
+                    os.kill(pid, signum)
+                    reached += 1
+                except OSError:
+                    pass
+            return reached
+
     def _ended(self, pids: list[int]) -> None:
         self.ended.append(pids)
         self.times.append(time.time())
@@ -135,6 +157,9 @@ class HostWatch(threading.Thread):
                 continue
             fds[fd] = pid
             poller.register(fd, select.POLLIN)
+        if found and self.pending:
+            for signum in tuple(self.pending):
+                self.deliver(signum)
         return found
 
 
@@ -208,24 +233,21 @@ def _serve_launch(folder: Path, expected: int, address: tuple[str, int, str]) ->
     sock.close()
 
 
-RELAYED = {getattr(signal, name) for name in ("SIGUSR1", "SIGUSR2") if hasattr(signal, name)}
+ASKING = {getattr(signal, name) for name in ("SIGUSR1", "SIGUSR2") if hasattr(signal, name)}
+STOPPING = {getattr(signal, name) for name in ("SIGINT", "SIGTERM") if hasattr(signal, name)}
+RELAYED = ASKING | STOPPING
 
 
 def _relay_signals(sock: socket.socket, watch: HostWatch) -> None:
     """Signals launch asks this host's ranks to get (``{"signal": N}`` lines; its launcher does not pass
-    them on): sent to each rank of this host that has not ended. Only SIGUSR1 and SIGUSR2."""
+    them on, or would kill the ranks at once for it): sent to each rank of this host that has not ended,
+    a stopping one (SIGINT, SIGTERM) also to the ranks noted later. Only these four signals."""
     try:
         with sock.makefile("r", encoding="utf-8", errors="replace") as f:
             while line := f.readline(1024):
                 signum = json.loads(line).get("signal")
-                if signum not in RELAYED:
-                    continue
-                ended = {pid for pids in list(watch.ended) for pid in pids}
-                for pid in [p for p in list(watch.rank_of) if p not in ended]:
-                    try:
-                        os.kill(pid, signum)
-                    except OSError:
-                        pass
+                if signum in RELAYED:
+                    watch.deliver(signum, later=signum in STOPPING)
     except (OSError, ValueError, AttributeError):
         return  # launch gone, or not a line of launch's
 

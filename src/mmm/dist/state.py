@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from mmm import __version__, env
+from mmm import __version__, env, faults  # faults: MMM_FAULT's kind, checked with the others
 from mmm.dist import liveness
 from mmm.dist.device import DEFAULT_TIMEOUT_S, pick_backend, pick_device, return_freed_host_memory, timeout_seconds
 from mmm.dist.ranks import RankInfo, discover_ranks
@@ -144,6 +144,8 @@ def setup(
     t0 = time.perf_counter()
     env.check()  # every mmm variable's value, before any work (one read late would fail a finished run)
     ranks = discover_ranks()
+    if far := faults.unreachable(ranks.world_size):
+        raise UsageError(far[0])
     liveness.record_pid(ranks.rank, ranks.local_world_size)
     configure_logging(rank=ranks.rank, world_size=ranks.world_size, all_ranks=all_ranks_log)
     timeout_s = timeout_seconds(timeout)

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from mmm import env as mmm_env
+from mmm import faults  # noqa: F401  (declares MMM_FAULT's and MMM_SAVE_FAULT's kinds: checked here too)
 from mmm.cli import nonempty_text, nonnegative_int, positive_int, shell_words
 from mmm.errors import ArgumentParser, UsageError, print_error
 from mmm.launch.hostloss import plan_hosts

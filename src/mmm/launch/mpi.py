@@ -37,10 +37,13 @@ class Flavor:
     exit_box: str = ""  # in the box it prints after a rank's non-zero exit (dropped after a usage error)
     watch_ranks: bool = False  # it kills every rank at once and names none: launch names the first to die
     # the signals of launch's SIGUSR1/SIGUSR2 promise it passes on to the ranks; launch delivers the others
-    # itself (through its rank watch: needs watch_ranks)
+    # itself (through a rank watch)
     passes_on: tuple[str, ...] = ("SIGUSR1", "SIGUSR2")
     # a stopping signal it does not survive with its ranks, and the one launch sends it instead
     instead: tuple[tuple[str, str], ...] = ()
+    # stopping signals it answers by killing the ranks at once (no step finished, no checkpoint saved): launch
+    # sends these to the ranks itself (through a rank watch) and lets mpiexec end when they have
+    stops_ranks_at_once: tuple[str, ...] = ()
     hostfile_line: str = "{host} slots={slots}"  # a line of a hostfile launch writes (after a host is lost)
 
 
@@ -58,6 +61,8 @@ FLAVORS: dict[str, Flavor] = {  # in the order `mpiexec --version` is matched
         oversubscribe=("--oversubscribe",),
         exit_box="detected that one or more processes exited with non-zero status",
         instead=(("SIGQUIT", "SIGTERM"),),  # its prterun dies of SIGQUIT and leaves the ranks running
+        # prterun passes SIGINT/SIGTERM on, then SIGKILLs the ranks within a second (Open MPI 5.0)
+        stops_ranks_at_once=("SIGINT", "SIGTERM"),
     ),
     "hydra": Flavor(  # MPICH, Intel MPI
         version_says=("hydra", "intel(r) mpi", "mpich"),

@@ -35,12 +35,17 @@ class ExitBoxFilter:
         self.thread.start()
 
     def finish(self, code: int | None, *, wait_s: float = 5.0) -> None:
-        """The child has exited with ``code``: show what is held, less the box after a usage error."""
+        """The child has exited with ``code``: show what is held, less the box after a usage error, a Ctrl-C
+        or a SIGTERM (the ranks' own lines said it)."""
         if self.thread is not None:
             self.thread.join(timeout=wait_s)  # the rest of its stderr
         with self.lock:
             held = b"".join(self.held) + self.tail
-            if self.boxed and code == USAGE_ERROR:  # drop the box, up to its bottom rule (all of it if cut short)
+            if self.boxed and code in (
+                USAGE_ERROR,
+                130,
+                143,
+            ):  # drop the box, up to its bottom rule (all of it if cut short)
                 end = next((i for i in range(1, len(self.held)) if _RULE.fullmatch(self.held[i])), None)
                 held = b"".join(self.held[end + 1 :]) + self.tail if end is not None else b""
             self._write(held)

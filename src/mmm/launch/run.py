@@ -53,7 +53,9 @@ def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) 
         return spawn_local(plan.argv, plan.nproc, env, signalled=signalled)
     flavor = _flavor(plan)
     watcher = None
-    if flavor is not None and flavor.watch_ranks and hasattr(os, "pidfd_open"):
+    names_first = flavor is not None and flavor.watch_ranks  # else the launcher names a failed rank itself
+    watched = flavor is not None and (flavor.watch_ranks or bool(flavor.stops_ranks_at_once))
+    if watched and hasattr(os, "pidfd_open"):
         several = len(plan_hosts(plan)) > 1  # each other host's first rank starts a watcher that reports here
         watcher = RankWatch(tempfile.mkdtemp(prefix="mmm-pids-"), plan.nproc, listen=several, hosts=plan_hosts(plan))
         env = {**env, "MMM_PID_DIR": str(watcher.folder), **({"MMM_WATCH": watcher.address} if several else {})}
@@ -64,10 +66,12 @@ def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) 
         rc = _wait_forwarding(
             lambda: _start_child(plan.argv, env, watcher, box, child),
             signalled,
-            stuck=watcher.stuck if watcher is not None else None,
-            relay=_relay(flavor, watcher),
+            stuck=watcher.stuck if watcher is not None and names_first else None,
+            relay=_relay(flavor, watcher, child),
             instead={getattr(signal, a): getattr(signal, b) for a, b in flavor.instead} if flavor is not None else None,
         )
+        if rc and signalled and flavor is not None and flavor.stops_ranks_at_once:
+            rc = 128 + signalled[0]  # a job launch was told to stop: 130 or 143, as the ranks say (prterun: 1)
         return rc
     finally:
         if box is not None and child:
@@ -76,7 +80,8 @@ def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) 
             watcher.done.set()
             watcher.join(timeout=2.0)
             if not watcher.is_alive():
-                named = watcher.first_silent() if child and child[0].returncode and not signalled else None
+                failed = names_first and child and child[0].returncode and not signalled
+                named = watcher.first_silent() if failed else None
                 shutil.rmtree(watcher.folder, ignore_errors=True)
                 if named:
                     print_error(named, prog=PROG)
@@ -84,13 +89,28 @@ def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) 
             watcher.close()
 
 
-def _relay(flavor: Flavor | None, watcher: RankWatch | None) -> tuple[set[int], Callable[[int], object]] | None:
-    """The signals of launch's promise that this launcher does not pass on to the ranks, and how launch
-    delivers them itself (its rank watch: this host's ranks by process id, the others by their watcher)."""
+def _relay(
+    flavor: Flavor | None, watcher: RankWatch | None, child: list[subprocess.Popen]
+) -> tuple[set[int], Callable[[int], object]] | None:
+    """The signals launch delivers to the ranks itself, through its rank watch (this host's ranks by process
+    id, the others by their host's watcher), and how: those of launch's promise that this launcher does not
+    pass on (Hydra's mpiexec dies of SIGUSR2), and the stopping signals it would answer by killing the ranks
+    at once (Open MPI's prterun: SIGINT, SIGTERM). A stopping signal also reaches the ranks noted later
+    (still starting); before any rank has noted itself it goes to the launcher (nothing to save yet)."""
     if flavor is None or watcher is None:
         return None
     missing = {getattr(signal, name) for name in _PASSED_ON if name not in flavor.passes_on and hasattr(signal, name)}
-    return (missing, watcher.signal_ranks) if missing else None
+    stops = {getattr(signal, name) for name in flavor.stops_ranks_at_once if hasattr(signal, name)}
+    if not missing | stops:
+        return None
+
+    def deliver(signum: int) -> None:
+        if watcher.signal_ranks(signum, later=signum in stops) or signum not in stops:
+            return
+        if child and child[0].poll() is None:  # no rank noted yet: the launcher stops them
+            child[0].send_signal(signum)
+
+    return missing | stops, deliver
 
 
 def _start_child(

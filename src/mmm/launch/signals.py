@@ -101,7 +101,10 @@ def _wait_forwarding(
                 break
             except subprocess.TimeoutExpired:
                 if escalate.due(signalled):
-                    p.send_signal(signal.SIGTERM)
+                    if relay is not None and signal.SIGTERM in relay[0]:
+                        relay[1](signal.SIGTERM)
+                    else:
+                        p.send_signal(signal.SIGTERM)
                 if stopped_at is None and stuck is not None and not signalled and (found := stuck()):
                     why, stopped_code = found
                     print_error(f"{why}: stopping {os.path.basename(p.args[0])}", prog=PROG)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import os
 import secrets
 import socket
 import threading
@@ -39,6 +38,7 @@ class RankWatch(HostWatch):
         self._server: socket.socket | None = None
         self._conns: list[socket.socket] = []
         self._token = secrets.token_hex(16)
+        self._stops: set[int] = set()  # stopping signals sent: a host's watcher that connects later gets them
         self.address = ""
         if listen:  # on the interface the job's other hosts reach this one by, not on every interface
             self._server = socket.create_server((job_interface(hosts), 0), backlog=128)
@@ -94,6 +94,10 @@ class RankWatch(HostWatch):
                     return
                 host, offset = str(hello["host"]), time.time() - float(hello["t"])  # skew + one-way latency
                 conn.settimeout(None)
+                with self._lock:
+                    stops = sorted(self._stops)
+                for signum in stops:  # a stop launch passed on before this host's watcher came
+                    conn.sendall((json.dumps({"signal": signum}) + "\n").encode())
                 while line := f.readline(MAX_LINE):
                     m = json.loads(line)
                     with self._lock:
@@ -114,25 +118,23 @@ class RankWatch(HostWatch):
                     self._conns.remove(conn)
             conn.close()
 
-    def signal_ranks(self, signum: int) -> int:
+    def signal_ranks(self, signum: int, *, later: bool = False) -> int:
         """Send ``signum`` to every rank of the job that has not ended: this host's by their noted process
-        ids, every other host's through its watcher (which only passes on SIGUSR1 and SIGUSR2). For a launcher
-        that does not pass a signal on itself (Hydra's mpiexec dies of SIGUSR2). Returns the ranks reached here."""
+        ids, every other host's through its watcher (which passes on SIGUSR1, SIGUSR2, SIGINT and SIGTERM).
+        For a launcher that does not pass a signal on itself (Hydra's mpiexec dies of SIGUSR2), or would kill
+        the ranks for it (Open MPI's prterun, SIGTERM). ``later``: the ranks noted from now on, and the
+        watchers of hosts that connect from now on, get it too. Returns how many ranks and other hosts'
+        watchers it reached now (0: no rank has noted itself yet)."""
         with self._lock:
-            ended = {pid for pids in self.ended for pid in pids}
-            pids = [pid for pid in self.rank_of if pid not in ended]
+            if later:
+                self._stops.add(signum)
             conns = list(self._conns)
-        reached = 0
-        for pid in pids:
-            try:
-                os.kill(pid, signum)
-                reached += 1
-            except OSError:
-                pass
+        reached = self.deliver(signum, later=later)
         line = (json.dumps({"signal": int(signum)}) + "\n").encode()
         for conn in conns:
             try:
                 conn.sendall(line)
+                reached += 1
             except OSError:
                 pass
         return reached

@@ -164,7 +164,7 @@ def _ranks(spec: str | None, world: int) -> list[int]:
 def format_reports(reports: list[RankReport]) -> str:
     first = reports[0]
     lines = [
-        f"{first.world} ranks simulated ({len(reports)} shown), model of {first.num_params / 1e9:.3g}B parameters",
+        f"{len(reports)} of {first.world} ranks simulated, model of {first.num_params / 1e9:.3g}B parameters",
         f"{'rank':>6}  {'coords':<32} {'params':>12} {'param MiB':>10} {'grad MiB':>9} {'optim MiB':>10} "
         f"{'total MiB':>10}  setup (mesh / model / parallelize)",
     ]

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from mmm.cli import FLAGS, Flags, flag_problems, nonnegative_float, nonnegative_int, option, positive_int
-from mmm.data import DATASETS, data_vocab_size, dataset_problems, make_dataset
+from mmm.data import DATASETS, data_tokenizer, data_vocab_size, dataset_problems, make_dataset
 from mmm.errors import UsageError
 from mmm.flops import llama_flops_per_token
 from mmm.log import get_logger
@@ -316,6 +316,7 @@ def layout_problems(config: Config[LlamaTrainConfig], world_size: int) -> list[s
         vocab_size=cfg.vocab_size,
         seq_len=cfg.seq_len,
         spell=FLAGS,
+        world=world_size,
     )
     return out + batch_problems(train.batch_size, dims.dp, microbatches=par.microbatches if dims.pp == 1 else None)
 
@@ -374,13 +375,10 @@ def export_hf(train: LlamaTrainConfig, engine, cfg, info, run, log) -> None:
         return
 
     pp_group = engine.pipeline.pp_group if engine.pipeline is not None else None
-    tokenizer = (
-        Path(train.tokenizer)
-        if train.tokenizer not in (None, "bytes")
-        else Path(train.data_dir) / "tokenizer.json"
-        if train.dataset == "bin" and train.data_dir
-        else None
-    )
+    if train.tokenizer not in (None, "bytes"):
+        tokenizer = Path(train.tokenizer)
+    else:  # the one prepare wrote with the tokens (not one an earlier prepare left beside a bytes dataset)
+        tokenizer = data_tokenizer(train.dataset, train.data_dir)
     # read first: the folder it lives in may be the export's, whose old contents are moved aside
     tokenizer_bytes = tokenizer.read_bytes() if info.is_main and tokenizer is not None and tokenizer.is_file() else None
     files = {"tokenizer.json": tokenizer_bytes} if tokenizer_bytes is not None else None

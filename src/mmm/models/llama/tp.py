@@ -78,16 +78,18 @@ def tp_problems(
     seq_len: int,
     sequence_parallel: bool = True,
     spell: Spelling = API,
+    world: int | None = None,
 ) -> list[str]:
     """What a TP degree requires of Llama's shapes (:class:`~mmm.models.llama.LlamaConfig` fields),
-    each problem naming the values."""
+    each problem naming the values; ``world``: the ranks, so that the degrees suggested also divide it."""
     if tp <= 1:
         return []
     out = []
     if n_heads % tp:
+        fits = [d for d in range(1, n_heads + 1) if n_heads % d == 0 and (world is None or world % d == 0)]
         out.append(
             f"{spell('n_heads', n_heads)} is not divisible by tp={tp}; heads are split over TP ranks "
-            f"(use tp in {{{', '.join(str(d) for d in range(1, n_heads + 1) if n_heads % d == 0)}}})"
+            f"(use tp in {{{', '.join(map(str, fits))}}}{f' on {world} ranks' if world else ''})"
         )
     if n_kv_heads % tp:
         out.append(
