@@ -1,10 +1,12 @@
 """Real Slurm: a one-node cluster on this host (the `slurm_cluster` fixture) runs mmm under salloc,
 plain srun (with and without PMI-2), sbatch of the shipped job script, and a rank killed mid-run."""
 
+import json
 import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -132,3 +134,32 @@ def test_signals_reach_every_rank_and_stop_the_job(slurm_cluster, tmp_path):
     """launch's signal promise under srun (which passes SIGUSR1, SIGUSR2 and SIGHUP on to its tasks)."""
     cmd = slurm_cluster.command([str(BIN / "launch"), "--launcher", "srun"])
     signal_promise(cmd, slurm_cluster.environ(), tmp_path / "out", signal.SIGHUP, srun=True)
+
+
+def test_scancel_signal_term_stops_the_job_after_a_checkpoint(slurm_cluster, tmp_path):
+    """Slurm's graceful stop signals every task (``scancel --signal=TERM``, as its preemption and time limit do):
+    each rank finishes its step, the checkpoint is saved, exit 0. (A SIGTERM to launch is srun's, which forces
+    the step's end: docs/launch.md.)"""
+    out, ck, env = tmp_path / "out", tmp_path / "ck", slurm_cluster.environ()
+    train = ["-m", "mmm.examples.fsdp_tp", *TINY, "--max-iters", "100000", "--checkpoint-dir", str(ck)]
+    p = subprocess.Popen(
+        ["salloc", "-n", "2", str(BIN / "launch"), "python3", *train, "--outdir", str(out)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        hist, deadline = out / "history.jsonl", time.monotonic() + 90
+        while time.monotonic() < deadline and p.poll() is None:
+            if hist.exists() and len(hist.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.2)
+        (job,) = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True).stdout.split()
+        assert subprocess.run(["scancel", "--signal=TERM", job], env=env, timeout=30).returncode == 0
+        _, err = p.communicate(timeout=90)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, err
+    steps = jsonl(hist, "iter")
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 3
+    assert [q.name for q in ck.iterdir()] == [f"step-{steps[-1]:08d}"]
+    assert json.loads((out / "summary.json").read_text())["stopped_by"] == "SIGTERM"
