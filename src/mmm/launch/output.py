@@ -12,6 +12,8 @@ import threading
 from typing import IO
 
 USAGE_ERROR = 2
+# exits after which Open MPI's box adds nothing: a usage error, a Ctrl-C, a SIGTERM (the ranks said it)
+_BOX_SAYS_NOTHING = (USAGE_ERROR, 130, 143)
 _RULE = re.compile(rb"-{20,}\r?\n")  # the top and bottom line of a box
 _LINE_END = re.compile(rb"[\r\n]")
 
@@ -41,11 +43,7 @@ class ExitBoxFilter:
             self.thread.join(timeout=wait_s)  # the rest of its stderr
         with self.lock:
             held = b"".join(self.held) + self.tail
-            if self.boxed and code in (
-                USAGE_ERROR,
-                130,
-                143,
-            ):  # drop the box, up to its bottom rule (all of it if cut short)
+            if self.boxed and code in _BOX_SAYS_NOTHING:  # drop the box, up to its bottom rule (all if cut short)
                 end = next((i for i in range(1, len(self.held)) if _RULE.fullmatch(self.held[i])), None)
                 held = b"".join(self.held[end + 1 :]) + self.tail if end is not None else b""
             self._write(held)
