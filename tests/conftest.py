@@ -206,6 +206,15 @@ def on_ranks(n: int, *args: str) -> list[str]:
     return launch("-n", str(n), "python3", *args)
 
 
+def until_steps(history: Path, steps: int, proc: subprocess.Popen, seconds: float = 90) -> None:
+    """Wait until ``history`` (a run's history.jsonl) holds ``steps`` rows, ``proc`` has ended, or ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and proc.poll() is None:
+        if history.exists() and len(history.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.2)
+
+
 def error_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if "error:" in line]
 

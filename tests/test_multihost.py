@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, ROOT, clean_env, env_of, kill_group, mpi_env, pbs_job, run, spawn
+from conftest import BIN, ROOT, clean_env, env_of, kill_group, mpi_env, pbs_job, run, spawn, until_steps
 from mmm.dist import free_port
 from mmm.parallel.checkpoint_folder import complete_steps
 
@@ -262,11 +262,7 @@ def test_sigterm_to_launch_stops_an_open_mpi_job_on_two_hosts_after_a_checkpoint
         text=True, stdin=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
     try:
-        hist, deadline = out / "history.jsonl", time.monotonic() + 120
-        while time.monotonic() < deadline and p.poll() is None:
-            if hist.exists() and len(hist.read_text().splitlines()) >= 3:
-                break
-            time.sleep(0.2)
+        until_steps(hist := out / "history.jsonl", 3, p, seconds=120)
         p.send_signal(signal.SIGTERM)
         _, err = p.communicate(timeout=120)
     finally:

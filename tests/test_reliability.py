@@ -10,11 +10,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from conftest import SCRIPTS, clean_env, jsonl, launch, max_rel_diff, mpiexec, on_ranks, run, torchrun
+from conftest import SCRIPTS, clean_env, jsonl, launch, max_rel_diff, mpiexec, on_ranks, run, torchrun, until_steps
 from mmm.errors import DIVERGED_EXIT
 
 TINY = ["--dim", "64", "--n-layers", "2", "--seq-len", "32", "--no-plots", "--log-every", "100"]
@@ -313,14 +312,7 @@ def _signal_a_training_job(launcher: str, out, sig: signal.Signals, *flags: str)
                str(out)),
         env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
     )  # fmt: skip
-    hist = out / "history.jsonl"
-    deadline = time.monotonic() + 90
-    while (
-        time.monotonic() < deadline
-        and p.poll() is None
-        and (not hist.exists() or len(hist.read_text().splitlines()) < 3)
-    ):
-        time.sleep(0.2)
+    until_steps(out / "history.jsonl", 3, p)
     p.send_signal(sig)
     _, err = p.communicate(timeout=60)
     return p.returncode, err

@@ -6,12 +6,11 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import BIN, jsonl, run, signal_promise
+from conftest import BIN, jsonl, run, signal_promise, until_steps
 
 REPO = Path(__file__).resolve().parents[1]
 JOB_SCRIPT = REPO / "examples" / "jobs" / "slurm.sbatch"
@@ -147,11 +146,7 @@ def test_scancel_signal_term_stops_the_job_after_a_checkpoint(slurm_cluster, tmp
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        hist, deadline = out / "history.jsonl", time.monotonic() + 90
-        while time.monotonic() < deadline and p.poll() is None:
-            if hist.exists() and len(hist.read_text().splitlines()) >= 3:
-                break
-            time.sleep(0.2)
+        until_steps(hist := out / "history.jsonl", 3, p)
         (job,) = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True).stdout.split()
         assert subprocess.run(["scancel", "--signal=TERM", job], env=env, timeout=30).returncode == 0
         _, err = p.communicate(timeout=90)
