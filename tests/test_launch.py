@@ -413,7 +413,7 @@ def test_a_watcher_passes_launchs_signals_to_its_hosts_ranks(tmp_path):
     def rank_process(name):
         code = (
             "import signal, sys, time\n"
-            f"signal.signal(signal.SIGUSR2, lambda *a: open({str(tmp_path / (name + '.usr2'))!r}, 'w').close())\n"
+            f"signal.signal(signal.SIGUSR2, lambda *a: open({str(tmp_path / (name + '.usr2'))!r}, 'a').write('x'))\n"
             f"signal.signal(signal.SIGTERM, lambda *a: open({str(tmp_path / (name + '.term'))!r}, 'w').close())\n"
             "signal.signal(signal.SIGHUP, lambda *a: sys.exit(5))\n"
             "print('ready', flush=True); time.sleep(30)\n"
@@ -434,6 +434,8 @@ def test_a_watcher_passes_launchs_signals_to_its_hosts_ranks(tmp_path):
         for signum in (signal.SIGHUP, signal.SIGUSR2, signal.SIGTERM):  # SIGHUP: refused
             launchs.sendall(f'{{"signal": {int(signum)}}}\n'.encode())
         assert _until(lambda: (tmp_path / "r0.usr2").exists() and (tmp_path / "r0.term").exists()), "not passed on"
+        launchs.sendall(f'{{"signal": {int(signal.SIGUSR2)}}}\n'.encode())  # each request passed on, a repeat too
+        assert _until(lambda: (tmp_path / "r0.usr2").read_text() == "xx"), (tmp_path / "r0.usr2").read_text()
         assert ranks[0].poll() is None  # the SIGHUP line was not
         ranks.append(rank_process("r1"))  # a rank that notes itself after the SIGTERM: it gets it too
         (notes / f"{watch.host}.{ranks[1].pid}").write_text("1")

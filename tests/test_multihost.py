@@ -250,24 +250,22 @@ def test_a_rank_killed_on_the_second_host_ends_the_job_naming_rank_and_host(
         assert not left, left
 
 
-def test_sigterm_to_launch_stops_an_open_mpi_job_on_two_hosts_after_a_checkpoint(two_hosts, shared_dir):
-    """A preemption's SIGTERM to launch (PBS, Open MPI on two hosts): prterun would SIGKILL the ranks within a
-    second, so launch sends SIGTERM to the ranks itself (node2's through that host's rank watcher). Every rank
-    finishes its step, the checkpoint of that step is saved, the summary says why, exit 0."""
+def test_sigterm_to_launch_stops_an_open_mpi_job_on_another_host_after_a_checkpoint(two_hosts, shared_dir):
+    """A preemption's SIGTERM to launch on node1, every rank on node2 (PBS, Open MPI): prterun would SIGKILL
+    the ranks within a second, so launch sends SIGTERM to them itself, through node2's rank watcher (with
+    no rank on launch's host, only that path can stop the job gracefully). Every rank finishes its step,
+    the checkpoint of that step is saved, the summary says why, exit 0."""
     out, ck = shared_dir / "out", shared_dir / "ck"
     train = [*TRAIN[:-2], "--max-iters", "100000", "--checkpoint-dir", str(ck), "--outdir", str(out)]
     env = {**pbs_job(two_hosts, shared_dir), "MMM_TIMEOUT": "300"}
-    p = two_hosts.popen(
-        "node1", [str(BIN / "launch"), "python3", *train], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, stdin=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
-    try:
+    Path(env["PBS_NODEFILE"]).write_text("node2\nnode2\n")
+    with spawn(two_hosts.command("node1", [str(BIN / "launch"), "python3", *train]), env=env,
+               stdout=subprocess.PIPE, stderr=subprocess.PIPE) as p:  # fmt: skip
         until_steps(hist := out / "history.jsonl", 3, p, seconds=120)
         p.send_signal(signal.SIGTERM)
-        _, err = p.communicate(timeout=120)
-    finally:
-        kill_group(p)
+        stdout, err = p.communicate(timeout=120)
     assert p.returncode == 0, err
+    assert "on 1 host" in err and "[node2][0/1]" in stdout and "[node1]" not in stdout, stdout
     steps = [json.loads(line)["iter"] for line in hist.read_text().splitlines()]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 3, steps
     assert complete_steps(ck) == [steps[-1]], sorted(q.name for q in ck.iterdir())

@@ -276,3 +276,17 @@ def test_rank_0s_host_under_slurm_is_the_steps_not_a_guess(tmp_path):
     assert rendezvous(info, arbitrary) == ("n2", 29400)
     del arbitrary["MASTER_PORT"]  # plain srun: the derived port, at the same host
     assert rendezvous(info, arbitrary) == ("n2", derived_port("4.0"))
+
+
+def test_a_fault_on_a_rank_the_job_lacks_is_refused_but_not_after_a_relaunch(monkeypatch):
+    """MMM_FAULT naming a rank the job does not have would never fire: refused at setup. After a relaunch
+    (MMM_RESTART >= 1) faults do not fire at all, and a relaunch on fewer hosts has fewer ranks: not refused."""
+    from mmm import faults
+
+    monkeypatch.setenv("MMM_FAULT", "kill@3:3,nan@2")
+    monkeypatch.delenv("MMM_RESTART", raising=False)
+    assert faults.unreachable(4) == []
+    (line,) = faults.unreachable(2)
+    assert line.endswith(": kill@3:3 names a rank this job of 2 does not have"), line
+    monkeypatch.setenv("MMM_RESTART", "1")
+    assert faults.unreachable(2) == []

@@ -13,7 +13,19 @@ import sys
 
 import pytest
 
-from conftest import SCRIPTS, clean_env, jsonl, launch, max_rel_diff, mpiexec, on_ranks, run, torchrun, until_steps
+from conftest import (
+    SCRIPTS,
+    clean_env,
+    jsonl,
+    launch,
+    max_rel_diff,
+    mpiexec,
+    on_ranks,
+    run,
+    spawn,
+    torchrun,
+    until_steps,
+)
 from mmm.errors import DIVERGED_EXIT
 
 TINY = ["--dim", "64", "--n-layers", "2", "--seq-len", "32", "--no-plots", "--log-every", "100"]
@@ -307,14 +319,12 @@ def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path, runner):
 
 def _signal_a_training_job(launcher: str, out, sig: signal.Signals, *flags: str) -> tuple[int, str]:
     """launch a 2-rank run that would train for ever, ``sig`` to launch after its 3rd step: exit code, stderr."""
-    p = subprocess.Popen(
-        launch("--launcher", launcher, "-n", "2", "python3", *FSDP_TP, "--max-iters", "100000", *flags, "--outdir",
-               str(out)),
-        env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-    until_steps(out / "history.jsonl", 3, p)
-    p.send_signal(sig)
-    _, err = p.communicate(timeout=60)
+    cmd = launch("--launcher", launcher, "-n", "2", "python3", *FSDP_TP, "--max-iters", "100000", *flags, "--outdir",
+                 str(out))  # fmt: skip
+    with spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as p:  # a session of its own: no terminal's
+        until_steps(out / "history.jsonl", 3, p)
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=60)
     return p.returncode, err
 
 

@@ -63,7 +63,10 @@ def parse(text: str) -> dict[int, list[tuple[str, int | None]]]:
 
 
 def unreachable(world_size: int) -> list[str]:
-    """The problem with ``MMM_FAULT`` faults that name a rank this job does not have (they would never fire)."""
+    """The problem with ``MMM_FAULT`` faults that name a rank this job does not have (they would never fire).
+    None after a relaunch (faults do not fire then; a relaunch on fewer hosts has fewer ranks)."""
+    if not _first_attempt():
+        return []
     text = env.get("MMM_FAULT", "")
     far = [f"{kind}@{step}:{rank}" for step, faults in parse(text).items() for kind, rank in faults if rank is not None]
     far = [f for f in far if int(f.rpartition(":")[2]) >= world_size]

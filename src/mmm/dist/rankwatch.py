@@ -75,7 +75,7 @@ class HostWatch(threading.Thread):
         self.blind = False
         self.done = threading.Event()
         self.pending: set[int] = set()  # stopping signals the ranks noted from now on get too
-        self._sent: set[tuple[int, int]] = set()  # (pid, signal) delivered: never twice
+        self._sent: set[tuple[int, int]] = set()  # (pid, signal) sent: a pending stop goes to a rank once
         self._deliver_lock = threading.Lock()
 
     def run(self) -> None:
@@ -112,23 +112,32 @@ class HostWatch(threading.Thread):
                 os.close(fd)
 
     def deliver(self, signum: int, *, later: bool = False) -> int:
-        """Send ``signum`` to each noted rank of this host that has not ended, once; ``later``: also to each
-        rank noted from now on (a stop request must reach the ranks still starting). Returns how many it
-        reached now."""
+        """Send ``signum`` to each noted rank of this host that has not ended (every time launch asks: a repeat
+        means something, a second SIGTERM "stop now"); ``later``: also to each rank noted from now on, once (a
+        stop request must reach the ranks still starting). Returns how many live ranks it was sent to (0:
+        none has noted itself here, or all have ended)."""
         with self._deliver_lock:
             if later:
                 self.pending.add(signum)
             ended = {pid for pids in list(self.ended) for pid in pids}
-            pids = [pid for pid in list(self.rank_of) if pid not in ended and (pid, signum) not in self._sent]
-            reached = 0
+            pids = [pid for pid in list(self.rank_of) if pid not in ended]
             for pid in pids:
-                self._sent.add((pid, signum))
-                try:
-                    os.kill(pid, signum)
-                    reached += 1
-                except OSError:
-                    pass
-            return reached
+                self._kill(pid, signum)
+            return len(pids)
+
+    def _deliver_pending(self) -> None:
+        """The stopping signals sent before a rank noted itself, to each rank that has not had them."""
+        with self._deliver_lock:
+            for signum in tuple(self.pending):
+                for pid in [pid for pid in list(self.rank_of) if (pid, signum) not in self._sent]:
+                    self._kill(pid, signum)
+
+    def _kill(self, pid: int, signum: int) -> None:
+        self._sent.add((pid, signum))
+        try:
+            os.kill(pid, signum)
+        except OSError:
+            pass
 
     def _ended(self, pids: list[int]) -> None:
         self.ended.append(pids)
@@ -158,8 +167,7 @@ class HostWatch(threading.Thread):
             fds[fd] = pid
             poller.register(fd, select.POLLIN)
         if found and self.pending:
-            for signum in tuple(self.pending):
-                self.deliver(signum)
+            self._deliver_pending()
         return found
 
 

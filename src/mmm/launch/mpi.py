@@ -150,9 +150,12 @@ def mpiexec_flags(
         flags += _fill(row.hostfile, file=hostfile)
     elif not one_host and row.hosts:
         flags += _fill(row.hosts, hosts=",".join(row.host.format(host=h, ppn=ppn) for h in hosts))
-    for name, value in env.items():
-        flags += _fill(row.export, name=name, value=value)
-    return flags
+    return flags + export_flags(flavor, env)
+
+
+def export_flags(flavor: str, env: Mapping[str, str]) -> list[str]:
+    """``mpiexec``'s flags that give every rank, on every host, the variables of ``env``."""
+    return [flag for name, value in env.items() for flag in _fill(FLAVORS[flavor].export, name=name, value=value)]
 
 
 def _fill(spelling: Sequence[str], **values: object) -> list[str]:

@@ -12,8 +12,8 @@ import threading
 from typing import IO
 
 USAGE_ERROR = 2
-# exits after which Open MPI's box adds nothing: a usage error, a Ctrl-C, a SIGTERM (the ranks said it)
-_BOX_SAYS_NOTHING = (USAGE_ERROR, 130, 143)
+# a box that adds nothing: a rank's exit after a Ctrl-C or a SIGTERM it was sent (the rank said it)
+_STOPPED = re.compile(rb"Exit code:\s+(130|143)\s*\n")
 _RULE = re.compile(rb"-{20,}\r?\n")  # the top and bottom line of a box
 _LINE_END = re.compile(rb"[\r\n]")
 
@@ -37,13 +37,14 @@ class ExitBoxFilter:
         self.thread.start()
 
     def finish(self, code: int | None, *, wait_s: float = 5.0) -> None:
-        """The child has exited with ``code``: show what is held, less the box after a usage error, a Ctrl-C
-        or a SIGTERM (the ranks' own lines said it)."""
+        """The child has exited with ``code``: show what is held, less the box after a usage error, or after a
+        Ctrl-C or SIGTERM when the box names only a rank that exited for it (130, 143)."""
         if self.thread is not None:
             self.thread.join(timeout=wait_s)  # the rest of its stderr
         with self.lock:
             held = b"".join(self.held) + self.tail
-            if self.boxed and code in _BOX_SAYS_NOTHING:  # drop the box, up to its bottom rule (all if cut short)
+            stopped = code in (130, 143) and _STOPPED.search(held)
+            if self.boxed and (code == USAGE_ERROR or stopped):  # drop the box, up to its bottom rule (all if cut)
                 end = next((i for i in range(1, len(self.held)) if _RULE.fullmatch(self.held[i])), None)
                 held = b"".join(self.held[end + 1 :]) + self.tail if end is not None else b""
             self._write(held)

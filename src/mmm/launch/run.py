@@ -16,7 +16,8 @@ from mmm.dist.ranks import without_launcher_vars
 from mmm.dist.rendezvous import free_port, unknown_host
 from mmm.errors import DIVERGED_EXIT, UsageError, print_error
 from mmm.launch.hostloss import lost_hosts, plan_hosts, write_hostfile
-from mmm.launch.mpi import FLAVORS, Flavor
+from mmm.launch.hosts import is_this_host
+from mmm.launch.mpi import FLAVORS, Flavor, export_flags
 from mmm.launch.output import ExitBoxFilter
 from mmm.launch.plan import LaunchPlan
 from mmm.launch.signals import _PASSED_ON, PROG, _wait_forwarding
@@ -52,26 +53,29 @@ def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) 
     if plan.launcher == "local":
         return spawn_local(plan.argv, plan.nproc, env, signalled=signalled)
     flavor = _flavor(plan)
-    watcher = None
+    watcher, argv = None, list(plan.argv)
     names_first = flavor is not None and flavor.watch_ranks  # else the launcher names a failed rank itself
     watched = flavor is not None and (flavor.watch_ranks or bool(flavor.stops_ranks_at_once))
     if watched and hasattr(os, "pidfd_open"):
-        several = len(plan_hosts(plan)) > 1  # each other host's first rank starts a watcher that reports here
+        # each other host's first rank starts a watcher that reports here (launch's host may run none)
+        several = any(not is_this_host(h) for h in plan_hosts(plan))
         watcher = RankWatch(tempfile.mkdtemp(prefix="mmm-pids-"), plan.nproc, listen=several, hosts=plan_hosts(plan))
-        env = {**env, "MMM_PID_DIR": str(watcher.folder), **({"MMM_WATCH": watcher.address} if several else {})}
+        watch_env = {"MMM_PID_DIR": str(watcher.folder), **({"MMM_WATCH": watcher.address} if several else {})}
+        env = {**env, **watch_env}  # and exported to the other hosts' ranks (Open MPI passes only what it is told)
+        argv = [argv[0], *export_flags(plan.mpi_flavor or "", watch_env), *argv[1:]]
     box = ExitBoxFilter(flavor.exit_box) if flavor is not None and flavor.exit_box else None
     child: list[subprocess.Popen] = []
     rc: int | None = None
     try:
         rc = _wait_forwarding(
-            lambda: _start_child(plan.argv, env, watcher, box, child),
+            lambda: _start_child(argv, env, watcher, box, child),
             signalled,
             stuck=watcher.stuck if watcher is not None and names_first else None,
             relay=_relay(flavor, watcher, child),
             instead={getattr(signal, a): getattr(signal, b) for a, b in flavor.instead} if flavor is not None else None,
         )
-        if rc and signalled and flavor is not None and flavor.stops_ranks_at_once:
-            rc = 128 + signalled[0]  # a job launch was told to stop: 130 or 143, as the ranks say (prterun: 1)
+        if rc == 1 and signalled and flavor is not None and flavor.stops_ranks_at_once:
+            rc = 128 + signalled[0]  # prterun stopped the ranks itself (none had started): 130 or 143, as theirs
         return rc
     finally:
         if box is not None and child:
