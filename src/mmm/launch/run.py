@@ -49,7 +49,8 @@ def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) 
     """Run the plan once as a child (mpiexec/srun) or with the local spawner; its exit code.
     SIGINT/SIGTERM are forwarded to the child and recorded in ``signalled``. Under a Hydra ``mpiexec``
     launch watches the ranks of every host (:class:`RankWatch`) and names the one that died first; under Open
-    MPI it drops mpiexec's exit box after a usage error (:class:`ExitBoxFilter`)."""
+    MPI it watches them to send SIGINT/SIGTERM to them itself (prterun would kill them at once), and drops
+    mpiexec's exit box after a usage error or a stop (:class:`ExitBoxFilter`)."""
     if plan.launcher == "local":
         return spawn_local(plan.argv, plan.nproc, env, signalled=signalled)
     flavor = _flavor(plan)
