@@ -68,8 +68,7 @@ def unreachable(world_size: int) -> list[str]:
     if not _first_attempt():
         return []
     text = env.get("MMM_FAULT", "")
-    far = [f"{kind}@{step}:{rank}" for step, faults in parse(text).items() for kind, rank in faults if rank is not None]
-    far = [f for f in far if int(f.rpartition(":")[2]) >= world_size]
+    far = [f"{k}@{step}:{rank}" for step, fs in parse(text).items() for k, rank in fs if (rank or 0) >= world_size]
     if not far:
         return []
     return [f"MMM_FAULT={text!r}: {', '.join(far)} names a rank this job of {world_size} does not have"]

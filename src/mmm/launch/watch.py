@@ -38,7 +38,6 @@ class RankWatch(HostWatch):
         self._server: socket.socket | None = None
         self._conns: list[socket.socket] = []
         self._token = secrets.token_hex(16)
-        self._stops: set[int] = set()  # stopping signals sent: a host's watcher that connects later gets them
         self.address = ""
         if listen:  # on the interface the job's other hosts reach this one by, not on every interface
             self._server = socket.create_server((job_interface(hosts), 0), backlog=128)
@@ -94,9 +93,7 @@ class RankWatch(HostWatch):
                     return
                 host, offset = str(hello["host"]), time.time() - float(hello["t"])  # skew + one-way latency
                 conn.settimeout(None)
-                with self._lock:
-                    stops = sorted(self._stops)
-                for signum in stops:  # a stop launch passed on before this host's watcher came
+                for signum in sorted(self.pending):  # a stop launch passed on before this host's watcher came
                     conn.sendall((json.dumps({"signal": signum}) + "\n").encode())
                 while line := f.readline(MAX_LINE):
                     m = json.loads(line)
@@ -126,8 +123,8 @@ class RankWatch(HostWatch):
         watchers of hosts that connect from now on, get it too. Returns how many ranks and other hosts'
         watchers it reached now (0: no rank has noted itself yet)."""
         with self._lock:
-            if later:
-                self._stops.add(signum)
+            if later:  # before the connections are read: a watcher that comes after gets it from _read
+                self.pending.add(signum)
             conns = list(self._conns)
         reached = self.deliver(signum, later=later)
         line = (json.dumps({"signal": int(signum)}) + "\n").encode()
