@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -193,7 +194,11 @@ def torchrun(n: int, *args: str) -> list[str]:
 
 
 def mpiexec(n: int, *args: str) -> list[str]:
-    return [str(BIN / "mpiexec"), "--allow-run-as-root", "--oversubscribe", "-n", str(n), sys.executable, *args]
+    """Open MPI's own mpiexec, its session files in a new folder as `launch` gives it (one left in $TMPDIR by
+    a killed prterun would fail the next prterun that gets its process id)."""
+    session = ["--prtemca", "prte_local_tmpdir_base", tempfile.mkdtemp(prefix="mmm-mpi-")]
+    flags = ["--allow-run-as-root", "--oversubscribe", "-n", str(n)]
+    return [str(BIN / "mpiexec"), *session, *flags, sys.executable, *args]
 
 
 def launch(*args: str) -> list[str]:

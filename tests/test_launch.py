@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -220,6 +221,29 @@ def test_exit_code_of_the_command_is_returned(launcher):
     assert res.returncode == 7 if launcher == "local" else res.returncode != 0, res.output
     ok = run(launch("--launcher", launcher, "-n", "2", "python3", "-c", "pass"))
     assert ok.returncode == 0, ok.output
+
+
+def _last_pid():
+    return int(Path("/proc/loadavg").read_text().split("/")[-1].split()[-1])
+
+
+@pytest.mark.skipif(not Path("/proc/loadavg").exists(), reason="needs Linux's /proc/loadavg (the last process id)")
+def test_a_session_folder_left_by_a_killed_open_mpi_run_fails_no_later_run(tmp_path):
+    """prterun keeps its session files in <tmp>/ompi.<its pid>, and one that a killed prterun left there
+    fails the next prterun of that pid ("The PMIx server's listener thread failed to start"): with such a
+    folder for each of the next 2,000 process ids, a launch through mpiexec still runs, and leaves nothing."""
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    first = _last_pid()
+    nodename = socket.gethostname()
+    for pid in range(first + 1, first + 2001):
+        stale = tmp_path / f"ompi.{pid % pid_max}"
+        stale.mkdir(exist_ok=True)
+        for host in {nodename, nodename.split(".")[0]}:
+            (stale / f"pmix.{host}.tool").write_text("prterun-stale@0.0;tcp4://127.0.0.1:1\n")
+    res = run(launch("--launcher", "mpiexec", "-n", "2", "python3", "-c", "pass"), env=clean_env(TMPDIR=str(tmp_path)))
+    assert (_last_pid() - first) % pid_max < 2000, "more processes started meanwhile than the test covered"
+    assert res.returncode == 0, res.output
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("ompi.")) == []
 
 
 def _ranks_noting_themselves(folder, n):

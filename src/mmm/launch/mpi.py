@@ -45,6 +45,9 @@ class Flavor:
     # sends these to the ranks itself (through a rank watch) and lets mpiexec end when they have
     stops_ranks_at_once: tuple[str, ...] = ()
     hostfile_line: str = "{host} slots={slots}"  # a line of a hostfile launch writes (after a host is lost)
+    # the variable naming the folder its launcher keeps its session files in on launch's host: launch gives
+    # each run a new one (a folder left by a killed run whose process id comes round again breaks the next)
+    session_folder_var: str = ""
 
 
 FLAVORS: dict[str, Flavor] = {  # in the order `mpiexec --version` is matched
@@ -63,6 +66,9 @@ FLAVORS: dict[str, Flavor] = {  # in the order `mpiexec --version` is matched
         instead=(("SIGQUIT", "SIGTERM"),),  # its prterun dies of SIGQUIT and leaves the ranks running
         # prterun passes SIGINT/SIGTERM on, then SIGKILLs the ranks within a second (Open MPI 5.0)
         stops_ranks_at_once=("SIGINT", "SIGTERM"),
+        # prterun keeps <tmp>/ompi.<its pid>; one left by a killed prterun fails the next prterun of that pid
+        # ("The PMIx server's listener thread failed to start")
+        session_folder_var="PRTE_MCA_prte_local_tmpdir_base",
     ),
     "hydra": Flavor(  # MPICH, Intel MPI
         version_says=("hydra", "intel(r) mpi", "mpich"),

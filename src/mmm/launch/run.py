@@ -65,6 +65,8 @@ def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) 
         env = {**env, **watch_env}  # and exported to the other hosts' ranks (Open MPI passes only what it is told)
         argv = [argv[0], *export_flags(plan.mpi_flavor or "", watch_env), *argv[1:]]
     box = ExitBoxFilter(flavor.exit_box) if flavor is not None and flavor.exit_box else None
+    session = _session_folder(flavor, env)
+    env = {**env, **session}
     child: list[subprocess.Popen] = []
     rc: int | None = None
     try:
@@ -92,6 +94,19 @@ def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) 
                     print_error(named, prog=PROG)
         if watcher is not None:
             watcher.close()
+        for folder in session.values():
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _session_folder(flavor: Flavor | None, env: Mapping[str, str]) -> dict[str, str]:
+    """A new folder for the launcher's session files on this host (as the variable that names it), unless
+    the user chose where they go: the launcher names its folder by its own process id, and one a killed run
+    left behind fails the next launcher that gets that process id (ids come round again: 32,768 by default)."""
+    var = flavor.session_folder_var if flavor is not None else ""
+    prefix = var.partition("_MCA_")[0] + "_MCA_"
+    if not var or any(k.startswith(prefix) and k.endswith("tmpdir_base") for k in env):
+        return {}
+    return {var: tempfile.mkdtemp(prefix="mmm-mpi-")}
 
 
 def _relay(
