@@ -342,7 +342,7 @@ _KILLED_BOX = (
 def _filtered(data: bytes, code: int, cut: int) -> bytes:
     """``data`` through launch's stderr filter in two reads split at ``cut``, then the exit ``code``."""
     r, w = os.pipe()
-    box = ExitBoxFilter(L.FLAVORS["openmpi"].exit_box, fd=w)
+    box = ExitBoxFilter(L.FLAVORS["openmpi"].supervision.exit_box, fd=w)
     box._feed(data[:cut])
     box._feed(data[cut:])
     box.finish(code)

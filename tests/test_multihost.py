@@ -13,6 +13,7 @@ the hosts' network, as on a cluster; the project tree is their shared filesystem
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -22,7 +23,20 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, ROOT, clean_env, env_of, kill_group, mpi_env, pbs_job, run, spawn, until_steps
+from conftest import (
+    BIN,
+    ROOT,
+    clean_env,
+    descendants,
+    env_of,
+    kill_group,
+    mpi_env,
+    pbs_job,
+    proc_stat,
+    run,
+    spawn,
+    until_steps,
+)
 from mmm.dist import free_port
 from mmm.parallel.checkpoint_folder import complete_steps
 
@@ -250,19 +264,16 @@ def test_a_rank_killed_on_the_second_host_ends_the_job_naming_rank_and_host(
         assert not left, left
 
 
-def test_sigterm_to_launch_stops_an_open_mpi_job_on_another_host_after_a_checkpoint(two_hosts, shared_dir):
-    """A preemption's SIGTERM to launch on node1, every rank on node2 (PBS, Open MPI): prterun would SIGKILL
-    the ranks within a second, so launch sends SIGTERM to them itself, through node2's rank watcher (with
-    no rank on launch's host, only that path can stop the job gracefully). Every rank finishes its step,
-    the checkpoint of that step is saved, the summary says why, exit 0."""
-    out, ck = shared_dir / "out", shared_dir / "ck"
+def _sigterm_to_launch_on_node1(cmd: list[str], env: dict[str, str], out: Path, ck: Path, salloc=False) -> None:
+    """``cmd`` (launch on node1, or salloc's launch; every rank on node2) trains until launch is SIGTERM'd
+    after its 3rd step: every rank finishes its step, the checkpoint of that step is saved, the summary says
+    why, exit 0."""
     train = [*TRAIN[:-2], "--max-iters", "100000", "--checkpoint-dir", str(ck), "--outdir", str(out)]
-    env = {**pbs_job(two_hosts, shared_dir), "MMM_TIMEOUT": "300"}
-    Path(env["PBS_NODEFILE"]).write_text("node2\nnode2\n")
-    with spawn(two_hosts.command("node1", [str(BIN / "launch"), "python3", *train]), env=env,
-               stdout=subprocess.PIPE, stderr=subprocess.PIPE) as p:  # fmt: skip
+    with spawn([*cmd, "python3", *train], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as p:
         until_steps(hist := out / "history.jsonl", 3, p, seconds=120)
-        p.send_signal(signal.SIGTERM)
+        # launch, or the command salloc runs (launch: srun, were it to hand its process over)
+        (pid,) = [q for q in descendants(p.pid) if int(proc_stat(str(q))[1]) == p.pid] if salloc else [p.pid]
+        os.kill(pid, signal.SIGTERM)
         stdout, err = p.communicate(timeout=120)
     assert p.returncode == 0, err
     assert "on 1 host" in err and "[node2][0/1]" in stdout and "[node1]" not in stdout, stdout
@@ -270,6 +281,24 @@ def test_sigterm_to_launch_stops_an_open_mpi_job_on_another_host_after_a_checkpo
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 3, steps
     assert complete_steps(ck) == [steps[-1]], sorted(q.name for q in ck.iterdir())
     assert json.loads((out / "summary.json").read_text())["stopped_by"] == "SIGTERM"
+
+
+def test_sigterm_to_launch_stops_an_open_mpi_job_on_another_host_after_a_checkpoint(two_hosts, shared_dir):
+    """A preemption's SIGTERM to launch on node1, every rank on node2 (PBS, Open MPI): prterun would SIGKILL
+    the ranks within a second, so launch sends SIGTERM to them itself, through node2's rank watcher (with
+    no rank on launch's host, only that path can stop the job gracefully)."""
+    env = {**pbs_job(two_hosts, shared_dir), "MMM_TIMEOUT": "300"}
+    Path(env["PBS_NODEFILE"]).write_text("node2\nnode2\n")
+    _sigterm_to_launch_on_node1(two_hosts.command("node1", [str(BIN / "launch")]), env, shared_dir / "out",
+                                shared_dir / "ck")  # fmt: skip
+
+
+def test_sigterm_to_launch_stops_a_slurm_job_on_another_node_after_a_checkpoint(slurm_on_two_hosts, shared_dir):
+    """The same under Slurm (salloc on node1, every task on node2): srun would force the step's end (its
+    tasks SIGKILLed after KillWait), so launch sends SIGTERM to the ranks itself, through node2's watcher."""
+    c = slurm_on_two_hosts
+    cmd = c.command(["salloc", "-N", "1", "-w", "node2", "--ntasks-per-node=2", str(BIN / "launch")])
+    _sigterm_to_launch_on_node1(cmd, c.environ(MMM_TIMEOUT="300"), shared_dir / "out", shared_dir / "ck", salloc=True)
 
 
 # --------------------------------------------------------------------------- where rank 0 runs under Slurm

@@ -1,11 +1,16 @@
 """Real Slurm: a one-node cluster on this host (the `slurm_cluster` fixture) runs mmm under salloc,
 plain srun (with and without PMI-2), sbatch of the shipped job script, and a rank killed mid-run."""
 
+import contextlib
 import json
+import os
+import pty
 import re
+import select
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -135,26 +140,93 @@ def test_signals_reach_every_rank_and_stop_the_job(slurm_cluster, tmp_path):
     signal_promise(cmd, slurm_cluster.environ(), tmp_path / "out", signal.SIGHUP, srun=True)
 
 
-def test_scancel_signal_term_stops_the_job_after_a_checkpoint(slurm_cluster, tmp_path):
-    """Slurm's graceful stop signals every task (``scancel --signal=TERM``, as its preemption and time limit do):
-    each rank finishes its step, the checkpoint is saved, exit 0. (A SIGTERM to launch is srun's, which forces
-    the step's end: docs/launch.md.)"""
-    out, ck, env = tmp_path / "out", tmp_path / "ck", slurm_cluster.environ()
-    train = ["-m", "mmm.examples.fsdp_tp", *TINY, "--max-iters", "100000", "--checkpoint-dir", str(ck)]
+def _signal_a_slurm_job(cmd: list[str], env, out, sig: signal.Signals, *flags: str) -> tuple[int, str]:
+    """``cmd`` (launch, or salloc's launch) runs 2 ranks that would train for ever; after the 3rd step ``sig``
+    goes to launch, or ``scancel --signal`` to the job for ``sig`` None: exit code, stderr."""
+    train = ["-m", "mmm.examples.fsdp_tp", *TINY, "--max-iters", "100000", *flags, "--outdir", str(out)]
     p = subprocess.Popen(
-        ["salloc", "-n", "2", str(BIN / "launch"), "python3", *train, "--outdir", str(out)],
+        [*cmd, "--launcher", "srun", "python3", *train],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        until_steps(hist := out / "history.jsonl", 3, p)
-        (job,) = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True).stdout.split()
-        assert subprocess.run(["scancel", "--signal=TERM", job], env=env, timeout=30).returncode == 0
+        until_steps(out / "history.jsonl", 3, p)
+        if sig is not None:
+            p.send_signal(sig)
+        else:
+            jobs = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True)
+            (job,) = jobs.stdout.split()
+            assert subprocess.run(["scancel", "--signal=TERM", job], env=env, timeout=30).returncode == 0
         _, err = p.communicate(timeout=90)
     finally:
         if p.poll() is None:
             p.kill()
-    assert p.returncode == 0, err
-    steps = jsonl(hist, "iter")
+    return p.returncode, err
+
+
+@pytest.mark.parametrize("how", ["scancel", "launch"])
+def test_a_sigterm_stops_the_job_after_a_checkpoint(slurm_cluster, tmp_path, how):
+    """Slurm's graceful stop signals every task (``scancel --signal=TERM``, as its preemption and time limit do);
+    a SIGTERM to launch alone (a wrapper's `timeout`, a `kill`) reaches the ranks through launch's rank watch:
+    srun itself would force the step's end, its tasks SIGKILLed after KillWait. Either way each rank finishes
+    its step, the checkpoint is saved, exit 0; and a SIGINT to launch ends the ranks with 130."""
+    out, ck, env = tmp_path / "out", tmp_path / "ck", slurm_cluster.environ()
+    cmd = ["salloc", "-n", "2", str(BIN / "launch")] if how == "scancel" else [str(BIN / "launch"), "-n", "2"]
+    code, err = _signal_a_slurm_job(cmd, env, out, None if how == "scancel" else signal.SIGTERM,
+                                    "--checkpoint-dir", str(ck))  # fmt: skip
+    assert code == 0, err
+    steps = jsonl(out / "history.jsonl", "iter")
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 3
     assert [q.name for q in ck.iterdir()] == [f"step-{steps[-1]:08d}"]
     assert json.loads((out / "summary.json").read_text())["stopped_by"] == "SIGTERM"
+    if how == "launch":
+        code, err = _signal_a_slurm_job(cmd, env, tmp_path / "int", signal.SIGINT)
+        assert code == 130 and "forcing job termination" not in err, (code, err)
+
+
+def _at_a_terminal(argv: list[str], env: dict[str, str], ready, keys: bytes, seconds: float = 60) -> tuple[int, str]:
+    """Run ``argv`` with a terminal of its own (a pseudo-terminal, its controlling one), type ``keys`` once
+    ``ready()``: its exit code and what it printed (the end may be missing: Linux drops what a pseudo-terminal
+    still holds once its last writer has closed it)."""
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: a session leader whose controlling terminal is the pty
+        os.execve(argv[0], argv, env)
+    shown, typed, deadline = b"", False, time.monotonic() + 2 * seconds
+    try:
+        while time.monotonic() < deadline:
+            if not typed and ready():
+                os.write(fd, keys)
+                typed, deadline = True, time.monotonic() + seconds
+            if select.select([fd], [], [], 0.2)[0]:
+                try:
+                    data = os.read(fd, 65536)
+                except OSError:  # EIO: every process holding the terminal has gone
+                    break
+                if not data:
+                    break
+                shown += data
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)  # the terminal is closed; it is still leaving
+        assert done[0] == pid, f"still running {seconds:.0f} s after {keys!r} was typed:\n{shown.decode()[-2000:]}"
+        return os.waitstatus_to_exitcode(done[1]), shown.decode(errors="replace")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        os.close(fd)
+
+
+def test_a_ctrl_c_typed_at_the_terminal_ends_the_ranks_at_once(slurm_cluster, tmp_path):
+    """At a terminal (an interactive allocation), Ctrl-C reaches launch and srun alike; srun answers its own by
+    printing the tasks' states (a second within a second aborts the step), so launch sends SIGINT to the ranks:
+    they end at once, 130."""
+    out = tmp_path / "out"
+    argv = [str(BIN / "launch"), "-n", "2", "--launcher", "srun", "python3", "-m", "mmm.examples.fsdp_tp", *TINY,
+            "--max-iters", "100000", "--outdir", str(out)]  # fmt: skip
+
+    def three_steps() -> bool:
+        return (out / "history.jsonl").is_file() and len((out / "history.jsonl").read_text().splitlines()) >= 3
+
+    code, shown = _at_a_terminal(argv, slurm_cluster.environ(), three_steps, b"\x03")
+    assert code == 130, shown[-3000:]  # (launch's SIGTERM after 10 s would have stopped them with 0)
+    assert "did not stop the job" not in shown, shown[-3000:]

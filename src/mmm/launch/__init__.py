@@ -20,8 +20,9 @@ returns the command's exit code.
 
 One concern a module: ``hosts`` (host files), ``allocation`` (scheduler, hosts, accelerators), ``mpi``
 (finding ``mpiexec``; its flavours' flags as a table), ``plan`` (the command), ``spawn`` (the local
-spawner), ``watch`` (which rank died first), ``signals`` (forwarding, escalation), ``output``
-(mpiexec's stderr), ``run`` (an attempt, retries) and ``cli``.
+spawner), ``watch`` (which rank died first), ``signals`` (forwarding, escalation), ``supervision`` (each
+launcher's habits that launch works around, as data), ``output`` (mpiexec's stderr), ``run`` (an attempt,
+retries) and ``cli``.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from mmm import env as mmm_env
 from mmm.errors import UsageError
+from mmm.launch.supervision import Supervision
 
 
 @dataclass(frozen=True)
@@ -34,20 +35,8 @@ class Flavor:
     export: tuple[str, ...]  # one environment variable for every rank
     as_root: tuple[str, ...]  # when launch runs as root
     oversubscribe: tuple[str, ...]  # more ranks than cores on this machine
-    exit_box: str = ""  # in the box it prints after a rank's non-zero exit (dropped after a usage error)
-    watch_ranks: bool = False  # it kills every rank at once and names none: launch names the first to die
-    # the signals of launch's SIGUSR1/SIGUSR2 promise it passes on to the ranks; launch delivers the others
-    # itself (through a rank watch)
-    passes_on: tuple[str, ...] = ("SIGUSR1", "SIGUSR2")
-    # a stopping signal it does not survive with its ranks, and the one launch sends it instead
-    instead: tuple[tuple[str, str], ...] = ()
-    # stopping signals it answers by killing the ranks at once (no step finished, no checkpoint saved): launch
-    # sends these to the ranks itself (through a rank watch) and lets mpiexec end when they have
-    stops_ranks_at_once: tuple[str, ...] = ()
     hostfile_line: str = "{host} slots={slots}"  # a line of a hostfile launch writes (after a host is lost)
-    # the variable naming the folder its launcher keeps its session files in on launch's host: launch gives
-    # each run a new one (a folder left by a killed run whose process id comes round again breaks the next)
-    session_folder_var: str = ""
+    supervision: Supervision = Supervision()  # what launch does for it, running it as its child
 
 
 FLAVORS: dict[str, Flavor] = {  # in the order `mpiexec --version` is matched
@@ -62,13 +51,16 @@ FLAVORS: dict[str, Flavor] = {  # in the order `mpiexec --version` is matched
         export=("-x", "{name}"),
         as_root=("--allow-run-as-root",),
         oversubscribe=("--oversubscribe",),
-        exit_box="detected that one or more processes exited with non-zero status",
-        instead=(("SIGQUIT", "SIGTERM"),),  # its prterun dies of SIGQUIT and leaves the ranks running
-        # prterun passes SIGINT/SIGTERM on, then SIGKILLs the ranks within a second (Open MPI 5.0)
-        stops_ranks_at_once=("SIGINT", "SIGTERM"),
-        # prterun keeps <tmp>/ompi.<its pid>; one left by a killed prterun fails the next prterun of that pid
-        # ("The PMIx server's listener thread failed to start")
-        session_folder_var="PRTE_MCA_prte_local_tmpdir_base",
+        supervision=Supervision(
+            exit_box="detected that one or more processes exited with non-zero status",
+            instead=(("SIGQUIT", "SIGTERM"),),  # its prterun dies of SIGQUIT and leaves the ranks running
+            # prterun passes SIGINT/SIGTERM on, then SIGKILLs the ranks within a second (Open MPI 5.0)
+            stops_ranks_at_once=("SIGINT", "SIGTERM"),
+            says_1_when_stopped=True,
+            # prterun keeps <tmp>/ompi.<its pid>; one left by a killed prterun fails the next prterun of that
+            # pid ("The PMIx server's listener thread failed to start")
+            session_folder_var="PRTE_MCA_prte_local_tmpdir_base",
+        ),
     ),
     "hydra": Flavor(  # MPICH, Intel MPI
         version_says=("hydra", "intel(r) mpi", "mpich"),
@@ -81,8 +73,10 @@ FLAVORS: dict[str, Flavor] = {  # in the order `mpiexec --version` is matched
         export=("-genv", "{name}", "{value}"),
         as_root=(),
         oversubscribe=(),
-        watch_ranks=True,
-        passes_on=("SIGUSR1",),  # its mpiexec dies of SIGUSR2, taking the job with it
+        supervision=Supervision(
+            watch_ranks=True,
+            passes_on=("SIGUSR1",),  # its mpiexec dies of SIGUSR2, taking the job with it
+        ),
         hostfile_line="{host}:{slots}",  # Hydra refuses Open MPI's "slots="
     ),
     "pals": Flavor(  # Cray/HPE

@@ -17,11 +17,12 @@ from mmm.dist.rendezvous import free_port, unknown_host
 from mmm.errors import DIVERGED_EXIT, UsageError, print_error
 from mmm.launch.hostloss import lost_hosts, plan_hosts, write_hostfile
 from mmm.launch.hosts import is_this_host
-from mmm.launch.mpi import FLAVORS, Flavor, export_flags
+from mmm.launch.mpi import FLAVORS, export_flags
 from mmm.launch.output import ExitBoxFilter
 from mmm.launch.plan import LaunchPlan
 from mmm.launch.signals import _PASSED_ON, PROG, _wait_forwarding
 from mmm.launch.spawn import spawn_local
+from mmm.launch.supervision import SRUN, Supervision
 from mmm.launch.watch import RankWatch
 
 NOT_RETRIED = {
@@ -33,39 +34,44 @@ NOT_RETRIED = {
 }
 
 
-def _flavor(plan: LaunchPlan) -> Flavor | None:
-    return FLAVORS.get(plan.mpi_flavor or "") if plan.launcher == "mpiexec" else None
+def _supervision(plan: LaunchPlan) -> Supervision | None:
+    """What launch does for the launcher of ``plan`` as its child (None: the local spawner, launch's own)."""
+    if plan.launcher == "srun":
+        return SRUN
+    flavor = FLAVORS.get(plan.mpi_flavor or "") if plan.launcher == "mpiexec" else None
+    return flavor.supervision if flavor is not None else None
 
 
 def stays_parent(plan: LaunchPlan) -> bool:
     """Whether launch runs the plan as its child rather than handing its process to the launcher: the
-    local spawner always; an ``mpiexec`` whose ranks launch watches (Hydra) or whose exit box it drops
-    (Open MPI)."""
-    flavor = _flavor(plan)
-    return plan.launcher == "local" or flavor is not None and (flavor.watch_ranks or bool(flavor.exit_box))
+    local spawner always; a launcher whose ranks launch watches (Hydra's mpiexec), whose stopping signals it
+    delivers itself (Open MPI's mpiexec, srun) or whose exit box it drops (Open MPI)."""
+    sup = _supervision(plan)
+    return plan.launcher == "local" or sup is not None and sup.stays_parent
 
 
 def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) -> int:
     """Run the plan once as a child (mpiexec/srun) or with the local spawner; its exit code.
     SIGINT/SIGTERM are forwarded to the child and recorded in ``signalled``. Under a Hydra ``mpiexec``
     launch watches the ranks of every host (:class:`RankWatch`) and names the one that died first; under Open
-    MPI it watches them to send SIGINT/SIGTERM to them itself (prterun would kill them at once), and drops
-    mpiexec's exit box after a usage error or a stop (:class:`ExitBoxFilter`)."""
+    MPI and srun it watches them to send SIGINT/SIGTERM to them itself (prterun would kill them at once, srun
+    force the step's end), and drops Open MPI's exit box after a usage error or a stop (:class:`ExitBoxFilter`)."""
     if plan.launcher == "local":
         return spawn_local(plan.argv, plan.nproc, env, signalled=signalled)
-    flavor = _flavor(plan)
+    sup = _supervision(plan)
     watcher, argv = None, list(plan.argv)
-    names_first = flavor is not None and flavor.watch_ranks  # else the launcher names a failed rank itself
-    watched = flavor is not None and (flavor.watch_ranks or bool(flavor.stops_ranks_at_once))
+    names_first = sup is not None and sup.watch_ranks  # else the launcher names a failed rank itself
+    watched = sup is not None and (sup.watch_ranks or bool(sup.stops_ranks_at_once))
     if watched and hasattr(os, "pidfd_open"):
         # each other host's first rank starts a watcher that reports here (launch's host may run none)
         several = any(not is_this_host(h) for h in plan_hosts(plan))
         watcher = RankWatch(tempfile.mkdtemp(prefix="mmm-pids-"), plan.nproc, listen=several, hosts=plan_hosts(plan))
         watch_env = {"MMM_PID_DIR": str(watcher.folder), **({"MMM_WATCH": watcher.address} if several else {})}
         env = {**env, **watch_env}  # and exported to the other hosts' ranks (Open MPI passes only what it is told)
-        argv = [argv[0], *export_flags(plan.mpi_flavor or "", watch_env), *argv[1:]]
-    box = ExitBoxFilter(flavor.exit_box) if flavor is not None and flavor.exit_box else None
-    session = _session_folder(flavor, env)
+        if plan.launcher == "mpiexec":
+            argv = [argv[0], *export_flags(plan.mpi_flavor or "", watch_env), *argv[1:]]  # srun: --export=ALL
+    box = ExitBoxFilter(sup.exit_box) if sup is not None and sup.exit_box else None
+    session = _session_folder(sup, env)
     env = {**env, **session}
     child: list[subprocess.Popen] = []
     rc: int | None = None
@@ -74,10 +80,10 @@ def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) 
             lambda: _start_child(argv, env, watcher, box, child),
             signalled,
             stuck=watcher.stuck if watcher is not None and names_first else None,
-            relay=_relay(flavor, watcher, child),
-            instead={getattr(signal, a): getattr(signal, b) for a, b in flavor.instead} if flavor is not None else None,
+            relay=_relay(sup, watcher, child),
+            instead={getattr(signal, a): getattr(signal, b) for a, b in sup.instead} if sup is not None else None,
         )
-        if rc == 1 and signalled and flavor is not None and flavor.stops_ranks_at_once:
+        if rc == 1 and signalled and sup is not None and sup.says_1_when_stopped:
             rc = 128 + signalled[0]  # prterun stopped the ranks itself (none had started): 130 or 143, as theirs
         return rc
     finally:
@@ -98,11 +104,11 @@ def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) 
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _session_folder(flavor: Flavor | None, env: Mapping[str, str]) -> dict[str, str]:
+def _session_folder(sup: Supervision | None, env: Mapping[str, str]) -> dict[str, str]:
     """A new folder for the launcher's session files on this host (as the variable that names it), unless
     the user chose where they go: the launcher names its folder by its own process id, and one a killed run
     left behind fails the next launcher that gets that process id (ids come round again: 32,768 by default)."""
-    var = flavor.session_folder_var if flavor is not None else ""
+    var = sup.session_folder_var if sup is not None else ""
     prefix = var.partition("_MCA_")[0] + "_MCA_"
     if not var or any(k.startswith(prefix) and k.endswith("tmpdir_base") for k in env):
         return {}
@@ -110,17 +116,17 @@ def _session_folder(flavor: Flavor | None, env: Mapping[str, str]) -> dict[str, 
 
 
 def _relay(
-    flavor: Flavor | None, watcher: RankWatch | None, child: list[subprocess.Popen]
+    sup: Supervision | None, watcher: RankWatch | None, child: list[subprocess.Popen]
 ) -> tuple[set[int], Callable[[int], object]] | None:
     """The signals launch delivers to the ranks itself, through its rank watch (this host's ranks by process
     id, the others by their host's watcher), and how: those of launch's promise that this launcher does not
-    pass on (Hydra's mpiexec dies of SIGUSR2), and the stopping signals it would answer by killing the ranks
-    at once (Open MPI's prterun: SIGINT, SIGTERM). A stopping signal also reaches the ranks noted later
+    pass on (Hydra's mpiexec dies of SIGUSR2), and the stopping signals it would answer by ending the ranks
+    at once (Open MPI's prterun, srun: SIGINT, SIGTERM). A stopping signal also reaches the ranks noted later
     (still starting); before any rank has noted itself it goes to the launcher (nothing to save yet)."""
-    if flavor is None or watcher is None:
+    if sup is None or watcher is None:
         return None
-    missing = {getattr(signal, name) for name in _PASSED_ON if name not in flavor.passes_on and hasattr(signal, name)}
-    stops = {getattr(signal, name) for name in flavor.stops_ranks_at_once if hasattr(signal, name)}
+    missing = {getattr(signal, name) for name in _PASSED_ON if name not in sup.passes_on and hasattr(signal, name)}
+    stops = {getattr(signal, name) for name in sup.stops_ranks_at_once if hasattr(signal, name)}
     if not missing | stops:
         return None
 

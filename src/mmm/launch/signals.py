@@ -78,10 +78,11 @@ def _wait_forwarding(
     def forward(signum, frame):
         if signal.Signals(signum).name in _STOPPING:
             signalled.append(signum)
-        if signum == signal.SIGINT and _ctrl_c_reached_the_child():
-            return  # a second SIGINT would make mpiexec abort instead of stopping the ranks
         if relay is not None and signum in relay[0]:  # not in the handler: the watch's lock may be held here
+            # also a Ctrl-C typed at a terminal: srun answers its own by printing the tasks' states only
             threading.Thread(target=relay[1], args=(signum,), name="mmm-relay-signal", daemon=True).start()
+        elif signum == signal.SIGINT and _ctrl_c_reached_the_child():
+            return  # a second SIGINT would make mpiexec abort instead of stopping the ranks
         elif holder and holder[0].poll() is None:
             holder[0].send_signal((instead or {}).get(signum, signum))
 
