@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -193,10 +196,18 @@ def torchrun(n: int, *args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", *args]
 
 
+@functools.cache
+def _mpi_sessions() -> str:
+    """One folder of this test process for bare mpiexec's session folders, removed when it ends."""
+    folder = tempfile.mkdtemp(prefix="mmm-mpi-sessions-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
 def mpiexec(n: int, *args: str) -> list[str]:
     """Open MPI's own mpiexec, its session files in a new folder as `launch` gives it (one left in $TMPDIR by
     a killed prterun would fail the next prterun that gets its process id)."""
-    session = ["--prtemca", "prte_local_tmpdir_base", tempfile.mkdtemp(prefix="mmm-mpi-")]
+    session = ["--prtemca", "prte_local_tmpdir_base", tempfile.mkdtemp(prefix="mpi-", dir=_mpi_sessions())]
     flags = ["--allow-run-as-root", "--oversubscribe", "-n", str(n)]
     return [str(BIN / "mpiexec"), *session, *flags, sys.executable, *args]
 

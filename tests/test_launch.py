@@ -227,23 +227,56 @@ def _last_pid():
     return int(Path("/proc/loadavg").read_text().split("/")[-1].split()[-1])
 
 
+def _open_mpi() -> bool:
+    exe = L.find_mpiexec()
+    return exe is not None and L.mpi_flavor(exe) == "openmpi"
+
+
 @pytest.mark.skipif(not Path("/proc/loadavg").exists(), reason="needs Linux's /proc/loadavg (the last process id)")
-def test_a_session_folder_left_by_a_killed_open_mpi_run_fails_no_later_run(tmp_path):
+@pytest.mark.parametrize("remote_base", [False, True], ids=["default", "remote-tmpdir-set"])
+def test_a_session_folder_left_by_a_killed_open_mpi_run_fails_no_later_run(tmp_path, remote_base):
     """prterun keeps its session files in <tmp>/ompi.<its pid>, and one that a killed prterun left there
     fails the next prterun of that pid ("The PMIx server's listener thread failed to start"): with such a
-    folder for each of the next 2,000 process ids, a launch through mpiexec still runs, and leaves nothing."""
+    folder for each of the next 2,000 process ids, a launch through mpiexec still runs, and leaves nothing
+    (also when the user placed only other hosts' session files)."""
+    if not _open_mpi():
+        pytest.skip("needs Open MPI's mpiexec (this environment's, or on PATH)")
     pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
-    first = _last_pid()
-    nodename = socket.gethostname()
-    for pid in range(first + 1, first + 2001):
-        stale = tmp_path / f"ompi.{pid % pid_max}"
+    first, nodename = _last_pid(), socket.gethostname()
+    for pid in range(first + 1, first + 2001):  # past pid_max, Linux starts again at 300
+        stale = tmp_path / f"ompi.{pid if pid < pid_max else 300 + pid - pid_max}"
         stale.mkdir(exist_ok=True)
         for host in {nodename, nodename.split(".")[0]}:
             (stale / f"pmix.{host}.tool").write_text("prterun-stale@0.0;tcp4://127.0.0.1:1\n")
-    res = run(launch("--launcher", "mpiexec", "-n", "2", "python3", "-c", "pass"), env=clean_env(TMPDIR=str(tmp_path)))
+    env = clean_env(TMPDIR=str(tmp_path), **({"PRTE_MCA_prte_remote_tmpdir_base": "/tmp"} if remote_base else {}))
+    res = run(launch("--launcher", "mpiexec", "-n", "2", "python3", "-c", "pass"), env=env)
     assert (_last_pid() - first) % pid_max < 2000, "more processes started meanwhile than the test covered"
     assert res.returncode == 0, res.output
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("ompi.")) == []
+
+
+@pytest.mark.parametrize("where", ["--mpi-args", "param-file", "environment"])
+def test_open_mpis_session_folder_stays_where_the_user_put_it(tmp_path, where):
+    """A user's own prte_tmpdir_base (which prterun refuses beside launch's prte_local_tmpdir_base) or
+    prte_local_tmpdir_base, set on the command line, in ~/.prte/mca-params.conf or in the environment, is
+    where the session files go: launch adds nothing."""
+    if not _open_mpi():
+        pytest.skip("needs Open MPI's mpiexec (this environment's, or on PATH)")
+    mine, home = tmp_path / "mine", tmp_path / "home"
+    mine.mkdir()
+    (home / ".prte").mkdir(parents=True)
+    (home / ".prte" / "mca-params.conf").write_text(
+        f"# a site's choice\nprte_tmpdir_base = {mine}\n" if where == "param-file" else "# nothing set\n"
+    )
+    flags = ["--mpi-args", f"--prtemca prte_tmpdir_base {mine}"] if where == "--mpi-args" else []
+    env = clean_env(
+        HOME=str(home), **({"PRTE_MCA_prte_local_tmpdir_base": str(mine)} if where == "environment" else {})
+    )
+    show = "import os; print('SESSION', os.environ['PMIX_SERVER_TMPDIR'])"
+    res = run(launch("--launcher", "mpiexec", "-n", "1", *flags, "python3", "-c", show), env=env)
+    assert res.returncode == 0, res.output
+    (line,) = [ln for ln in res.stdout.splitlines() if ln.startswith("SESSION ")]
+    assert Path(line.split()[1]).parent == mine, res.output
 
 
 def _ranks_noting_themselves(folder, n):

@@ -272,7 +272,7 @@ def _sigterm_to_launch_on_node1(cmd: list[str], env: dict[str, str], out: Path, 
     with spawn([*cmd, "python3", *train], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as p:
         until_steps(hist := out / "history.jsonl", 3, p, seconds=120)
         # launch, or the command salloc runs (launch: srun, were it to hand its process over)
-        (pid,) = [q for q in descendants(p.pid) if int(proc_stat(str(q))[1]) == p.pid] if salloc else [p.pid]
+        (pid,) = [q for q in descendants(p.pid) if (proc_stat(q) or [0, 0])[1] == str(p.pid)] if salloc else [p.pid]
         os.kill(pid, signal.SIGTERM)
         stdout, err = p.communicate(timeout=120)
     assert p.returncode == 0, err

@@ -189,7 +189,10 @@ def _at_a_terminal(argv: list[str], env: dict[str, str], ready, keys: bytes, sec
     still holds once its last writer has closed it)."""
     pid, fd = pty.fork()
     if pid == 0:  # the child: a session leader whose controlling terminal is the pty
-        os.execve(argv[0], argv, env)
+        try:
+            os.execve(argv[0], argv, env)
+        finally:
+            os._exit(127)  # never a second pytest
     shown, typed, deadline = b"", False, time.monotonic() + 2 * seconds
     try:
         while time.monotonic() < deadline:

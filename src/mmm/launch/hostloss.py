@@ -23,6 +23,7 @@ from pathlib import Path
 from mmm.errors import UsageError
 from mmm.launch.mpi import FLAVORS
 from mmm.launch.plan import LaunchPlan
+from mmm.launch.supervision import session_folder
 
 PROBE_TIMEOUT_S = 30.0
 PROBES_AT_ONCE = 64
@@ -62,10 +63,13 @@ def lost_hosts(
             errors = Path(folder) / f"probe-{host}.err"
             try:
                 p = probe_plan(str(hostfile), env)
+                flavor = FLAVORS.get(p.mpi_flavor or "") if p.launcher == "mpiexec" else None
+                # (prterun's session files in a folder of the probe's own, as an attempt's)
+                session = session_folder(flavor.supervision if flavor else None, p.argv, {**env, **p.env}, folder)
                 with open(errors, "wb") as err:
                     child = subprocess.Popen(
                         p.argv,
-                        env={**env, **p.env},
+                        env={**env, **p.env, **session},
                         stdin=subprocess.DEVNULL,
                         stdout=subprocess.DEVNULL,
                         stderr=err,

@@ -60,6 +60,9 @@ FLAVORS: dict[str, Flavor] = {  # in the order `mpiexec --version` is matched
             # prterun keeps <tmp>/ompi.<its pid>; one left by a killed prterun fails the next prterun of that
             # pid ("The PMIx server's listener thread failed to start")
             session_folder_var="PRTE_MCA_prte_local_tmpdir_base",
+            # (prterun refuses prte_tmpdir_base together with prte_local_tmpdir_base)
+            session_folder_params=("prte_tmpdir_base", "prte_local_tmpdir_base"),
+            param_files=("{prefix}/etc/prte-mca-params.conf", "{home}/.prte/mca-params.conf"),
         ),
     ),
     "hydra": Flavor(  # MPICH, Intel MPI

@@ -20,9 +20,9 @@ from mmm.launch.hosts import is_this_host
 from mmm.launch.mpi import FLAVORS, export_flags
 from mmm.launch.output import ExitBoxFilter
 from mmm.launch.plan import LaunchPlan
-from mmm.launch.signals import _PASSED_ON, PROG, _wait_forwarding
+from mmm.launch.signals import _PASSED_ON, PROG, _ctrl_c_reached_the_child, _wait_forwarding
 from mmm.launch.spawn import spawn_local
-from mmm.launch.supervision import SRUN, Supervision
+from mmm.launch.supervision import SRUN, Supervision, session_folder
 from mmm.launch.watch import RankWatch
 
 NOT_RETRIED = {
@@ -71,7 +71,7 @@ def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) 
         if plan.launcher == "mpiexec":
             argv = [argv[0], *export_flags(plan.mpi_flavor or "", watch_env), *argv[1:]]  # srun: --export=ALL
     box = ExitBoxFilter(sup.exit_box) if sup is not None and sup.exit_box else None
-    session = _session_folder(sup, env)
+    session = session_folder(sup, argv, env)
     env = {**env, **session}
     child: list[subprocess.Popen] = []
     rc: int | None = None
@@ -104,17 +104,6 @@ def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) 
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _session_folder(sup: Supervision | None, env: Mapping[str, str]) -> dict[str, str]:
-    """A new folder for the launcher's session files on this host (as the variable that names it), unless
-    the user chose where they go: the launcher names its folder by its own process id, and one a killed run
-    left behind fails the next launcher that gets that process id (ids come round again: 32,768 by default)."""
-    var = sup.session_folder_var if sup is not None else ""
-    prefix = var.partition("_MCA_")[0] + "_MCA_"
-    if not var or any(k.startswith(prefix) and k.endswith("tmpdir_base") for k in env):
-        return {}
-    return {var: tempfile.mkdtemp(prefix="mmm-mpi-")}
-
-
 def _relay(
     sup: Supervision | None, watcher: RankWatch | None, child: list[subprocess.Popen]
 ) -> tuple[set[int], Callable[[int], object]] | None:
@@ -133,6 +122,8 @@ def _relay(
     def deliver(signum: int) -> None:
         if watcher.signal_ranks(signum, later=signum in stops) or signum not in stops:
             return
+        if signum == signal.SIGINT and _ctrl_c_reached_the_child():
+            return  # a Ctrl-C typed at the terminal: the launcher has it already (a second would abort it)
         if child and child[0].poll() is None:  # no rank noted yet: the launcher stops them
             child[0].send_signal(signum)
 

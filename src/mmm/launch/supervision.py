@@ -3,7 +3,12 @@ around, as data. ``Flavor.supervision`` holds an ``mpiexec``'s; ``SRUN`` is srun
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -24,8 +29,12 @@ class Supervision:
     # it exits 1 when it stopped the ranks on such a signal itself: launch says 128 + the signal, as theirs
     says_1_when_stopped: bool = False
     # the variable naming the folder it keeps its session files in on launch's host: launch gives each run a
-    # new one (a folder left by a killed run whose process id comes round again breaks the next)
+    # new one (a folder left by a killed run whose process id comes round again breaks the next) ...
     session_folder_var: str = ""
+    # ... unless the user placed them: one of these parameters set in the environment (as the variable's
+    # prefix + name), on the command line, or in one of these files ({prefix}: the launcher's installation)
+    session_folder_params: tuple[str, ...] = ()
+    param_files: tuple[str, ...] = ()
 
     @property
     def stays_parent(self) -> bool:
@@ -37,3 +46,35 @@ class Supervision:
 # (a second within a second ends the step) and SIGTERM by forcing the step's end (the tasks are SIGKILLed
 # after KillWait, whatever they were doing): launch delivers those two to the ranks itself
 SRUN = Supervision(stops_ranks_at_once=("SIGINT", "SIGTERM"))
+
+
+def session_folder(
+    sup: Supervision | None, argv: Sequence[str], env: Mapping[str, str], parent: str | None = None
+) -> dict[str, str]:
+    """A new folder (in ``parent``, else the temporary folder) for the session files of the launcher that
+    ``argv`` runs, as the variable that names it; nothing when it keeps none or the user placed them."""
+    if sup is None or not sup.session_folder_var or _placed_by_user(sup, argv, env):
+        return {}
+    return {sup.session_folder_var: tempfile.mkdtemp(prefix="mmm-mpi-", dir=parent)}
+
+
+def _placed_by_user(sup: Supervision, argv: Sequence[str], env: Mapping[str, str]) -> bool:
+    names = sup.session_folder_params
+    prefix = sup.session_folder_var.partition("_MCA_")[0] + "_MCA_"
+    if any(prefix + name in env for name in names) or any(arg in names for arg in argv):
+        return True
+    exe = shutil.which(argv[0], path=env.get("PATH")) if argv else None
+    prefixes = {str(Path(os.path.realpath(exe)).parent.parent)} if exe else set()
+    prefixes |= {env[k] for k in ("OPAL_PREFIX", "PRTE_PREFIX") if env.get(k)}
+    home = env.get("HOME") or os.path.expanduser("~")
+    files = {f.format(prefix=p, home=home) for f in sup.param_files for p in prefixes or {""}}
+    return any(_sets(Path(f), names) for f in files)
+
+
+def _sets(file: Path, names: Sequence[str]) -> bool:
+    """Whether an MCA parameter file (``name = value`` lines, ``#`` comments) sets any of ``names``."""
+    try:
+        text = file.read_text(errors="replace")
+    except OSError:
+        return False
+    return any(line.split("#", 1)[0].partition("=")[0].strip() in names for line in text.splitlines())
