@@ -203,10 +203,10 @@ def to_dataset(combos, results, request):
     data["startup_s"] = per(lambda s: s.get("startup_s", math.nan))
     data["mfu"] = per(lambda s: s["mfu"] if s.get("mfu") is not None else math.nan)
     data["final_loss"] = per(lambda s: s.get("final_loss") if s.get("final_loss") is not None else math.nan)
-    for key in ("state_bytes", "activation_bytes", "total_bytes"):
-        data[f"est_{key}"] = ("combo", np.array([c.memory[key] for c in combos]))
+    for key in ("state_bytes", "activation_bytes", "total_bytes"):  # NaN: the planner has no estimate (MoE, ViT, HF)
+        data[f"est_{key}"] = ("combo", np.array([c.memory[key] if c.memory else math.nan for c in combos], dtype=float))
     if groups:
-        est = np.array([[c.comm.get(g, 0.0) for g in groups] for c in combos])
+        est = np.array([[c.comm.get(g, 0.0) if c.comm is not None else math.nan for g in groups] for c in combos])
         meas = np.full((len(combos), len(groups)), math.nan)
         for i, r in enumerate(results):
             ranks = r["summary"].get("measured_per_rank") if r["ok"] else None

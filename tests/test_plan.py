@@ -30,7 +30,7 @@ from conftest import (
     tiny_llama,
 )
 from mmm.errors import UsageError
-from mmm.plan import plan
+from mmm.plan import plan, trainer_config
 from mmm.plan.cli import main as plan_main
 from mmm.plan.simulate import main as simulate_main
 
@@ -80,6 +80,20 @@ def test_every_layout_listed_with_reasons():
     for c in combos:
         assert c.valid == (c.memory is not None), c.label
         assert c.valid or c.problems
+
+
+def test_degrees_given_as_overrides_are_held_never_ignored():
+    """plan(4, tp=2) holds tp as --tp 2 does on the command line (it used to list every tp); so do ep and
+    strategy; what plan could not honour is refused."""
+    assert {c.label for c in plan(4, tp=2)} == {c.label for c in plan(4, fixed={"tp": 2})}
+    assert {c.label.split("-")[4] for c in plan(4, tp=2)} == {"tp2"}
+    assert {c.strategy for c in plan(4, strategy="fsdp")} == {"fsdp"}
+    moe = plan(4, moe_experts=8, ep=2)
+    assert moe and all("-ep2-" in c.label for c in moe)
+    with pytest.raises(TypeError, match="tp=2 and fixed"):
+        plan(4, tp=2, fixed={"tp": 4})
+    with pytest.raises(TypeError, match="n_layers would be ignored"):
+        plan(4, trainer_config(), n_layers=2)
 
 
 def test_model_flags_change_validity_and_estimates():
@@ -330,6 +344,7 @@ def test_sweep_runs_layouts_and_writes_table_dataset_plots(tmp_path):
 
 
 def test_sweep_records_a_failed_layout_and_goes_on(tmp_path):
+    import numpy as np
     import xarray as xr
 
     # one second is too short for any run: each is stopped (with its ranks), recorded, and the sweep goes on
@@ -351,6 +366,11 @@ def test_sweep_records_a_failed_layout_and_goes_on(tmp_path):
     assert not ds["ok"].values.any()
     assert all("timed out after 1s" in e for e in ds["error"].values)
     assert "failed: " in (tmp_path / "results.md").read_text()
+    # a mixture of experts: the planner has no closed-form estimate for it, the dataset says NaN
+    moe = run([*SWEEP, "--moe-experts", "4", "--combos", "pp1-dpr1-dps2-cp1-tp1-ep2-fsdp", "--timeout", "1",
+               "--out", str(tmp_path / "moe")], timeout=60)  # fmt: skip
+    assert moe.returncode == 1 and "Traceback" not in moe.output, moe.output
+    assert np.isnan(xr.open_dataset(tmp_path / "moe" / "results.nc")["est_total_bytes"].values).all()
     before = (tmp_path / "results.nc").read_bytes()  # a sweep into the same folder: refused, nothing replaced
     again = run([*SWEEP, "--combos", "pp1-dpr1-dps2-cp1-tp1-ddp", "--out", str(tmp_path)], timeout=60)
     assert_clean_user_error(again, f"--out {tmp_path} holds an earlier sweep (results.nc): give another --out")

@@ -128,6 +128,8 @@ def test_a_hugging_face_config_trains_through_the_one_trainer(tmp_path):
     assert one.returncode == 0, one.output
     four = run(launch("-n", "4", "python3", *args, "--pp", "2", "--tp", "2", "--outdir", str(tmp_path / "pp2tp2")))
     assert four.returncode == 0, four.output
+    # transformers imports torchao (when installed): its import's noise on a CPU build is not shown
+    assert "Failed to load" not in four.stderr and "register_constant" not in four.stderr, four.stderr
     for key in ("loss", "grad_norm"):
         got, ref = (jsonl(tmp_path / d / "history.jsonl", key) for d in ("pp2tp2", "one"))
         assert max_rel_diff(got, ref) < 1e-5, (key, got, ref)

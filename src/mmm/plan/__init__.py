@@ -107,10 +107,22 @@ def plan(
     ``config``: a recipe's (``config.recipe``; default: the Llama trainer's defaults with
     ``overrides``, see :func:`trainer_config`); its degrees and strategy are what varies.
     ``strategies``: the data-parallel strategies to consider (default all); ``fixed``: degrees to
-    hold, e.g. ``{"tp": 2}``.
+    hold, e.g. ``{"tp": 2}``. A degree or strategy given as an override (``plan(4, tp=2)``,
+    ``strategy="fsdp"``) is held too, as on the command line.
     """
     if not isinstance(world, int) or world < 1:
         raise UsageError(f"--world {world} must be a positive number of ranks (e.g. --world 4)")
+    held = {k: overrides.pop(k) for k in (*AXES, "ep") if k in overrides}
+    clash = {k: (v, fixed[k]) for k, v in held.items() if fixed and fixed.get(k) not in (None, v)}
+    if clash:
+        raise TypeError(f"plan(): {', '.join(f'{k}={a} and fixed[{k!r}]={b}' for k, (a, b) in clash.items())}")
+    fixed = {**held, **(fixed or {})}
+    if "strategy" in overrides:
+        if strategies is not None:
+            raise TypeError("plan(): give strategy= or strategies=, not both")
+        strategies = [overrides.pop("strategy")]
+    if config is not None and overrides:
+        raise TypeError(f"plan(config=...): {', '.join(overrides)} would be ignored; set them in the config")
     config = config if config is not None else trainer_config(**overrides)
     recipe = config.recipe
     if recipe is None:

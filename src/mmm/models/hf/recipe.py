@@ -14,6 +14,7 @@ parallel is refused (the attention is transformers' own); the plan's styles must
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -96,6 +97,7 @@ def load_hf_config(path: str):
         raise UsageError(f"--hf-config {path!r}: cannot read {file} as JSON ({e})") from None
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise UsageError(f"--hf-config {path!r}: {file} has no model_type; is it a transformers config.json?")
+    _quiet_torchao()
     try:
         from transformers import AutoConfig
     except ImportError:
@@ -134,7 +136,20 @@ class HFModel:
     seq_len: int
 
 
+@cache
+def _quiet_torchao() -> None:
+    """transformers imports torchao when it is installed (for its quantizers), and torchao's import says, on
+    every rank of a run that uses neither, that its CUDA kernels do not load into a torch built without CUDA,
+    and (torch) that it registers an Enum the deprecated way. Those two messages are dropped, nothing else."""
+    if torch.version.cuda is None:
+        logging.getLogger("torchao").addFilter(lambda r: not r.getMessage().startswith("Failed to load "))
+    logging.getLogger("torch.utils._pytree").addFilter(
+        lambda r: "register_constant() on Enum subclasses is deprecated" not in r.getMessage()
+    )
+
+
 def _causal_lm(config):
+    _quiet_torchao()
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_config(config)
@@ -144,6 +159,7 @@ def _causal_lm(config):
 def _meta_causal_lm(config_json: str):
     """The causal LM of this config built on meta (no memory), once per config: its blocks and its
     parameter count are read from the same build."""
+    _quiet_torchao()
     from transformers import AutoConfig
 
     raw = json.loads(config_json)
