@@ -164,7 +164,7 @@ def _ranks(spec: str | None, world: int) -> list[int]:
 def format_reports(reports: list[RankReport]) -> str:
     first = reports[0]
     lines = [
-        f"{len(reports)} of {first.world} ranks simulated, model of {first.num_params / 1e9:.3g}B parameters",
+        f"{len(reports)} of {first.world} ranks simulated, model of {first.num_params:,} parameters",
         f"{'rank':>6}  {'coords':<32} {'params':>12} {'param MiB':>10} {'grad MiB':>9} {'optim MiB':>10} "
         f"{'total MiB':>10}  setup (mesh / model / parallelize)",
     ]
@@ -180,8 +180,8 @@ def format_reports(reports: list[RankReport]) -> str:
     stepped = [r for r in reports if r.step is not None]
     if stepped:
         lines += ["", "one training step, simulated on fake tensors (payload bytes as --measure counts them):"]
-        lines.append(
-            f"{'rank':>6}  {'peak MiB':>9} {'(before step)':>13} {'saved act MiB':>13} {'(at once)':>9}  "
+        lines.append(  # MiB: the step's peak, what is held before it, activations saved (all, and at once)
+            f"{'rank':>6}  {'peak MiB':>9} {'before step':>12} {'act. saved':>11} {'act. at once':>12}  "
             "communication by mesh axis: MiB (calls)"
         )
         for r in stepped:
@@ -192,8 +192,8 @@ def format_reports(reports: list[RankReport]) -> str:
             )
             held = r.step["activation_peak_bytes"]
             lines.append(
-                f"{r.rank:>6}  {peak['total'] / MIB:>9.1f} {peak['before_step'] / MIB:>13.1f} "
-                f"{r.step['activation_bytes'] / MIB:>13.1f} {held / MIB:>9.1f}  "
+                f"{r.rank:>6}  {peak['total'] / MIB:>9.1f} {peak['before_step'] / MIB:>12.1f} "
+                f"{r.step['activation_bytes'] / MIB:>11.1f} {held / MIB:>12.1f}  "
                 f"{comm or '-'}   ({r.setup_s.get('step', 0):.1f} s)"
             )
     predicted = [r for r in reports if r.prediction is not None]
