@@ -140,7 +140,7 @@ def test_signals_reach_every_rank_and_stop_the_job(slurm_cluster, tmp_path):
     signal_promise(cmd, slurm_cluster.environ(), tmp_path / "out", signal.SIGHUP, srun=True)
 
 
-def _signal_a_slurm_job(cmd: list[str], env, out, sig: signal.Signals, *flags: str) -> tuple[int, str]:
+def _signal_a_slurm_job(cmd: list[str], env, out, sig: signal.Signals | None, *flags: str) -> tuple[int, str]:
     """``cmd`` (launch, or salloc's launch) runs 2 ranks that would train for ever; after the 3rd step ``sig``
     goes to launch, or ``scancel --signal`` to the job for ``sig`` None: exit code, stderr."""
     train = ["-m", "mmm.examples.fsdp_tp", *TINY, "--max-iters", "100000", *flags, "--outdir", str(out)]
@@ -168,7 +168,7 @@ def test_a_sigterm_stops_the_job_after_a_checkpoint(slurm_cluster, tmp_path, how
     """Slurm's graceful stop signals every task (``scancel --signal=TERM``, as its preemption and time limit do);
     a SIGTERM to launch alone (a wrapper's `timeout`, a `kill`) reaches the ranks through launch's rank watch:
     srun itself would force the step's end, its tasks SIGKILLed after KillWait. Either way each rank finishes
-    its step, the checkpoint is saved, exit 0; and a SIGINT to launch ends the ranks with 130."""
+    its step, the checkpoint is saved, exit 0. (SIGINT, relayed the same way: the Ctrl-C test below.)"""
     out, ck, env = tmp_path / "out", tmp_path / "ck", slurm_cluster.environ()
     cmd = ["salloc", "-n", "2", str(BIN / "launch")] if how == "scancel" else [str(BIN / "launch"), "-n", "2"]
     code, err = _signal_a_slurm_job(cmd, env, out, None if how == "scancel" else signal.SIGTERM,
@@ -178,9 +178,6 @@ def test_a_sigterm_stops_the_job_after_a_checkpoint(slurm_cluster, tmp_path, how
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 3
     assert [q.name for q in ck.iterdir()] == [f"step-{steps[-1]:08d}"]
     assert json.loads((out / "summary.json").read_text())["stopped_by"] == "SIGTERM"
-    if how == "launch":
-        code, err = _signal_a_slurm_job(cmd, env, tmp_path / "int", signal.SIGINT)
-        assert code == 130 and "forcing job termination" not in err, (code, err)
 
 
 def _at_a_terminal(argv: list[str], env: dict[str, str], ready, keys: bytes, seconds: float = 60) -> tuple[int, str]:
