@@ -63,13 +63,13 @@ def lost_hosts(
             errors = Path(folder) / f"probe-{host}.err"
             try:
                 p = probe_plan(str(hostfile), env)
-                flavor = FLAVORS.get(p.mpi_flavor or "") if p.launcher == "mpiexec" else None
+                probe_env = {**env, **p.env}
                 # (prterun's session files in a folder of the probe's own, as an attempt's)
-                session = session_folder(flavor.supervision if flavor else None, p.argv, {**env, **p.env}, folder)
+                probe_env |= session_folder(p.supervision, p.argv, probe_env, folder)
                 with open(errors, "wb") as err:
                     child = subprocess.Popen(
                         p.argv,
-                        env={**env, **p.env, **session},
+                        env=probe_env,
                         stdin=subprocess.DEVNULL,
                         stdout=subprocess.DEVNULL,
                         stderr=err,

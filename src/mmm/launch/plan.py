@@ -17,7 +17,8 @@ from mmm.dist.rendezvous import free_port
 from mmm.errors import UsageError
 from mmm.launch.allocation import Allocation, detect_allocation
 from mmm.launch.hosts import is_this_host
-from mmm.launch.mpi import find_mpiexec, mpi_flavor, mpiexec_flags, venv_mpiexec
+from mmm.launch.mpi import FLAVORS, find_mpiexec, mpi_flavor, mpiexec_flags, venv_mpiexec
+from mmm.launch.supervision import SRUN, Supervision
 
 LAUNCHERS = ("auto", "mpiexec", "srun", "local")
 LOCAL_CPU_RANKS = 4
@@ -43,6 +44,14 @@ class LaunchPlan:
     allocation: Allocation
     env: dict[str, str] = field(default_factory=dict)  # added to the environment
     mpi_flavor: str | None = None
+
+    @property
+    def supervision(self) -> Supervision | None:
+        """What launch does for this plan's launcher as its child (None: the local spawner, launch's own)."""
+        if self.launcher == "srun":
+            return SRUN
+        flavor = FLAVORS.get(self.mpi_flavor or "") if self.launcher == "mpiexec" else None
+        return flavor.supervision if flavor is not None else None
 
     def describe(self) -> str:
         a = self.allocation

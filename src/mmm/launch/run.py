@@ -17,12 +17,12 @@ from mmm.dist.rendezvous import free_port, unknown_host
 from mmm.errors import DIVERGED_EXIT, UsageError, print_error
 from mmm.launch.hostloss import lost_hosts, plan_hosts, write_hostfile
 from mmm.launch.hosts import is_this_host
-from mmm.launch.mpi import FLAVORS, export_flags
+from mmm.launch.mpi import export_flags
 from mmm.launch.output import ExitBoxFilter
 from mmm.launch.plan import LaunchPlan
 from mmm.launch.signals import _PASSED_ON, PROG, _ctrl_c_reached_the_child, _wait_forwarding
 from mmm.launch.spawn import spawn_local
-from mmm.launch.supervision import SRUN, Supervision, session_folder
+from mmm.launch.supervision import Supervision, session_folder
 from mmm.launch.watch import RankWatch
 
 NOT_RETRIED = {
@@ -34,19 +34,11 @@ NOT_RETRIED = {
 }
 
 
-def _supervision(plan: LaunchPlan) -> Supervision | None:
-    """What launch does for the launcher of ``plan`` as its child (None: the local spawner, launch's own)."""
-    if plan.launcher == "srun":
-        return SRUN
-    flavor = FLAVORS.get(plan.mpi_flavor or "") if plan.launcher == "mpiexec" else None
-    return flavor.supervision if flavor is not None else None
-
-
 def stays_parent(plan: LaunchPlan) -> bool:
     """Whether launch runs the plan as its child rather than handing its process to the launcher: the
     local spawner always; a launcher whose ranks launch watches (Hydra's mpiexec), whose stopping signals it
     delivers itself (Open MPI's mpiexec, srun) or whose exit box it drops (Open MPI)."""
-    sup = _supervision(plan)
+    sup = plan.supervision
     return plan.launcher == "local" or sup is not None and sup.stays_parent
 
 
@@ -58,7 +50,7 @@ def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) 
     force the step's end), and drops Open MPI's exit box after a usage error or a stop (:class:`ExitBoxFilter`)."""
     if plan.launcher == "local":
         return spawn_local(plan.argv, plan.nproc, env, signalled=signalled)
-    sup = _supervision(plan)
+    sup = plan.supervision
     watcher, argv = None, list(plan.argv)
     names_first = sup is not None and sup.watch_ranks  # else the launcher names a failed rank itself
     watched = sup is not None and (sup.watch_ranks or bool(sup.stops_ranks_at_once))
