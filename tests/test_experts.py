@@ -251,16 +251,29 @@ def test_a_simulated_expert_parallel_step_is_the_real_one(tmp_path):
 
 def test_the_expert_load_lands_on_the_rank_of_the_first_expert(tmp_path):
     """--expert-load 3: every rank sends 3x the mean to expert 0, so its ep rank (0) receives more than its
-    peer and sends back more; balanced, both move the same."""
+    peer and sends back more; balanced, both move the same. ep is all of dp_shard here (torch gives both one
+    group): the all-to-all is still ep's, in the simulator and in a real --measure run, and the prediction
+    charges it in full (FSDP's dp_shard traffic hides behind the compute)."""
     moved = {}
     for load in ("1", "3"):
         out = tmp_path / f"load{load}.json"
         cmd = [*SIM, "--world", "2", "--ranks", "0,1", "--json", str(out), *SMALL, "--ep", "2", "--expert-load", load]
+        cmd += ["--hardware", "h100"] if load == "1" else []
         res = run(cmd, timeout=180)
         assert res.returncode == 0, res.output
-        moved[load] = [r["step"]["comm_bytes"]["dp_shard"] for r in json.loads(out.read_text())]
+        rows = json.loads(out.read_text())
+        moved[load] = [r["step"]["comm_bytes"]["ep"] for r in rows]
+        kinds = {key for r in rows for key in r["step"]["comm_by_kind"]}  # "<group>.<kind>"
+        assert "ep.all_to_all" in kinds and not any(k.endswith("all_to_all") and k != "ep.all_to_all" for k in kinds)
     assert moved["1"][0] == moved["1"][1]
     assert moved["3"][0] > moved["1"][0] > moved["3"][1]
+    p = json.loads((tmp_path / "load1.json").read_text())[0]["prediction"]
+    assert p["exposed_s"]["ep"] == p["comm_s"]["ep"] > 0, p
+    real = tmp_path / "real"
+    res = run(on_ranks(2, *MODULE, *SMALL, "--ep", "2", "--measure", "--outdir", str(real)), timeout=180)
+    assert res.returncode == 0, res.output
+    measured = json.loads((real / "summary.json").read_text())["measured_per_rank"]
+    assert [m["comm_calls"] for m in measured] == [rows[0]["step"]["comm_calls"]] * 2, measured
 
 
 @pytest.mark.parametrize(

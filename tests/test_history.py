@@ -158,11 +158,37 @@ def test_update_takes_keywords_or_a_dict(tmp_path):
         {"iter": 2, "loss": 0.9, "dt": 0.4},
         {"iter": 3, "loss": 0.8, "dt": 0.3},
         {"iter": 4, "loss": 0.7},
-        {"iter": 4, "loss": pytest.approx(0.6)},
+        {"iter": 5, "loss": pytest.approx(0.6)},  # one past the last step (it was the count of rows: 4 again)
     ]
     assert h.update(step=9)["step"] == 9  # keywords alone stay metrics, as before
     with pytest.raises(TypeError):
         h.update({"loss": 1.0}, {"dt": 1.0})
+
+
+def test_a_step_recorded_again_adds_to_its_row_and_a_step_back_is_refused(tmp_path):
+    """Evaluation logged after the training metrics of the same step: one row in memory, in history.nc and
+    in a resume's read of history.jsonl (two lines there, the second with the new metrics); a step before
+    the last is refused, not a second row out of order."""
+    seen = []
+    h = History(tmp_path, hooks=[seen.append])
+    h.update(1, loss=2.0, dt=0.5)
+    h.update(2, loss=1.5, dt=0.4)
+    row = h.update(2, val_loss=1.7, dt=0.45)
+    assert row == {"iter": 2, "loss": 1.5, "dt": 0.45, "val_loss": 1.7}  # the step's whole row
+    assert seen[-1] == {"iter": 2, "val_loss": 1.7, "dt": 0.45}  # trackers get what is new
+    assert h.steps() == [1, 2] and h.series("val_loss") == [pytest.approx(float("nan"), nan_ok=True), 1.7]
+    lines = [json.loads(x) for x in (tmp_path / "history.jsonl").read_text().splitlines()]
+    assert [x["iter"] for x in lines] == [1, 2, 2] and lines[2] == {"iter": 2, "val_loss": 1.7, "dt": 0.45}
+    with pytest.raises(UsageError, match="iter 1 comes after iter 2; steps may not go back"):
+        h.update(1, loss=9.0)
+    assert h.steps() == [1, 2] and len((tmp_path / "history.jsonl").read_text().splitlines()) == 3
+    h.update(3, loss=1.2)
+    h.finalize(plots=False)
+    xr = pytest.importorskip("xarray")
+    with xr.open_dataset(tmp_path / "history.nc") as ds:
+        assert list(ds["iter"].values) == [1, 2, 3] and float(ds["val_loss"].sel(iter=2)) == 1.7
+    again = History(tmp_path, resume=2)  # read back: one row a step
+    assert again.rows == [{"iter": 1, "loss": 2.0, "dt": 0.5}, {"iter": 2, "loss": 1.5, "dt": 0.45, "val_loss": 1.7}]
 
 
 def test_hooks_see_every_record_as_it_is_made():

@@ -139,7 +139,11 @@ class History:
                 except json.JSONDecodeError:
                     rec = None
                 if isinstance(rec, dict) and type(rec.get(step_key)) is int:
-                    (self.rows if rec[step_key] <= resume else later).append(rec)
+                    rows = self.rows if rec[step_key] <= resume else later
+                    if rows and rows[-1][step_key] == rec[step_key]:  # a later line of the same step adds to it
+                        rows[-1].update(rec)
+                    else:
+                        rows.append(rec)
                 elif line.strip():
                     unread.append(line)
         if self.write:
@@ -162,7 +166,11 @@ class History:
 
         ``update(3, loss=1.0)``, ``update(3, {"loss": 1.0})`` and ``update({"loss": 1.0}, step=3)``
         record the same; a mapping may carry the step under the step key (``{"iter": 3, ...}``, a
-        record of another History). Without a step the record gets the next index."""
+        record of another History). Without a step the record gets the next index (one past the last step).
+
+        The step of the last record again adds to its row (``update(3, val_loss=...)`` after the training
+        metrics of step 3; a metric given twice keeps the later value): ``history.jsonl`` gets a line of the
+        step and the new metrics, read back as one row. A step before the last is refused (UsageError)."""
         if step is not None and type(step) is not int and isinstance(step, Mapping):
             if values is not None:
                 raise TypeError("update(metrics, step=N): pass the step by keyword after a mapping")
@@ -171,11 +179,23 @@ class History:
             step = metrics.pop("step") if "step" in metrics else own
         if values is not None:
             metrics = {k: v for k, v in values.items() if k != self.step_key} | metrics
-        rec = {self.step_key: len(self.rows) if step is None else int(step)}
+        if step is None:  # the next index: one past the last step (0 first)
+            step = self.rows[-1][self.step_key] + 1 if self.rows else 0
+        rec = {self.step_key: int(step)}
         for k, v in metrics.items():
             t = type(v)
             rec[k] = v if t is float or t is int or v is None else _scalar(v)
-        self.rows.append(rec)
+        row = rec
+        if self.rows and (last := self.rows[-1][self.step_key]) >= rec[self.step_key]:
+            if last > rec[self.step_key]:
+                raise UsageError(
+                    f"History.update: {self.step_key} {rec[self.step_key]} comes after {self.step_key} {last}; "
+                    f"steps may not go back (a run that runs steps again: History(..., resume=N))"
+                )
+            row = self.rows[-1]
+            row.update(rec)
+        else:
+            self.rows.append(rec)
         if self._file is not None:
             line = _json_line(rec)
             if self.name == "history" and faults.save_fault("history", rec[self.step_key]):  # a kill mid-line
@@ -186,7 +206,7 @@ class History:
         if self.hooks:
             for hook in self.hooks:
                 hook(rec)
-        return rec
+        return row
 
     def sync(self) -> None:
         """Make the rows written so far durable (``history.jsonl`` is appended a line at a time: a killed

@@ -71,6 +71,7 @@ def _kind(op: str) -> str:
         ("reduce_scatter", ("reduce_scatter",)),
         ("all_reduce", ("allreduce", "all_reduce")),
         ("p2p", ("send", "recv")),
+        ("all_to_all", ("alltoall", "all_to_all")),
     ):
         if any(w in op for w in words):
             return kind
@@ -91,11 +92,13 @@ class CommCounter(TorchDispatchMode):
 
     ``groups`` maps names to process groups (e.g. :meth:`mmm.parallel.Mesh.named_groups`); traffic
     on the default (world) group is counted under ``"world"``, on any other group not in the map under
-    ``"other"``.
+    ``"other"``. ``all_to_all`` renames the all-to-all traffic of a named group (``{"dp_shard": "ep"}``:
+    :meth:`mmm.parallel.Mesh.all_to_all_names`, where the experts' group is one named before it).
     """
 
-    def __init__(self, groups: dict[str, Any]) -> None:
+    def __init__(self, groups: dict[str, Any], all_to_all: dict[str, str] | None = None) -> None:
         super().__init__()
+        self._all_to_all = dict(all_to_all or {})
         from torch.distributed.tensor import DTensor
 
         self._dtensor = DTensor
@@ -136,20 +139,21 @@ class CommCounter(TorchDispatchMode):
             return NotImplemented  # let DTensor turn the op into local ops and collectives first
         ns, name = func.namespace, func._schema.name.split("::")[-1]
         if ns == "c10d" and name in _C10D_PAYLOAD:
-            group = self._group_of(args)
-            payload = _nbytes(args[_C10D_PAYLOAD[name]])
-            self.bytes[group] += payload
-            self.calls[group] += 1
-            self.by_kind[(group, _kind(name))] += payload
+            self._count(self._group_of(args), name, _nbytes(args[_C10D_PAYLOAD[name]]))
         elif ns in ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd") and name in _FUNCOL:
-            group = self._group_of(list(args) + list(kwargs.values()))
             payload = _nbytes(args[0])
             if name in _FUNCOL_GATHER:
                 payload *= next((a for a in args[1:] if isinstance(a, int)), 1)
-            self.bytes[group] += payload
-            self.calls[group] += 1
-            self.by_kind[(group, _kind(name))] += payload
+            self._count(self._group_of(list(args) + list(kwargs.values())), name, payload)
         return func(*args, **kwargs)
+
+    def _count(self, group: str, op: str, payload: int) -> None:
+        kind = _kind(op)
+        if kind == "all_to_all":
+            group = self._all_to_all.get(group, group)
+        self.bytes[group] += payload
+        self.calls[group] += 1
+        self.by_kind[(group, kind)] += payload
 
     def result(self) -> dict[str, int]:
         return dict(sorted(self.bytes.items()))

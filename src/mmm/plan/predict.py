@@ -33,6 +33,7 @@ from mmm.plan.hardware import Hardware
 
 RING = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n}
 RING["all_reduce"] = lambda n: 2 * (n - 1) / n
+RING["all_to_all"] = lambda n: (n - 1) / n  # each rank keeps its own share, sends the rest
 MEMORY_MARGIN = 0.10
 
 
