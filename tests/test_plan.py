@@ -513,6 +513,14 @@ def test_predicted_step_time_adds_up_and_follows_the_links():
     assert crowded.exposed_s["dp_shard"] == crowded.comm_s["dp_shard"] > a.exposed_s["dp_shard"]
     roomy = predict(step, inside, replace(hw, devices_per_node=2, cores_per_node=2), **kw)
     assert roomy.exposed_s["dp_shard"] == a.exposed_s["dp_shard"]
+    # the experts: their FSDP over efsdp overlaps as the blocks' does; their all-to-all is exposed whole, at
+    # the (n-1)/n of its payload that leaves each rank
+    moe = {**step, "comm_by_kind": {**step["comm_by_kind"], ("efsdp", "all_gather"): gib, ("ep", "all_to_all"): gib}}
+    moe["comm_calls"] = {**step["comm_calls"], "efsdp": 10, "ep": 10}
+    experts = {**inside, "efsdp": {"size": 2, "crosses_nodes": False}, "ep": {"size": 4, "crosses_nodes": False}}
+    m = predict(moe, experts, hw, **kw)
+    assert m.exposed_s["efsdp"] < m.comm_s["efsdp"] and m.exposed_s["ep"] == m.comm_s["ep"]
+    assert abs(m.comm_s["ep"] - (gib * 3 / 4 / hw.intra_node_bps + 10 * hw.latency_s)) < 1e-12
     # memory-bound ops: their bytes at the device memory's pace, after the matmuls (eager kernels run in turn)
     moved = predict({**step, "memory_bytes": 100 * gib}, inside, hw, **kw)
     assert moved.memory_s == 100 * gib / (hw.memory_bps * hw.memory_efficiency) and moved.matmul_s == a.matmul_s

@@ -152,16 +152,18 @@ def predict(
             size=group.get("size", 1),
             crosses_nodes=group.get("crosses_nodes", False),
         )
-    # the data-parallel groups (dp_shard, dp_replicate, the flattened dp, dp_shard_cp...) carry FSDP's
-    # traffic: together they hide behind the one compute, all but one block's share; each axis is
-    # charged its part of what shows
-    exposed = {axis: t for axis, t in comm.items() if not axis.startswith("dp")}
-    dp_total = sum(t for axis, t in comm.items() if axis.startswith("dp"))
+    # the data-parallel groups (dp_shard, dp_replicate, the flattened dp, dp_shard_cp...) and the experts'
+    # efsdp carry FSDP's traffic (the experts are FSDP units of their own, prefetched as the blocks are):
+    # together they hide behind the one compute, all but one block's share; each axis is charged its part
+    # of what shows
+    fsdp = [axis for axis in comm if axis.startswith("dp") or axis == "efsdp"]
+    exposed = {axis: t for axis, t in comm.items() if axis not in fsdp}
+    dp_total = sum(comm[axis] for axis in fsdp)
     if dp_total:
         shown = max(dp_total - compute, dp_total / max(n_layers, 1))
         if hw.cores_per_node and (ranks_per_node or hw.devices_per_node) > hw.cores_per_node:
             shown = dp_total  # ranks share the cores: no core is free to move data while they compute
-        exposed.update({axis: t / dp_total * shown for axis, t in comm.items() if axis.startswith("dp")})
+        exposed.update({axis: comm[axis] / dp_total * shown for axis in fsdp})
     exposed = {axis: exposed[axis] for axis in comm}  # in comm's order
     step_s = compute + bubble + sum(exposed.values())
     peak_bytes = int(step["peak"]["total"])
