@@ -1,7 +1,8 @@
 """Your own model through mmm's one trainer, planner and checker: a recipe says what differs.
 
     launch -n 4 python3 examples/own_recipe.py --tp 2               # train: dp 2 x tp 2, History, summary
-    PYTHONPATH=examples python3 -m mmm.plan.simulate --recipe own_recipe:RECIPE --world 64 --pick --hardware h100
+    PYTHONPATH=examples python3 -m mmm.plan.simulate --recipe own_recipe:RECIPE --world 64 --batch-size 64 \
+        --pick --hardware h100                                      # a global batch that splits over 64
     PYTHONPATH=examples launch -n 4 python3 -m mmm.verify --model own_recipe:RECIPE --tp 2
 
 The model is plain single-device code (a small GPT); the recipe names its flags, builds it, gives its

@@ -382,13 +382,17 @@ VERIFY_CASES = [
 ]
 
 
-def test_verify_refuses_what_its_models_cannot_take(rows):
+def test_verify_refuses_what_its_models_cannot_take(rows, monkeypatch):
     from mmm.verify import COMMAND_LINE, target
 
-    for flags, needles in VERIFY_CASES:
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    # a recipe's own checks of the layout (its model runs on no pipeline: a stage's traceback before)
+    recipe = (["--model", "own_recipe:RECIPE", "--pp", "2"], ["this model runs on a dp x tp mesh: leave --pp"])
+    for flags, needles in [*VERIFY_CASES, recipe]:
         t0 = time.perf_counter()
+        parsed = COMMAND_LINE.parse(flags)
         with pytest.raises(UsageError) as e:
-            target(COMMAND_LINE.parse(flags)["check"])
+            target(parsed["check"], parsed["parallel"], 4)
         line = str(e.value)
         assert "\n" not in line and all(n in line for n in needles), (flags, line)
         rows(f"python -m mmm.verify {' '.join(flags)}", line, 2, time.perf_counter() - t0)

@@ -46,6 +46,9 @@ def test_context_parallel_needs_an_attention_hook_and_positions():
     hooked.shard_positions = lambda positions: None
     with pytest.raises(UsageError, match="cp_mesh is a NoneType, not a 1-D DeviceMesh"):  # mesh.get("cp") at cp=1
         context_parallel(hooked, None, seq_len=16)
+    # positions it would never be told: training on the first tokens' positions, silently (a grad norm off)
+    with pytest.raises(UsageError, match=r"Linear has a shard_positions\(positions\) method: give context_parallel"):
+        context_parallel(hooked, None)
 
 
 def test_a_sequence_that_does_not_split_into_chunks_is_refused_not_cut():

@@ -25,7 +25,7 @@ import importlib
 import inspect
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -58,7 +58,7 @@ from mmm.parallel.mesh import AXES
 from mmm.parallel.pipeline import pipeline_problems
 from mmm.parallel.tensor import hf_experts_plan, hf_tp_plan, loss_parallel_context
 from mmm.training import mean_over
-from mmm.training.config import ParallelConfig
+from mmm.training.config import Config, ParallelConfig
 from mmm.training.recipe import Recipe
 
 BUILTIN = ("llama", "llama-moe", "vit", "hf-llama")
@@ -351,8 +351,9 @@ def _load(ref: str, what: str):
         raise UsageError(f"{what} {ref!r}: {e}") from None
 
 
-def target(check: VerifyConfig):
-    """(model factory, spec options, batch_fn, loss_fn) for what ``check`` names."""
+def target(check: VerifyConfig, par: ParallelConfig | None = None, world: int = 1):
+    """(model factory, spec options, batch_fn, loss_fn) for what ``check`` names (a recipe's own checks of
+    the layout ``par`` on ``world`` ranks first)."""
     tokens = token_batches(check.vocab_size, check.seq_len, check.batch_size, check.seed)
     if check.model in BUILTIN:  # their TP plans are their own; the ViT's batches are 16 x 16 images of 10 classes
         defaults = VerifyConfig()
@@ -424,6 +425,9 @@ def target(check: VerifyConfig):
                 f"{', '.join(given)}: {check.model} is a recipe, whose model (at its defaults), TP plan and batch "
                 "shapes are its own; drop them"
             )
+        problems = recipe_problems(factory, check, par or ParallelConfig(), world)
+        if problems:
+            raise UsageError("; ".join(problems))
         return recipe_target(factory, check)
     plan = _load(check.tp_plan, "--tp-plan") if check.tp_plan else None
     return model_factory(factory, check.model), {"tp_plan": plan}, tokens, lm_loss
@@ -459,6 +463,15 @@ def model_factory(factory, ref: str) -> Callable[[], torch.nn.Module]:
     if not isinstance(probe, torch.nn.Module):
         raise UsageError(f"{what} returned a {type(probe).__name__}, not a torch.nn.Module (your model)")
     return factory
+
+
+def recipe_problems(recipe: Recipe, check: VerifyConfig, par: ParallelConfig, world: int) -> list[str]:
+    """What the recipe's own :meth:`~mmm.training.recipe.Recipe.problems` says of its model at its defaults
+    on the layout ``par`` with verify's global batch (a model that runs on no pipeline, say)."""
+    train = recipe.config()
+    if isinstance(getattr(train, "batch_size", None), int):
+        train = replace(train, batch_size=check.batch_size)
+    return recipe.problems(Config(train, parallel=par, recipe=recipe), world)
 
 
 def recipe_target(recipe: Recipe, check: VerifyConfig):
@@ -532,7 +545,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problems:
         raise UsageError("; ".join(problems))
     mesh = init_mesh(**par.degrees, log_coordinates=False)
-    model_fn, options, batch_fn, loss_fn = target(check)
+    model_fn, options, batch_fn, loss_fn = target(check, par, info.world_size)
     if par.tp > 1 and not options.get("tp_plan"):
         options["tp_plan"] = config_tp_plan(model_fn, info.is_main)
     if (par.ep > 1 or par.tp > 1) and not options.get("ep_plan"):  # experts: split over ep, their width over tp

@@ -170,7 +170,9 @@ def dp_problems(dp: str, dims: ParallelDims, *, field: str = "dp", spell: Spelli
     if dp == "hsdp" and not (dims.dp_replicate > 1 and dims.dp_shard > 1):
         out.append(
             f"{spell(field, dp)} needs dp_replicate > 1 and dp_shard > 1 (got dp_replicate={dims.dp_replicate}, "
-            f"dp_shard={dims.dp_shard}); set {spell.name('dp_replicate')}, or use {spell(field, 'fsdp')}"
+            f"dp_shard={dims.dp_shard}); set "
+            + " and ".join(spell.name(a) for a in ("dp_replicate", "dp_shard") if getattr(dims, a) == 1)
+            + f", or use {spell(field, 'fsdp')}"
         )
     if dp == "fsdp":
         out += flat_dp_problems(dp, dims, field=field, spell=spell)

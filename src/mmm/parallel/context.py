@@ -277,7 +277,9 @@ def context_parallel(
     Positions: the hook carries none, so the model must encode its tokens' global positions itself.
     With ``seq_len`` (the full sequence), every module with a ``shard_positions(positions)`` method is
     told this rank's (:func:`local_positions`; mmm's Llama re-indexes its rotary table), and a model
-    with none is refused. Shard inputs and labels with :func:`shard_sequence`."""
+    with none is refused; a model with such a method and no ``seq_len`` is refused too (its positions
+    would silently stay the first tokens'). Without either, the model takes its positions from its
+    caller (``local_positions``). Shard inputs and labels with :func:`shard_sequence`."""
     if kind not in CP_KINDS:
         raise UsageError(f"unknown context-parallel attention kind={kind!r}; choose one of {', '.join(CP_KINDS)}")
     names = [name for name, mod in model.named_modules() if hasattr(mod, attn_attr)]
@@ -287,6 +289,11 @@ def context_parallel(
             f"an {attn_attr}(q, k, v) hook (causal SDPA by default) for context parallel"
         )
     takers = [m for m in model.modules() if callable(getattr(m, "shard_positions", None))]
+    if seq_len is None and takers:  # its positions would stay the first tokens': a wrong model, no error
+        raise UsageError(
+            f"{type(model).__name__} has a shard_positions(positions) method: give context_parallel(..., "
+            "seq_len=<the full sequence length>) so that it encodes this rank's tokens' positions"
+        )
     if seq_len is not None and not takers:
         raise UsageError(
             f"{type(model).__name__} has no shard_positions(positions) method: under context parallel each "
