@@ -59,6 +59,38 @@ def test_a_sequence_that_does_not_split_into_chunks_is_refused_not_cut():
         local_positions(16, 2, 2)
 
 
+PARALLELIZE_CP = """
+import torch
+from mmm.parallel import context_parallel, init_mesh, parallelize
+
+class Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj, self.attn_fn = torch.nn.Linear(8, 8), None
+
+mesh = init_mesh(cp=2)
+try:
+    parallelize(Attention(), mesh)
+except Exception as e:
+    print("refused:", e, flush=True)
+model = Attention()
+context_parallel(model, mesh["cp"])
+parallelize(model, mesh)
+print("parallelized after context_parallel", flush=True)
+"""
+
+
+def test_a_cp_mesh_needs_context_parallel_attention_before_parallelize():
+    """Without context_parallel() each cp rank would attend to its own tokens only: refused, naming the call."""
+    res = run(launch("-n", "2", "python3", "-c", PARALLELIZE_CP), timeout=120)
+    assert res.returncode == 0, res.output
+    assert (
+        "refused: the mesh has cp=2 but Attention's attention is not context parallel: call "
+        "mmm.parallel.context_parallel(model, mesh['cp'], seq_len=S) before parallelize()" in res.stdout
+    ), res.output
+    assert res.stdout.count("parallelized after context_parallel") == 2, res.output
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_own_attention_example_script(n):
     script = Path(__file__).parents[1] / "examples" / "context_parallel_own_attention.py"

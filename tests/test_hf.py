@@ -44,8 +44,9 @@ def test_a_pattern_that_matches_nothing_is_an_error():
     from mmm.errors import UsageError
     from mmm.parallel.tensor import resolve_plan
 
-    with pytest.raises(UsageError, match="'layers.\\*.attn.q' match no module of LlamaForCausalLM"):
+    with pytest.raises(UsageError, match="'layers.\\*.attn.q' match no module of LlamaForCausalLM; did you mean") as e:
         resolve_plan(tiny_llama(), {"layers.*.attn.q": "colwise"})
+    assert "'model.layers.*.self_attn.q_proj'" in str(e.value)  # the nearest module, as a pattern
 
 
 def test_blocks_found_automatically():

@@ -48,7 +48,8 @@ def test_a_tolerance_of_zero_fails_with_a_one_line_error():
     [
         (["--model", "nosuch"], "--model 'nosuch': use one of llama, llama-moe, vit, hf-llama, or module:NAME"),
         (["--model", "vit", "--cp", "2"], "cp=2: context parallel splits token sequences (batch, seq)"),
-        (["--ep", "2"], "ep=2 but the spec has no ep_plan: give one naming the model's experts modules"),
+        (["--ep", "2"], "--ep 2: --model llama has no experts to split; use --model llama-moe"),
+        (["--model", "own_lm:build", "--ep", "2"], "--ep 2 needs an experts plan: give --ep-plan module:NAME"),
         (
             ["--model", "own_lm:build", "--tp-plan", "own_lm:TP_PLAN", "--cp", "2"],
             "no module of TinyLM has an 'attn_fn' attribute",
@@ -81,6 +82,18 @@ def test_context_and_expert_parallel(flags, layout):
     res = run(launch("-n", "2", *VERIFY, *flags), timeout=180)
     assert res.returncode == 0, res.output
     assert f"PASS: {layout}" in res.stdout, res.stdout
+
+
+def test_an_experts_plan_given_by_flag():
+    """--ep with --ep-plan module:NAME on a module:function model (without the flag: one line naming it)."""
+    env = clean_env(PYTHONPATH=os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]))
+    res = run(
+        launch("-n", "2", *VERIFY, "--model", "own_lm:build_moe", "--ep-plan", "own_lm:EP_PLAN", "--ep", "2"),
+        env=env,
+        timeout=180,
+    )
+    assert res.returncode == 0, res.output
+    assert "PASS: " in res.stdout and "ep=2" in res.stdout, res.stdout
 
 
 def test_a_hugging_face_model_without_a_tp_plan_uses_its_configs():

@@ -302,6 +302,13 @@ class VerifyConfig:
         group="check",
         help="the TP plan (a dict of module-name patterns) for a module:function model",
     )
+    ep_plan: str | None = option(
+        None,
+        "--ep-plan",
+        metavar="module:NAME",
+        group="check",
+        help="the experts plan (a dict naming the experts modules) for a module:function model under --ep",
+    )
     blocks: str = option("auto", "--blocks", group="check", help="path of the repeated blocks")
     steps: int = option(3, "--steps", parse=positive_int, group="check", help="AdamW steps")
     batch_size: int = option(8, "--batch-size", parse=positive_int, group="check", help="GLOBAL batch")
@@ -357,7 +364,7 @@ def target(check: VerifyConfig, par: ParallelConfig | None = None, world: int = 
     tokens = token_batches(check.vocab_size, check.seq_len, check.batch_size, check.seed)
     if check.model in BUILTIN:  # their TP plans are their own; the ViT's batches are 16 x 16 images of 10 classes
         defaults = VerifyConfig()
-        flags = {"--tp-plan": "tp_plan"} | (
+        flags = {"--tp-plan": "tp_plan", "--ep-plan": "ep_plan"} | (
             {"--seq-len": "seq_len", "--vocab-size": "vocab_size"} if check.model == "vit" else {}
         )
         given = [
@@ -418,7 +425,7 @@ def target(check: VerifyConfig, par: ParallelConfig | None = None, world: int = 
     factory = _load(check.model, "--model")
     if isinstance(factory, Recipe):
         defaults = VerifyConfig()
-        flags = {"--tp-plan": "tp_plan", "--seq-len": "seq_len", "--vocab-size": "vocab_size"}
+        flags = {"--tp-plan": "tp_plan", "--ep-plan": "ep_plan", "--seq-len": "seq_len", "--vocab-size": "vocab_size"}
         given = [flag for flag, name in flags.items() if getattr(check, name) != getattr(defaults, name)]
         if given:
             raise UsageError(
@@ -430,7 +437,8 @@ def target(check: VerifyConfig, par: ParallelConfig | None = None, world: int = 
             raise UsageError("; ".join(problems))
         return recipe_target(factory, check)
     plan = _load(check.tp_plan, "--tp-plan") if check.tp_plan else None
-    return model_factory(factory, check.model), {"tp_plan": plan}, tokens, lm_loss
+    experts = _load(check.ep_plan, "--ep-plan") if check.ep_plan else None
+    return model_factory(factory, check.model), {"tp_plan": plan, "ep_plan": experts}, tokens, lm_loss
 
 
 def model_factory(factory, ref: str) -> Callable[[], torch.nn.Module]:
@@ -497,6 +505,15 @@ def recipe_target(recipe: Recipe, check: VerifyConfig):
     return (lambda: recipe.build(cfg)), options, batch, recipe.loss
 
 
+def plan_missing(model: str, axis: str, n: int, what: str, example: str) -> str:
+    """The line for ``--tp``/``--ep`` > 1 on a model with no such plan, with the fix its kind of model has."""
+    if model in BUILTIN:
+        return f"--{axis} {n}: --model {model} has no experts to split; use --model llama-moe"
+    if model.count(":") == 1 and isinstance(_load(model, "--model"), Recipe):
+        return f"--{axis} {n}: the recipe {model} gives no {axis}_plan in its spec; use --{axis} 1"
+    return f"--{axis} {n} needs {what} plan: give --{axis}-plan module:NAME ({example})"
+
+
 def config_tp_plan(model_fn, say: bool) -> dict | None:
     """No --tp-plan for a model whose config carries one (a Hugging Face model's ``base_model_tp_plan``):
     use that plan, and say so. None when the model has no such config (the spec check then asks for one)."""
@@ -550,6 +567,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         options["tp_plan"] = config_tp_plan(model_fn, info.is_main)
     if (par.ep > 1 or par.tp > 1) and not options.get("ep_plan"):  # experts: split over ep, their width over tp
         options["ep_plan"] = config_ep_plan(model_fn, info.is_main, tp=par.tp > 1)
+    missing = [
+        plan_missing(check.model, axis, n, what, example)
+        for axis, n, what, example in (
+            ("tp", par.tp, "a TP", "a dict of module-name patterns -> styles, {'blocks.*.q': 'colwise', ...}"),
+            ("ep", par.ep, "an experts", "a dict naming the experts modules, {'blocks.*.moe.experts': 'experts'}"),
+        )
+        if n > 1 and not options.get(f"{axis}_plan")
+    ]
+    if missing:
+        raise UsageError("; ".join(missing))
     spec = ParallelSpec(blocks=check.blocks, ac=par.ac, dp=par.strategy, **options)
     verdict = verify(
         model_fn,

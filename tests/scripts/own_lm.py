@@ -48,3 +48,13 @@ class TinySequentialLM(TinyLM):
 
 def build_sequential():
     return TinySequentialLM()
+
+
+# a mixture of experts taken from mmm's models, its experts plan given as data (--ep-plan own_lm:EP_PLAN)
+EP_PLAN = {"layers.*.moe.experts": "experts"}
+
+
+def build_moe():
+    from mmm.models.llama import Llama, LlamaConfig
+
+    return Llama(LlamaConfig(dim=32, n_layers=2, n_heads=4, vocab_size=128, seq_len=32, moe_experts=4, moe_top_k=2))

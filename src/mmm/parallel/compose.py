@@ -45,6 +45,7 @@ from torch import nn
 from mmm.errors import API, Spelling, UsageError
 from mmm.log import get_logger
 from mmm.parallel.activation_checkpoint import AC_MODES, wrap_block
+from mmm.parallel.context import RingAttention
 from mmm.parallel.experts import apply_ep, expert_modules
 from mmm.parallel.float8 import apply_float8, float8_device_problem, float8_problems
 from mmm.parallel.fsdp import DTYPES, apply_ddp, apply_fsdp
@@ -289,6 +290,11 @@ def _no_kv_cache(model: nn.Module) -> None:
         )
 
 
+def _has_cp_attention(model: nn.Module) -> bool:
+    """Whether :func:`mmm.parallel.context.context_parallel` put its attention into a module of ``model``."""
+    return any(isinstance(v, RingAttention) for m in model.modules() for v in vars(m).values())
+
+
 def parallelize(
     model: nn.Module,
     mesh: Mesh,
@@ -333,6 +339,11 @@ def parallelize(
         )
     if on_meta and device is None:
         problems.append(f"{type(model).__name__} is on the meta device: pass device= to materialise it on")
+    if mesh.cp_enabled and not _has_cp_attention(model):  # each cp rank would attend to its own tokens only
+        problems.append(
+            f"the mesh has cp={mesh.cp} but {type(model).__name__}'s attention is not context parallel: call "
+            "mmm.parallel.context_parallel(model, mesh['cp'], seq_len=S) before parallelize()"
+        )
     if problems:
         raise UsageError("; ".join(problems))
     if spec.float8:  # before the blocks are wrapped and compiled: their linear layers swapped in place

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -73,16 +74,30 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, Any], *, allow_missing: bo
         for n in hits:
             out[n] = st
     if missing and not allow_missing:
+        close = _closest(missing, names)
         raise UsageError(
             f"TP plan pattern(s) {', '.join(repr(p) for p in missing)} match no module of "
             f"{type(model).__name__}; "
             + (
-                f"its modules look like {', '.join(names[:6])}{', ...' if len(names) > 6 else ''}"
+                f"did you mean {' or '.join(repr(c) for c in close)}?"
+                if close
+                else f"its modules look like {', '.join(names[:6])}{', ...' if len(names) > 6 else ''}"
                 if names
                 else "it has no submodules to shard (a plan names submodules, e.g. 'layers.*.wq')"
             )
         )
     return out
+
+
+def _closest(patterns: list[str], names: list[str]) -> list[str]:
+    """The module names most like ``patterns``, as patterns (a block's index as ``*``): two for each, four in all."""
+    import difflib
+
+    shapes = list(dict.fromkeys(re.sub(r"(?<=\.)\d+(?=\.|$)", "*", n) for n in names))
+    found: list[str] = []
+    for pattern in patterns:
+        found += [c for c in difflib.get_close_matches(pattern, shapes, n=2, cutoff=0.6) if c not in found]
+    return found[:4]
 
 
 def apply_tp_plan(
