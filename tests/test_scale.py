@@ -145,6 +145,36 @@ def test_what_cannot_be_materialised_is_refused_by_name():
         parallelize(model, SimpleNamespace(dims=ParallelDims(world_size=1)), device=torch.device("cpu"))
 
 
+UNINITIALISABLE = """
+import torch
+from torch import nn
+from mmm.parallel import init_mesh, meta_init, parallelize
+
+class WithScale(nn.Module):  # a parameter of its own and no reset_parameters()
+    def __init__(self):
+        super().__init__()
+        self.proj, self.scale = nn.Linear(4, 4), nn.Parameter(torch.ones(1))
+
+with meta_init():
+    model = WithScale()
+try:
+    parallelize(model, init_mesh(), device=torch.device("cpu"), seed=0)
+except Exception as e:
+    print("refused:", e, flush=True)
+"""
+
+
+def test_an_fsdp_unit_without_an_initialiser_is_named_by_its_own_class():
+    """FSDP2 swaps the root's class for FSDPWithScale: the refusal names the user's class and both fixes."""
+    res = run(launch("-n", "2", "python3", "-c", UNINITIALISABLE), timeout=120)
+    assert res.returncode == 0, res.output
+    want = (
+        "refused: scale has no initialiser: WithScale has no reset_parameters(); give the model an init_weights() "
+        "method, or parallelize(..., init=fn)"
+    )
+    assert res.stdout.count(want) == 2, res.output
+
+
 def test_parallelize_names_what_it_was_given_instead():
     """Wrong types gave AttributeErrors from deep inside (mesh['dp'] has no dims); a second call stacked the plans
     (torch's AssertionError)."""

@@ -17,11 +17,15 @@ def test_verdict_fails_on_a_constant_factor_on_the_gradients():
 
 
 @pytest.mark.parametrize(
-    "build, ranks, flags",
-    [("build", 2, ["--tp", "2"]), ("build", 4, ["--pp", "2"]), ("build_sequential", 4, ["--pp", "2", "--tp", "2"])],
-    ids=["tp2", "pp2-dp2", "sequential-blocks-pp2-tp2"],
+    "build, ranks, flags, layout",
+    [
+        ("build", 2, ["--tp", "2"], "tp=2, dp=fsdp"),
+        ("build", 4, ["--pp", "2", "--ac", "selective"], "pp=2 x dp=2, dp=fsdp, ac=selective"),
+        ("build_sequential", 4, ["--pp", "2", "--tp", "2"], "pp=2 x tp=2, dp=fsdp"),
+    ],
+    ids=["tp2", "pp2-dp2-ac", "sequential-blocks-pp2-tp2"],
 )
-def test_own_model_passes(build, ranks, flags):
+def test_own_model_passes(build, ranks, flags, layout):
     """A user's model through verify; its blocks in a ModuleList, or in an nn.Sequential (found by
     blocks='auto' and split into pipeline stages as well). Its TP plan alone on 2 ranks (FSDP x TP: the
     equivalence matrix and test_hf), FSDP over a pipeline, and both on the sequential blocks."""
@@ -32,7 +36,7 @@ def test_own_model_passes(build, ranks, flags):
         timeout=180,
     )
     assert res.returncode == 0, res.output
-    assert "PASS: " in res.stdout and "grad norm (mesh)" in res.stdout
+    assert f"PASS: {layout} max rel diff" in res.stdout and "grad norm (mesh)" in res.stdout, res.stdout
     assert res.output.count("returned a view tensor") <= 1, res.output  # FSDP2's warning: once, not per rank
 
 

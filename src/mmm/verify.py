@@ -276,11 +276,14 @@ def verify(
         opt.step()
         opt.zero_grad()
     counter.remove()
-    layout = " x ".join(f"{a}={mesh.size(a)}" for a in ("pp", "dp", "cp", "tp", "ep") if mesh.size(a) > 1) or "1 rank"
+    dp = ("dp_replicate", "dp_shard") if mesh.size("dp_replicate") > 1 else ("dp",)  # HSDP: both of its axes
+    axes = ("pp", *dp, "cp", "tp", "ep")
+    layout = " x ".join(f"{a}={mesh.size(a)}" for a in axes if mesh.size(a) > 1) or "1 rank"
     layout += f" ({cp_attention} attention)" if mesh.cp_enabled else ""
     if pipe is None and (microbatches or 1) > 1:  # counted, not taken from the argument
         layout += f", gradient accumulation: {forwards[0] / steps:g} forward passes a step"
-    return Verdict(ref[0].tolist(), ref[1].tolist(), losses, norms, rtol=rtol, layout=f"{layout}, dp={spec.dp}")
+    layout += f", dp={spec.dp}" + (f", ac={spec.ac}" if spec.ac != "none" else "")
+    return Verdict(ref[0].tolist(), ref[1].tolist(), losses, norms, rtol=rtol, layout=layout)
 
 
 # --------------------------------------------------------------------------- command line

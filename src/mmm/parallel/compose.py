@@ -339,9 +339,9 @@ def parallelize(
         )
     if on_meta and device is None:
         problems.append(f"{type(model).__name__} is on the meta device: pass device= to materialise it on")
-    if mesh.cp_enabled and not _has_cp_attention(model):  # each cp rank would attend to its own tokens only
+    if mesh.dims.cp > 1 and not _has_cp_attention(model):  # each cp rank would attend to its own tokens only
         problems.append(
-            f"the mesh has cp={mesh.cp} but {type(model).__name__}'s attention is not context parallel: call "
+            f"the mesh has cp={mesh.dims.cp} but {type(model).__name__}'s attention is not context parallel: call "
             "mmm.parallel.context_parallel(model, mesh['cp'], seq_len=S) before parallelize()"
         )
     if problems:

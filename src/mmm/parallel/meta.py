@@ -228,8 +228,8 @@ def materialize(
                 except AttributeError as err:
                     if "reset_parameters" in str(err):
                         raise UsageError(
-                            f"{name} has no initialiser: {type(owner).__name__} has no "
-                            "reset_parameters(); give the model an init_weights() method"
+                            f"{name} has no initialiser: {_own_class(owner)} has no reset_parameters(); "
+                            "give the model an init_weights() method, or parallelize(..., init=fn)"
                         ) from None
                     raise
                 put(i, holders[i])
@@ -260,3 +260,8 @@ def describe_init(model: nn.Module, init: Any = None) -> str:
     if callable(getattr(model, "init_weights", None)):
         return f"{type(model).__name__}.init_weights()"
     return "reset_parameters() of each module"
+
+
+def _own_class(module: nn.Module) -> str:
+    """The name of ``module``'s own class, not the ``FSDP<name>`` class FSDP2 swaps in (made in its module)."""
+    return next(c for c in type(module).__mro__ if not c.__module__.startswith("torch.distributed.fsdp")).__name__

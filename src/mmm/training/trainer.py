@@ -271,7 +271,9 @@ def cli(argv: Sequence[str] | None = None) -> int:
     """``python -m mmm.training.trainer --recipe NAME|module:NAME [its flags]``: any recipe, the one trainer."""
     name, rest = split_recipe_flag(sys.argv[1:] if argv is None else argv)
     recipe = recipe_named(name)
-    doc = f"""Train {recipe.name} with mmm's one trainer: {type(recipe).__doc__ or ""}
+    module = sys.modules.get(type(recipe).__module__)
+    about = (type(recipe).__doc__ or getattr(module, "__doc__", None) or "").strip().split("\n\n")[0]
+    doc = f"""Train {recipe.name} with mmm's one trainer{": " + about if about else "."}
 
     python -m mmm.training.trainer --recipe NAME|module:NAME [the recipe's flags]
 
