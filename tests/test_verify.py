@@ -59,6 +59,12 @@ def test_a_tolerance_of_zero_fails_with_a_one_line_error():
             "no module of TinyLM has an 'attn_fn' attribute",
         ),
         (["--strategy", "ddp", "--tp", "2"], "--strategy ddp does not compose with tp"),
+        # a pipeline split in registration order: a head registered first (a stage's traceback before), GPT-2's
+        # tok(x) + pos(p) (positions added to the hidden state: silently, where dim = seq), a position table
+        # registered after the blocks
+        (["--model", "own_lm:build_headfirst", "--pp", "2"], "stage 1 of HeadFirstLM's pipeline fails on what"),
+        (["--model", "own_lm:build_positions", "--pp", "2"], "pos runs before the blocks, and on pipeline stage 1"),
+        (["--model", "own_lm:build_positions_last", "--pp", "2"], "pos is registered after the blocks but runs"),
     ],
 )
 def test_bad_input(flags, needle):

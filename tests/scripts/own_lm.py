@@ -58,3 +58,44 @@ def build_moe():
     from mmm.models.llama import Llama, LlamaConfig
 
     return Llama(LlamaConfig(dim=32, n_layers=2, n_heads=4, vocab_size=128, seq_len=32, moe_experts=4, moe_top_k=2))
+
+
+class HeadFirstLM(TinyLM):  # the head registered before the blocks: a pipeline splits in registration order
+    def __init__(self, vocab=128, dim=32, depth=4):
+        nn.Module.__init__(self)
+        self.head = nn.Linear(dim, vocab)
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList([Block(dim) for _ in range(depth)])
+
+
+def build_headfirst():
+    return HeadFirstLM()
+
+
+class PositionsLM(TinyLM):  # GPT-2's tok(x) + pos(p): two modules before the blocks, combined in the forward
+    def __init__(self, vocab=128, dim=32, depth=4, seq=64):
+        nn.Module.__init__(self)
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList([Block(dim) for _ in range(depth)])
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        h = self.embed(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def build_positions():
+    return PositionsLM()
+
+
+class PositionsLastLM(PositionsLM):  # the same forward, its position table registered after the blocks
+    def __init__(self, vocab=128, dim=32, depth=4, seq=64):
+        TinyLM.__init__(self, vocab, dim, depth)
+        self.pos = nn.Embedding(seq, dim)
+
+
+def build_positions_last():
+    return PositionsLastLM()

@@ -342,8 +342,13 @@ class Pipeline:
         pp_group,
         loss_parallel: bool,
         device: torch.device,
+        explain: Callable[[torch.Tensor], str | None] | None = None,
+        first_step_hooks: Sequence[Any] = (),
     ) -> None:
         self.module, self.schedule, self.stage_ids, self.num_stages = module, schedule, stage_ids, num_stages
+        # before the first step: why the stages would fail or mix tensors where the whole model does not
+        self._explain = explain
+        self._first_step_hooks = list(first_step_hooks)  # checks of the first step's forward, removed after it
         self.layer_ranges, self.microbatches, self.schedule_name = layer_ranges, microbatches, schedule_name
         self.pp_group, self.loss_parallel, self.device = pp_group, loss_parallel, device
         self.has_first, self.has_last = 0 in stage_ids, num_stages - 1 in stage_ids
@@ -375,15 +380,26 @@ class Pipeline:
         """Forward and backward over every microbatch; the mean loss over microbatches on every pipeline
         rank (``share_loss=False``: on the last stage's ranks only, zero elsewhere, with no collective:
         for a caller that reduces it with other values, as mmm's training step does)."""
+        first = self._batch is None
         self._check_batch(inputs, training=True)
+        if first and self._explain is not None:  # every rank runs every stage on meta: all refuse alike
+            explain, self._explain = self._explain, None  # its meta copy of the model is not kept
+            problem = explain(inputs[: inputs.shape[0] // self.microbatches])
+            if problem:
+                raise UsageError(problem)
         losses: list = []
-        with loss_parallel_context(self.loss_parallel):
-            self.schedule.step(
-                *((inputs,) if self.has_first else ()),
-                target=targets if self.has_last else None,
-                losses=losses if self.has_last else None,
-                **self._no_outputs,
-            )
+        try:
+            with loss_parallel_context(self.loss_parallel):
+                self.schedule.step(
+                    *((inputs,) if self.has_first else ()),
+                    target=targets if self.has_last else None,
+                    losses=losses if self.has_last else None,
+                    **self._no_outputs,
+                )
+        finally:
+            for handle in self._first_step_hooks:
+                handle.remove()
+            self._first_step_hooks = []
         if self.has_last:
             loss = torch.stack(
                 [(x.full_tensor() if hasattr(x, "full_tensor") else x).detach().float() for x in losses]
@@ -505,15 +521,32 @@ def build_pipeline(
         # a stage runs forward for every microbatch before their backwards: resharding after each
         # forward would all-gather its parameters again for every microbatch, twice
         stage_spec = stage_spec.replace(reshard_after_forward=False)
-    parts, stages = [], []
+    parts, stages, guards = [], [], []
     for sid in mine:
         part = split_model(
             model, ranges[sid], first=sid == 0, last=sid == num_stages - 1, blocks=path, pre=pre, post=post
         )
         part = parallelize(part, mesh, stage_spec, device=device, seed=seed, init=init)
+        auto_pre, auto_post = outer_modules(model, path)
+        guards += stand_in_guards(
+            part,
+            path,
+            [] if sid == 0 else (auto_pre if pre is None else pre),
+            [] if sid == num_stages - 1 else (auto_post if post is None else post),
+            sid,
+        )
         parts.append(part)
         stages.append(_stage_class(PipelineStage)(part, sid, num_stages, device, group=mesh.group("pp")))
     sched = build_schedule(stages, schedule=schedule, microbatches=microbatches, loss_fn=loss_fn)
+    on_meta = all(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
+    try:  # a model on meta is held as it is (no memory); one that cannot be copied is not checked
+        skeleton = model if on_meta else meta_copy(model)
+    except Exception:
+        skeleton = None
+
+    def explain(microbatch: torch.Tensor) -> str | None:
+        return split_problem(skeleton, microbatch, ranges, blocks=path, pre=pre, post=post)
+
     return Pipeline(
         module=StageSet(parts),
         schedule=sched,
@@ -525,4 +558,122 @@ def build_pipeline(
         pp_group=mesh.group("pp"),
         loss_parallel=spec.loss_parallel and mesh.tp_enabled,
         device=device,
+        explain=explain if skeleton is not None and device.type != "meta" else None,  # not in a simulated step
+        first_step_hooks=guards,
     )
+
+
+def stand_in_guards(stage: nn.Module, blocks: str, pre: Sequence[str], post: Sequence[str], sid: int) -> list:
+    """Hooks on a stage's stand-ins (``nn.Identity``) for the modules it does not hold: one for a module that
+    runs before the blocks must be handed the stage's input (the hidden state, as a chain from the model's
+    input is), one for a module after them must run after them. A forward that combines two modules before
+    the blocks (``tok(x) + pos(p)``), or a module registered after the blocks that runs before them, would
+    add the wrong tensor to the hidden state, silently where the shapes allow it: refused in one line at
+    the first step instead."""
+    seen: dict[str, Any] = {}
+    fix = (
+        "one tensor goes from stage to stage, and the model is split at its blocks in the order its modules "
+        "are registered: register them in the forward's order, and combine what runs before the blocks in "
+        "one module (tok(x) + pos(p): one embedding module that adds both)"
+    )
+
+    def stage_input(module, args, kwargs):
+        seen["input"], seen["blocks_ran"] = (args[0] if args else next(iter(kwargs.values()), None)), False
+
+    def block_ran(module, args, output):
+        seen["blocks_ran"] = True
+
+    def before(name):
+        def hook(module, args):
+            if seen.get("blocks_ran"):
+                raise UsageError(
+                    f"{name} is registered before the blocks but runs after them (on pipeline stage {sid}, which "
+                    f"does not hold it); {fix}"
+                )
+            if not args or args[0] is not seen.get("input"):
+                what = f"a {type(args[0]).__name__}" if args else "nothing"
+                shape = f" of shape {tuple(args[0].shape)}" if args and isinstance(args[0], torch.Tensor) else ""
+                raise UsageError(
+                    f"{name} runs before the blocks, and on pipeline stage {sid} (which does not hold it) the "
+                    f"forward hands it {what}{shape} other than the stage's input; {fix}"
+                )
+
+        return hook
+
+    def after(name):
+        def hook(module, args):
+            if not seen.get("blocks_ran"):
+                raise UsageError(
+                    f"{name} is registered after the blocks but runs before them (on pipeline stage {sid}, which "
+                    f"does not hold it); {fix}"
+                )
+
+        return hook
+
+    handles = [stage.register_forward_pre_hook(stage_input, with_kwargs=True)]
+    handles += [block.register_forward_hook(block_ran) for _, block in block_items(get_submodule(stage, blocks))]
+    for names, guard in ((pre, before), (post, after)):
+        for name in names:
+            stand_in = get_submodule(stage, name)
+            if isinstance(stand_in, nn.Identity):
+                handles.append(stand_in.register_forward_pre_hook(guard(name)))
+    return handles
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are on ``meta``: its structure, no memory."""
+    memo: dict[int, Any] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        empty = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
+    return copy.deepcopy(model, memo)
+
+
+@torch.no_grad()
+def split_problem(
+    model: nn.Module,
+    microbatch: torch.Tensor,
+    ranges: Sequence[tuple[int, int]],
+    *,
+    blocks: str,
+    pre: Sequence[str] | None = None,
+    post: Sequence[str] | None = None,
+) -> str | None:
+    """Why the stages of ``model`` (on meta) fail on ``microbatch``, or hand a stand-in the wrong tensor
+    (:func:`stand_in_guards`), where the whole model runs: the split (modules registered out of forward
+    order, two modules before the blocks combined in the forward). None when every stage runs, or when the
+    whole model does not run on meta (its own error, if any, is the one to see)."""
+    x = microbatch.to("meta")
+
+    def runs_whole() -> bool:  # asked only when a stage fails: a model that does not run on meta is not checked
+        try:
+            model(microbatch.to("meta"))
+        except Exception:
+            return False
+        return True
+
+    auto_pre, auto_post = outer_modules(model, blocks)
+    for sid, (start, _) in enumerate(ranges):  # each stage with its first block alone: the same shapes, fewer ops
+        last = sid == len(ranges) - 1
+        try:
+            stage = split_model(model, (start, start + 1), first=sid == 0, last=last, blocks=blocks, pre=pre, post=post)
+        except Exception:  # a stage that cannot be copied on meta: not checked here (the real step's guards are)
+            return None
+        before = [] if sid == 0 else (auto_pre if pre is None else pre)
+        stand_in_guards(stage, blocks, before, [] if last else (auto_post if post is None else post), sid)
+        try:
+            x = stage(x)
+        except UsageError as err:  # a stand-in handed the wrong tensor
+            return str(err) if runs_whole() else None
+        except Exception as err:
+            if not runs_whole():  # the model's own error (or none on a device), not the split's
+                return None
+            said = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+            return (
+                f"stage {sid} of {type(model).__name__}'s pipeline fails on what the stage before it hands on "
+                f"({type(err).__name__}: {said}), though the whole model runs: the model is split at its blocks "
+                "in the order its modules are registered, and one tensor goes from stage to stage; register its "
+                "modules in the forward's order (the head after the blocks) and combine what runs before the "
+                "blocks in one module (tok(x) + pos(p): one embedding module)"
+            )
+    return None

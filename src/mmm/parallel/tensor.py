@@ -16,6 +16,7 @@ family's rooted at the causal LM: ``mmm.models.hf.HF_LLAMA_TP_PLAN``).
 from __future__ import annotations
 
 import contextlib
+import difflib
 import fnmatch
 import re
 from collections.abc import Mapping
@@ -91,8 +92,6 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, Any], *, allow_missing: bo
 
 def _closest(patterns: list[str], names: list[str]) -> list[str]:
     """The module names most like ``patterns``, as patterns (a block's index as ``*``): two for each, four in all."""
-    import difflib
-
     shapes = list(dict.fromkeys(re.sub(r"(?<=\.)\d+(?=\.|$)", "*", n) for n in names))
     found: list[str] = []
     for pattern in patterns:
