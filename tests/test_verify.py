@@ -22,19 +22,19 @@ def test_verdict_fails_on_a_constant_factor_on_the_gradients():
         ("build", 2, ["--tp", "2"], "tp=2, dp=fsdp"),
         ("build", 4, ["--pp", "2", "--ac", "selective"], "pp=2 x dp=2, dp=fsdp, ac=selective"),
         ("build_sequential", 4, ["--pp", "2", "--tp", "2"], "pp=2 x tp=2, dp=fsdp"),
+        # tokens and positions in one module called with both (a stand-in takes two arguments); blocks that
+        # change the width (the pre-step check runs each stage with all its blocks before it refuses)
+        ("build_embed", 2, ["--pp", "2"], "pp=2, dp=fsdp"),
     ],
-    ids=["tp2", "pp2-dp2-ac", "sequential-blocks-pp2-tp2"],
+    ids=["tp2", "pp2-dp2-ac", "sequential-blocks-pp2-tp2", "pp2-embed-both"],
 )
 def test_own_model_passes(build, ranks, flags, layout):
     """A user's model through verify; its blocks in a ModuleList, or in an nn.Sequential (found by
     blocks='auto' and split into pipeline stages as well). Its TP plan alone on 2 ranks (FSDP x TP: the
     equivalence matrix and test_hf), FSDP over a pipeline, and both on the sequential blocks."""
+    plan = ["--tp-plan", "own_lm:TP_PLAN"]
     env = clean_env(PYTHONPATH=os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]))
-    res = run(
-        launch("-n", str(ranks), *VERIFY, "--model", f"own_lm:{build}", "--tp-plan", "own_lm:TP_PLAN", *flags),
-        env=env,
-        timeout=180,
-    )
+    res = run(launch("-n", str(ranks), *VERIFY, "--model", f"own_lm:{build}", *plan, *flags), env=env, timeout=180)
     assert res.returncode == 0, res.output
     assert f"PASS: {layout} max rel diff" in res.stdout and "grad norm (mesh)" in res.stdout, res.stdout
     assert res.output.count("returned a view tensor") <= 1, res.output  # FSDP2's warning: once, not per rank
@@ -59,12 +59,11 @@ def test_a_tolerance_of_zero_fails_with_a_one_line_error():
             "no module of TinyLM has an 'attn_fn' attribute",
         ),
         (["--strategy", "ddp", "--tp", "2"], "--strategy ddp does not compose with tp"),
-        # a pipeline split in registration order: a head registered first (a stage's traceback before), GPT-2's
-        # tok(x) + pos(p) (positions added to the hidden state: silently, where dim = seq), a position table
-        # registered after the blocks
+        # a pipeline split in registration order, checked on meta before the first step (every rank alike:
+        # test_a_pipeline_split_out_of_forward_order_is_named), or by the stand-ins in the first real step for
+        # a model that cannot run on meta (it reads a value): GPT-2's tok(x) + pos(p)
         (["--model", "own_lm:build_headfirst", "--pp", "2"], "stage 1 of HeadFirstLM's pipeline fails on what"),
-        (["--model", "own_lm:build_positions", "--pp", "2"], "pos runs before the blocks, and on pipeline stage 1"),
-        (["--model", "own_lm:build_positions_last", "--pp", "2"], "pos is registered after the blocks but runs"),
+        (["--model", "own_lm:build_positions_off_meta", "--pp", "2"], "pos runs before the blocks, and on pipeline"),
     ],
 )
 def test_bad_input(flags, needle):
@@ -92,6 +91,35 @@ def test_context_and_expert_parallel(flags, layout):
     res = run(launch("-n", "2", *VERIFY, *flags), timeout=180)
     assert res.returncode == 0, res.output
     assert f"PASS: {layout}" in res.stdout, res.stdout
+
+
+@pytest.mark.parametrize(
+    "build, needle",
+    [
+        ("build", None),
+        ("build_embed", None),  # tokens and positions in one module, called with both
+        ("build_widening", None),  # blocks that change the width: each stage with all its blocks decides
+        ("build_headfirst", "stage 1 of HeadFirstLM's pipeline fails on what the stage before it hands on"),
+        ("build_positions", "pos runs before the blocks, and on pipeline stage 1 (which does not hold it) the"),
+        ("build_positions_last", "pos is registered after the blocks but runs before them (on pipeline stage 0"),
+        ("build_positions_off_meta", None),  # cannot run on meta: left to the first real step's stand-ins
+    ],
+)
+def test_a_pipeline_split_out_of_forward_order_is_named(build, needle, monkeypatch):
+    """What every rank runs on meta before a pipeline's first step (mmm.parallel.pipeline.split_problem): a
+    split that fails where the whole model runs, or hands a stand-in another tensor than its stage's input
+    (GPT-2's tok(x) + pos(p): silently wrong where dim = seq), is named; valid splits pass."""
+    import torch
+
+    from mmm.parallel.pipeline import meta_copy, split_problem, stage_layer_ranges
+
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import own_lm
+
+    model = meta_copy(getattr(own_lm, build)())
+    tokens = torch.zeros(4, 32, dtype=torch.long)
+    said = split_problem(model, tokens, stage_layer_ranges(4, 2, None), blocks="blocks")
+    assert (said is None) if needle is None else (needle in said and "\n" not in said), said
 
 
 def test_an_experts_plan_given_by_flag():

@@ -9,15 +9,14 @@ Usable by any training loop::
         # or: hist.update({"loss": loss, "dt": dt}, step=step)
     summary = hist.finalize(extra={"world_size": 4})   # history.nc, summary.json, plots/
 
-``update`` appends one JSON line per step and flushes it, so a crash loses nothing that
-finished. ``finalize`` writes ``history.nc`` (netCDF, the file xarray writes), ``summary.json``
-(mean/std/min/max of each metric with the first ``warmup`` steps excluded, plus
-``extra``) and ``plots/<metric>.txt`` (plotext) and ``plots/<metric>.png`` (matplotlib),
-each file written to a temporary name and renamed into place. There are no hidden
-collectives: gathering across ranks is the caller's explicit choice. Heavy packages
-(xarray, plotext, matplotlib) load only inside ``finalize``. ``hooks`` are called with each
-record as it is made (experiment trackers, :mod:`mmm.tracking`); with none, ``update`` does no
-more than before.
+``update`` appends one JSON line per call and flushes it, so a crash loses nothing that finished (a step's
+later metrics, ``update(step, val_loss=...)``, add a line of that step). ``finalize`` writes ``history.nc``
+(netCDF, the file xarray writes), ``summary.json`` (mean/std/min/max of each metric with the first ``warmup``
+steps excluded, plus ``extra``) and ``plots/<metric>.txt`` (plotext) and ``plots/<metric>.png`` (matplotlib),
+each file written to a temporary name and renamed into place. There are no hidden collectives: gathering
+across ranks is the caller's explicit choice. Heavy packages (xarray, plotext, matplotlib) load only inside
+``finalize``. ``hooks`` are called with each record as it is made (experiment trackers, :mod:`mmm.tracking`);
+with none, ``update`` does no more than before.
 """
 
 from __future__ import annotations

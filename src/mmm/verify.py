@@ -510,7 +510,7 @@ def recipe_target(recipe: Recipe, check: VerifyConfig):
 
 def plan_missing(model: str, axis: str, n: int, what: str, example: str) -> str:
     """The line for ``--tp``/``--ep`` > 1 on a model with no such plan, with the fix its kind of model has."""
-    if model in BUILTIN:
+    if model in BUILTIN and axis == "ep":
         return f"--{axis} {n}: --model {model} has no experts to split; use --model llama-moe"
     if model.count(":") == 1 and isinstance(_load(model, "--model"), Recipe):
         return f"--{axis} {n}: the recipe {model} gives no {axis}_plan in its spec; use --{axis} 1"

@@ -99,3 +99,62 @@ class PositionsLastLM(PositionsLM):  # the same forward, its position table regi
 
 def build_positions_last():
     return PositionsLastLM()
+
+
+class PositionsOffMetaLM(PositionsLM):  # the same, whole only off meta (as a model with collectives in its forward)
+    def forward(self, tokens):
+        if tokens.is_meta and len(self.blocks) == 4:  # the whole model; a pipeline stage holds fewer blocks
+            raise RuntimeError("this model does not run on meta")
+        return super().forward(tokens)
+
+
+def build_positions_off_meta():
+    return PositionsOffMetaLM()
+
+
+class Embed(nn.Module):  # tokens and positions in one module: what a pipeline needs before its blocks
+    def __init__(self, vocab, dim, seq):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
+
+    def forward(self, tokens, positions):
+        return self.tok(tokens) + self.pos(positions)
+
+
+class EmbedLM(TinyLM):
+    def __init__(self, vocab=128, dim=32, depth=4, seq=64):
+        nn.Module.__init__(self)
+        self.embed = Embed(vocab, dim, seq)
+        self.blocks = nn.ModuleList([Block(dim) for _ in range(depth)])
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        h = self.embed(tokens, torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def build_embed():
+    return EmbedLM()
+
+
+class Widen(nn.Module):
+    def __init__(self, dim_in, dim_out):
+        super().__init__()
+        self.proj = nn.Linear(dim_in, dim_out)
+
+    def forward(self, x):
+        return torch.tanh(self.proj(x))
+
+
+class WideningLM(TinyLM):  # blocks that change the width (a pyramid): each stage hands on another shape
+    def __init__(self, vocab=128, dims=(32, 40, 48, 56, 64)):
+        nn.Module.__init__(self)
+        self.embed = nn.Embedding(vocab, dims[0])
+        self.blocks = nn.ModuleList([Widen(a, b) for a, b in zip(dims, dims[1:])])
+        self.head = nn.Linear(dims[-1], vocab)
+
+
+def build_widening():
+    return WideningLM()

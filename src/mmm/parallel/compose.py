@@ -290,9 +290,11 @@ def _no_kv_cache(model: nn.Module) -> None:
         )
 
 
-def _has_cp_attention(model: nn.Module) -> bool:
-    """Whether :func:`mmm.parallel.context.context_parallel` put its attention into a module of ``model``."""
-    return any(isinstance(v, RingAttention) for m in model.modules() for v in vars(m).values())
+def _cp_attention_missing(model: nn.Module) -> bool:
+    """Whether ``model`` has attention hooks (``attn_fn``) and :func:`mmm.parallel.context.context_parallel` put
+    its attention into none of them (a model without the hook shards its sequence its own way: not judged)."""
+    hooks = [m.attn_fn for m in model.modules() if hasattr(m, "attn_fn")]
+    return bool(hooks) and not any(isinstance(h, RingAttention) for h in hooks)
 
 
 def parallelize(
@@ -339,7 +341,7 @@ def parallelize(
         )
     if on_meta and device is None:
         problems.append(f"{type(model).__name__} is on the meta device: pass device= to materialise it on")
-    if mesh.dims.cp > 1 and not _has_cp_attention(model):  # each cp rank would attend to its own tokens only
+    if mesh.dims.cp > 1 and _cp_attention_missing(model):  # each cp rank would attend to its own tokens only
         problems.append(
             f"the mesh has cp={mesh.dims.cp} but {type(model).__name__}'s attention is not context parallel: call "
             "mmm.parallel.context_parallel(model, mesh['cp'], seq_len=S) before parallelize()"

@@ -143,6 +143,14 @@ def outer_modules(model: nn.Module, blocks: str) -> tuple[list[str], list[str]]:
     return pre, post
 
 
+class StandIn(nn.Identity):
+    """What a stage holds for a module of another stage: hands on its first input (the hidden state), whatever
+    else it is called with (``embed(tokens, positions)``, ``embed(input_ids=x)``)."""
+
+    def forward(self, *args, **kwargs):
+        return args[0] if args else next(iter(kwargs.values()), None)
+
+
 class KeptBlocks(nn.ModuleDict):
     """Some blocks of a ``ModuleList``, keyed by their index in the full model (so parameter names
     do not change), that still iterates, indexes and slices like the list a model's forward expects."""
@@ -205,7 +213,7 @@ def split_model(
     start, end = layer_range
     memo: dict[int, Any] = {id(b): None for i, (_, b) in enumerate(items) if not start <= i < end}
     for name in ([] if first else pre) + ([] if last else post):
-        memo[id(get_submodule(model, name))] = nn.Identity()
+        memo[id(get_submodule(model, name))] = StandIn()
     part = copy.deepcopy(model, memo)
     copied = get_submodule(part, path)._modules  # by key: the dropped blocks are None there
     kept = {str(k): copied[str(k)] for i, (k, _) in enumerate(items) if start <= i < end}
@@ -564,7 +572,7 @@ def build_pipeline(
 
 
 def stand_in_guards(stage: nn.Module, blocks: str, pre: Sequence[str], post: Sequence[str], sid: int) -> list:
-    """Hooks on a stage's stand-ins (``nn.Identity``) for the modules it does not hold: one for a module that
+    """Hooks on a stage's stand-ins (:class:`StandIn`) for the modules it does not hold: one for a module that
     runs before the blocks must be handed the stage's input (the hidden state, as a chain from the model's
     input is), one for a module after them must run after them. A forward that combines two modules before
     the blocks (``tok(x) + pos(p)``), or a module registered after the blocks that runs before them, would
@@ -574,7 +582,7 @@ def stand_in_guards(stage: nn.Module, blocks: str, pre: Sequence[str], post: Seq
     fix = (
         "one tensor goes from stage to stage, and the model is split at its blocks in the order its modules "
         "are registered: register them in the forward's order, and combine what runs before the blocks in "
-        "one module (tok(x) + pos(p): one embedding module that adds both)"
+        "one module (tok(x) + pos(p): one embedding module that adds both, called as embed(x, p))"
     )
 
     def stage_input(module, args, kwargs):
@@ -584,7 +592,8 @@ def stand_in_guards(stage: nn.Module, blocks: str, pre: Sequence[str], post: Seq
         seen["blocks_ran"] = True
 
     def before(name):
-        def hook(module, args):
+        def hook(module, args, kwargs):
+            args = args or tuple(kwargs.values())[:1]  # embed(input_ids=x): its first keyword
             if seen.get("blocks_ran"):
                 raise UsageError(
                     f"{name} is registered before the blocks but runs after them (on pipeline stage {sid}, which "
@@ -601,7 +610,7 @@ def stand_in_guards(stage: nn.Module, blocks: str, pre: Sequence[str], post: Seq
         return hook
 
     def after(name):
-        def hook(module, args):
+        def hook(module, args, kwargs):
             if not seen.get("blocks_ran"):
                 raise UsageError(
                     f"{name} is registered after the blocks but runs before them (on pipeline stage {sid}, which "
@@ -615,8 +624,8 @@ def stand_in_guards(stage: nn.Module, blocks: str, pre: Sequence[str], post: Seq
     for names, guard in ((pre, before), (post, after)):
         for name in names:
             stand_in = get_submodule(stage, name)
-            if isinstance(stand_in, nn.Identity):
-                handles.append(stand_in.register_forward_pre_hook(guard(name)))
+            if isinstance(stand_in, StandIn):
+                handles.append(stand_in.register_forward_pre_hook(guard(name), with_kwargs=True))
     return handles
 
 
@@ -638,6 +647,7 @@ def split_problem(
     blocks: str,
     pre: Sequence[str] | None = None,
     post: Sequence[str] | None = None,
+    whole_ranges: bool = False,
 ) -> str | None:
     """Why the stages of ``model`` (on meta) fail on ``microbatch``, or hand a stand-in the wrong tensor
     (:func:`stand_in_guards`), where the whole model runs: the split (modules registered out of forward
@@ -653,10 +663,11 @@ def split_problem(
         return True
 
     auto_pre, auto_post = outer_modules(model, blocks)
-    for sid, (start, _) in enumerate(ranges):  # each stage with its first block alone: the same shapes, fewer ops
+    for sid, (start, end) in enumerate(ranges):  # first each stage with its first block alone: fewer ops
         last = sid == len(ranges) - 1
+        kept = (start, end) if whole_ranges else (start, start + 1)
         try:
-            stage = split_model(model, (start, start + 1), first=sid == 0, last=last, blocks=blocks, pre=pre, post=post)
+            stage = split_model(model, kept, first=sid == 0, last=last, blocks=blocks, pre=pre, post=post)
         except Exception:  # a stage that cannot be copied on meta: not checked here (the real step's guards are)
             return None
         before = [] if sid == 0 else (auto_pre if pre is None else pre)
@@ -668,12 +679,14 @@ def split_problem(
         except Exception as err:
             if not runs_whole():  # the model's own error (or none on a device), not the split's
                 return None
+            if not whole_ranges:  # blocks that change the width: each stage with all of its blocks decides
+                return split_problem(model, microbatch, ranges, blocks=blocks, pre=pre, post=post, whole_ranges=True)
             said = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
             return (
                 f"stage {sid} of {type(model).__name__}'s pipeline fails on what the stage before it hands on "
                 f"({type(err).__name__}: {said}), though the whole model runs: the model is split at its blocks "
                 "in the order its modules are registered, and one tensor goes from stage to stage; register its "
                 "modules in the forward's order (the head after the blocks) and combine what runs before the "
-                "blocks in one module (tok(x) + pos(p): one embedding module)"
+                "blocks in one module (tok(x) + pos(p): one embedding module, called as embed(x, p))"
             )
     return None

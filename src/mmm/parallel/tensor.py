@@ -92,10 +92,10 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, Any], *, allow_missing: bo
 
 def _closest(patterns: list[str], names: list[str]) -> list[str]:
     """The module names most like ``patterns``, as patterns (a block's index as ``*``): two for each, four in all."""
-    shapes = list(dict.fromkeys(re.sub(r"(?<=\.)\d+(?=\.|$)", "*", n) for n in names))
+    shapes = list(dict.fromkeys(re.sub(r"(?:(?<=\.)|^)\d+(?=\.|$)", "*", n) for n in names))
     found: list[str] = []
     for pattern in patterns:
-        found += [c for c in difflib.get_close_matches(pattern, shapes, n=2, cutoff=0.6) if c not in found]
+        found += [c for c in difflib.get_close_matches(pattern, shapes, n=2, cutoff=0.75) if c not in found]
     return found[:4]
 
 
