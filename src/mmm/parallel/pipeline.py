@@ -145,7 +145,12 @@ def outer_modules(model: nn.Module, blocks: str) -> tuple[list[str], list[str]]:
 
 class StandIn(nn.Identity):
     """What a stage holds for a module of another stage: hands on its first input (the hidden state), whatever
-    else it is called with (``embed(tokens, positions)``, ``embed(input_ids=x)``)."""
+    else it is called with (``embed(tokens, positions)``, ``embed(input_ids=x)``). ``side``: where the module
+    it stands for runs, ``"before"`` or ``"after"`` the blocks (:func:`stand_in_guards`)."""
+
+    def __init__(self, side: str) -> None:
+        super().__init__()
+        self.side = side
 
     def forward(self, *args, **kwargs):
         return args[0] if args else next(iter(kwargs.values()), None)
@@ -212,8 +217,9 @@ def split_model(
     items = block_items(container)
     start, end = layer_range
     memo: dict[int, Any] = {id(b): None for i, (_, b) in enumerate(items) if not start <= i < end}
-    for name in ([] if first else pre) + ([] if last else post):
-        memo[id(get_submodule(model, name))] = StandIn()
+    for side, names in (("before", [] if first else pre), ("after", [] if last else post)):
+        for name in names:
+            memo[id(get_submodule(model, name))] = StandIn(side)
     part = copy.deepcopy(model, memo)
     copied = get_submodule(part, path)._modules  # by key: the dropped blocks are None there
     kept = {str(k): copied[str(k)] for i, (k, _) in enumerate(items) if start <= i < end}
@@ -535,14 +541,7 @@ def build_pipeline(
             model, ranges[sid], first=sid == 0, last=sid == num_stages - 1, blocks=path, pre=pre, post=post
         )
         part = parallelize(part, mesh, stage_spec, device=device, seed=seed, init=init)
-        auto_pre, auto_post = outer_modules(model, path)
-        guards += stand_in_guards(
-            part,
-            path,
-            [] if sid == 0 else (auto_pre if pre is None else pre),
-            [] if sid == num_stages - 1 else (auto_post if post is None else post),
-            sid,
-        )
+        guards += stand_in_guards(part, path, sid)
         parts.append(part)
         stages.append(_stage_class(PipelineStage)(part, sid, num_stages, device, group=mesh.group("pp")))
     sched = build_schedule(stages, schedule=schedule, microbatches=microbatches, loss_fn=loss_fn)
@@ -571,7 +570,7 @@ def build_pipeline(
     )
 
 
-def stand_in_guards(stage: nn.Module, blocks: str, pre: Sequence[str], post: Sequence[str], sid: int) -> list:
+def stand_in_guards(stage: nn.Module, blocks: str, sid: int) -> list:
     """Hooks on a stage's stand-ins (:class:`StandIn`) for the modules it does not hold: one for a module that
     runs before the blocks must be handed the stage's input (the hidden state, as a chain from the model's
     input is), one for a module after them must run after them. A forward that combines two modules before
@@ -621,11 +620,10 @@ def stand_in_guards(stage: nn.Module, blocks: str, pre: Sequence[str], post: Seq
 
     handles = [stage.register_forward_pre_hook(stage_input, with_kwargs=True)]
     handles += [block.register_forward_hook(block_ran) for _, block in block_items(get_submodule(stage, blocks))]
-    for names, guard in ((pre, before), (post, after)):
-        for name in names:
-            stand_in = get_submodule(stage, name)
-            if isinstance(stand_in, StandIn):
-                handles.append(stand_in.register_forward_pre_hook(guard(name), with_kwargs=True))
+    for name, stand_in in stage.named_modules():
+        if isinstance(stand_in, StandIn):
+            guard = before if stand_in.side == "before" else after
+            handles.append(stand_in.register_forward_pre_hook(guard(name), with_kwargs=True))
     return handles
 
 
@@ -662,7 +660,6 @@ def split_problem(
             return False
         return True
 
-    auto_pre, auto_post = outer_modules(model, blocks)
     for sid, (start, end) in enumerate(ranges):  # first each stage with its first block alone: fewer ops
         last = sid == len(ranges) - 1
         kept = (start, end) if whole_ranges else (start, start + 1)
@@ -670,8 +667,7 @@ def split_problem(
             stage = split_model(model, kept, first=sid == 0, last=last, blocks=blocks, pre=pre, post=post)
         except Exception:  # a stage that cannot be copied on meta: not checked here (the real step's guards are)
             return None
-        before = [] if sid == 0 else (auto_pre if pre is None else pre)
-        stand_in_guards(stage, blocks, before, [] if last else (auto_post if post is None else post), sid)
+        stand_in_guards(stage, blocks, sid)
         try:
             x = stage(x)
         except UsageError as err:  # a stand-in handed the wrong tensor
