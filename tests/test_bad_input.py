@@ -665,3 +665,35 @@ def test_flag_checks_in_process():
     assert mmm_env.get("MMM_BACKEND", env={"MMM_BACKEND": "cpu:gloo,cuda:nccl"}) == "cpu:gloo,cuda:nccl"
     assert mmm_env.get("MMM_TIMEOUT", 600.0, env={"MMM_TIMEOUT": " "}) == 600.0  # blank: unset
     assert os.environ.get("MMM_NOT_A_VARIABLE") is None
+
+
+@pytest.mark.parametrize(
+    "command, argv, needle",
+    [
+        # a flag another trainer takes: why this one does not, not a typo
+        ("python -m mmm.training.trainer --recipe hf", ["--cp", "2"], "--cp: no context parallel for transformers"),
+        ("python -m mmm.examples.vit", ["--pp", "2"], "--pp: the ViT trainer runs a dp x tp mesh"),
+        ("python -m mmm.examples.fsdp", ["--tp", "2"], "--tp: the CNN trainer is data parallel only"),
+        ("python -m mmm.examples.fsdp", ["--dp-shard", "2"], "--dp-shard: the CNN trainer infers dp_shard"),
+        # a misspelt flag: the nearest one this command takes
+        ("python -m mmm.examples.fsdp_tp", ["--moe_experts", "8"], "--moe_experts: did you mean --moe-experts?"),
+        ("python -m mmm.examples.fsdp_tp", ["--moe-expert", "8"], "--moe-expert: did you mean --moe-experts?"),
+        ("python -m mmm.plan.simulate", ["--world", "8", "--hard", "h100"], "--hard: did you mean --hardware?"),
+        ("launch", ["-n", "2", "--retry", "1", "python3", "-c", "pass"], "--retry: did you mean --retries?"),
+    ],
+)
+def test_an_unknown_flag_is_named_with_its_reason_or_the_nearest(command, argv, needle, rows):
+    parser = _commands()[command][0]
+    t0 = time.perf_counter()
+    with pytest.raises(UsageError) as caught:
+        parser.parse_args(argv)
+    line = str(caught.value)
+    assert line.startswith("unrecognized arguments: ") and needle in line and "\n" not in line, line
+    rows(f"{command} {' '.join(argv)}", line, 2, time.perf_counter() - t0)
+
+
+def test_help_reads_as_plain_text():
+    """--help shows a module's docstring without its markup (``x``, :func:`x`)."""
+    for name, (parser, _, _) in _commands().items():
+        text = parser.format_help()
+        assert "``" not in text and ":func:`" not in text and ":class:`" not in text, (name, text)

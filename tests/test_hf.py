@@ -51,6 +51,20 @@ def test_a_pattern_that_matches_nothing_is_an_error():
     assert "'model.layers.*.self_attn.q_proj'?" in str(e.value), str(e.value)
 
 
+def test_plans_and_context_parallel_on_a_transformers_model_name_the_fix():
+    """An experts plan's near miss names the nearest modules (as a TP plan's does); context parallel on a
+    transformers model says it has none (its attention is transformers' own), not "give it a hook"."""
+    from mmm.parallel.context import context_parallel
+    from mmm.parallel.experts import expert_modules
+
+    with pytest.raises(UsageError, match="did you mean 'model.layers.\\*.mlp.up_proj'"):
+        expert_modules(tiny_llama(), {"model.layers.*.mlp.up_prj": "experts"})
+    with pytest.raises(UsageError, match="unknown style 'expert'; the style is 'experts'"):
+        expert_modules(tiny_llama(), {"model.layers.*.mlp": "expert"})
+    with pytest.raises(UsageError, match="^no context parallel for LlamaForCausalLM: a transformers model's attention"):
+        context_parallel(tiny_llama(), None, seq_len=8)
+
+
 def test_blocks_found_automatically():
     from mmm.parallel.compose import find_blocks
 

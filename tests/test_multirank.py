@@ -102,7 +102,12 @@ def test_launch_mpiexec_8_ranks_hsdp_tp(tmp_path):
 
 
 def test_torchrun_8_ranks_cp_tp(tmp_path):
-    _run_smoke(torchrun, 8, ["--cp", "2", "--tp", "2"], tmp_path, timeout=180)
+    """cp's group also carries an all-to-all (all-to-all context parallel's, as ep's carries the experts')."""
+    res, reports = _run_smoke(torchrun, 8, ["--cp", "2", "--tp", "2"], tmp_path, timeout=180)
+    for rep in reports:
+        (a2a,) = [c for c in rep["checks"] if c.get("kind") == "all-to-all"]
+        assert a2a["name"] == "cp" and a2a["members"] == rep["groups"]["cp"] and a2a["ok"], a2a
+    assert "all-to-all over cp           size 2: ok" in res.output, res.output
 
 
 def test_two_ranks_and_all_ranks_logging(tmp_path):

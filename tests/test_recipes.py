@@ -134,7 +134,7 @@ def test_a_hugging_face_config_trains_through_the_one_trainer(tmp_path):
         got, ref = (jsonl(tmp_path / d / "history.jsonl", key) for d in ("pp2tp2", "one"))
         assert max_rel_diff(got, ref) < 1e-5, (key, got, ref)
     res = run([sys.executable, *args, "--cp", "2"], timeout=60)
-    assert_clean_user_error(res, "unrecognized arguments: --cp 2")  # context parallel is not offered
+    assert_clean_user_error(res, "unrecognized arguments: --cp 2; --cp: no context parallel for transformers models")
     res = run([sys.executable, "-m", "mmm.training.trainer", "--recipe", "nosuch"], timeout=60)
     assert_clean_user_error(res, "--recipe 'nosuch': give one of llama, vit, cnn, hf or module:NAME")
     # a config of a model that is no causal LM: refused where the config is read, not when it is built

@@ -64,6 +64,12 @@ def test_a_tolerance_of_zero_fails_with_a_one_line_error():
         # a model that cannot run on meta (it reads a value): GPT-2's tok(x) + pos(p)
         (["--model", "own_lm:build_headfirst", "--pp", "2"], "stage 1 of HeadFirstLM's pipeline fails on what"),
         (["--model", "own_lm:build_positions_off_meta", "--pp", "2"], "pos runs before the blocks, and on pipeline"),
+        # own experts that return a plain empty tensor on a rank their tokens miss: that rank says so, at once
+        # (its peers would wait in the all-to-all of backward until MMM_TIMEOUT)
+        (
+            ["--model", "own_lm:build_plain_moe", "--ep-plan", "own_lm:PLAIN_EP_PLAN", "--ep", "2"],
+            "PlainExperts's output on this rank (no tokens for its 2 experts) takes no part in backward",
+        ),
     ],
 )
 def test_bad_input(flags, needle):

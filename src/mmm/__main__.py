@@ -100,17 +100,34 @@ def main(argv: Sequence[str] | None = None) -> int:
             }
         )
 
+    def exchange(name: str, group, members: list[int]) -> None:
+        """An all-to-all (expert parallel's token exchange, all-to-all context parallel's): each rank sends
+        every peer its own number."""
+        t0 = time.perf_counter()
+        me = members.index(rank)
+        send = torch.tensor([float(rank * 1000 + j) for j in range(len(members))], device=info.device)
+        got = torch.empty_like(send)
+        tdist.all_to_all_single(got, send, group=group)
+        want = [float(src * 1000 + me) for src in members]
+        ok = got.tolist() == want
+        checks.append({"name": name, "kind": "all-to-all", "members": members, "got": got.tolist(), "want": want,
+                       "ok": ok, "ms": 1e3 * (time.perf_counter() - t0)})  # fmt: skip
+
     check("world", None, list(range(info.world_size)))
     for name in mesh.names:
         sub = mesh[name]
         check(name, sub.get_group(), sub.mesh.flatten().tolist())
+    for name in ("ep", "cp"):  # the axes whose traffic is all-to-all
+        if name in mesh.names and mesh[name].size() > 1:
+            exchange(name, mesh[name].get_group(), mesh[name].mesh.flatten().tolist())
 
     failed = torch.tensor([sum(not c["ok"] for c in checks)], device=info.device)
     tdist.all_reduce(failed)
     n_failed = int(failed.item())
     for c in checks:
         log.info(
-            "all-reduce over %-12s size %d: %s (%.1f ms)",
+            "%s over %-12s size %d: %s (%.1f ms)",
+            c.get("kind", "all-reduce"),
             c["name"],
             len(c["members"]),
             "ok" if c["ok"] else f"FAILED got {c['got']} want {c['want']}",

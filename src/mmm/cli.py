@@ -380,15 +380,23 @@ class Flags:
         into: Callable[..., Any] = dict,
         example: str = "",
         titles: Mapping[str, str] | None = None,
+        why_not: Mapping[str, str] | None = None,
     ) -> None:
         self.prog, self.doc, self.sections, self.into = prog, doc, dict(sections), into
-        self.example, self.titles = example, dict(titles or {})
+        self.example, self.titles, self.why_not = example, dict(titles or {}), dict(why_not or {})
 
     def parser(self) -> ArgumentParser:
-        """A fresh parser (``--help``: the doc's first paragraph, the flags, the doc's third paragraph on)."""
+        """A fresh parser (``--help``: the doc's first paragraph, the flags, the doc's third paragraph on).
+        A flag of a section's class that this command does not offer is refused with its reason (``why_not``:
+        field -> why), not as a typo."""
         parts = self.doc.split("\n\n", 2)
         p = ArgumentParser(prog=self.prog, description=parts[0], epilog=parts[2] if len(parts) > 2 else None)
         add_flags(p, *self.sections.values(), titles=self.titles, example=self.example)
+        for cls, only in self.sections.values():
+            for f in flag_fields(cls) if only is not None else ():
+                if f.name not in only:
+                    why = self.why_not.get(f.name, f"{self.prog} does not take it")
+                    p.not_here.update(dict.fromkeys(f.metadata["flags"], why))
         return p
 
     def configs(self, namespace: argparse.Namespace) -> Any:

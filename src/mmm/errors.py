@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -73,6 +75,16 @@ class Spelling:
 API = Spelling()
 
 
+_ROLE = re.compile(r":(?:class|func|mod|meth|attr|data|exc|obj):`(~?)([^`]+)`")
+
+
+def plain_text(text: str) -> str:
+    """A docstring as a terminal shows it: ``:func:`mmm.verify``` -> ``mmm.verify``, double backquotes
+    dropped (``~`` roles keep the last name)."""
+    text = _ROLE.sub(lambda m: m.group(2).rsplit(".", 1)[-1] if m.group(1) else m.group(2), text)
+    return text.replace("``", "")
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that reports a bad flag as a single line (usage is one `--help` away), and takes only
     whole flag names: an abbreviation (``--hard`` for ``--hardware``) would slip past commands that pass
@@ -81,6 +93,38 @@ class ArgumentParser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        self.not_here: dict[str, str] = {}
+        """Flags other commands of mmm take and this one does not -> why (said when one is given)."""
+
+    def format_help(self) -> str:
+        for text in ("description", "epilog"):  # often a module's docstring, read in a terminal
+            if getattr(self, text):
+                setattr(self, text, plain_text(getattr(self, text)))
+        return super().format_help()
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}" + "".join(f"; {h}" for h in self._hints(extras)))
+        return namespace
+
+    def _hints(self, extras: Sequence[str]) -> list[str]:
+        """For each unknown flag: why this command does not take it (:attr:`not_here`), or the nearest flag
+        it takes (``--moe_experts``, ``--moe-expert``: ``--moe-experts``)."""
+        ours = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        why: dict[str, list[str]] = {}
+        near = []
+        for arg in extras:
+            flag = arg.split("=", 1)[0]
+            if not flag.startswith("--") or flag in ours:
+                continue
+            if flag in self.not_here:
+                why.setdefault(self.not_here[flag], []).append(flag)
+                continue
+            close = difflib.get_close_matches(flag.replace("_", "-"), ours, n=1, cutoff=0.75)
+            if close:
+                near.append(f"{flag}: did you mean {close[0]}?")
+        return [f"{', '.join(flags)}: {reason}" for reason, flags in why.items()] + near
 
     def error(self, message: str):  # type: ignore[override]
         raise UsageError(f"{message} (see {self.prog} --help)")

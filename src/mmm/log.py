@@ -72,6 +72,30 @@ def configure(
     return logger
 
 
+_QUIETED = False
+
+
+def quiet_torchao() -> None:
+    """transformers imports torchao when it is installed (for its quantizers), and torchao's import says, on
+    every rank of a run that uses neither, that its CUDA kernels do not load into a torch built without CUDA,
+    and (torch) that it registers an Enum the deprecated way. Those two messages are dropped, nothing else
+    (call before transformers is imported; once is enough)."""
+    global _QUIETED
+    if _QUIETED:
+        return
+    _QUIETED = True
+
+    def cuda_kernels_on_a_cpu_build(record: logging.LogRecord) -> bool:
+        torch = sys.modules.get("torch")
+        cpu_build = torch is not None and getattr(torch.version, "cuda", None) is None
+        return not (cpu_build and record.getMessage().startswith("Failed to load "))
+
+    logging.getLogger("torchao").addFilter(cuda_kernels_on_a_cpu_build)
+    logging.getLogger("torch.utils._pytree").addFilter(
+        lambda r: "register_constant() on Enum subclasses is deprecated" not in r.getMessage()
+    )
+
+
 def rich_wanted(env=os.environ) -> bool:
     """Whether output is rich-rendered: ``MMM_RICH=0/1`` when set, else on a terminal outside MPI."""
     # MPI launchers hand ranks a pseudo-terminal even when the job writes to a file.

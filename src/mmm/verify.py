@@ -37,7 +37,7 @@ from mmm.cli import FLAGS, ArgumentParser, Flags, nonnegative_float, option, ove
 from mmm.data import step_seed
 from mmm.dist import current
 from mmm.errors import RunError, UsageError
-from mmm.log import get_logger
+from mmm.log import get_logger, quiet_torchao
 from mmm.models.hf import HF_LLAMA_TP_PLAN
 from mmm.models.llama import Llama, LlamaConfig, llama_tp_plan
 from mmm.models.vit import VIT_TP_PLAN, ViT, ViTConfig
@@ -355,6 +355,7 @@ def _load(ref: str, what: str):
     module, _, name = ref.partition(":")
     if not module or not name:
         raise UsageError(f"{what} {ref!r} is not module:name (e.g. mypkg.models:build)")
+    quiet_torchao()  # a module that imports transformers
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
@@ -408,6 +409,7 @@ def target(check: VerifyConfig, par: ParallelConfig | None = None, world: int = 
             (lambda logits, y: F.cross_entropy(logits.float(), y)),
         )
     if check.model == "hf-llama":
+        quiet_torchao()
         try:
             from transformers import LlamaConfig as HFLlamaConfig
             from transformers import LlamaForCausalLM

@@ -60,6 +60,52 @@ def build_moe():
     return Llama(LlamaConfig(dim=32, n_layers=2, n_heads=4, vocab_size=128, seq_len=32, moe_experts=4, moe_top_k=2))
 
 
+class PlainExperts(nn.Module):
+    """Experts (E, ...) run one by one; with no tokens it returns a plain empty tensor, cut off from backward
+    (what a user writes first: under ep that rank would skip the all-to-all its peers wait in)."""
+
+    def __init__(self, n, dim, hidden):
+        super().__init__()
+        self.w_in = nn.Parameter(torch.empty(n, hidden, dim))
+        self.w_out = nn.Parameter(torch.empty(n, dim, hidden))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        nn.init.normal_(self.w_in, std=0.05)
+        nn.init.normal_(self.w_out, std=0.05)
+
+    def forward(self, x, counts):
+        w_in, w_out = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w_in, self.w_out))
+        outs = [torch.relu(t @ w_in[e].T) @ w_out[e].T for e, t in enumerate(x.split(counts)) if len(t)]
+        return torch.cat(outs) if outs else x.new_zeros((0, x.shape[1]))
+
+
+class FirstExpertMoE(nn.Module):  # every token to expert 0: under ep 2, rank 1's experts get none
+    def __init__(self, dim, n=4):
+        super().__init__()
+        self.experts, self.n = PlainExperts(n, dim, 2 * dim), n
+
+    def run_experts(self, experts, x, counts):
+        return experts(x, counts)
+
+    def forward(self, x):
+        t = x.reshape(-1, x.shape[-1])
+        return x + self.run_experts(self.experts, t, [t.shape[0]] + [0] * (self.n - 1)).view_as(x)
+
+
+class PlainMoELM(TinyLM):
+    def __init__(self, vocab=128, dim=32, depth=2):
+        super().__init__(vocab, dim, depth)
+        self.blocks = nn.ModuleList([FirstExpertMoE(dim) for _ in range(depth)])
+
+
+def build_plain_moe():
+    return PlainMoELM()
+
+
+PLAIN_EP_PLAN = {"blocks.*.experts": "experts"}
+
+
 class HeadFirstLM(TinyLM):  # the head registered before the blocks: a pipeline splits in registration order
     def __init__(self, vocab=128, dim=32, depth=4):
         nn.Module.__init__(self)

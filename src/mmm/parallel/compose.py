@@ -144,11 +144,12 @@ def ac_problems(ac: str, dims: ParallelDims, *, schedule: str | None = None, spe
         return []
     out = []
     if dims.ep > 1 and dims.efsdp == 1:  # (with efsdp > 1 it runs: an equivalence row)
+        smaller = [d for d in range(dims.ep - 1, 0, -1) if not dims.ep % d][:2]
         out.append(
             f"{spell('ac', ac)} with {spell('ep', dims.ep)} fails in backward with torch {torch.__version__} when ep "
             f"takes every one of the dp_shard x cp = {dims.ep} ranks (the experts' FSDP unit over a mesh of one, "
-            f"inside a selective-checkpoint region); use {spell('ac', 'full')}, or {spell('ep', 1)} (or any ep "
-            f"smaller than {dims.ep} that divides it)"
+            f"inside a selective-checkpoint region); use {spell('ac', 'full')}, or "
+            + " or ".join(spell("ep", d) for d in smaller)
         )
     if schedule == "interleaved-zb" and dims.pp > 1:
         out.append(

@@ -283,6 +283,11 @@ def context_parallel(
     if kind not in CP_KINDS:
         raise UsageError(f"unknown context-parallel attention kind={kind!r}; choose one of {', '.join(CP_KINDS)}")
     names = [name for name, mod in model.named_modules() if hasattr(mod, attn_attr)]
+    if not names and type(model).__module__.startswith("transformers."):
+        raise UsageError(
+            f"no context parallel for {type(model).__name__}: a transformers model's attention is its own, with no "
+            f"{attn_attr}(q, k, v) hook to take context parallel's (mmm's Llama has one: mmm.models.llama)"
+        )
     if not names:
         raise UsageError(
             f"no module of {type(model).__name__} has an {attn_attr!r} attribute; give its attention "

@@ -43,6 +43,8 @@ from torch import nn
 from mmm.errors import UsageError
 from mmm.models.grouped import counts_tokens, grouped_linear, grouped_mm_available, no_tokens, padded_groups
 from mmm.parallel.context import all_to_all, all_to_all_autograd
+from mmm.parallel.meta import own_class
+from mmm.parallel.tensor import closest_patterns
 
 EP_STYLES = ("experts",)
 
@@ -58,10 +60,14 @@ def expert_modules(model: nn.Module, plan, *, allow_missing: bool = False) -> li
     found: list[tuple[str, nn.Module]] = []
     for pattern, style in plan.items():
         if style not in EP_STYLES:
-            raise UsageError(f"experts plan {pattern!r}: unknown style {style!r}; use one of {', '.join(EP_STYLES)}")
+            raise UsageError(f"experts plan {pattern!r}: unknown style {style!r}; the style is {EP_STYLES[0]!r}")
         hits = [(n, m) for n, m in model.named_modules() if _matches(n, pattern)]
         if not hits and not allow_missing:
-            raise UsageError(f"experts plan pattern {pattern!r} matches no module of {type(model).__name__}")
+            close = closest_patterns([pattern], [n for n, _ in model.named_modules() if n])
+            raise UsageError(
+                f"experts plan pattern {pattern!r} matches no module of {type(model).__name__}"
+                + (f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else "")
+            )
         found += hits
     return found
 
@@ -121,9 +127,31 @@ class ExpertParallel:
             starts.append(starts[-1] + size)
         spans = [(starts[s * per + e], sizes[s * per + e]) for e in range(per) for s in range(ep)]
         order = torch.cat([torch.arange(a, a + size, device=x.device) for a, size in spans])
-        out = experts(received.index_select(0, order), [sum(sizes[s * per + e] for s in range(ep)) for e in range(per)])
+        held = [sum(sizes[s * per + e] for s in range(ep)) for e in range(per)]
+        out = experts(received.index_select(0, order), held)
+        if not out.requires_grad and torch.is_grad_enabled() and _trains(experts, received):
+            raise UsageError(_cut_off(experts, held), same_on_all_ranks=False)
         back = torch.empty_like(out).index_copy(0, order, out)
         return all_to_all_autograd(back, self.group, got, send)
+
+
+def _trains(experts, received: torch.Tensor) -> bool:
+    """Whether this forward's backward reaches the experts (their tokens' gradients, or their weights')."""
+    weights = experts.parameters() if isinstance(experts, nn.Module) else ()
+    return received.requires_grad or any(w.requires_grad for w in weights)
+
+
+def _cut_off(experts, held: list[int]) -> str:
+    """What to say when the experts' output on this rank takes no part in backward: its peers would wait
+    in the all-to-all that returns their tokens' gradients (until MMM_TIMEOUT) while this rank skips it."""
+    what = own_class(experts) if isinstance(experts, nn.Module) else "the experts module"
+    got = f"its {sum(held)} tokens" if sum(held) else "no tokens"
+    return (
+        f"expert parallel: {what}'s output on this rank ({got} for its {len(held)} experts) takes no part in "
+        "backward, so this rank would skip the all-to-all its peers wait in; keep the input and every weight in "
+        "the output's graph even with no tokens (mmm.models.grouped.no_tokens(x, features, *weights), or add "
+        "0.0 * (x.sum() + w.sum()) for each weight w)"
+    )
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -228,7 +228,7 @@ def materialize(
                 except AttributeError as err:
                     if "reset_parameters" in str(err):
                         raise UsageError(
-                            f"{name} has no initialiser: {_own_class(owner)} has no reset_parameters(); "
+                            f"{name} has no initialiser: {own_class(owner)} has no reset_parameters(); "
                             "give the model an init_weights() method, or parallelize(..., init=fn)"
                         ) from None
                     raise
@@ -262,6 +262,6 @@ def describe_init(model: nn.Module, init: Any = None) -> str:
     return "reset_parameters() of each module"
 
 
-def _own_class(module: nn.Module) -> str:
+def own_class(module: nn.Module) -> str:
     """The name of ``module``'s own class, not the ``FSDP<name>`` class FSDP2 swaps in (made in its module)."""
     return next(c for c in type(module).__mro__ if not c.__module__.startswith("torch.distributed.fsdp")).__name__

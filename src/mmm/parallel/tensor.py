@@ -75,7 +75,7 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, Any], *, allow_missing: bo
         for n in hits:
             out[n] = st
     if missing and not allow_missing:
-        close = _closest(missing, names)
+        close = closest_patterns(missing, names)
         raise UsageError(
             f"TP plan pattern(s) {', '.join(repr(p) for p in missing)} match no module of "
             f"{type(model).__name__}; "
@@ -90,7 +90,7 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, Any], *, allow_missing: bo
     return out
 
 
-def _closest(patterns: list[str], names: list[str]) -> list[str]:
+def closest_patterns(patterns: list[str], names: list[str]) -> list[str]:
     """The module names most like ``patterns``, as patterns (a block's index as ``*``): two for each, four in all."""
     shapes = list(dict.fromkeys(re.sub(r"(?:(?<=\.)|^)\d+(?=\.|$)", "*", n) for n in names))
     found: list[str] = []

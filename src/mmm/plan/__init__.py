@@ -21,6 +21,7 @@ from typing import Any
 
 from mmm.cli import flag_fields
 from mmm.errors import UsageError
+from mmm.parallel.experts import ep_degrees
 from mmm.parallel.strategy import STRATEGIES
 from mmm.training.config import Config, ParallelConfig
 from mmm.training.recipe import Recipe, recipe_named
@@ -148,7 +149,10 @@ def plan(
         if ep > 1 and not experts:
             why = f"--ep {ep} splits a mixture of experts' experts; add --moe-experts N (a multiple of {ep})"
         elif ep > 1 and experts % ep:
-            why = f"--ep {ep} does not divide the {experts} experts; give an ep that divides them"
+            fits = [d for d in ep_degrees(experts) if not world % d and d > 1][:3]
+            why = f"--ep {ep} does not divide the {experts} experts; give an ep that divides them" + (
+                f" (on {world} ranks: {', '.join(map(str, fits))})" if fits else ""
+            )
         elif ep > 1:
             why = "ep borrows its ranks from dp_shard x cp, which it must divide, and the other degrees multiply to"
             why = f"no layout of {world} ranks has {', '.join(f'{k}={v}' for k, v in fixed.items())}: {why} {world}"

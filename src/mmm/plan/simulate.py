@@ -65,6 +65,10 @@ from mmm.training.recipe import add_recipe_flag, recipe_from_argv
 MIB = 2**20
 
 
+def _mib_or_bytes(n: int) -> str:
+    return f"{n / MIB:.1f}" if n >= 0.05 * MIB else f"{n:,} bytes"
+
+
 def build_parser(recipe=None) -> ArgumentParser:
     recipe = recipe or recipe_from_argv([])[0]
     p = recipe.command_line().parser()
@@ -186,8 +190,8 @@ def format_reports(reports: list[RankReport]) -> str:
         )
         for r in stepped:
             peak = r.step["peak"]
-            comm = ", ".join(
-                f"{axis} {n / MIB:.1f} ({r.step['comm_calls'].get(axis, 0)})"
+            comm = ", ".join(  # a payload under 0.05 MiB (the step's scalars): in bytes, not as 0.0
+                f"{axis} {_mib_or_bytes(n)} ({r.step['comm_calls'].get(axis, 0)})"
                 for axis, n in r.step["comm_bytes"].items()
             )
             held = r.step["activation_peak_bytes"]
@@ -202,10 +206,11 @@ def format_reports(reports: list[RankReport]) -> str:
         lines += ["", f"predicted on {hw} (mmm.plan.predict: the model and its assumptions):"]
         for r in predicted:
             p = r.prediction
-            parts = ", ".join(
+            parts = ", ".join(  # an axis under 0.5% of the step (its scalars) is left out, as in --pick's
                 f"{axis} {p['exposed_s'][axis] * 1e3:.1f} of {t * 1e3:.1f} ms"
                 f"{' (crosses nodes)' if p['crosses_nodes'][axis] else ''}"
                 for axis, t in p["comm_s"].items()
+                if t >= max(0.005 * p["step_s"], 5e-5)  # and what shows as 0.0 ms
             )
             fit = "fits" if p["fits"] else "DOES NOT FIT"
             bubble = f" + bubble {p['bubble_s'] * 1e3:.1f}" if p["bubble_s"] else ""
@@ -215,7 +220,7 @@ def format_reports(reports: list[RankReport]) -> str:
             lines.append(
                 f"{r.rank:>6}  step {p['step_s'] * 1e3:.1f} ms = compute {p['compute_s'] * 1e3:.1f}{memory}{bubble}"
                 " + exposed communication "
-                f"({parts}); MFU {p['mfu']:.1%}; peak {p['peak_bytes'] / 2**30:.1f} of "
+                f"({parts or 'none'}); MFU {p['mfu']:.1%}; peak {p['peak_bytes'] / 2**30:.1f} of "
                 f"{p['memory_bytes'] / 2**30:.0f} GiB: {fit}"
             )
     return "\n".join(lines)

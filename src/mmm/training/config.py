@@ -361,10 +361,12 @@ def trainer_flags(
     titles: Mapping[str, str] | None = None,
     recipe: Any = None,
     prog: str | None = None,
+    why_not: Mapping[str, str] | None = None,
 ) -> Flags:
     """The command line of ``python -m mmm.examples.<example>`` (``doc``: its docstring): every field
     of its ``train`` class and of ``run``, and the ``parallel`` fields of :class:`ParallelConfig` it
-    offers (all when None; the others keep their defaults). ``.parse(argv)`` gives a :class:`Config`."""
+    offers (all when None; the others keep their defaults, and one given is refused with ``why_not``'s
+    reason for it). ``.parse(argv)`` gives a :class:`Config`."""
     return Flags(
         prog=prog or f"python -m mmm.examples.{example}",
         doc=doc,
@@ -372,4 +374,5 @@ def trainer_flags(
         into=partial(Config, recipe=recipe),
         example=example,
         titles=titles,
+        why_not=why_not,
     )

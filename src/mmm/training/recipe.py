@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mmm.cli import nonempty_text
+from mmm.cli import flag_fields, nonempty_text
 from mmm.errors import UsageError
 from mmm.parallel.compose import ParallelSpec
 from mmm.parallel.meta import count_params
@@ -140,7 +140,13 @@ class Recipe:
             titles=self.titles,
             recipe=self,
             prog=prog,
+            why_not={f.name: self.not_offered(f.name) for f in flag_fields(ParallelConfig)},
         )
+
+    def not_offered(self, field: str) -> str:
+        """Why this recipe's command line has no flag for :class:`ParallelConfig` ``field`` (it is not in
+        ``parallel_flags``): said when a user gives it (mmm's Llama takes every one)."""
+        return f"the {self.name} recipe does not offer it (python -m mmm.examples.fsdp_tp, mmm's Llama, takes it)"
 
     def problems(self, config: Config, world_size: int) -> list[str]:
         """Every problem with ``config`` on ``world_size`` ranks, at once (each names the value and the fix)."""

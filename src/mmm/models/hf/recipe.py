@@ -14,7 +14,6 @@ parallel is refused (the attention is transformers' own); the plan's styles must
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 from mmm.cli import FLAGS, flag_problems, option, positive_int
 from mmm.data import DATASETS, dataset_problems, make_dataset
 from mmm.errors import Spelling, UsageError, first_line
+from mmm.log import quiet_torchao
 from mmm.parallel.compose import ParallelSpec, find_blocks, get_submodule
 from mmm.parallel.experts import count_expert_tokens, ep_degrees, expert_load, hf_ep_plan
 from mmm.parallel.loss import cross_entropy
@@ -97,7 +97,7 @@ def load_hf_config(path: str):
         raise UsageError(f"--hf-config {path!r}: cannot read {file} as JSON ({e})") from None
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise UsageError(f"--hf-config {path!r}: {file} has no model_type; is it a transformers config.json?")
-    _quiet_torchao()
+    quiet_torchao()
     try:
         from transformers import AutoConfig
     except ImportError:
@@ -136,20 +136,8 @@ class HFModel:
     seq_len: int
 
 
-@cache
-def _quiet_torchao() -> None:
-    """transformers imports torchao when it is installed (for its quantizers), and torchao's import says, on
-    every rank of a run that uses neither, that its CUDA kernels do not load into a torch built without CUDA,
-    and (torch) that it registers an Enum the deprecated way. Those two messages are dropped, nothing else."""
-    if torch.version.cuda is None:
-        logging.getLogger("torchao").addFilter(lambda r: not r.getMessage().startswith("Failed to load "))
-    logging.getLogger("torch.utils._pytree").addFilter(
-        lambda r: "register_constant() on Enum subclasses is deprecated" not in r.getMessage()
-    )
-
-
 def _causal_lm(config):
-    _quiet_torchao()
+    quiet_torchao()
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_config(config)
@@ -159,7 +147,7 @@ def _causal_lm(config):
 def _meta_causal_lm(config_json: str):
     """The causal LM of this config built on meta (no memory), once per config: its blocks and its
     parameter count are read from the same build."""
-    _quiet_torchao()
+    quiet_torchao()
     from transformers import AutoConfig
 
     raw = json.loads(config_json)
@@ -207,6 +195,14 @@ class HFCausalLMRecipe(Recipe):
         "stages_per_rank",
         "split_points",
     )
+
+    def not_offered(self, field: str) -> str:
+        if field in ("cp", "cp_attention"):
+            return (
+                "no context parallel for transformers models: their attention is their own (mmm's Llama has it: "
+                "--recipe llama)"
+            )
+        return "the hf recipe trains with torch's strategies (fsdp, hsdp, ddp), not DeepSpeed's ZeRO"
 
     def problems(self, config: Config[HFTrainConfig], world_size: int) -> list[str]:
         train, par = config.train, config.parallel

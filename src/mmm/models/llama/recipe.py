@@ -79,7 +79,7 @@ class LlamaTrainConfig(EvalConfig, ScheduleConfig):
         None,
         "--moe-hidden",
         parse=positive_int,
-        shown="the dense width / top-k",
+        shown="the dense width / top-k, rounded to a multiple of 32",
         group="model",
         help="each expert's SwiGLU width",
     )
@@ -505,13 +505,15 @@ class LlamaRecipe(Recipe):
 
     def prepare(self, model: Llama, mesh, model_config: LlamaConfig, how) -> None:
         if mesh.ep_enabled:
+            efsdp = mesh.dims.efsdp
             get_logger().info(
-                "expert parallel: %d experts per block over %d ranks (%d each, tokens by all-to-all), FSDP over "
-                "the other %d of dp_shard x cp",
+                "expert parallel: %d experts per block over %d ranks (%d each, tokens by all-to-all), %s",
                 model_config.moe_experts,
                 mesh.ep,
                 model_config.moe_experts // mesh.ep,
-                mesh.dims.efsdp,
+                f"FSDP over the other {efsdp} ranks of dp_shard x cp"
+                if efsdp > 1
+                else "not sharded further (ep takes every rank of dp_shard x cp)",
             )
         if mesh.cp_enabled:  # context parallel: ring or all-to-all attention over the cp ranks
             kind = how.cp_attention

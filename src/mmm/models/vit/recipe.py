@@ -89,6 +89,11 @@ class ViTRecipe(Recipe):
         "pipeline": "gradient accumulation",
     }
 
+    def not_offered(self, field: str) -> str:
+        if field == "dp_shard":
+            return "the ViT trainer infers dp_shard (dp_replicate x dp_shard x tp = world size)"
+        return "the ViT trainer runs a dp x tp mesh: no pipeline, context or expert parallel"
+
     def problems(self, config: Config[ViTTrainConfig], world_size: int) -> list[str]:
         train, par = config.train, config.parallel
         out = par.problems(world_size) + train.problems()
