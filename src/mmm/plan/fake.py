@@ -5,6 +5,7 @@ pipeline, the shapes its stages trade first. The planner's simulation (:mod:`mmm
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import resource
 import sys
@@ -416,6 +417,28 @@ def process_kept():
         logger.setLevel(level)
         logger.handlers[:] = handlers
         logger.propagate = propagate
+
+
+@contextlib.contextmanager
+def setup_lines_left_out():
+    """A simulated layout's own setup lines (its mesh, its optimizer: a few per layout, dozens of layouts in
+    a ranking, and the floors' meshes) are not the planner's: at the INFO level they are left out (with
+    MMM_LOG_LEVEL=DEBUG they stay)."""
+    logger = get_logger()
+    if logger.getEffectiveLevel() < logging.INFO:
+        yield
+        return
+    before, level = os.environ.get("MMM_LOG_LEVEL"), logger.level
+    os.environ["MMM_LOG_LEVEL"] = "WARNING"  # for each simulated rank's own logging set-up
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("MMM_LOG_LEVEL", None)
+        else:
+            os.environ["MMM_LOG_LEVEL"] = before
+        logger.setLevel(level)
 
 
 def forget_meshes() -> None:

@@ -23,7 +23,7 @@ from mmm.parallel.pipeline import stage_ids, stage_layer_ranges
 from mmm.parallel.strategy import state_bytes_per_param
 from mmm.parallel.tensor import loss_parallel_context
 from mmm.plan import Combo
-from mmm.plan.fake import forget_meshes, num_params, process_kept, step_terms
+from mmm.plan.fake import forget_meshes, num_params, process_kept, setup_lines_left_out, step_terms
 from mmm.plan.hardware import Hardware
 from mmm.plan.predict import axis_time, step_floor
 from mmm.training.config import Config
@@ -139,7 +139,7 @@ def _blocks_once(recipe, cfg, how, seqs: int, tp: int, fsdp: bool) -> int:
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MMM_DEVICE")
     kept = {name: os.environ.get(name) for name in names}
     os.environ.update(RANK="0", WORLD_SIZE=str(tp), LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(tp), MMM_DEVICE="cpu")
-    with process_kept():
+    with process_kept(), setup_lines_left_out():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
         try:
             mesh = init_mesh(tp=tp, device_type="cpu", log_coordinates=False)

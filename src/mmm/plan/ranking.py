@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from mmm.errors import UsageError
 from mmm.log import get_logger
 from mmm.plan import Combo, plan
-from mmm.plan.fake import RankReport, simulate_by_blocks
+from mmm.plan.fake import RankReport, setup_lines_left_out, simulate_by_blocks
 from mmm.plan.floor import block_params, layout_floor, state_floor, trial_config
 from mmm.plan.hardware import Hardware
 from mmm.plan.predict import MEMORY_MARGIN, pipeline_bubble
@@ -160,9 +160,10 @@ def _simulate_layout(task) -> tuple[list[RankReport] | None, str | None, str | N
 
     def simulated(variant: Combo, ac: str | None) -> list[RankReport]:
         trial = trial_config(config, variant, ac)
-        return simulate_by_blocks(
-            trial, world=world, ranks=ranks, devices_per_node=per_node, hardware=hardware, expert_load=expert_load
-        )
+        with setup_lines_left_out():
+            return simulate_by_blocks(
+                trial, world=world, ranks=ranks, devices_per_node=per_node, hardware=hardware, expert_load=expert_load
+            )
 
     def step_s(reports: list[RankReport]) -> float:
         return max(r.prediction["step_s"] for r in reports)
