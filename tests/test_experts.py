@@ -94,7 +94,11 @@ def test_a_rank_whose_experts_get_no_token_still_runs_every_all_to_all():
             "holds as many experts: use --ep 2 or --ep 1 (dividing both 6 and dp_shard x cp = 4)",
         ),
         (["--moe-experts", "1"], 1, "--moe-top-k 2 (its default) must be between 1 and --moe-experts 1"),
-        (["--moe-experts", "6", "--ep", "3"], 4, "ep=3 does not divide dp_shard x cp = 4 x 1 = 4"),
+        (
+            ["--moe-experts", "6", "--ep", "3"],
+            4,
+            "= 4: expert parallel borrows its ranks from them; valid ep here for 6 experts: 1, 2",
+        ),
         (["--moe-experts", "8", "--ep", "2", "--dp-shard", "1", "--pp", "4"], 4, "ep=2 does not divide dp_shard"),
         (["--moe-experts", "4", "--moe-top-k", "5"], 2, "--moe-top-k 5 must be between 1 and --moe-experts 4"),
         (["--moe-experts", "8", "--moe-hidden", "33", "--tp", "2"], 4, "--moe-hidden 33 is not divisible by --tp 2"),
