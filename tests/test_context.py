@@ -23,7 +23,8 @@ def test_load_balanced_positions():
     x = torch.arange(16).view(1, 16)
     assert shard_sequence(x, 1, 2).tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]]
     assert cp_problems(cp=4, seq_len=36) == [
-        "seq_len=36 is not divisible by 2 x cp = 8; context parallel cuts the sequence into 2*cp load-balanced chunks"
+        "seq_len=36 is not divisible by 2 x cp = 8; context parallel cuts the sequence into 2*cp load-balanced chunks; "
+        "use seq_len=32 or seq_len=40"
     ]
     assert cp_problems(cp=2, seq_len=32, tp=2, kind="ulysses", n_heads=6) == [
         "cp_attention='ulysses' splits the query heads over cp=2: n_heads 6 / tp=2 = 3 per TP rank is not "

@@ -74,7 +74,9 @@ def cp_problems(
     if seq_len % need:
         out.append(
             f"{spell('seq_len', seq_len)} is not divisible by 2 x cp{' x tp' if tp > 1 else ''} = {need}; context "
-            f"parallel cuts the sequence into 2*cp load-balanced chunks{' split again by TP' if tp > 1 else ''}"
+            f"parallel cuts the sequence into 2*cp load-balanced chunks{' split again by TP' if tp > 1 else ''}; "
+            f"use {spell('seq_len', seq_len - seq_len % need) + ' or ' if seq_len > need else ''}"
+            f"{spell('seq_len', seq_len - seq_len % need + need)}"
         )
     if kind == "ulysses" and n_heads is not None and (n_heads % tp or (n_heads // tp) % cp):
         per = f"{n_heads} / tp={tp} = {n_heads / tp:g}" if tp > 1 else str(n_heads)

@@ -30,7 +30,10 @@ def describe_sharding(model: nn.Module) -> str:
         if hasattr(p, "placements"):
             local = tuple(p.to_local().shape)
             names = p.device_mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(p.device_mesh.ndim))
-            placement = ", ".join(f"{n}:{_short(pl)}" for n, pl in zip(names, p.placements))
+            axes = list(zip(names, p.placements, p.device_mesh.shape))
+            # an axis of one rank changes nothing (the experts' efsdp where ep takes every rank): left out
+            placement = ", ".join(f"{n}:{_short(pl)}" for n, pl, size in axes if size > 1 or len(axes) == 1)
+            placement = placement or ", ".join(f"{n}:{_short(pl)}" for n, pl, _ in axes)
         else:
             local, placement = tuple(p.shape), "local (replicated by DDP or unsharded)"
         rows.append((name, "x".join(map(str, p.shape)), "x".join(map(str, local)), placement))
