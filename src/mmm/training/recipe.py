@@ -140,7 +140,11 @@ class Recipe:
             titles=self.titles,
             recipe=self,
             prog=prog,
-            why_not={f.name: self.not_offered(f.name) for f in flag_fields(ParallelConfig)},
+            why_not={
+                f.name: self.not_offered(f.name)
+                for f in flag_fields(ParallelConfig)
+                if self.parallel_flags is not None and f.name not in self.parallel_flags
+            },
         )
 
     def not_offered(self, field: str) -> str:
