@@ -292,6 +292,18 @@ def test_expert_load_refusals(argv, needle):
     assert_clean_user_error(res, needle)
 
 
+def test_the_experts_and_ulysses_all_to_alls_keep_their_axes_on_one_group(tmp_path):
+    """ep 2 over all of dp_shard 1 x cp 2: torch gives ep and cp one group, and both send all-to-alls on it.
+    Each is counted under its own axis (the experts' sender names ep), not both as ep's."""
+    out = tmp_path / "sim.json"
+    flags = [*SMALL, "--ep", "2", "--cp", "2", "--cp-attention", "ulysses", "--dp-shard", "1"]
+    res = run([*SIM, "--world", "2", "--ranks", "0", "--json", str(out), *flags], timeout=180)
+    assert res.returncode == 0, res.output
+    kinds = json.loads(out.read_text())[0]["step"]["comm_by_kind"]
+    assert kinds["cp.all_to_all"] > 0 and kinds["ep.all_to_all"] > 0, kinds
+    assert {k for k in kinds if k.endswith("all_to_all")} == {"cp.all_to_all", "ep.all_to_all"}, kinds
+
+
 def test_the_pick_ranks_expert_parallel_degrees(tmp_path):
     """--pick on a mixture of experts ranks its ep degrees (those that split the experts) with the rest."""
     out = tmp_path / "pick.json"

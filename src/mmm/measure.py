@@ -30,6 +30,8 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mmm.parallel.context import traffic_axis
+
 # c10d ops: (payload argument index, "out" when the payload is the output buffer)
 _C10D_PAYLOAD = {
     "_allgather_base_": 0,
@@ -92,13 +94,13 @@ class CommCounter(TorchDispatchMode):
 
     ``groups`` maps names to process groups (e.g. :meth:`mmm.parallel.Mesh.named_groups`); traffic
     on the default (world) group is counted under ``"world"``, on any other group not in the map under
-    ``"other"``. ``all_to_all`` renames the all-to-all traffic of a named group (``{"dp_shard": "ep"}``:
-    :meth:`mmm.parallel.Mesh.all_to_all_names`, where the experts' group is one named before it).
+    ``"other"``. An all-to-all whose sender names its axis (:func:`mmm.parallel.context.traffic_axis`: the
+    experts' token exchange, ep's) is counted under that axis, whatever the group's name (ep over all of
+    dp_shard: torch gives both one group).
     """
 
-    def __init__(self, groups: dict[str, Any], all_to_all: dict[str, str] | None = None) -> None:
+    def __init__(self, groups: dict[str, Any]) -> None:
         super().__init__()
-        self._all_to_all = dict(all_to_all or {})
         from torch.distributed.tensor import DTensor
 
         self._dtensor = DTensor
@@ -150,7 +152,7 @@ class CommCounter(TorchDispatchMode):
     def _count(self, group: str, op: str, payload: int) -> None:
         kind = _kind(op)
         if kind == "all_to_all":
-            group = self._all_to_all.get(group, group)
+            group = traffic_axis() or group
         self.bytes[group] += payload
         self.calls[group] += 1
         self.by_kind[(group, kind)] += payload

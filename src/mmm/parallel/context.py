@@ -25,7 +25,9 @@ q and k already rotated or embedded at their global positions (mmm's Llama:
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 
 import torch
 import torch.distributed as dist
@@ -192,32 +194,61 @@ class SequenceSum:
         return self
 
 
+_TRAFFIC = threading.local()
+
+
+def traffic_axis() -> str | None:
+    """The mesh axis the all-to-all being sent now belongs to, where its sender said (``axis=`` of
+    :func:`all_to_all`): the experts' token exchange is ep's even where ep's ranks are those of another
+    axis and torch gives both one process group (:class:`mmm.measure.CommCounter` counts it as ep's)."""
+    return getattr(_TRAFFIC, "axis", None)
+
+
+@contextlib.contextmanager
+def _traffic_of(axis: str | None):
+    before = traffic_axis()
+    _TRAFFIC.axis = axis or before
+    try:
+        yield
+    finally:
+        _TRAFFIC.axis = before
+
+
 class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` along dim 0 (rows ``in_splits`` out, ``out_splits`` in); backward sends
     the gradient back the same way, splits swapped. Even splits when none are given."""
 
     @staticmethod
-    def forward(ctx, t, group, in_splits, out_splits):
-        ctx.group, ctx.in_splits, ctx.out_splits = group, in_splits, out_splits
-        return all_to_all(t, group, in_splits, out_splits)
+    def forward(ctx, t, group, in_splits, out_splits, axis):
+        ctx.group, ctx.in_splits, ctx.out_splits, ctx.axis = group, in_splits, out_splits, axis
+        return all_to_all(t, group, in_splits, out_splits, axis=axis)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_to_all(grad, ctx.group, ctx.out_splits, ctx.in_splits), None, None, None
+        return all_to_all(grad, ctx.group, ctx.out_splits, ctx.in_splits, axis=ctx.axis), None, None, None, None
 
 
-def all_to_all(t: torch.Tensor, group, in_splits: list[int] | None = None, out_splits: list[int] | None = None):
-    """One ``all_to_all_single`` of ``t``'s rows (no autograd: :func:`all_to_all_autograd` has it)."""
+def all_to_all(
+    t: torch.Tensor,
+    group,
+    in_splits: list[int] | None = None,
+    out_splits: list[int] | None = None,
+    *,
+    axis: str | None = None,
+):
+    """One ``all_to_all_single`` of ``t``'s rows (no autograd: :func:`all_to_all_autograd` has it); ``axis``:
+    the mesh axis whose traffic it is (:func:`traffic_axis`), where the group may be another's too."""
     t = t.contiguous()
     rows = t.shape[0] if out_splits is None else sum(out_splits)
     out = t.new_empty((rows, *t.shape[1:]))
-    dist.all_to_all_single(out, t, out_splits, in_splits, group=group)
+    with _traffic_of(axis):
+        dist.all_to_all_single(out, t, out_splits, in_splits, group=group)
     return out
 
 
-def all_to_all_autograd(t: torch.Tensor, group, in_splits=None, out_splits=None) -> torch.Tensor:
+def all_to_all_autograd(t: torch.Tensor, group, in_splits=None, out_splits=None, *, axis=None) -> torch.Tensor:
     """:func:`all_to_all` whose backward returns each gradient row to the rank it came from."""
-    return _AllToAll.apply(t, group, in_splits, out_splits)
+    return _AllToAll.apply(t, group, in_splits, out_splits, axis)
 
 
 def _heads_to_sequence(x: torch.Tensor, group, cp: int) -> torch.Tensor:

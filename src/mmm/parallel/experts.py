@@ -112,7 +112,7 @@ class ExpertParallel:
         ep, n = self.size, len(counts)
         per = n // ep
         mine = torch.tensor(counts, dtype=torch.int64, device=x.device).view(ep, per)  # [to rank, its expert]
-        theirs = all_to_all(mine, self.group)  # [from rank, my expert]: what each peer sends me
+        theirs = all_to_all(mine, self.group, axis="ep")  # [from rank, my expert]: what each peer sends me
         if self.planned:  # no values to read: every peer routes as this rank does
             r = dist.get_rank(self.group)
             sizes = counts[r * per : (r + 1) * per] * ep
@@ -120,7 +120,7 @@ class ExpertParallel:
             sizes = theirs.flatten().tolist()
         send = [sum(counts[i * per : (i + 1) * per]) for i in range(ep)]
         got = [sum(sizes[s * per : (s + 1) * per]) for s in range(ep)]
-        received = all_to_all_autograd(x, self.group, send, got)  # grouped by source, then expert
+        received = all_to_all_autograd(x, self.group, send, got, axis="ep")  # grouped by source, then expert
         # regroup by expert (then source) for the experts held here, and back afterwards
         starts = [0]
         for size in sizes[:-1]:
@@ -132,7 +132,7 @@ class ExpertParallel:
         if not out.requires_grad and torch.is_grad_enabled() and _trains(experts, received):
             raise UsageError(_cut_off(experts, held), same_on_all_ranks=False)
         back = torch.empty_like(out).index_copy(0, order, out)
-        return all_to_all_autograd(back, self.group, got, send)
+        return all_to_all_autograd(back, self.group, got, send, axis="ep")
 
 
 def _trains(experts, received: torch.Tensor) -> bool:

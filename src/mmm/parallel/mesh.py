@@ -382,19 +382,6 @@ class Mesh:
                 out[name] = group
         return out
 
-    def all_to_all_names(self) -> dict[str, str]:
-        """``{name: "ep"}`` where the experts' group is a group :meth:`named_groups` names otherwise (ep over
-        all of dp_shard: torch gives both the same group): its all-to-all traffic is the experts' token
-        exchange, for :class:`mmm.measure.CommCounter` to count as ep's (the planner charges ep's traffic in
-        full, FSDP's behind the compute). Empty when ep has a group of its own, or none."""
-        ep = self.group("ep")
-        if ep is None:
-            return {}
-        for name, group in self.named_groups().items():
-            if group is ep and name != "ep":
-                return {name: "ep"}
-        return {}
-
     def seed_streams(self, seed: int) -> int:
         """After building the (identical) weights: give every data-parallel / context-parallel rank
         its own random stream (dropout masks differ across dp_cp ranks, as they would across the

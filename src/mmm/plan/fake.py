@@ -166,8 +166,10 @@ def simulate_rank(
     for name, group in mesh.named_groups().items():
         ranks = dist.get_process_group_ranks(group)
         axes[name] = {"size": len(ranks), "crosses_nodes": len({r // devices_per_node for r in ranks}) > 1}
-    for name, alias in mesh.all_to_all_names().items():  # the experts' group, named otherwise: ep's traffic too
-        axes[alias] = axes[name]
+    ep = mesh.group("ep")  # the experts' exchange is counted as ep's even where its group is named otherwise
+    if ep is not None and "ep" not in axes:
+        ranks = dist.get_process_group_ranks(ep)
+        axes["ep"] = {"size": len(ranks), "crosses_nodes": len({r // devices_per_node for r in ranks}) > 1}
     simulated = None
     if step:
         t0 = time.perf_counter()
@@ -564,7 +566,7 @@ def fake_step(
         held: dict[str, int] = {}  # what the trainer's summary.json reads while the gradients exist
         with (
             PeakMemory(existing, trace=trace) as memory,
-            CommCounter(mesh.named_groups(), all_to_all=mesh.all_to_all_names()) as comm,
+            CommCounter(mesh.named_groups()) as comm,
             SavedActivations() as saved,
             DeviceWork(fused_norms=fused_norms) as work,
         ):

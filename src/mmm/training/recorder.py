@@ -56,7 +56,7 @@ def mean_over(value: torch.Tensor, group) -> float:
 
 @contextlib.contextmanager
 def _measuring(run, mesh):
-    comm, saved = CommCounter(mesh.named_groups(), all_to_all=mesh.all_to_all_names()), SavedActivations()
+    comm, saved = CommCounter(mesh.named_groups()), SavedActivations()
     with comm, saved:
         yield
     run.measured = {
