@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import shutil
 import sys
@@ -86,6 +87,25 @@ def test_latest_is_the_most_recent_save_not_the_highest_step(tmp_path):
     assert complete_steps(ck) == [4, 5]  # 6 was saved before 3, 4 and 5: it goes first
     res = ok("--max-iters", "6", "--checkpoint-dir", str(ck), "--resume", "--outdir", str(tmp_path / "c"))
     assert "resumed from" in res.output and "step-00000005" in res.output, res.output
+
+
+def test_a_rollback_prunes_the_abandoned_branch_not_the_step_it_went_back_to(tmp_path, caplog):
+    """Saved 4, 8, 12; resumed from 4 and saving 6 with keep_last 2: 8 and 12 (the branch left behind) go, 4
+    (what this line descends from) and 6 stay; it kept 12 and 6 and removed 4. The log names what goes."""
+    from mmm.parallel.checkpoint_folder import prune_order
+
+    first = saver(tmp_path)
+    for step in (4, 8, 12):
+        first.save(step)
+    assert prune_order(tmp_path) == [4, 8, 12]  # one line: the oldest first
+    again = saver(tmp_path, keep_last=2)
+    again.log = logging.getLogger("test-rollback")
+    with caplog.at_level(logging.INFO, logger="test-rollback"):
+        again.save(6)
+    assert complete_steps(tmp_path) == [4, 6], complete_steps(tmp_path)
+    assert "checkpoint: pruning step(s) 8, 12 (keep_last=2)" in caplog.text, caplog.text
+    again.save(9)  # the line's own oldest goes next
+    assert complete_steps(tmp_path) == [6, 9]
 
 
 def test_every_rank_loads_the_step_rank_0_chose(tmp_path):
@@ -251,7 +271,6 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_one_saved_before(tmp_path
     """A node crash can leave a checkpoint marked complete with a file missing, or a shard cut short:
     'latest' then resumes the one saved before it (saying so) instead of failing the same way on every
     retry; the damaged step asked for by number is refused naming the damage."""
-    import logging
 
     from mmm.errors import UsageError
 
@@ -304,7 +323,6 @@ def test_loading_a_checkpoint_runs_no_code_from_its_folder(tmp_path):
 def test_a_prune_leaves_the_deletes_to_the_background_and_says_when_one_fails(tmp_path, caplog, monkeypatch):
     """Rank 0 renames pruned checkpoints away (fast) inside the save; the slow deletes run after it.
     A delete that fails is logged, not hidden; the leftover folder is never read."""
-    import logging
 
     from mmm.parallel import checkpoint_folder as C
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import errno
 import json
+import math
 import os
 import re
 import shutil
@@ -282,14 +283,31 @@ def commit(root: Path, step: int, tmp: Path, meta: dict[str, Any], *, keep_last:
     return final
 
 
+def prune_order(root: Path) -> list[int]:
+    """The complete checkpoints in the order pruning removes them: first those of an abandoned branch (saved
+    before a resume from an earlier step, past that step: after ``--resume 4`` with 8 and 12 on disk and 6
+    saved since, 8 and 12), oldest saved first; then the run's own line, oldest first (4, then 6). The line
+    is what the newest save descends from: going back in the order of saving, each step below the last."""
+    by_recency = steps_by_recency(root)
+    line, below = set(), math.inf
+    for step in reversed(by_recency):
+        if step < below:
+            line.add(step)
+            below = step
+    return [s for s in by_recency if s not in line] + [s for s in by_recency if s in line]
+
+
 def prune(root: Path, *, keep_last: int, keep: int, log=None) -> None:
-    """Remove all but the ``keep_last`` most recently saved checkpoints (never ``keep``, the one just
-    written; 0 keeps all). Each goes by a rename first: a half-deleted folder never looks complete."""
+    """Remove all but ``keep_last`` checkpoints (never ``keep``, the one just written; 0 keeps all), an
+    abandoned branch's first (:func:`prune_order`). Each goes by a rename first: a half-deleted folder
+    never looks complete."""
     if keep_last <= 0:
         return
-    for old in steps_by_recency(root)[:-keep_last]:
-        if old == keep:
-            continue
+    order = prune_order(root)
+    doomed_steps = [s for s in order[: max(len(order) - keep_last, 0)] if s != keep]
+    if doomed_steps and log is not None:
+        log.info("checkpoint: pruning step(s) %s (keep_last=%d)", ", ".join(map(str, doomed_steps)), keep_last)
+    for old in doomed_steps:
         doomed = root / f".{step_dir(root, old).name}.{time.time_ns()}.del"
         try:
             os.replace(step_dir(root, old), doomed)
