@@ -130,6 +130,20 @@ def test_finalize_writes_dataset_summary_and_plots(tmp_path, capsys):
     assert not list(tmp_path.glob(".*tmp"))  # atomic writes leave no temporaries
 
 
+def test_a_metric_of_some_steps_is_drawn_in_its_image(tmp_path):
+    """An evaluation every 4th step (NaN between) is drawn as its points joined and marked: as a line with
+    gaps at every NaN it left the image with axes alone."""
+    mpimg = pytest.importorskip("matplotlib.image")
+    h = History(tmp_path)
+    for i in range(1, 41):
+        h.update(i, loss=1.0 / i, **({"val_loss": 2.0 / i} if i % 4 == 0 else {}))
+    h.finalize(print_plots=False)
+    for metric in ("loss", "val_loss"):
+        rgb = mpimg.imread(tmp_path / "plots" / f"{metric}.png")[..., :3]
+        line = (abs(rgb[..., 0] - 0x1F / 255) < 0.05) & (abs(rgb[..., 2] - 0xB4 / 255) < 0.05)  # matplotlib's C0
+        assert line.sum() > 100, (metric, int(line.sum()))
+
+
 def test_non_writing_rank_writes_nothing_but_returns_summary(tmp_path):
     h = History(tmp_path / "r1", write=False)
     h.update(1, loss=1.0)
@@ -184,6 +198,8 @@ def test_a_step_recorded_again_adds_to_its_row_and_a_step_back_is_refused(tmp_pa
     assert h.steps() == [1, 2] and len((tmp_path / "history.jsonl").read_text().splitlines()) == 3
     h.update(3, loss=1.2)
     h.finalize(plots=False)
+    with pytest.raises(UsageError, match="History.update after finalize"):  # it would reach no file
+        h.update(4, loss=1.0)
     xr = pytest.importorskip("xarray")
     with xr.open_dataset(tmp_path / "history.nc") as ds:
         assert list(ds["iter"].values) == [1, 2, 3] and float(ds["val_loss"].sel(iter=2)) == 1.7

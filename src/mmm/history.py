@@ -125,6 +125,7 @@ class History:
         self.rows: list[dict[str, float | int | None]] = []
         self.hooks: list[Callable[[dict], Any]] = list(hooks)
         self._file = None
+        self.finalized = False  # finalize() closed the files: a later update would be lost, so it is refused
         self.replaced: Path | None = None  # where a resume kept the rows of the steps it runs again
         path = self.outdir / f"{name}.jsonl" if self.outdir is not None else None
         later: list[dict] = []  # rows of steps after ``resume``: they will run again
@@ -170,6 +171,11 @@ class History:
         The step of the last record again adds to its row (``update(3, val_loss=...)`` after the training
         metrics of step 3; a metric given twice keeps the later value): ``history.jsonl`` gets a line of the
         step and the new metrics, read back as one row. A step before the last is refused (UsageError)."""
+        if self.finalized:
+            raise UsageError(
+                f"History.update after finalize(): {self.name}.jsonl is closed and {self.name}.nc written, so this "
+                f"record would be lost; record every step before finalize(), or go on in History(..., resume=N)"
+            )
         if step is not None and type(step) is not int and isinstance(step, Mapping):
             if values is not None:
                 raise TypeError("update(metrics, step=N): pass the step by keyword after a mapping")
@@ -324,6 +330,7 @@ class History:
             self.sync()
             self._file.close()
             self._file = None
+        self.finalized = True
         if not self.write or not self.rows:
             return summary
         tmp = self.outdir / f".{self.name}.nc.tmp"
@@ -414,7 +421,11 @@ def image_plots(
 
     for name, y in series.items():
         fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
-        ax.plot(x, [v if math.isfinite(v) else math.nan for v in y], lw=1)  # inf: a gap, as NaN
+        points = [(a, v) for a, v in zip(x, y) if math.isfinite(v)]
+        if len(points) * 2 < len(x):  # logged at some steps (an evaluation): its points joined, and marked
+            ax.plot([a for a, _ in points], [v for _, v in points], lw=1, marker="o", ms=3)
+        else:
+            ax.plot(x, [v if math.isfinite(v) else math.nan for v in y], lw=1)  # inf: a gap, as NaN
         ax.set_xlabel(xlabel)
         ax.set_title((titles or {}).get(name, name))
         ax.grid(alpha=0.3)
