@@ -364,11 +364,12 @@ def test_a_fresh_start_never_overwrites_an_earlier_run(saved_run, tmp_path):
     ok("--max-iters", "2", "--outdir", str(out))
     # the same outdir again: its history is an earlier run's too
     res = trainer("--max-iters", "2", "--outdir", str(out))
-    assert res.returncode == 2 and f"--outdir '{out}' holds the history of an earlier run" in res.stderr, res.output
+    said = f"--outdir '{out}' holds the outputs of an earlier run (history.jsonl, history.nc, summary.json, report.md"
+    assert res.returncode == 2 and said in res.stderr, res.output
     assert "write to another --outdir" in res.stderr and "--resume" not in res.stderr, res.stderr  # no checkpoint
-    # --resume with nothing to resume from would have started afresh and truncated that history
+    # --resume with nothing to resume from would have started afresh over that finished run's outputs
     res = trainer("--max-iters", "2", "--checkpoint-dir", str(tmp_path / "new"), "--resume", "--outdir", str(out))
-    assert res.returncode == 2 and f"--outdir '{out}' holds the history of an earlier run" in res.stderr, res.output
+    assert res.returncode == 2 and said in res.stderr, res.output
     res = ok("--max-iters", "2", "--checkpoint-dir", str(ck), "--outdir", str(out), "--start-over")
     aside = sorted(p.name for p in tmp_path.iterdir() if ".old-" in p.name)
     assert [a.split(".old-")[0] for a in aside] == ["ck", "out"], aside
@@ -377,6 +378,51 @@ def test_a_fresh_start_never_overwrites_an_earlier_run(saved_run, tmp_path):
     assert (
         json.loads((step_dir(old_ck, 2) / "mmm.json").read_text())["saved_at"]
         != json.loads((step_dir(ck, 2) / "mmm.json").read_text())["saved_at"]
+    )
+
+
+def test_an_outdir_holds_its_own_runs_outputs_only(saved_run, tmp_path):
+    """A fresh start where an earlier run's summary, report or plots are (no history.jsonl) is refused, not
+    written over. A requeued job (--resume latest) whose first attempt ended before its first save starts
+    again, the attempt's rows set aside. A resume into the folder of another run (its rows up to the step
+    are not the resumed checkpoint's run) is refused: it would have continued another run's history."""
+    mine = tmp_path / "mine"
+    (mine / "plots").mkdir(parents=True)
+    for name in ("summary.json", "report.md", "plots/loss.txt"):
+        (mine / name).write_text("my notes\n")
+    res = trainer("--max-iters", "2", "--outdir", str(mine))
+    assert_clean_user_error(
+        res, f"--outdir '{mine}' holds the outputs of an earlier run (summary.json, report.md, plots)"
+    )
+    assert all((mine / n).read_text() == "my notes\n" for n in ("summary.json", "report.md", "plots/loss.txt"))
+    # the attempt: killed at step 2, before its first save (every 5 steps)
+    out, ck = tmp_path / "out", tmp_path / "ck"
+    flags = ["--max-iters", "3", "--checkpoint-dir", str(ck), "--checkpoint-every", "5", "--resume", "latest"]
+    flags += ["--seed", "1"]
+    first = run(
+        [sys.executable, *TINY, *flags, "--outdir", str(out), "--log-every", "1"], env=clean_env(MMM_FAULT="kill@2")
+    )
+    assert first.returncode != 0 and complete_steps(ck) == [] and (out / "history.jsonl").read_text(), first.output
+    ok(*flags, "--outdir", str(out))
+    (aside,) = out.glob("history.replaced-*.jsonl")
+    assert [json.loads(x)["iter"] for x in aside.read_text().splitlines()] == [1]
+    assert [json.loads(x)["iter"] for x in (out / "history.jsonl").read_text().splitlines()] == [1, 2, 3]
+    # another run's folder: saved_run's checkpoint of step 2 (seed 0) resumed into out (seed 1's run)
+    shutil.copytree(saved_run, tmp_path / "theirs")
+    res = trainer(
+        "--max-iters", "3", "--checkpoint-dir", str(tmp_path / "theirs"), "--resume", "2", "--outdir", str(out)
+    )
+    assert_clean_user_error(res, f"--outdir '{out}' holds another run's history: its step 2 has loss ")
+    assert [json.loads(x)["iter"] for x in (out / "history.jsonl").read_text().splitlines()] == [1, 2, 3]
+    ok(
+        "--max-iters",
+        "3",
+        "--checkpoint-dir",
+        str(tmp_path / "theirs"),
+        "--resume",
+        "2",
+        "--outdir",
+        str(tmp_path / "a2"),
     )
 
 

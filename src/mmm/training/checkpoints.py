@@ -40,10 +40,11 @@ def make_checkpointer(
     )
 
 
-def resume(checkpointer, which: str | None, startup: Startup | None = None) -> int:
+def resume(checkpointer, which: str | None, startup: Startup | None = None) -> tuple[int, dict[str, Any] | None]:
     """The first step to run: 1, or one past the checkpoint ``which`` names ('latest' or a step
-    number, ``--resume``; loading it is a startup phase of its own, ``resume``). A job relaunched by
-    ``launch --retries`` (``MMM_RESTART`` >= 1) resumes from the latest checkpoint, whatever ``which`` said."""
+    number, ``--resume``; loading it is a startup phase of its own, ``resume``), and that checkpoint's
+    metadata (None: none loaded). A job relaunched by ``launch --retries`` (``MMM_RESTART`` >= 1) resumes
+    from the latest checkpoint, whatever ``which`` said."""
     lineage = None
     if checkpointer is not None and restart_attempt():
         # the newest checkpoint this job saved; before its first save, where it started (a rollback to
@@ -58,13 +59,13 @@ def resume(checkpointer, which: str | None, startup: Startup | None = None) -> i
                 which,
             )
     if checkpointer is None or not which:
-        return 1
+        return 1, None
     saved = checkpointer.load(which, lineage=lineage)
     if saved is None:
-        return 1
+        return 1, None
     if startup is not None:
         startup.mark("resume")
-    return int(saved["step"]) + 1
+    return int(saved["step"]) + 1, saved
 
 
 class CheckpointPolicy:
@@ -72,9 +73,13 @@ class CheckpointPolicy:
     checkpoint settings) and what: the step, its loss and ``extra_at(step)`` in the checkpoint's
     metadata. With no ``--checkpoint-dir`` (``checkpointer`` None) nothing is ever due."""
 
-    def __init__(self, checkpointer: Checkpointer | None, *, every: int = 0, extra_at=None) -> None:
+    def __init__(
+        self, checkpointer: Checkpointer | None, *, every: int = 0, extra_at=None, resumed: dict | None = None
+    ) -> None:
         self.checkpointer, self.every = checkpointer, every
         self.extra_at: Callable[[int], dict[str, Any]] | None = extra_at
+        self.resumed = resumed
+        """The metadata of the checkpoint the run resumed from (``mmm.json``: its step, its loss...), or None."""
 
     def periodic(self, step: int) -> bool:
         """A save every ``every`` steps falls on ``step`` (its values are then read at once)."""
@@ -147,5 +152,5 @@ def open_checkpoints(engine, options, *, meta: dict[str, Any], startup: Startup 
         log=log,
         async_save=options.checkpoint_async,
     )
-    start = resume(checkpointer, options.resume, startup)
-    return CheckpointPolicy(checkpointer, every=options.checkpoint_every, extra_at=extra_at), start
+    start, saved = resume(checkpointer, options.resume, startup)
+    return CheckpointPolicy(checkpointer, every=options.checkpoint_every, extra_at=extra_at, resumed=saved), start

@@ -5,6 +5,8 @@ the first finished step."""
 from __future__ import annotations
 
 import datetime
+import json
+import math
 import os
 import secrets
 import socket
@@ -174,10 +176,24 @@ def earlier_run(run, outdir: Path) -> dict[str, str]:
         found["--checkpoint-dir"] = (
             f"--checkpoint-dir {run.checkpoint_dir!r} holds the checkpoints of an earlier run (steps {shown})"
         )
-    history = outdir / "history.jsonl"
-    if history.is_file() and history.stat().st_size > 0:
-        found["--outdir"] = f"--outdir {str(outdir)!r} holds the history of an earlier run ({history.name})"
+    outputs = [name for name in RUN_OUTPUTS if _holds(outdir / name)]
+    # a requeued job with --resume latest whose first attempt ended before its first save: it starts again,
+    # the attempt's history set aside (History does, nothing is deleted); a finished run's outputs stay refused
+    requeued = run.resume == "latest" and not steps and run.checkpoint_dir and outputs == ["history.jsonl"]
+    if outputs and not requeued:
+        found["--outdir"] = f"--outdir {str(outdir)!r} holds the outputs of an earlier run ({', '.join(outputs)})"
     return found
+
+
+# what a run writes in its --outdir: a fresh start there would overwrite them
+RUN_OUTPUTS = ("history.jsonl", "history.nc", "summary.json", "report.md", "plots")
+
+
+def _holds(path: Path) -> bool:
+    """A non-empty file, or a folder with anything in it."""
+    if path.is_dir():
+        return any(path.iterdir())
+    return path.is_file() and path.stat().st_size > 0
 
 
 def keep_earlier_run(run, outdir: Path) -> None:
@@ -209,6 +225,41 @@ def keep_earlier_run(run, outdir: Path) -> None:
             "; ".join(found.values()) + f": {go_on}, or begin again at step 1 with --start-over "
             "(the earlier run is moved to <folder>.old-<UTC time>; nothing is deleted)"
         )
+
+
+def check_history_is_this_runs(outdir: Path, saved: dict[str, Any], step_key: str = "iter") -> None:
+    """After a resume from the checkpoint whose metadata is ``saved``: the history already in ``outdir`` must
+    be that run's, or the rows kept up to its step would be another run's, continued by this one (a silent
+    splice). The checkpoint keeps its step's loss; the history's row of that step must hold the same
+    (rank 0 reads, every rank learns). A history without that step's row is not judged."""
+
+    def judge() -> str | None:
+        path = outdir / "history.jsonl"
+        if not path.is_file():
+            return None
+        step, kept = int(saved["step"]), saved.get("loss")
+        row: dict = {}
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict) and rec.get(step_key) == step:
+                row.update(rec)
+        logged = row.get("loss")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (kept, logged)):
+            return None
+        if math.isnan(kept) and math.isnan(logged) or math.isclose(kept, logged, rel_tol=1e-6, abs_tol=1e-12):
+            return None
+        return (
+            f"--outdir {str(outdir)!r} holds another run's history: its step {step} has loss {logged:.6g}, and the "
+            f"checkpoint resumed (step {step}) was saved at loss {kept:.6g}; resume into that run's own --outdir, "
+            "or give a new one"
+        )
+
+    problem = dist.on_rank0(judge)
+    if problem:
+        raise UsageError(problem)
 
 
 # --------------------------------------------------------------------------- output folder

@@ -22,7 +22,7 @@ from mmm.training.config import Config
 from mmm.training.loop import fit
 from mmm.training.recipe import RECIPE_HELP, Context, Recipe, recipe_named, split_recipe_flag
 from mmm.training.recorder import Recorder
-from mmm.training.startup import Startup, batch_problems, start
+from mmm.training.startup import Startup, batch_problems, check_history_is_this_runs, start
 from mmm.training.step import StepSync
 from mmm.training.summary import compiled_graphs, torchinfo_summary, write_summary
 
@@ -157,6 +157,8 @@ def train(recipe: Recipe, config: Config, info, outdir, startup: Startup, *, pic
     checkpoints, ctx.start = open_checkpoints(
         engine, config.run, meta=meta, startup=startup, log=log, extra_at=loop.extra_at
     )
+    if checkpoints.resumed is not None:  # the rows kept in --outdir must be the resumed run's own
+        check_history_is_this_runs(outdir, checkpoints.resumed)
     if ctx.start > loop.last_step:  # resumed at or past the end of the run
         length = "--max-iters" if hasattr(what, "max_iters") else "the run's length"
         if ctx.start - 1 > loop.last_step:
