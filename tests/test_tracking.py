@@ -9,6 +9,7 @@ import re
 import struct
 import subprocess
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -406,3 +407,26 @@ def test_summary_table_plain_and_rich():
     console = Console(width=100, record=True, file=open("/dev/null", "w"))
     console.print(table)
     assert "│ tokens/s" in console.export_text()
+
+
+def test_a_resumed_run_leaves_tensorboard_one_value_per_step(tmp_path):
+    """Killed after step 7, resumed from step 5's checkpoint: steps 6 and 7 run again and TensorBoard
+    (its own reader) keeps their new values only, not both."""
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from mmm.tracking import TensorBoardTracker
+
+    first = TensorBoardTracker(tmp_path, config={})
+    for step in range(1, 8):
+        first.log({"loss": float(step)}, step)
+    first.close()
+    time.sleep(1.1)  # another event file (they are named by the second)
+    again = TensorBoardTracker(tmp_path, config={}, resume_step=5)
+    for step in range(6, 9):
+        again.log({"loss": 10.0 * step}, step)
+    again.close()
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    acc.Reload()
+    got = [(e.step, e.value) for e in acc.Scalars("loss")]
+    assert got == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0), (6, 60.0), (7, 70.0), (8, 80.0)], got

@@ -116,14 +116,17 @@ class TensorBoardTracker:
     name = "tensorboard"
     FLUSH_SECS = 10  # a crash that skips close() loses at most this much (history.jsonl has it all)
 
-    def __init__(self, logdir: Path, *, config: Mapping[str, Any]) -> None:
-        from tensorboard.compat.proto.event_pb2 import Event
+    def __init__(self, logdir: Path, *, config: Mapping[str, Any], resume_step: int = 0) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
         from tensorboard.compat.proto.summary_pb2 import Summary
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
         self._Event, self._Summary = Event, Summary
         self.dir = logdir
         self._writer = EventFileWriter(str(logdir), flush_secs=self.FLUSH_SECS)
+        if resume_step:  # a resumed run runs its later steps again: TensorBoard drops their earlier events
+            start = SessionLog(status=SessionLog.START)
+            self._writer.add_event(Event(wall_time=time.time(), step=resume_step + 1, session_log=start))
         self._text("config", markdown_table(sorted(_flatten(config).items()), ("flag", "value")), step=0)
 
     def _text(self, tag: str, text: str, *, step: int) -> None:
@@ -209,12 +212,14 @@ def open_trackers(
     project: str | None = None,
     run_name: str | None = None,
     step_key: str = "iter",
+    resume_step: int = 0,
     log=None,
 ) -> Trackers:
     """The trackers ``names`` asks for (keys of :data:`EXTRAS`; pass none on ranks other than 0), each
     recording ``config`` (:func:`run_config`); ``project``/``run_name``: W&B's. One that cannot start
     (say, W&B without a login and without ``WANDB_MODE=offline``) is left out with a warning: the run
-    goes on."""
+    goes on. ``resume_step``: the step a resumed run starts after (TensorBoard's earlier events of the steps
+    it runs again are dropped, as ``SummaryWriter(purge_step=...)`` does)."""
     names = list(names)
     opened: list[Tracker] = []
     if names:
@@ -223,7 +228,7 @@ def open_trackers(
                 if name == "wandb":
                     opened.append(WandbTracker(outdir=outdir, project=project, run_name=run_name, config=config))
                 else:
-                    opened.append(TensorBoardTracker(outdir / "tensorboard", config=config))
+                    opened.append(TensorBoardTracker(outdir / "tensorboard", config=config, resume_step=resume_step))
             except Exception as e:
                 if log is not None:
                     hint = " (WANDB_MODE=offline needs no login)" if name == "wandb" else ""

@@ -141,7 +141,7 @@ def checkpoint_problems(
         problem = folder_problem(spell("checkpoint_dir", checkpoint_dir), path)
         if problem:
             out.append(problem)
-        if resume is not None and resume != "latest" and resume.isdigit() and path.is_dir():
+        if resume is not None and resume != "latest" and resume.isdigit() and int(resume) > 0 and path.is_dir():
             steps = complete_steps(path)
             if int(resume) not in steps:
                 out.append(f"{spell('resume', resume)}: {missing_step(path, int(resume), steps)}")

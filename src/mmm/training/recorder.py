@@ -150,6 +150,7 @@ class Recorder:
             run_name=self.options.wandb_name,
             outdir=outdir,
             step_key=step_key,
+            resume_step=resume_step,
             log=self.log,
         )
         if self.trackers:
