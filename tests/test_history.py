@@ -289,4 +289,5 @@ def test_any_metric_name_and_infinite_values_reach_every_output(tmp_path):
     both.finalize(print_plots=False)
     ds = xr.open_dataset(tmp_path / "both" / "history.nc")
     assert (float(ds["train_loss"][0]), float(ds["train_loss_2"][0])) == (1.0, 2.0)
+    assert (ds["train_loss"].attrs["long_name"], ds["train_loss_2"].attrs["long_name"]) == ("train/loss", "train_loss")
     assert sorted(p.name for p in (tmp_path / "both" / "plots").glob("*.png")) == ["train_loss.png", "train_loss_2.png"]

@@ -286,6 +286,9 @@ class History:
         names = self.file_names()
         data = {names[m]: ((self.step_key,), np.asarray(self.series(m), dtype=np.float64)) for m in self.metrics}
         ds = xr.Dataset(data, coords=coords)
+        for m, name in names.items():  # a metric renamed for the file (``train/loss``) keeps its name beside it
+            if name != m:
+                ds[name].attrs["long_name"] = m
         ds.attrs.update(_netcdf_attrs(attrs))
         return ds
 
@@ -305,6 +308,8 @@ class History:
             for m, name in self.file_names().items():  # xarray's encoding of a float: NaN marks a missing value
                 v = f.create_variable(name, (self.step_key,), dtype=np.float64, fillvalue=np.nan)
                 v[:] = np.asarray(self.series(m), dtype=np.float64)
+                if name != m:
+                    v.attrs["long_name"] = m
             for k, v in _netcdf_attrs(attrs).items():
                 f.attrs[k] = v
 
