@@ -101,11 +101,25 @@ def test_a_rollback_prunes_the_abandoned_branch_not_the_step_it_went_back_to(tmp
     again = saver(tmp_path, keep_last=2)
     again.log = logging.getLogger("test-rollback")
     with caplog.at_level(logging.INFO, logger="test-rollback"):
+        again.load("4")
         again.save(6)
     assert complete_steps(tmp_path) == [4, 6], complete_steps(tmp_path)
     assert "checkpoint: pruning step(s) 8, 12 (keep_last=2)" in caplog.text, caplog.text
     again.save(9)  # the line's own oldest goes next
     assert complete_steps(tmp_path) == [6, 9]
+    # each save names its parent: saved 4, 8, 12; back to 4, saving 6 (8 goes); then forward again to 12,
+    # saving 16: 12 is 16's parent and stays, 4 goes (by the order of saving alone, 12 looked abandoned)
+    other = tmp_path / "other"
+    ck = saver(other, keep_last=3)
+    for step in (4, 8, 12):
+        ck.save(step)
+    ck.load("4")
+    ck.save(6)
+    assert complete_steps(other) == [4, 6, 12]
+    ck.load("12")
+    ck.save(16)
+    assert complete_steps(other) == [6, 12, 16], complete_steps(other)
+    assert json.loads((step_dir(other, 16) / "mmm.json").read_text())["previous"] == 12
 
 
 def test_every_rank_loads_the_step_rank_0_chose(tmp_path):

@@ -136,9 +136,9 @@ def test_a_metric_of_some_steps_is_drawn_in_its_image(tmp_path):
     mpimg = pytest.importorskip("matplotlib.image")
     h = History(tmp_path)
     for i in range(1, 41):
-        h.update(i, loss=1.0 / i, **({"val_loss": 2.0 / i} if i % 4 == 0 else {}))
+        h.update(i, loss=1.0 / i, **({"val_loss": 2.0 / i} if i % 4 == 0 else {}), **({"acc": i} if i % 2 else {}))
     h.finalize(print_plots=False)
-    for metric in ("loss", "val_loss"):
+    for metric in ("loss", "val_loss", "acc"):  # acc: every other step, half of them
         rgb = mpimg.imread(tmp_path / "plots" / f"{metric}.png")[..., :3]
         line = (abs(rgb[..., 0] - 0x1F / 255) < 0.05) & (abs(rgb[..., 2] - 0xB4 / 255) < 0.05)  # matplotlib's C0
         assert line.sum() > 100, (metric, int(line.sum()))

@@ -426,8 +426,12 @@ def image_plots(
 
     for name, y in series.items():
         fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
-        points = [(a, v) for a, v in zip(x, y) if math.isfinite(v)]
-        if len(points) * 2 < len(x):  # logged at some steps (an evaluation): its points joined, and marked
+        finite = [math.isfinite(v) for v in y]
+        alone = any(
+            f and not (i and finite[i - 1]) and not (i + 1 < len(y) and finite[i + 1]) for i, f in enumerate(finite)
+        )
+        if alone:  # a point between gaps (an evaluation every few steps) draws no line: its points joined, marked
+            points = [(a, v) for a, v, f in zip(x, y, finite) if f]
             ax.plot([a for a, _ in points], [v for _, v in points], lw=1, marker="o", ms=3)
         else:
             ax.plot(x, [v if math.isfinite(v) else math.nan for v in y], lw=1)  # inf: a gap, as NaN

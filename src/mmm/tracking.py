@@ -124,7 +124,8 @@ class TensorBoardTracker:
         self._Event, self._Summary = Event, Summary
         self.dir = logdir
         self._writer = EventFileWriter(str(logdir), flush_secs=self.FLUSH_SECS)
-        if resume_step:  # a resumed run runs its later steps again: TensorBoard drops their earlier events
+        if resume_step or any(logdir.glob("events.out.tfevents.*")):  # steps run again (a resume, or a requeued
+            # first attempt's): TensorBoard drops their earlier events
             start = SessionLog(status=SessionLog.START)
             self._writer.add_event(Event(wall_time=time.time(), step=resume_step + 1, session_log=start))
         self._text("config", markdown_table(sorted(_flatten(config).items()), ("flag", "value")), step=0)

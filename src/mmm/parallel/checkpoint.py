@@ -182,6 +182,7 @@ class Checkpointer:
         self.last_save_s: float | None = None
         self.last_load_s: float | None = None
         self.async_save = async_save
+        self.previous: int | None = None  # the step this run last saved or resumed from: a save's parent
         self.last_stall_s: float | None = None  # async_save: how long the last save held up training
         self._pending: _InFlight | None = None
         self._stager: DefaultStager | None = None
@@ -207,6 +208,8 @@ class Checkpointer:
     def save(self, step: int, extra: dict[str, Any] | None = None) -> Path:
         """Write the checkpoint of ``step`` (a collective: every rank calls it). With ``async_save`` it
         returns once this rank's state is in host memory; the step is complete once written (:meth:`wait`)."""
+        extra = {**(extra or {}), "previous": self.previous}  # the checkpoint this one descends from
+        self.previous = step
         if self.async_save:
             return self._save_async(step, extra)
         rank, world = rank_world()
@@ -576,6 +579,7 @@ class Checkpointer:
                 ) from None
             _set_rng_state(state)
         _barrier()
+        self.previous = step
         self.last_load_s = time.perf_counter() - t0
         if self.log is not None:
             self.log.info(

@@ -284,16 +284,26 @@ def commit(root: Path, step: int, tmp: Path, meta: dict[str, Any], *, keep_last:
 
 
 def prune_order(root: Path) -> list[int]:
-    """The complete checkpoints in the order pruning removes them: first those of an abandoned branch (saved
-    before a resume from an earlier step, past that step: after ``--resume 4`` with 8 and 12 on disk and 6
-    saved since, 8 and 12), oldest saved first; then the run's own line, oldest first (4, then 6). The line
-    is what the newest save descends from: going back in the order of saving, each step below the last."""
+    """The complete checkpoints in the order pruning removes them: first those of an abandoned branch (after
+    ``--resume 4`` with 8 and 12 on disk and 6 saved since: 8 and 12), oldest saved first; then the line the
+    newest save descends from, oldest first (4, then 6). Each checkpoint names its parent (``previous``: the
+    step its run saved or resumed from before it); for checkpoints without one, the line is guessed from the
+    order of saving: going back from the newest, each step below the last."""
     by_recency = steps_by_recency(root)
-    line, below = set(), math.inf
-    for step in reversed(by_recency):
-        if step < below:
-            line.add(step)
+    line: set[int] = set()
+    step: int | None = by_recency[-1] if by_recency else None
+    below = math.inf
+    while step is not None and step in by_recency and step not in line:
+        line.add(step)
+        parent = meta_of(root, step).get("previous", ...)
+        if parent is ...:  # saved before checkpoints named their parent: the guess, from here back
             below = step
+            for older in reversed(by_recency[: by_recency.index(step)]):
+                if older < below:
+                    line.add(older)
+                    below = older
+            break
+        step = parent
     return [s for s in by_recency if s not in line] + [s for s in by_recency if s in line]
 
 

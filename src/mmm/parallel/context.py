@@ -207,7 +207,7 @@ def traffic_axis() -> str | None:
 @contextlib.contextmanager
 def _traffic_of(axis: str | None):
     before = traffic_axis()
-    _TRAFFIC.axis = axis or before
+    _TRAFFIC.axis = axis
     try:
         yield
     finally:

@@ -136,7 +136,10 @@ class ExpertParallel:
 
 
 def _trains(experts, received: torch.Tensor) -> bool:
-    """Whether this forward's backward reaches the experts (their tokens' gradients, or their weights')."""
+    """Whether this forward's backward reaches the experts (their tokens' gradients, or their weights'): a
+    training forward (an evaluation outside ``no_grad`` has no backward to wait in)."""
+    if isinstance(experts, nn.Module) and not experts.training:
+        return False
     weights = experts.parameters() if isinstance(experts, nn.Module) else ()
     return received.requires_grad or any(w.requires_grad for w in weights)
 

@@ -32,7 +32,7 @@ def describe_sharding(model: nn.Module) -> str:
             names = p.device_mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(p.device_mesh.ndim))
             axes = list(zip(names, p.placements, p.device_mesh.shape))
             # an axis of one rank changes nothing (the experts' efsdp where ep takes every rank): left out
-            placement = ", ".join(f"{n}:{_short(pl)}" for n, pl, size in axes if size > 1 or len(axes) == 1)
+            placement = ", ".join(f"{n}:{_short(pl)}" for n, pl, size in axes if size > 1)
             placement = placement or ", ".join(f"{n}:{_short(pl)}" for n, pl, _ in axes)
         else:
             local, placement = tuple(p.shape), "local (replicated by DDP or unsharded)"

@@ -149,7 +149,7 @@ def plan(
         if ep > 1 and not experts:
             why = f"--ep {ep} splits a mixture of experts' experts; add --moe-experts N (a multiple of {ep})"
         elif ep > 1 and experts % ep:
-            fits = [d for d in ep_degrees(experts) if not world % d and d > 1][:3]
+            fits = [d for d in ep_degrees(experts, world) if d > 1][:3]
             why = f"--ep {ep} does not divide the {experts} experts; give an ep that divides them" + (
                 f" (on {world} ranks: {', '.join(map(str, fits))})" if fits else ""
             )

@@ -427,7 +427,7 @@ def setup_lines_left_out():
     a ranking, and the floors' meshes) are not the planner's: at the INFO level they are left out (with
     MMM_LOG_LEVEL=DEBUG they stay)."""
     logger = get_logger()
-    if logger.getEffectiveLevel() < logging.INFO:
+    if logger.getEffectiveLevel() != logging.INFO:  # DEBUG: wanted; WARNING or quieter: already left out
         yield
         return
     before, level = os.environ.get("MMM_LOG_LEVEL"), logger.level

@@ -254,7 +254,7 @@ def check_history_is_this_runs(outdir: Path, saved: dict[str, Any], step_key: st
         return (
             f"--outdir {str(outdir)!r} holds another run's history: its step {step} has loss {logged:.6g}, and the "
             f"checkpoint resumed (step {step}) was saved at loss {kept:.6g}; resume into that run's own --outdir, "
-            "or give a new one"
+            "give a new one, or resume another step of this run (--resume N)"
         )
 
     problem = dist.on_rank0(judge)

@@ -149,9 +149,12 @@ class DigitsRecipe(Recipe):
     def not_offered(self, field: str) -> str:
         if field == "dp_shard":
             return "the CNN trainer infers dp_shard (dp_replicate x dp_shard = world size)"
-        if field in ("compile", "float8", "ac"):
-            return "the CNN trainer does not offer it (the ViT and Llama trainers do)"
-        return "the CNN trainer is data parallel only (the ViT trainer adds tp; the Llama trainer every axis)"
+        if field in ("compile", "float8", "ac", "reshard_after_forward"):
+            return "the CNN trainer does not offer it (python -m mmm.examples.vit and mmm.examples.fsdp_tp do)"
+        return (
+            "the CNN trainer is data parallel only (python -m mmm.examples.vit adds tp; mmm.examples.fsdp_tp has "
+            "every axis)"
+        )
 
     def problems(self, config: Config[DigitsTrainConfig], world_size: int) -> list[str]:
         train, par = config.train, config.parallel

@@ -200,7 +200,7 @@ class HFCausalLMRecipe(Recipe):
         if field in ("cp", "cp_attention"):
             return (
                 "no context parallel for transformers models: their attention is their own (mmm's Llama has it: "
-                "--recipe llama)"
+                "python -m mmm.examples.fsdp_tp)"
             )
         return "the hf recipe trains with torch's strategies (fsdp, hsdp, ddp), not DeepSpeed's ZeRO"
 

@@ -92,7 +92,12 @@ class ViTRecipe(Recipe):
     def not_offered(self, field: str) -> str:
         if field == "dp_shard":
             return "the ViT trainer infers dp_shard (dp_replicate x dp_shard x tp = world size)"
-        return "the ViT trainer runs a dp x tp mesh: no pipeline, context or expert parallel"
+        if field == "reshard_after_forward":
+            return "the ViT trainer does not offer it (python -m mmm.examples.fsdp_tp does)"
+        return (
+            "the ViT trainer runs a dp x tp mesh: no pipeline, context or expert parallel (python -m "
+            "mmm.examples.fsdp_tp has them)"
+        )
 
     def problems(self, config: Config[ViTTrainConfig], world_size: int) -> list[str]:
         train, par = config.train, config.parallel
