@@ -24,6 +24,7 @@ from torch.distributed.tensor._collective_utils import MeshTopoInfo
 from torch.distributed.tensor._redistribute import _gen_transform_infos
 
 from mmm import dist as mdist
+from mmm import env as mmm_env
 from mmm.errors import UsageError
 from mmm.log import get_logger
 from mmm.measure import CommCounter, DeviceWork, PeakMemory, SavedActivations
@@ -430,7 +431,7 @@ def setup_lines_left_out():
     if logger.getEffectiveLevel() != logging.INFO:  # DEBUG: wanted; WARNING or quieter: already left out
         yield
         return
-    before, level = os.environ.get("MMM_LOG_LEVEL"), logger.level
+    before, level = mmm_env.get("MMM_LOG_LEVEL"), logger.level
     os.environ["MMM_LOG_LEVEL"] = "WARNING"  # for each simulated rank's own logging set-up
     logger.setLevel(logging.WARNING)
     try:
@@ -439,7 +440,7 @@ def setup_lines_left_out():
         if before is None:
             os.environ.pop("MMM_LOG_LEVEL", None)
         else:
-            os.environ["MMM_LOG_LEVEL"] = before
+            os.environ["MMM_LOG_LEVEL"] = str(before)
         logger.setLevel(level)
 
 
