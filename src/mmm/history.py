@@ -69,6 +69,26 @@ def file_name(metric: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.+-]", "_", metric) or "_"
 
 
+def read_rows(path: Path, step_key: str = "iter") -> tuple[list[dict], list[str]]:
+    """The rows of a ``history.jsonl`` (a later line of the same step adds to its row) and the lines that are
+    no step's row (cut short by a crash, edited)."""
+    rows: list[dict] = []
+    unread: list[str] = []
+    for line in path.read_text(encoding="utf-8", errors="surrogateescape").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            rec = None
+        if isinstance(rec, dict) and type(rec.get(step_key)) is int:
+            if rows and rows[-1][step_key] == rec[step_key]:
+                rows[-1].update(rec)
+            else:
+                rows.append(rec)
+        elif line.strip():
+            unread.append(line)
+    return rows, unread
+
+
 def _aside_path(path: Path) -> Path:
     """``<name>.replaced-<UTC time>-<pid>.jsonl`` beside ``path``, one that does not exist yet."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
@@ -133,19 +153,9 @@ class History:
         if path is not None and path.is_dir():
             raise UsageError(f"{path} is a folder; History writes {path.name} there: give another outdir")
         if resume is not None and path is not None and path.is_file():
-            for line in path.read_text(encoding="utf-8", errors="surrogateescape").splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    rec = None
-                if isinstance(rec, dict) and type(rec.get(step_key)) is int:
-                    rows = self.rows if rec[step_key] <= resume else later
-                    if rows and rows[-1][step_key] == rec[step_key]:  # a later line of the same step adds to it
-                        rows[-1].update(rec)
-                    else:
-                        rows.append(rec)
-                elif line.strip():
-                    unread.append(line)
+            rows, unread = read_rows(path, step_key)
+            self.rows = [r for r in rows if r[step_key] <= resume]
+            later = [r for r in rows if r[step_key] > resume]
         if self.write:
             self.outdir.mkdir(parents=True, exist_ok=True)
             if resume is not None:

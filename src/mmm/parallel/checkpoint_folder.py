@@ -19,7 +19,6 @@ from __future__ import annotations
 import atexit
 import errno
 import json
-import math
 import os
 import re
 import shutil
@@ -292,7 +291,6 @@ def prune_order(root: Path) -> list[int]:
     by_recency = steps_by_recency(root)
     line: set[int] = set()
     step: int | None = by_recency[-1] if by_recency else None
-    below = math.inf
     while step is not None and step in by_recency and step not in line:
         line.add(step)
         parent = meta_of(root, step).get("previous", ...)

@@ -62,8 +62,9 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_degrees(world_size: int, **degrees: int) -> tuple[dict[str, int], list[str]]:
-    """Validate mesh degrees against a world size without touching torch.
+def check_degrees(world_size: int, *, experts: int | None = None, **degrees: int) -> tuple[dict[str, int], list[str]]:
+    """Validate mesh degrees against a world size without touching torch (``experts``: a mixture's expert
+    count, which the ep degrees named as valid must split too).
 
     Returns ``(resolved, problems)``: ``resolved`` has the one ``-1`` replaced by the
     inferred degree (when possible); ``problems`` lists every violation, each naming
@@ -116,20 +117,22 @@ def check_degrees(world_size: int, **degrees: int) -> tuple[dict[str, int], list
         )
     out = {a: resolved.get(a, 1) for a in AXES}
     if not problems:
-        problems += ep_problems(ep, out)
+        problems += ep_problems(ep, out, experts)
     return (out | {"ep": ep} if ep != 1 else out), problems
 
 
-def ep_problems(ep, degrees: dict[str, int]) -> list[str]:
-    """Expert parallel borrows its ranks from dp_shard x cp (module doc)."""
+def ep_problems(ep, degrees: dict[str, int], experts: int | None = None) -> list[str]:
+    """Expert parallel borrows its ranks from dp_shard x cp (module doc); the degrees named as valid also
+    split ``experts`` when given."""
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         return [f"ep={ep!r} is invalid; the expert-parallel degree is a positive integer"]
     room = degrees["dp_shard"] * degrees["cp"]
     if room % ep:
-        valid = ", ".join(map(str, _divisors(room)))
+        valid = ", ".join(str(d) for d in _divisors(room) if not experts or not experts % d)
         return [
             f"ep={ep} does not divide dp_shard x cp = {degrees['dp_shard']} x {degrees['cp']} = {room}: expert "
-            f"parallel borrows its ranks from them; valid ep here: {valid}"
+            f"parallel borrows its ranks from them; valid ep here{f' for {experts} experts' if experts else ''}: "
+            f"{valid}"
         ]
     if ep > 1 and degrees["dp_replicate"] > 1:
         return [

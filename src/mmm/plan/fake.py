@@ -164,13 +164,12 @@ def simulate_rank(
     optim_bytes = 2 * sum(_local_bytes(p) for p in params)  # AdamW: exp_avg and exp_avg_sq (fp32)
     coords = {axis: mesh.coord(axis) for axis in mesh.dims.enabled_axes()}
     axes = {"world": {"size": world, "crosses_nodes": world > devices_per_node}}
-    for name, group in mesh.named_groups().items():
+    groups = mesh.named_groups()
+    if mesh.group("ep") is not None:  # the experts' exchange is counted as ep's even where its group is named
+        groups.setdefault("ep", mesh.group("ep"))  # otherwise
+    for name, group in groups.items():
         ranks = dist.get_process_group_ranks(group)
         axes[name] = {"size": len(ranks), "crosses_nodes": len({r // devices_per_node for r in ranks}) > 1}
-    ep = mesh.group("ep")  # the experts' exchange is counted as ep's even where its group is named otherwise
-    if ep is not None and "ep" not in axes:
-        ranks = dist.get_process_group_ranks(ep)
-        axes["ep"] = {"size": len(ranks), "crosses_nodes": len({r // devices_per_node for r in ranks}) > 1}
     simulated = None
     if step:
         t0 = time.perf_counter()

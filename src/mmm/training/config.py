@@ -156,10 +156,10 @@ class ParallelConfig(MeshConfig):
         _, problems = check_degrees(world_size, **self.degrees)
         return None if problems else ParallelDims(world_size=world_size, **self.degrees)
 
-    def problems(self, world_size: int) -> list[str]:
+    def problems(self, world_size: int, *, experts: int | None = None) -> list[str]:
         """Every problem with these settings on ``world_size`` ranks (the model's own limits, e.g. heads
-        over tp, are the trainer's to add)."""
-        _, out = check_degrees(world_size, **self.degrees)
+        over tp, are the trainer's to add; ``experts``: a mixture's expert count, for the ep degrees named)."""
+        _, out = check_degrees(world_size, experts=experts, **self.degrees)
         dims = self.dims(world_size)
         if dims is None:
             return out

@@ -5,7 +5,6 @@ the first finished step."""
 from __future__ import annotations
 
 import datetime
-import json
 import math
 import os
 import secrets
@@ -21,6 +20,7 @@ from mmm import dist, env
 from mmm.cli import FLAGS
 from mmm.dist import launch_time
 from mmm.errors import UsageError, folder_problem
+from mmm.history import read_rows
 from mmm.log import get_logger
 from mmm.parallel.accumulate import accumulation_problems
 from mmm.parallel.checkpoint_folder import complete_steps
@@ -238,15 +238,7 @@ def check_history_is_this_runs(outdir: Path, saved: dict[str, Any], step_key: st
         if not path.is_file():
             return None
         step, kept = int(saved["step"]), saved.get("loss")
-        row: dict = {}
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(rec, dict) and rec.get(step_key) == step:
-                row.update(rec)
-        logged = row.get("loss")
+        logged = next((r.get("loss") for r in reversed(read_rows(path, step_key)[0]) if r[step_key] == step), None)
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (kept, logged)):
             return None
         if math.isnan(kept) and math.isnan(logged) or math.isclose(kept, logged, rel_tol=1e-6, abs_tol=1e-12):

@@ -4,7 +4,6 @@ two never disagree). A recipe sits in the training layer beside its model (:mod:
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -264,27 +263,18 @@ def problems(config: Config[LlamaTrainConfig], world_size: int) -> list[str]:
     return layout_free_problems(config, world_size) + layout_problems(config, world_size)
 
 
-def _ep_for_experts(problem: str, experts: int) -> str:
-    """The mesh's "valid ep here: 1, 2, 4" kept to the degrees that also split ``experts``."""
-    found = re.search(r"valid ep here: ([\d, ]+)$", problem)
-    if not found:
-        return problem
-    valid = [d for d in map(int, found.group(1).split(", ")) if not experts % d]
-    return problem[: found.start()] + f"valid ep here for {experts} experts: {', '.join(map(str, valid))}"
-
-
 def layout_problems(config: Config[LlamaTrainConfig], world_size: int) -> list[str]:
     """The layout's problems: its degrees and strategy (and what needs no pipeline or FSDP), and how the
     model, the batch and the sequence split over them. What ``--pick-layout`` checks of its pick."""
     train, par = config.train, config.parallel
-    out = par.problems(world_size)  # degrees, strategy, compile, settings without a pipeline/FSDP
+    out = par.problems(world_size, experts=train.moe_experts)  # degrees, strategy, compile, without a pipeline/FSDP
     dims = par.dims(world_size)
     try:
         cfg = train.model_config()
     except UsageError:  # the model's own problem: layout_free_problems says it
         return out
-    if dims is None:  # the mesh's problems; its ep degrees to choose from, those that also split the experts
-        return [_ep_for_experts(p, cfg.moe_experts) for p in out] if cfg.moe else out
+    if dims is None:
+        return out
     out += cp_problems(
         cp=dims.cp, seq_len=cfg.seq_len, tp=dims.tp, kind=par.cp_attention, n_heads=cfg.n_heads, spell=FLAGS
     )
