@@ -427,6 +427,7 @@ def test_an_outdir_holds_its_own_runs_outputs_only(saved_run, tmp_path):
         "--max-iters", "3", "--checkpoint-dir", str(tmp_path / "theirs"), "--resume", "2", "--outdir", str(out)
     )
     assert_clean_user_error(res, f"--outdir '{out}' holds another run's history: its step 2 has loss ")
+    assert "checkpoint: resumed from" not in res.output  # refused before the checkpoint was read
     assert [json.loads(x)["iter"] for x in (out / "history.jsonl").read_text().splitlines()] == [1, 2, 3]
     ok(
         "--max-iters",

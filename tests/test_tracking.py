@@ -172,6 +172,7 @@ def test_a_crash_still_closes_the_trackers_with_every_finished_step(tmp_path):
     hist = jsonl(tmp_path / "history.jsonl", key=None)
     assert [r["iter"] for r in hist] == [1, 2, 3] and math.isnan(hist[-1]["loss"])
     assert not (tmp_path / "wandb").exists()  # the run went to WANDB_DIR
+    assert not (tmp_path / "stacks").exists()  # no stack was written: no empty rank-*.txt left behind
     records = wandb_records(the_run_dir(tmp_path / "scratch"))
     logged = wandb_history(records)
     assert sorted(logged) == [1, 2, 3] and logged[2]["loss"] == hist[1]["loss"] and math.isnan(logged[3]["loss"])

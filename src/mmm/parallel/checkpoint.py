@@ -35,6 +35,7 @@ import pickle
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -514,9 +515,12 @@ class Checkpointer:
                 "settings it was saved with, or another checkpoint folder"
             )
 
-    def load(self, which: str, *, lineage: str | None = None) -> dict[str, Any] | None:
+    def load(
+        self, which: str, *, lineage: str | None = None, check: Callable[[dict[str, Any]], None] | None = None
+    ) -> dict[str, Any] | None:
         """Restore the checkpoint ``which`` names (a collective); its metadata, or None when
-        'latest' finds nothing to resume."""
+        'latest' finds nothing to resume. ``check(metadata)`` runs on every rank before anything is read
+        (it raises to refuse the checkpoint: a refusal that costs no load of a large model)."""
         self.wait()  # a save in flight is written and committed first
         failed: set[int] = set()
         while True:
@@ -535,6 +539,8 @@ class Checkpointer:
             path = step_dir(self.root, step)
             saved = json.loads((path / META).read_text())
             self.check_compatible(saved, path)
+            if check is not None:
+                check(saved)
             if (loose := writable_by_others(path)) is not None:
                 raise UsageError(
                     f"checkpoint {str(path)!r}: {loose!r} can be written by any user (mode o+w), so what is loaded "

@@ -178,26 +178,26 @@ def format_table(combos, *, valid_only: bool = False) -> str:
     axes = ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
     axes += ["ep"] if any("ep" in c.degrees for c in combos) else []  # a mixture of experts: one row per ep
     head = ["#", "pp", "dpr", "dps", "cp", "tp", *(["ep"] if "ep" in axes else [])]
-    head += ["strategy", "params", "grads", "optim", "activ", "total"]
+    kinds = ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "total_bytes")
+    estimated = any(c.memory for c in valid)  # none: the recipe has no closed-form estimate of this model
+    head += ["strategy", *(["params", "grads", "optim", "activ", "total"] if estimated else [])]
     head += [f"comm:{g}" for g in groups]
     rows = []
     for i, c in enumerate(valid, 1):
-        m = c.memory or {}  # {}: the recipe has no closed-form estimate
+        m = c.memory or {}
         rows.append(
             [
                 str(i),
                 *(str(c.degrees.get(a, 1)) for a in axes),
                 c.strategy,
-                *(
-                    f"{m[k] / MIB:.1f}" if k in m else "-"
-                    for k in ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "total_bytes")
-                ),
+                *((f"{m[k] / MIB:.1f}" if k in m else "-" for k in kinds) if estimated else ()),
                 *(f"{c.comm.get(g, 0) / MIB:.1f}" if (c.comm or {}).get(g) else "-" for g in groups),
             ]
         )
     widths = [max(len(h), *(len(r[j]) for r in rows)) for j, h in enumerate(head)]
+    what = "memory per rank in MiB; comm: payload MiB per step by process group" if estimated else "no estimates"
     lines = [
-        f"{len(valid)} valid layouts (memory per rank in MiB; comm: payload MiB per step by process group)",
+        f"{len(valid)} valid layouts ({what})",
         "  ".join(h.rjust(w) for h, w in zip(head, widths)),
         "  ".join("-" * w for w in widths),
     ]

@@ -40,11 +40,14 @@ def make_checkpointer(
     )
 
 
-def resume(checkpointer, which: str | None, startup: Startup | None = None) -> tuple[int, dict[str, Any] | None]:
+def resume(
+    checkpointer, which: str | None, startup: Startup | None = None, check=None
+) -> tuple[int, dict[str, Any] | None]:
     """The first step to run: 1, or one past the checkpoint ``which`` names ('latest' or a step
     number, ``--resume``; loading it is a startup phase of its own, ``resume``), and that checkpoint's
-    metadata (None: none loaded). A job relaunched by ``launch --retries`` (``MMM_RESTART`` >= 1) resumes
-    from the latest checkpoint, whatever ``which`` said."""
+    metadata (None: none loaded). ``check(metadata)`` may refuse the checkpoint before it is read. A job
+    relaunched by ``launch --retries`` (``MMM_RESTART`` >= 1) resumes from the latest checkpoint, whatever
+    ``which`` said."""
     lineage = None
     if checkpointer is not None and restart_attempt():
         # the newest checkpoint this job saved; before its first save, where it started (a rollback to
@@ -60,7 +63,7 @@ def resume(checkpointer, which: str | None, startup: Startup | None = None) -> t
             )
     if checkpointer is None or not which:
         return 1, None
-    saved = checkpointer.load(which, lineage=lineage)
+    saved = checkpointer.load(which, lineage=lineage, check=check)
     if saved is None:
         return 1, None
     if startup is not None:
@@ -141,9 +144,12 @@ def save_full_model(engine, path) -> None:
     dist.on_rank0(write)  # a collective: every rank calls save_full_model, rank 0 writes
 
 
-def open_checkpoints(engine, options, *, meta: dict[str, Any], startup: Startup | None = None, extra_at=None, log=None):
+def open_checkpoints(
+    engine, options, *, meta: dict[str, Any], startup: Startup | None = None, extra_at=None, log=None, check=None
+):
     """A run's :class:`CheckpointPolicy` from its ``RunConfig`` (``--checkpoint-dir``, ``--keep-last``,
-    ``--checkpoint-every``, ``--checkpoint-async``), and the first step to run (after ``--resume``, or a relaunch)."""
+    ``--checkpoint-every``, ``--checkpoint-async``), and the first step to run (after ``--resume``, or a relaunch).
+    ``check(metadata)``: run on the checkpoint to resume before it is read (it raises to refuse it)."""
     checkpointer = make_checkpointer(
         engine,
         directory=options.checkpoint_dir,
@@ -152,5 +158,5 @@ def open_checkpoints(engine, options, *, meta: dict[str, Any], startup: Startup 
         log=log,
         async_save=options.checkpoint_async,
     )
-    start, saved = resume(checkpointer, options.resume, startup)
+    start, saved = resume(checkpointer, options.resume, startup, check)
     return CheckpointPolicy(checkpointer, every=options.checkpoint_every, extra_at=extra_at, resumed=saved), start

@@ -228,10 +228,10 @@ def keep_earlier_run(run, outdir: Path) -> None:
 
 
 def check_history_is_this_runs(outdir: Path, saved: dict[str, Any], step_key: str = "iter") -> None:
-    """After a resume from the checkpoint whose metadata is ``saved``: the history already in ``outdir`` must
-    be that run's, or the rows kept up to its step would be another run's, continued by this one (a silent
-    splice). The checkpoint keeps its step's loss; the history's row of that step must hold the same
-    (rank 0 reads, every rank learns). A history without that step's row is not judged."""
+    """Before a resume from the checkpoint whose metadata is ``saved`` (nothing read yet): the history already
+    in ``outdir`` must be that run's, or the rows kept up to its step would be another run's, continued by this
+    one (a silent splice). The checkpoint keeps its step's loss; the history's row of that step must hold the
+    same (rank 0 reads, every rank learns). A history without that step's row is not judged."""
 
     def judge() -> str | None:
         path = outdir / "history.jsonl"

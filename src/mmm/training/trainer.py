@@ -154,11 +154,15 @@ def train(recipe: Recipe, config: Config, info, outdir, startup: Startup, *, pic
         "global_batch": what.batch_size,
         **loop.meta,
     }
-    checkpoints, ctx.start = open_checkpoints(
-        engine, config.run, meta=meta, startup=startup, log=log, extra_at=loop.extra_at
+    checkpoints, ctx.start = open_checkpoints(  # the rows kept in --outdir must be the resumed run's own
+        engine,
+        config.run,
+        meta=meta,
+        startup=startup,
+        log=log,
+        extra_at=loop.extra_at,
+        check=lambda saved: check_history_is_this_runs(outdir, saved),
     )
-    if checkpoints.resumed is not None:  # the rows kept in --outdir must be the resumed run's own
-        check_history_is_this_runs(outdir, checkpoints.resumed)
     if ctx.start > loop.last_step:  # resumed at or past the end of the run
         length = "--max-iters" if hasattr(what, "max_iters") else "the run's length"
         if ctx.start - 1 > loop.last_step:
