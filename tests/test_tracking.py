@@ -155,19 +155,14 @@ def test_wandb_and_tensorboard_hold_every_history_row(tmp_path):
 
 def test_a_crash_still_closes_the_trackers_with_every_finished_step(tmp_path):
     """A NaN at step 3 stops the run (exit 1): the trackers have steps 1-3, as history.jsonl does,
-    and the W&B run is closed as failed. ``WANDB_DIR`` (scratch on a cluster) is honoured."""
+    and the W&B run is closed as failed. ``WANDB_DIR`` (scratch on a cluster) is honoured. Resumed from
+    step 2's checkpoint, the run goes on in the same W&B run without sending step 3 again; a rollback to
+    step 2 after that begins a new W&B run."""
     pytest.importorskip("wandb", reason="the wandb extra is not installed")
     pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
-    res = trainer(
-        2,
-        tmp_path,
-        "--max-iters",
-        "6",
-        "--wandb",
-        "--tensorboard",
-        "--no-plots",
-        env=clean_env(WANDB_MODE="offline", MMM_FAULT="nan@3", WANDB_DIR=str(tmp_path / "scratch")),
-    )
+    scratch = clean_env(WANDB_MODE="offline", WANDB_DIR=str(tmp_path / "scratch"))
+    flags = ["--max-iters", "6", "--wandb", "--tensorboard", "--no-plots", "--checkpoint-dir", str(tmp_path / "ck")]
+    res = trainer(2, tmp_path, *flags, "--checkpoint-every", "2", env={**scratch, "MMM_FAULT": "nan@3"})
     assert res.returncode == 65 and "loss is nan at iter 3" in res.stderr, res.output  # 65: diverged
     hist = jsonl(tmp_path / "history.jsonl", key=None)
     assert [r["iter"] for r in hist] == [1, 2, 3] and math.isnan(hist[-1]["loss"])
@@ -180,6 +175,24 @@ def test_a_crash_still_closes_the_trackers_with_every_finished_step(tmp_path):
     scalars = tensorboard_scalars(tmp_path / "tensorboard")
     assert sorted(scalars["loss"]) == [1, 2, 3]
     assert scalars["dt"][2] == pytest.approx(hist[1]["dt"], rel=1e-6)
+
+    def runs():  # (run id, steps logged) of each W&B run directory, oldest first
+        dirs = sorted((tmp_path / "scratch" / "wandb").glob("offline-run-*"), key=lambda d: d.stat().st_mtime)
+        return [(r.run_id, sorted(wandb_history(recs))) for d in dirs for recs in [wandb_records(d)] for r in
+                [next(x.run for x in recs if x.WhichOneof("record_type") == "run")]]  # fmt: skip
+
+    again = trainer(2, tmp_path, *flags, "--resume", "latest", env=scratch)
+    assert again.returncode == 0 and "continued from step 3 (step 3, which it holds, not sent again)" in again.output, (
+        again.output
+    )
+    (first, second) = runs()
+    assert second == (first[0], [4, 5, 6]), runs()
+    back = trainer(2, tmp_path, *flags, "--resume", "2", env=scratch)
+    assert back.returncode == 0 and f"(run {first[0]} keeps the steps of the line this run left)" in back.output, (
+        back.output
+    )
+    third = runs()[2]
+    assert third[0] != first[0] and third[1] == [3, 4, 5, 6], runs()
 
 
 def test_missing_extra_stops_every_rank_before_training(tmp_path):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import json
 import math
 import os
 import shlex
@@ -85,27 +86,83 @@ def mesh_degrees(degrees: Mapping[str, int], world_size: int) -> dict[str, int]:
 # --------------------------------------------------------------------------- trackers
 class WandbTracker:
     """Weights & Biases: one run, its files under ``<outdir>/wandb``, or under ``$WANDB_DIR/wandb`` when
-    the user set ``WANDB_DIR`` (clusters point it at scratch: home is small); ``WANDB_MODE`` etc. apply."""
+    the user set ``WANDB_DIR`` (clusters point it at scratch: home is small); ``WANDB_MODE`` etc. apply.
+
+    The run's id is kept in ``<outdir>/wandb-run.json`` (:data:`ID_FILE`). A resumed run that continues its
+    line (``continue_run``: ``--resume latest``, a relaunch, or the newest checkpoint by number) goes on in
+    the same W&B run (``resume="allow"``), and the steps that run already holds (a crash's steps after its
+    last checkpoint, run again) are not sent twice; any other start (a rollback to an earlier step, a fresh
+    start) begins a new run."""
 
     name = "wandb"
+    ID_FILE = "wandb-run.json"
 
-    def __init__(self, *, outdir: Path, project: str | None, run_name: str | None, config: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        *,
+        outdir: Path,
+        project: str | None,
+        run_name: str | None,
+        config: Mapping[str, Any],
+        resume_step: int = 0,
+        continue_run: bool = False,
+        log=None,
+    ) -> None:
         import wandb
 
+        project = project or os.environ.get("WANDB_PROJECT") or "mmm"
+        self._id_file = outdir / self.ID_FILE
+        kept = self._read_id() if resume_step else {}
+        same = continue_run and kept.get("project") == project and isinstance(kept.get("id"), str)
         self.run = wandb.init(
-            project=project or os.environ.get("WANDB_PROJECT") or "mmm",
+            project=project,
             name=run_name,
             dir=None if os.environ.get("WANDB_DIR") else str(outdir),  # None: W&B reads WANDB_DIR itself
             config=dict(config),
+            **({"id": kept["id"], "resume": "allow"} if same else {}),
         )
         self.dir = Path(self.run.dir).parent  # <outdir>/wandb/<offline-run-...|run-...>
+        held = kept.get("last_step") if same else None
+        self.held = held if isinstance(held, int) and held > resume_step else resume_step
+        """Steps up to this one are in the W&B run already (not sent again)."""
+        self.last_step: int | None = None
+        if same and log is not None:
+            span = f"step {self.held}" if self.held == resume_step + 1 else f"steps {resume_step + 1}-{self.held}"
+            again = f" ({span}, which it holds, not sent again)" if self.held > resume_step else ""
+            log.info("wandb: run %s continued from step %d%s", self.run.id, resume_step + 1, again)
+        elif kept and log is not None:
+            log.info(
+                "wandb: a new run %s from step %d (run %s keeps the steps of the line this run left)",
+                self.run.id,
+                resume_step + 1,
+                kept.get("id"),
+            )
+        self._write_id()
+
+    def _read_id(self) -> dict[str, Any]:
+        try:
+            kept = json.loads(self._id_file.read_text())
+        except (OSError, ValueError):
+            return {}
+        return kept if isinstance(kept, dict) else {}
+
+    def _write_id(self) -> None:
+        last = max(self.held, self.last_step or 0) or None
+        record = {"id": self.run.id, "project": self.run.project, "last_step": last}
+        try:
+            write_atomic(self._id_file, json.dumps(record) + "\n")
+        except OSError:  # a full disk: the next resume starts a new W&B run, nothing else is lost
+            pass
 
     def log(self, values: Mapping[str, float | int], step: int) -> None:
-        self.run.log(dict(values), step=step)
+        if step > self.held:
+            self.run.log(dict(values), step=step)
+            self.last_step = step
 
     def close(self, summary: Mapping[str, Any] | None = None, *, failed: bool = False) -> None:
         if summary:
             self.run.summary.update(dict(summary))
+        self._write_id()
         self.run.finish(exit_code=1 if failed else 0)
 
 
@@ -214,20 +271,32 @@ def open_trackers(
     run_name: str | None = None,
     step_key: str = "iter",
     resume_step: int = 0,
+    continue_run: bool = False,
     log=None,
 ) -> Trackers:
     """The trackers ``names`` asks for (keys of :data:`EXTRAS`; pass none on ranks other than 0), each
     recording ``config`` (:func:`run_config`); ``project``/``run_name``: W&B's. One that cannot start
     (say, W&B without a login and without ``WANDB_MODE=offline``) is left out with a warning: the run
     goes on. ``resume_step``: the step a resumed run starts after (TensorBoard's earlier events of the steps
-    it runs again are dropped, as ``SummaryWriter(purge_step=...)`` does)."""
+    it runs again are dropped, as ``SummaryWriter(purge_step=...)`` does); ``continue_run``: the resumed
+    checkpoint continues the run's line, so W&B goes on in the run it began (:class:`WandbTracker`)."""
     names = list(names)
     opened: list[Tracker] = []
     if names:
         for name in names:
             try:
                 if name == "wandb":
-                    opened.append(WandbTracker(outdir=outdir, project=project, run_name=run_name, config=config))
+                    opened.append(
+                        WandbTracker(
+                            outdir=outdir,
+                            project=project,
+                            run_name=run_name,
+                            config=config,
+                            resume_step=resume_step,
+                            continue_run=continue_run,
+                            log=log,
+                        )
+                    )
                 else:
                     opened.append(TensorBoardTracker(outdir / "tensorboard", config=config, resume_step=resume_step))
             except Exception as e:

@@ -83,6 +83,9 @@ class CheckpointPolicy:
         self.extra_at: Callable[[int], dict[str, Any]] | None = extra_at
         self.resumed = resumed
         """The metadata of the checkpoint the run resumed from (``mmm.json``: its step, its loss...), or None."""
+        self.continues = False
+        """The resumed checkpoint is where the run's line left off (``--resume latest``, a relaunch, or the
+        newest checkpoint by number), not a rollback to an earlier step."""
 
     def periodic(self, step: int) -> bool:
         """A save every ``every`` steps falls on ``step`` (its values are then read at once)."""
@@ -159,4 +162,8 @@ def open_checkpoints(
         async_save=options.checkpoint_async,
     )
     start, saved = resume(checkpointer, options.resume, startup, check)
-    return CheckpointPolicy(checkpointer, every=options.checkpoint_every, extra_at=extra_at, resumed=saved), start
+    policy = CheckpointPolicy(checkpointer, every=options.checkpoint_every, extra_at=extra_at, resumed=saved)
+    policy.continues = saved is not None and (
+        options.resume == "latest" or bool(restart_attempt()) or saved["step"] == latest_step(checkpointer.root)
+    )
+    return policy, start

@@ -112,6 +112,7 @@ class Recorder:
         config: Config,
         step_key: str = "iter",
         resume_step: int = 0,
+        continues: bool = False,
         sync=None,
         last_good: Callable[[], str] | None = None,
     ) -> None:
@@ -151,6 +152,7 @@ class Recorder:
             outdir=outdir,
             step_key=step_key,
             resume_step=resume_step,
+            continue_run=continues,
             log=self.log,
         )
         if self.trackers:

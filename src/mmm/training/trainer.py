@@ -194,6 +194,7 @@ def train(recipe: Recipe, config: Config, info, outdir, startup: Startup, *, pic
         startup=startup,
         config=config,
         resume_step=ctx.start - 1,
+        continues=checkpoints.continues,
         sync=StepSync.for_engine(engine, device=info.device),
         last_good=checkpoints.last_good,
     )
