@@ -176,6 +176,20 @@ def test_dry_run_under_fake_slurm_cli(tmp_path):
     assert "--kill-on-bad-exit=1" in res.stdout  # one crashed rank ends the step, not the 600 s timeout
 
 
+def test_the_mpiexec_first_on_path_is_taken_and_named(tmp_path):
+    """A site's (or another environment's) mpiexec first on PATH wins over this environment's own, and
+    the plan's line names it: PALS flags went to this environment's Open MPI before."""
+    fake = tmp_path / "mpiexec"
+    fake.write_text("#!/bin/sh\necho 'HYDRA build details:'\n")
+    fake.chmod(0o755)
+    env = clean_env(PATH=f"{tmp_path}:{os.environ.get('PATH', '')}")
+    res = run(launch("--dry-run", "--launcher", "mpiexec", "-n", "2", "python3", "-c", "pass"), env=env)
+    assert res.returncode == 0, res.output
+    head, cmd = res.stdout.strip().splitlines()
+    assert head == f"# 2 ranks (2 per host) on this machine via mpiexec (hydra: {fake}); scheduler: none", head
+    assert f" {fake} -n 2 -ppn 2 -genv MASTER_ADDR 127.0.0.1 " in cmd, cmd  # Hydra's flags, to that mpiexec
+
+
 def test_dry_run_in_a_slurm_job_without_srun_on_path_prints_the_command(tmp_path):
     env = clean_env(
         SLURM_JOB_ID="7", SLURM_JOB_NODELIST="nid[001-002]", SLURM_NTASKS_PER_NODE="2", PATH=str(tmp_path)

@@ -106,7 +106,9 @@ def venv_mpiexec() -> str | None:
 
 
 def find_mpiexec() -> str | None:
-    return venv_mpiexec() or shutil.which("mpiexec")
+    """The ``mpiexec`` first on PATH (a site's MPI, a module loaded, another environment put first), else this
+    environment's own (``pip install 'mmm[mpi]'``: Open MPI), which an unactivated environment's PATH lacks."""
+    return shutil.which("mpiexec") or venv_mpiexec()
 
 
 def mpi_flavor(mpiexec: str) -> str:

@@ -60,9 +60,12 @@ class LaunchPlan:
             if a.scheduler != "none" or a.hostfile
             else "this machine"
         )
+        how = self.mpi_flavor or ""
+        if self.launcher == "mpiexec" and self.argv[0] != venv_mpiexec():  # not this environment's own: which
+            how = f"{how}: {self.argv[0]}"
         return (
             f"{self.nproc} ranks ({self.ppn} per host) on {where} via {self.launcher}"
-            f"{f' ({self.mpi_flavor})' if self.mpi_flavor else ''}; scheduler: {a.scheduler}"
+            f"{f' ({how})' if how else ''}; scheduler: {a.scheduler}"
         )
 
     def command_line(self) -> str:
