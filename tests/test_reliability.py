@@ -280,30 +280,33 @@ def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path, runner):
         assert rank["grad_bytes"] == rank["param_bytes"] > 0 and rank["optim_bytes"] == 2 * rank["param_bytes"], rank
 
 
-def _signal_a_training_job(launcher: str, out, sig: signal.Signals, *flags: str) -> tuple[int, str]:
-    """launch a 2-rank run that would train for ever, ``sig`` to launch after its 3rd step: exit code, stderr."""
+def _signal_a_training_job(launcher: str, out, sig: signal.Signals, *flags: str, group=False) -> tuple[int, str]:
+    """launch a 2-rank run that would train for ever, ``sig`` to launch (``group``: to its whole process group,
+    as ``timeout`` sends it) after its 3rd step: exit code, stderr."""
     cmd = launch("--launcher", launcher, "-n", "2", "python3", *FSDP_TP, "--max-iters", "100000", *flags, "--outdir",
                  str(out))  # fmt: skip
     with spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as p:  # a session of its own: no terminal's
         until_steps(out / "history.jsonl", 3, p)
-        p.send_signal(sig)
+        os.killpg(p.pid, sig) if group else p.send_signal(sig)
         _, err = p.communicate(timeout=60)
     return p.returncode, err
 
 
-@pytest.mark.parametrize("launcher", ["local", "mpiexec"])
-def test_sigterm_to_launch_preempts_the_job_gracefully(tmp_path, launcher):
+@pytest.mark.parametrize("launcher, group", [("local", False), ("mpiexec", False), ("mpiexec", True)],
+                         ids=["local", "mpiexec", "mpiexec-to-the-group"])  # fmt: skip
+def test_sigterm_to_launch_preempts_the_job_gracefully(tmp_path, launcher, group):
     """SIGTERM to launch: every rank finishes its step and saves, exit 0. Under Open MPI launch sends it to the
-    ranks itself (prterun would SIGKILL them within a second of passing it on), and a Ctrl-C ends the job with
-    130, without Open MPI's box."""
+    ranks itself (prterun would SIGKILL them within a second of passing it on), also when the signal goes to
+    launch's whole process group (``timeout``: prterun runs in a group of its own), and a Ctrl-C ends the job
+    with 130, without Open MPI's box."""
     ck, out = tmp_path / "ck", tmp_path / "out"
-    code, err = _signal_a_training_job(launcher, out, signal.SIGTERM, "--checkpoint-dir", str(ck))
+    code, err = _signal_a_training_job(launcher, out, signal.SIGTERM, "--checkpoint-dir", str(ck), group=group)
     assert code == 0, err
     steps = jsonl(out / "history.jsonl", "iter")
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 3
     assert [q.name for q in ck.iterdir()] == [f"step-{steps[-1]:08d}"]
     assert json.loads((out / "summary.json").read_text())["stopped_by"] == "SIGTERM"
-    if launcher == "mpiexec":
+    if launcher == "mpiexec" and not group:
         code, err = _signal_a_training_job(launcher, tmp_path / "int", signal.SIGINT)
         assert code == 130 and "prterun detected" not in err, (code, err)
 

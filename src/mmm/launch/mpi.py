@@ -57,6 +57,7 @@ FLAVORS: dict[str, Flavor] = {  # in the order `mpiexec --version` is matched
             # prterun passes SIGINT/SIGTERM on, then SIGKILLs the ranks within a second (Open MPI 5.0)
             stops_ranks_at_once=("SIGINT", "SIGTERM"),
             says_1_when_stopped=True,
+            own_group=True,  # so timeout's SIGTERM to launch's group does not reach it too
             # prterun keeps <tmp>/ompi.<its pid>; one left by a killed prterun fails the next prterun of that
             # pid ("The PMIx server's listener thread failed to start")
             session_folder_var="PRTE_MCA_prte_local_tmpdir_base",

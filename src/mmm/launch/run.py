@@ -3,10 +3,12 @@ Open MPI's exit box dropped after a usage error), and relaunches after a failure
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -69,7 +71,7 @@ def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) 
     rc: int | None = None
     try:
         rc = _wait_forwarding(
-            lambda: _start_child(argv, env, watcher, box, child),
+            lambda: _start_child(argv, env, watcher, box, child, own_group=sup is not None and sup.own_group),
             signalled,
             stuck=watcher.stuck if watcher is not None and names_first else None,
             relay=_relay(sup, watcher, child),
@@ -128,9 +130,16 @@ def _start_child(
     watcher: RankWatch | None,
     box: ExitBoxFilter | None,
     started: list[subprocess.Popen],
+    *,
+    own_group: bool = False,
 ) -> subprocess.Popen:
     try:
-        p = subprocess.Popen(list(argv), env=dict(env), stderr=subprocess.PIPE if box is not None else None)
+        p = subprocess.Popen(
+            list(argv),
+            env=dict(env),
+            stderr=subprocess.PIPE if box is not None else None,
+            preexec_fn=_own_group_ending_with(os.getpid()) if own_group else None,
+        )
     except OSError as e:
         if watcher is not None:
             shutil.rmtree(watcher.folder, ignore_errors=True)
@@ -141,6 +150,21 @@ def _start_child(
     if watcher is not None:
         watcher.start()
     return p
+
+
+def _own_group_ending_with(parent: int) -> Callable[[], None]:
+    """What the child runs before its program: a process group of its own, and (Linux) SIGTERM when ``parent``
+    (launch) dies, so that the launcher is never left running the ranks without launch."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None  # before the fork
+
+    def child() -> None:
+        os.setpgid(0, 0)
+        if prctl is not None:
+            prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+            if os.getppid() != parent:  # launch died before that took effect
+                os._exit(143)
+
+    return child
 
 
 Replan = Callable[..., LaunchPlan]  # (env, *, hostfile=None, nproc=None) -> the plan of an attempt
