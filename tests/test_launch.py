@@ -591,3 +591,16 @@ def test_a_lost_host_whose_name_does_not_resolve_is_called_a_typo():
     assert "; host localhost did not answer after the failure: lost" in typo  # the others still said
     lost = lost_hosts_message(["localhost"], retries=False)
     assert lost.startswith("host localhost did not answer after the failure: lost") and "--drop-lost-hosts" in lost
+
+
+def test_the_local_spawner_names_a_killed_rank_when_the_others_end_by_themselves():
+    """A rank killed by a signal says nothing itself; the others end on their own (they found their peer gone):
+    the spawner names it with its signal, as it does when it has to stop the others."""
+    code = (
+        "import os, signal, sys, time\n"
+        "if os.environ['RANK'] == '1': os.kill(os.getpid(), signal.SIGKILL)\n"
+        "time.sleep(0.5); sys.exit(1)\n"
+    )
+    res = run(launch("--launcher", "local", "-n", "2", "python3", "-c", code), timeout=60)
+    assert res.returncode == 137, res.output
+    assert res.stderr.strip().splitlines()[1:] == ["launch: error: rank 1 was killed by SIGKILL (exit 137)"], res.stderr

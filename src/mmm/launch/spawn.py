@@ -71,6 +71,7 @@ def spawn_local(
 
     code = 0
     failed_rank: int | None = None
+    killed_by: str | None = None  # the signal that ended the first failed rank (it could say nothing itself)
     term_at: float | None = None
     kill_at: float | None = None
     escalate = _Escalation(grace_s)
@@ -84,16 +85,17 @@ def spawn_local(
                 rc = p.returncode
                 if rc not in (None, 0) and code == 0:
                     code, failed_rank = (128 - rc if rc < 0 else rc), rank
+                    killed_by = _signal_name(-rc) if rc < 0 else None
                     term_at = time.monotonic() + (0.0 if signalled else settle_s)
             if not running:
+                if killed_by and term_at is not None and not signalled:  # the others ended by themselves
+                    print_error(f"rank {failed_rank} was killed by {killed_by} (exit {code})", prog=PROG)
                 return code
             now = time.monotonic()
             if term_at is not None and now >= term_at:
                 if not signalled:  # after a forwarded signal, exits are expected, not news
-                    print_error(
-                        f"rank {failed_rank} exited with code {code}; stopping the other {len(running)} rank(s)",
-                        prog=PROG,
-                    )
+                    how = f"was killed by {killed_by} (exit {code})" if killed_by else f"exited with code {code}"
+                    print_error(f"rank {failed_rank} {how}; stopping the other {len(running)} rank(s)", prog=PROG)
                 for q in running:
                     q.send_signal(signal.SIGTERM)
                 term_at, kill_at = None, now + grace_s
@@ -105,3 +107,10 @@ def spawn_local(
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
