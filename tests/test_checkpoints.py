@@ -54,6 +54,10 @@ def test_a_resume_at_or_past_the_last_step_trains_nothing_and_rewrites_nothing(t
     res = ok("--max-iters", "3", "--checkpoint-dir", str(ck), "--resume", "latest", "--outdir", str(out))
     assert "nothing to train: the checkpoint of step 3 is this run's last step" in res.output, res.output
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    new = tmp_path / "new"  # another --outdir: no rows to summarise, so no report of files never written
+    res = ok("--max-iters", "3", "--checkpoint-dir", str(ck), "--resume", "latest", "--outdir", str(new))
+    assert "nothing to train: the checkpoint of step 3 is this run's last step; raise --max-iters" in res.output
+    assert not new.exists() or not any(new.iterdir()), sorted(new.iterdir())
     res = trainer("--max-iters", "2", "--checkpoint-dir", str(ck), "--resume", "3", "--outdir", str(out))
     assert_clean_user_error(res, "the checkpoint of step 3 is past this run's last step 2: raise --max-iters")
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before

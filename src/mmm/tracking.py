@@ -509,11 +509,10 @@ def write_report(
         setup.append(f"{summary['model']['num_params']:,} parameters")
     if setup:
         lines.append("- **setup**: " + ", ".join(setup))
-    lines.append(
-        "- **files**: `history.jsonl`, `history.nc`, `summary.json`"
-        + (", `tensorboard/`" if (outdir / "tensorboard").is_dir() else "")
-        + (", `wandb/`" if (outdir / "wandb").is_dir() else "")
-    )
+    files = [
+        n for n in ("history.jsonl", "history.nc", "summary.json", "tensorboard/", "wandb/") if (outdir / n).exists()
+    ]
+    lines.append("- **files**: " + (", ".join(f"`{n}`" for n in files) or "none"))
     lines += ["", "## Summary", "", markdown_table(rows, ("metric", "value")), ""]
     if summary.get("versions"):
         lines += ["## Versions", "", markdown_table(summary["versions"].items(), ("package", "version")), ""]

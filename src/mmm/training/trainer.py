@@ -173,12 +173,13 @@ def train(recipe: Recipe, config: Config, info, outdir, startup: Startup, *, pic
         # its outputs written and nothing asked of its end (an export, a saved model): nothing to do; else
         # no step runs, but the run's end does (a relaunch after a kill during the export finishes it)
         finishing = [f for f in ("export_hf", "save_model") if getattr(what, f, None)]
-        if (outdir / "summary.json").is_file() and not finishing:
+        summarised = (outdir / "summary.json").is_file()
+        if not finishing and (summarised or not (outdir / "history.jsonl").is_file()):  # no rows to summarise
+            where = f", and its outputs are in {outdir}" if summarised else ""
             log.info(
-                "nothing to train: the checkpoint of step %d is this run's last step, and its outputs are in %s; "
-                "raise %s to train on",
+                "nothing to train: the checkpoint of step %d is this run's last step%s; raise %s to train on",
                 ctx.start - 1,
-                outdir,
+                where,
                 length,
             )
             if checkpoints.checkpointer is not None:
@@ -198,7 +199,7 @@ def train(recipe: Recipe, config: Config, info, outdir, startup: Startup, *, pic
         sync=StepSync.for_engine(engine, device=info.device),
         last_good=checkpoints.last_good,
     )
-    if info.is_main:
+    if info.is_main and ctx.start <= loop.last_step:
         log.info(
             "training steps %d-%d: global batch %d (%d per dp rank; %d %s per step), dtype=%s, out=%s",
             ctx.start,
