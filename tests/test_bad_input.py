@@ -692,6 +692,19 @@ def test_an_unknown_flag_is_named_with_its_reason_or_the_nearest(command, argv, 
     rows(f"{command} {' '.join(argv)}", line, 2, time.perf_counter() - t0)
 
 
+def test_a_value_that_begins_with_a_dash_is_shown_how_to_give(rows):
+    """argparse takes ``--mpi-args --oversubscribe``'s value for a flag: the error says to write it after '='."""
+    parser = _commands()["launch"][0]
+    argv = ["--mpi-args", "--oversubscribe", "-n", "2", "python3", "-c", "pass"]
+    t0 = time.perf_counter()
+    with pytest.raises(UsageError) as caught:
+        parser.parse_args(argv)
+    line = str(caught.value)
+    assert "expected one argument; a value that begins with '-' goes after '=': --mpi-args=--oversubscribe" in line
+    rows(f"launch {' '.join(argv)}", line, 2, time.perf_counter() - t0)
+    assert parser.parse_args(["--mpi-args=--oversubscribe", "python3"]).mpi_args == ["--oversubscribe"]
+
+
 def test_help_reads_as_plain_text():
     """--help shows a module's docstring without its markup (``x``, :func:`x`)."""
     for name, (parser, _, _) in _commands().items():

@@ -103,6 +103,7 @@ class ArgumentParser(argparse.ArgumentParser):
         return super().format_help()
 
     def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        self._given = list(sys.argv[1:] if args is None else args)
         namespace, extras = self.parse_known_args(args, namespace)
         if extras:
             self.error(f"unrecognized arguments: {' '.join(extras)}" + "".join(f"; {h}" for h in self._hints(extras)))
@@ -127,7 +128,18 @@ class ArgumentParser(argparse.ArgumentParser):
         return [f"{', '.join(flags)}: {reason}" for reason, flags in why.items()] + near
 
     def error(self, message: str):  # type: ignore[override]
-        raise UsageError(f"{message} (see {self.prog} --help)")
+        raise UsageError(f"{message}{self._dash_value(message)} (see {self.prog} --help)")
+
+    def _dash_value(self, message: str) -> str:
+        """argparse takes a value that begins with '-' (``--mpi-args --oversubscribe``) for a flag: say how to
+        give it."""
+        found = re.match(r"argument (\S+): expected one argument$", message)
+        given = getattr(self, "_given", [])
+        for flag in found.group(1).split("/") if found else ():
+            at = given.index(flag) if flag in given else -1
+            if 0 <= at < len(given) - 1 and given[at + 1].startswith("-"):
+                return f"; a value that begins with '-' goes after '=': {flag}={given[at + 1]}"
+        return ""
 
 
 def only_with(given: Sequence[str], needs: str, fix: str) -> str:

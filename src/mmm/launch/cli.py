@@ -56,14 +56,16 @@ def build_parser() -> ArgumentParser:
         "--launcher",
         choices=LAUNCHERS,
         default="auto",
-        help="auto: mpiexec under PBS, srun under Slurm, else this venv's mpiexec if any, else local",
+        help="auto: mpiexec under PBS (the first on PATH, else this environment's), srun under Slurm, else "
+        "mpiexec if this environment has one, else local",
     )
     p.add_argument(
         "--mpi-args",
         type=shell_words,
         default=[],
         metavar="ARGS",
-        help='extra launcher flags, one quoted string (e.g. "--cpu-bind depth -d 8")',
+        help='extra launcher flags, one quoted string (e.g. "--cpu-bind depth -d 8"; one flag alone after '
+        "'=': --mpi-args=--oversubscribe)",
     )
     p.add_argument(
         "--retries",
