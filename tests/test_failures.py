@@ -424,3 +424,40 @@ def test_a_finished_run_whose_exit_handlers_outlast_the_teardown_bound_exits_0()
     )
     res = run([sys.executable, "-c", code], env=clean_env(MMM_TIMEOUT="1"), timeout=60)
     assert res.returncode == 0 and "did not finish" not in res.stderr, res.output
+
+
+STORE_GONE = """
+import datetime, subprocess, sys, time
+import torch.distributed as dist
+from mmm.dist import liveness
+from mmm.dist.rendezvous import free_port
+port = free_port()
+host = subprocess.Popen([sys.executable, "-c", "import torch.distributed as d, time; "
+                         f"s = d.TCPStore('127.0.0.1', {port}, 2, True, wait_for_workers=False); time.sleep(60)"])
+deadline = time.monotonic() + 30
+while True:
+    try:
+        store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=5))
+        break
+    except Exception:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+store.set("a", "1")
+host.kill()
+host.wait()
+with liveness._stderr_without_store_warnings():
+    print("a line of its own", file=sys.stderr)
+    try:
+        store.check(["a"])
+    except Exception as e:
+        print("the caller got", type(e).__name__, file=sys.stderr)
+"""
+
+
+def test_the_store_clients_warning_is_held_back_after_its_host_is_gone():
+    """The store's host (rank 0) killed with the job: a roll call's store request made c10d's client print a
+    warning and ~25 C++ frames on another host's rank (a wall before its one-line error). Held back now, and
+    nothing else: the block's own lines pass, the caller still gets the error."""
+    res = run([sys.executable, "-c", STORE_GONE], timeout=90)
+    assert res.returncode == 0, res.output
+    assert res.stderr.splitlines() == ["a line of its own", "the caller got DistNetworkError"], res.stderr

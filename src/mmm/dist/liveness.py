@@ -25,9 +25,11 @@ rank leaves.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import os
+import re
 import signal
 import socket
 import sys
@@ -234,6 +236,11 @@ def silent_ranks(wait_s: float = 3.0, linger_s: float = 5.0) -> list[int] | None
     whatever its main thread is doing, so a rank stuck in another collective is not named. Rank 0, the
     store's host, then waits up to ``linger_s`` for the live ranks to finish their own roll calls, so that
     none of them loses the store in the middle of one."""
+    with _stderr_without_store_warnings():
+        return _roll_call(wait_s, linger_s)
+
+
+def _roll_call(wait_s: float, linger_s: float) -> list[int] | None:
     try:
         import torch.distributed as dist
 
@@ -269,6 +276,53 @@ def silent_ranks(wait_s: float = 3.0, linger_s: float = 5.0) -> list[int] | None
         return None
 
 
+# c10d's store client, when the store's host (rank 0) goes away in the middle of a request, prints a warning and
+# the C++ frames of the error it raises (~25 lines); the caller gets that error as well, and handles it
+_STORE_WARNING = re.compile(rb"^(\[rank\d+\]:)?\[W[^\]]*(TCPStore|Store)[^\]]*\]")
+_ITS_FRAMES = (b"Exception raised from ", b"frame #")
+
+
+def drop_store_warnings(text: bytes) -> bytes:
+    """``text`` (what went to stderr) without the store client's warnings and their C++ frames."""
+    kept, dropping = [], False
+    for line in text.splitlines(keepends=True):
+        if _STORE_WARNING.match(line):
+            dropping = True
+        elif dropping and (line.startswith(_ITS_FRAMES) or not line.strip()):
+            dropping = bool(line.strip())  # a blank line ends the warning's block
+        else:
+            dropping = False
+            kept.append(line)
+    return b"".join(kept)
+
+
+@contextlib.contextmanager
+def _stderr_without_store_warnings():
+    """Hold what goes to stderr (file descriptor 2: C++ writes there too) while the block asks the store
+    after a failure, and pass on all of it but the store client's warnings (:func:`drop_store_warnings`)."""
+    import tempfile  # the failure path only: ~10 ms that `import mmm` need not pay
+
+    try:
+        sys.stderr.flush()
+        held, saved = tempfile.TemporaryFile(), os.dup(2)
+        os.dup2(held.fileno(), 2)
+    except (OSError, ValueError):  # no descriptor 2, no temporary folder: as it is
+        yield
+        return
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        held.seek(0)
+        text = drop_store_warnings(held.read())
+        held.close()
+        if text:
+            os.write(2, text)
+
+
 def _host_key(rank: int) -> str:
     return f"mmm/host/{rank}"
 
@@ -281,7 +335,8 @@ def describe_ranks(ranks: list[int]) -> str:
         import torch.distributed as dist
 
         store = dist.distributed_c10d._get_default_store()
-        hosts = [h.decode() for h in store.multi_get([_host_key(r) for r in range(dist.get_world_size())])]
+        with _stderr_without_store_warnings():
+            hosts = [h.decode() for h in store.multi_get([_host_key(r) for r in range(dist.get_world_size())])]
     except Exception:
         return plain
     if len(set(hosts)) <= 1:  # every rank on one host: the host says nothing
