@@ -65,7 +65,12 @@ def test_state_bytes_per_rank_match_zero_theory(tmp_path, strategy):
         strategy,
     ]
     extensions = tmp_path / "torch_extensions"  # what DeepSpeed JIT-compiles, in a folder of this test's own
-    _parallel(2, big, tmp_path, env=clean_env(TORCH_EXTENSIONS_DIR=str(extensions)))
+    res = _parallel(2, big, tmp_path, env=clean_env(TORCH_EXTENSIONS_DIR=str(extensions)))
+    # the sharding table says what ZeRO holds of each parameter (it read "replicated by DDP", shapes of 0)
+    say = {"zero1": "replicated (ZeRO-1: optimizer state partitioned)",
+           "zero2": "replicated (ZeRO-2: optimizer state and gradients partitioned)",
+           "zero3": "ZeRO-3 partition ("}[strategy]  # fmt: skip
+    assert say in res.stdout and "replicated by DDP" not in res.stdout, res.stdout
     # DeepSpeed's CPU backend builds a shared-memory all-reduce kernel (25-45 s here) only its inference
     # uses; mmm skips it (mmm.parallel.zero): training never builds a kernel without --offload-optimizer
     assert not (extensions.exists() and any(extensions.iterdir())), sorted(extensions.rglob("*"))[:5]
