@@ -71,6 +71,7 @@ def test_state_bytes_per_rank_match_zero_theory(tmp_path, strategy):
            "zero2": "replicated (ZeRO-2: optimizer state and gradients partitioned)",
            "zero3": "ZeRO-3 partition ("}[strategy]  # fmt: skip
     assert say in res.stdout and "replicated by DDP" not in res.stdout, res.stdout
+    assert "Setting accelerator to CPU" not in res.output  # DeepSpeed is told the device, not left to guess
     # DeepSpeed's CPU backend builds a shared-memory all-reduce kernel (25-45 s here) only its inference
     # uses; mmm skips it (mmm.parallel.zero): training never builds a kernel without --offload-optimizer
     assert not (extensions.exists() and any(extensions.iterdir())), sorted(extensions.rglob("*"))[:5]

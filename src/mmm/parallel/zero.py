@@ -129,6 +129,8 @@ def initialize(model: nn.Module, optimizer, *, config: dict[str, Any], device_ty
                 f"--offload-optimizer: DeepSpeed's CPU Adam build is locked by {lock}, left {minutes:.0f} min ago "
                 "by a build that was stopped (torch would wait for it for ever): delete that file and run again"
             )
+    if device_type == "cpu":  # said, not guessed: DeepSpeed's guess warns on every rank that it found no GPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     deepspeed = import_deepspeed()
     if device_type == "cpu":
         _skip_inference_shm_kernel(deepspeed)
