@@ -192,7 +192,8 @@ def test_zero2_optimizer_offload_runs_and_matches(tmp_path):
     ~/.cache/torch_extensions), so it matches torch's AdamW closely, not bit for bit."""
     base = [*VIT, "--strategy", "zero2"]
     _parallel(2, base, tmp_path / "plain")
-    _parallel(2, [*base, "--offload-optimizer"], tmp_path / "offload", timeout=1200)
+    res = _parallel(2, [*base, "--offload-optimizer"], tmp_path / "offload", timeout=1200)
+    assert "--offload-optimizer: DeepSpeed's CPU Adam is loaded from " in res.stdout  # a silent build no more
     assert (
         max_rel_diff(jsonl(tmp_path / "offload" / "history.jsonl"), jsonl(tmp_path / "plain" / "history.jsonl")) <= 1e-4
     )

@@ -22,6 +22,7 @@ from torch import nn
 from mmm import dist as mdist
 from mmm import env
 from mmm.errors import UsageError
+from mmm.log import get_logger
 
 ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 # a JIT build's lock older than this was left by a build that was stopped (a build takes 1-2 minutes)
@@ -103,15 +104,23 @@ def _skip_inference_shm_kernel(deepspeed) -> None:
     backend.build_shm_op = lambda: None
 
 
+def _build_directory(op: str) -> Path | None:
+    """Where torch builds (and locks) DeepSpeed's JIT op ``op`` (``TORCH_EXTENSIONS_DIR``, else a cache)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+    except ImportError:
+        return None
+    return Path(_get_build_directory(op, verbose=False))
+
+
 def stale_build_lock(op: str = "cpu_adam") -> Path | None:
     """The lock file of an interrupted JIT build of DeepSpeed's op ``op`` (older than
     :data:`STALE_BUILD_S`), if there is one: torch's build waits for such a lock to go, for ever (a first
     ``--offload-optimizer`` run stopped while it compiled CPU Adam leaves one)."""
-    try:
-        from torch.utils.cpp_extension import _get_build_directory  # where torch builds (and locks) the op
-    except ImportError:
+    folder = _build_directory(op)
+    if folder is None:
         return None
-    lock = Path(_get_build_directory(op, verbose=False)) / "lock"
+    lock = folder / "lock"
     try:
         age = time.time() - lock.stat().st_mtime
     except (FileNotFoundError, NotADirectoryError):
@@ -128,6 +137,12 @@ def initialize(model: nn.Module, optimizer, *, config: dict[str, Any], device_ty
             raise UsageError(
                 f"--offload-optimizer: DeepSpeed's CPU Adam build is locked by {lock}, left {minutes:.0f} min ago "
                 "by a build that was stopped (torch would wait for it for ever): delete that file and run again"
+            )
+        if mdist.info().is_main:  # a first use compiles it, silently: say why the start may take minutes
+            get_logger().info(
+                "--offload-optimizer: DeepSpeed's CPU Adam is loaded from %s, or compiled there first (1-5 minutes, "
+                "once per environment)",
+                _build_directory("cpu_adam"),
             )
     if device_type == "cpu":  # said, not guessed: DeepSpeed's guess warns on every rank that it found no GPU
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
