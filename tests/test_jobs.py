@@ -37,7 +37,7 @@ def dry_run_job(script: str, tmp_path, hosts: list[str], slots: int, **env: str)
     assert res.returncode == 0, res.output
     lines = res.stdout.splitlines()
     head = next(i for i, ln in enumerate(lines) if ln.startswith("# "))
-    words = shlex.split(lines[head + 1])
+    words = shlex.split(next(ln for ln in lines[head + 1 :] if not ln.startswith("#")))  # after what is added
     n_env = next(i for i, w in enumerate(words) if "=" not in w)
     return lines[head][2:], words[n_env:], dict(w.split("=", 1) for w in words[:n_env])
 

@@ -185,8 +185,10 @@ def test_the_mpiexec_first_on_path_is_taken_and_named(tmp_path):
     env = clean_env(PATH=f"{tmp_path}:{os.environ.get('PATH', '')}")
     res = run(launch("--dry-run", "--launcher", "mpiexec", "-n", "2", "python3", "-c", "pass"), env=env)
     assert res.returncode == 0, res.output
-    head, cmd = res.stdout.strip().splitlines()
+    head, added, cmd = res.stdout.strip().splitlines()
     assert head == f"# 2 ranks (2 per host) on this machine via mpiexec (hydra: {fake}); scheduler: none", head
+    # what each attempt adds is said too (Hydra: launch watches its ranks, through MMM_PID_DIR)
+    assert added == "# and, new for each attempt: MMM_PID_DIR=<a new folder> (exported to the ranks)", added
     assert f" {fake} -n 2 -ppn 2 -genv MASTER_ADDR 127.0.0.1 " in cmd, cmd  # Hydra's flags, to that mpiexec
 
 
@@ -196,7 +198,8 @@ def test_dry_run_in_a_slurm_job_without_srun_on_path_prints_the_command(tmp_path
     )  # no srun here (/usr/bin may have one)
     res = run(launch("--dry-run", "python3", "-c", "pass"), env=env)
     assert res.returncode == 0, res.output
-    assert " srun --nodes=2 --ntasks=4 " in res.stdout.splitlines()[1]
+    assert " srun --nodes=2 --ntasks=4 " in res.stdout.splitlines()[-1]
+    assert "MMM_WATCH=<launch's host, port and token>" in res.stdout  # srun's ranks report to launch's watch
     res = run(launch("python3", "-c", "pass"), env=env)  # running it: one line naming the job and the fix
     assert res.returncode == 2 and "no srun on PATH (inside Slurm job 7, PATH=" in res.stderr, res.output
     assert "module load slurm" in res.stderr and "Traceback" not in res.output

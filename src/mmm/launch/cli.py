@@ -13,7 +13,14 @@ from mmm.cli import nonempty_text, nonnegative_int, positive_int, shell_words
 from mmm.errors import ArgumentParser, UsageError, print_error
 from mmm.launch.hostloss import plan_hosts
 from mmm.launch.plan import LAUNCHERS, LaunchPlan, new_run_id, plan_launch
-from mmm.launch.run import find_lost_hosts, lost_hosts_message, run_attempt, run_with_retries, stays_parent
+from mmm.launch.run import (
+    added_at_run_time,
+    find_lost_hosts,
+    lost_hosts_message,
+    run_attempt,
+    run_with_retries,
+    stays_parent,
+)
 from mmm.launch.signals import PROG, _unignore_stop_signals
 
 
@@ -129,6 +136,9 @@ def _main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.dry_run:
         print(f"# {plan.describe()}")
+        added = added_at_run_time(plan, os.environ)
+        if added:
+            print(f"# and, new for each attempt: {'; '.join(added)}")
         print(plan.command_line())
         return 0
     if not args.quiet:

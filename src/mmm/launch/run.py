@@ -24,7 +24,7 @@ from mmm.launch.output import ExitBoxFilter
 from mmm.launch.plan import LaunchPlan
 from mmm.launch.signals import _PASSED_ON, PROG, _ctrl_c_reached_the_child, _wait_forwarding
 from mmm.launch.spawn import spawn_local
-from mmm.launch.supervision import Supervision, session_folder
+from mmm.launch.supervision import Supervision, placed_by_user, session_folder
 from mmm.launch.watch import RankWatch
 
 NOT_RETRIED = {
@@ -44,6 +44,30 @@ def stays_parent(plan: LaunchPlan) -> bool:
     return plan.launcher == "local" or sup is not None and sup.stays_parent
 
 
+def _watched(plan: LaunchPlan) -> bool:
+    """Whether launch watches the plan's ranks (their process ids, through ``MMM_PID_DIR``)."""
+    sup = plan.supervision
+    return sup is not None and (sup.watch_ranks or bool(sup.stops_ranks_at_once)) and hasattr(os, "pidfd_open")
+
+
+def added_at_run_time(plan: LaunchPlan, env: Mapping[str, str]) -> list[str]:
+    """What each attempt adds to the plan's command (``--dry-run`` says so): the variables of launch's rank
+    watch and the launcher's session folder, new for every attempt."""
+    if plan.launcher == "local":
+        return []
+    out = []
+    if _watched(plan):
+        out.append("MMM_PID_DIR=<a new folder>")
+        if any(not is_this_host(h) for h in plan_hosts(plan)):
+            out.append("MMM_WATCH=<launch's host, port and token>")
+        if plan.launcher == "mpiexec":
+            out[-1] += " (exported to the ranks)"
+    sup = plan.supervision
+    if sup is not None and sup.session_folder_var and not placed_by_user(sup, plan.argv, env):
+        out.append(f"{sup.session_folder_var}=<a new folder, removed after the run>")
+    return out
+
+
 def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) -> int:
     """Run the plan once as a child (mpiexec/srun) or with the local spawner; its exit code.
     SIGINT/SIGTERM are forwarded to the child and recorded in ``signalled``. Under a Hydra ``mpiexec``
@@ -55,8 +79,7 @@ def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) 
     sup = plan.supervision
     watcher, argv = None, list(plan.argv)
     names_first = sup is not None and sup.watch_ranks  # else the launcher names a failed rank itself
-    watched = sup is not None and (sup.watch_ranks or bool(sup.stops_ranks_at_once))
-    if watched and hasattr(os, "pidfd_open"):
+    if _watched(plan):
         # each other host's first rank starts a watcher that reports here (launch's host may run none)
         several = any(not is_this_host(h) for h in plan_hosts(plan))
         watcher = RankWatch(tempfile.mkdtemp(prefix="mmm-pids-"), plan.nproc, listen=several, hosts=plan_hosts(plan))

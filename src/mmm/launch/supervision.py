@@ -57,12 +57,14 @@ def session_folder(
 ) -> dict[str, str]:
     """A new folder (in ``parent``, else the temporary folder) for the session files of the launcher that
     ``argv`` runs, as the variable that names it; nothing when it keeps none or the user placed them."""
-    if sup is None or not sup.session_folder_var or _placed_by_user(sup, argv, env):
+    if sup is None or not sup.session_folder_var or placed_by_user(sup, argv, env):
         return {}
     return {sup.session_folder_var: tempfile.mkdtemp(prefix="mmm-mpi-", dir=parent)}
 
 
-def _placed_by_user(sup: Supervision, argv: Sequence[str], env: Mapping[str, str]) -> bool:
+def placed_by_user(sup: Supervision, argv: Sequence[str], env: Mapping[str, str]) -> bool:
+    """Whether the user placed the launcher's session files (in ``env``, on the command line ``argv``, or in
+    one of its parameter files): then launch leaves them where they are."""
     names = sup.session_folder_params
     prefix = sup.session_folder_var.partition("_MCA_")[0] + "_MCA_"
     if any(prefix + name in env for name in names) or any(arg in names for arg in argv):
