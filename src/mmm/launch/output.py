@@ -1,8 +1,8 @@
 """mpiexec's stderr, passed on as it comes, less one box: Open MPI ends a job whose rank exited non-zero
 with a box ("prterun detected that one or more processes exited with non-zero status ...") that no MCA
 parameter silences alone (``state_base_error_non_zero_exit=0`` also stops it ending the job and returns
-0). After a usage error (exit code 2), which every rank has already reported in one line, the box only
-repeats it, so launch drops it; after any other failure it is shown."""
+0). After a usage error (exit code 2) or a stop on a non-finite loss (65), which every rank has already
+reported in one line, the box only repeats it, so launch drops it; after any other failure it is shown."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ import re
 import threading
 from typing import IO
 
+from mmm.errors import DIVERGED_EXIT
+
 USAGE_ERROR = 2
+SAID_BY_EVERY_RANK = (USAGE_ERROR, DIVERGED_EXIT)  # exit codes whose reason each rank gave in one line
 # a box that adds nothing: a rank's exit after a Ctrl-C or a SIGTERM it was sent (the rank said it)
 _STOPPED = re.compile(rb"Exit code:\s+(130|143)\s*\n")
 _RULE = re.compile(rb"-{20,}\r?\n")  # the top and bottom line of a box
@@ -37,14 +40,15 @@ class ExitBoxFilter:
         self.thread.start()
 
     def finish(self, code: int | None, *, wait_s: float = 5.0) -> None:
-        """The child has exited with ``code``: show what is held, less the box after a usage error, or after a
-        Ctrl-C or SIGTERM when the box names only a rank that exited for it (130, 143)."""
+        """The child has exited with ``code``: show what is held, less the box after a usage error or a stop on
+        a non-finite loss, or after a Ctrl-C or SIGTERM when the box names only a rank that exited for it (130,
+        143)."""
         if self.thread is not None:
             self.thread.join(timeout=wait_s)  # the rest of its stderr
         with self.lock:
             held = b"".join(self.held) + self.tail
             stopped = code in (130, 143) and _STOPPED.search(held)
-            if self.boxed and (code == USAGE_ERROR or stopped):  # drop the box, up to its bottom rule (all if cut)
+            if self.boxed and (code in SAID_BY_EVERY_RANK or stopped):  # drop the box to its bottom rule (all if cut)
                 end = next((i for i in range(1, len(self.held)) if _RULE.fullmatch(self.held[i])), None)
                 held = b"".join(self.held[end + 1 :]) + self.tail if end is not None else b""
             self._write(held)
