@@ -4,7 +4,7 @@ and hostname, for multi-node tests (and for anyone who wants to try a multi-node
     sudo scripts/hosts up 2                # node1 10.213.<id>.1, node2 10.213.<id>.2 (prints them)
     sudo scripts/hosts run node2 hostname  # -> node2
     sudo scripts/hosts agent               # the path of a remote-shell agent (for mpiexec)
-    sudo scripts/hosts down                # removes namespaces, veths, bridge, state
+    sudo scripts/hosts down                # removes its namespaces, veths, bridge, state (--id N, --all)
 
 In Python (the tests):
 
@@ -336,7 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = p.add_subparsers(dest="what", required=True)
     up = sub.add_parser("up", help="make N hosts node1..nodeN (and keep them until `down`)")
     up.add_argument("n", type=int)
-    sub.add_parser("down", help="remove the cluster (all clusters with --id omitted and several up)")
+    down = sub.add_parser("down", help="remove the cluster (the only one up, or --id's; --all: every one)")
+    down.add_argument("--all", action="store_true", help="every cluster up (the test suite's too)")
     sub.add_parser("status", help="list the clusters and their hosts")
     sub.add_parser("agent", help="print the path of the remote-shell agent for mpiexec")
     r = sub.add_parser("run", help="run a command on a host: run HOST CMD...")
@@ -351,9 +352,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{h} {hosts.address(h)}")
             return 0
         if args.what == "down":
-            for c in list(clusters()):
-                if args.id is None or c.id == args.id:
+            if args.all:
+                for c in list(clusters()):
                     c.down()
+            elif args.id is not None or list(clusters()):  # none up: nothing to do
+                _find(args.id).down()  # several up and no --id: one line naming them (another's may be running)
             return 0
         if args.what == "status":
             for c in clusters():
