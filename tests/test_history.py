@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -105,6 +106,44 @@ def test_stats_exclude_warmup():
     assert h.finalize(summary_file=None, plots=False)["warmup_excluded"] == 2
 
 
+def test_a_resumed_history_leaves_out_its_own_warmup_and_keeps_the_last_recorded_value(tmp_path):
+    """Resumed at step 3, the restarted process's first steps (compiling, filling caches again) are left out
+    of the means as the history's first ones are (it left out steps 1-2 only: a slow step 4 counted); "last"
+    is the last value recorded (NaN when the last row did not carry the metric)."""
+    h = History(tmp_path, warmup=2)
+    for i, dt in enumerate([9.0, 8.0, 1.0, 1.0, 1.0], start=1):
+        h.update(i, dt=dt)
+    h.finalize(plots=False)
+    again = History(tmp_path, warmup=2, resume=3)
+    for i, dt in enumerate([7.0, 6.0, 2.0, 2.0], start=4):
+        again.update(i, dt=dt, val=float(i) if i == 6 else None)
+    again.update(8, loss=0.5)  # a last row without dt or val
+    s = again.finalize(plots=False)
+    assert s["warmup_excluded"] == 4 and s["stats"]["dt"]["n"] == 3, s  # steps 1-2 and 4-5 out
+    assert s["stats"]["dt"]["mean"] == pytest.approx(5 / 3) and s["stats"]["dt"]["last"] == 2.0, s
+    assert s["stats"]["val"]["last"] == 6.0, s
+
+
+def test_a_bad_update_is_refused_before_it_leaves_a_trace(tmp_path):
+    """update(step=N, ...) records step N (step was positional only: it became a metric and the row took the
+    next index); a step given twice, a step that is no whole number, a metric name that is no string are
+    refused, and leave nothing behind: finalize writes every output as if they were never tried."""
+    h = History(tmp_path, warmup=0)
+    assert h.update(step=5, loss=1.0) == {"iter": 5, "loss": 1.0}
+    assert h.update(iter=6, loss=2.0) == {"iter": 6, "loss": 2.0}
+    for call, needle in [
+        (lambda: h.update(7, iter=9, loss=1.0), "the step given twice (7 and iter=9)"),
+        (lambda: h.update(24.7, loss=1.0), "step 24.7 is not a whole number"),
+        (lambda: h.update(8, {1: 2.0}), "metric name 1 is not a string"),
+    ]:
+        with pytest.raises(UsageError, match=re.escape(needle)):
+            call()
+    assert h.steps() == [5, 6]
+    h.update(7.0, loss=3.0)  # a whole float is a step
+    h.finalize(print_plots=False)
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 3
+
+
 def test_finalize_writes_dataset_summary_and_plots(tmp_path, capsys):
     import xarray as xr
 
@@ -174,7 +213,7 @@ def test_update_takes_keywords_or_a_dict(tmp_path):
         {"iter": 4, "loss": 0.7},
         {"iter": 5, "loss": pytest.approx(0.6)},  # one past the last step (it was the count of rows: 4 again)
     ]
-    assert h.update(step=9)["step"] == 9  # keywords alone stay metrics, as before
+    assert h.update(step=9) == {"iter": 9}  # the step by keyword, as after a mapping
     with pytest.raises(TypeError):
         h.update({"loss": 1.0}, {"dt": 1.0})
 
@@ -284,6 +323,14 @@ def test_any_metric_name_and_infinite_values_reach_every_output(tmp_path):
     assert list(ds["train_loss"].values[[0, 2]]) == [1.0, 2.0] and math.isinf(ds["train_loss"].values[1])
     assert sorted(p.name for p in (tmp_path / "plots").glob("*.txt")) == ["say__hi_.txt", "train_loss.txt"]
     assert (tmp_path / "plots" / "train_loss.png").stat().st_size > 1000
+    odd = History(tmp_path / "odd", warmup=0)  # "." names the folder (and HDF5's group); 300 characters a file
+    odd.update(1, **{".": 1.0, "x" * 300: 2.0, "x" * 299 + "y": 3.0})
+    odd.finalize(print_plots=False)
+    ds = xr.open_dataset(tmp_path / "odd" / "history.nc")
+    names = {ds[v].attrs.get("long_name", v): v for v in ds.data_vars}
+    assert names["."] == "_" and len(names["x" * 300]) == 100 and names["x" * 300] != names["x" * 299 + "y"]
+    assert float(ds[names["x" * 299 + "y"]][0]) == 3.0 and (tmp_path / "odd" / "summary.json").is_file()
+    assert len(list((tmp_path / "odd" / "plots").glob("*.png"))) == 3
     both = History(tmp_path / "both", warmup=0)  # two names of one file name: the second gets _2, both kept
     both.update(1, **{"train/loss": 1.0, "train_loss": 2.0})
     both.finalize(print_plots=False)

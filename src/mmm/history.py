@@ -28,6 +28,7 @@ import re
 import signal
 import sys
 import time
+import zlib
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -63,10 +64,19 @@ def _json_line(rec: dict) -> str:
     return "{" + ", ".join(parts) + "}\n"
 
 
+MAX_FILE_NAME = 100  # a longer name is cut and told apart by a checksum of the whole (a file name holds 255 bytes)
+
+
 def file_name(metric: str) -> str:
     """A metric's name as a file or netCDF variable name: ``/`` (``train/loss``) and other characters a
-    path or an HDF5 name cannot hold become ``_``."""
-    return re.sub(r"[^A-Za-z0-9_.+-]", "_", metric) or "_"
+    path or an HDF5 name cannot hold become ``_``, as do names of dots alone (the folder itself, HDF5's
+    group); a name over :data:`MAX_FILE_NAME` characters is cut, with a checksum of the whole after it."""
+    name = re.sub(r"[^A-Za-z0-9_.+-]", "_", metric) or "_"
+    if not name.strip("."):
+        name = "_" * len(name)
+    if len(name) > MAX_FILE_NAME:
+        name = f"{name[: MAX_FILE_NAME - 9]}-{zlib.crc32(metric.encode()):08x}"
+    return name
 
 
 def read_rows(path: Path, step_key: str = "iter") -> tuple[list[dict], list[str]]:
@@ -156,6 +166,7 @@ class History:
             rows, unread = read_rows(path, step_key)
             self.rows = [r for r in rows if r[step_key] <= resume]
             later = [r for r in rows if r[step_key] > resume]
+        self._resumed_rows = len(self.rows)  # this process's first row: its first steps warm up again
         if self.write:
             self.outdir.mkdir(parents=True, exist_ok=True)
             if resume is not None:
@@ -190,14 +201,23 @@ class History:
             if values is not None:
                 raise TypeError("update(metrics, step=N): pass the step by keyword after a mapping")
             values = dict(step)
-            own = values.pop(self.step_key, None)
-            step = metrics.pop("step") if "step" in metrics else own
+            step = values.pop(self.step_key, None)
+        for key in dict.fromkeys(("step", self.step_key)):  # the step by keyword: update(step=3, loss=...)
+            if key in metrics:
+                if step is not None:
+                    raise UsageError(f"History.update: the step given twice ({step} and {key}={metrics[key]})")
+                step = metrics.pop(key)
         if values is not None:
             metrics = {k: v for k, v in values.items() if k != self.step_key} | metrics
         if step is None:  # the next index: one past the last step (0 first)
             step = self.rows[-1][self.step_key] + 1 if self.rows else 0
-        rec = {self.step_key: int(step)}
+        whole = _scalar(step) if type(step) is not int else step
+        if isinstance(whole, bool) or not isinstance(whole, (int, float)) or whole != int(whole):
+            raise UsageError(f"History.update: step {step!r} is not a whole number")
+        rec = {self.step_key: int(whole)}
         for k, v in metrics.items():
+            if type(k) is not str:  # checked before the row is kept: a failed update leaves no trace
+                raise UsageError(f"History.update: metric name {k!r} is not a string")
             t = type(v)
             rec[k] = v if t is float or t is int or v is None else _scalar(v)
         row = rec
@@ -264,15 +284,23 @@ class History:
         return [int(r[self.step_key]) for r in self.rows]
 
     # ------------------------------------------------------------------ summaries
-    def stats(self, warmup: int | None = None) -> dict[str, dict[str, float]]:
-        """mean/std/min/max/last of every metric, the first ``warmup`` records excluded
-        (all records are used when there are no more than ``warmup``)."""
+    def warm_rows(self, warmup: int | None = None) -> set[int]:
+        """The rows (indices) a warm-up leaves out of :meth:`stats`: the first ``warmup`` of the history, and
+        of this process after a resume (its first steps compile and fill caches again); none when that
+        would leave no row."""
         warmup = self.warmup if warmup is None else warmup
+        starts = {0, self._resumed_rows} if self._resumed_rows < len(self.rows) else {0}
+        out = {i for s in starts for i in range(s, min(s + warmup, len(self.rows)))}
+        return out if len(out) < len(self.rows) else set()
+
+    def stats(self, warmup: int | None = None) -> dict[str, dict[str, float]]:
+        """mean/std/min/max of every metric with the warm-up's rows (:meth:`warm_rows`) left out, and its
+        last recorded value."""
+        warm = self.warm_rows(warmup)
         out = {}
         for name in self.metrics:
             values = self.series(name)
-            kept = values[warmup:] if len(values) > warmup else values
-            kept = [v for v in kept if not math.isnan(v)]
+            kept = [v for i, v in enumerate(values) if i not in warm and not math.isnan(v)]
             if not kept:
                 continue
             mean = sum(kept) / len(kept)
@@ -282,7 +310,7 @@ class History:
                 "std": math.sqrt(var),
                 "min": min(kept),
                 "max": max(kept),
-                "last": values[-1],
+                "last": next(float(r[name]) for r in reversed(self.rows) if r.get(name) is not None),
                 "n": len(kept),
             }
         return out
@@ -337,7 +365,7 @@ class History:
         summary (also on non-writing ranks)."""
         summary: dict[str, Any] = {
             "steps": len(self.rows),
-            "warmup_excluded": self.warmup if len(self.rows) > self.warmup else 0,  # too few: every step counts
+            "warmup_excluded": len(self.warm_rows()),  # too few: every step counts
             "stats": self.stats(),
             **(extra or {}),
         }

@@ -383,7 +383,8 @@ def summary_rows(
     """The summary as (metric, value) rows: the table printed at the end and the one in report.md.
     ``slowest_ranks``: the ``slowest_rank`` of each logged step (``--rank-timings``)."""
     st = summary.get("stats", {})
-    rows = [("steps", f"{summary.get('steps', 0)} (means exclude the first {summary.get('warmup_excluded', 0)})")]
+    warm = summary.get("warmup_excluded", 0)
+    rows = [("steps", f"{summary.get('steps', 0)} (means exclude {warm} warm-up step{'s' if warm != 1 else ''})")]
     if summary.get("final_loss") is not None:
         rows.append(("final loss", f"{summary['final_loss']:.4f}"))
     if summary.get("test_acc") is not None:
