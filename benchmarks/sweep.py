@@ -28,6 +28,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -140,6 +141,12 @@ def run_one(combo, args, trainer_argv: list[str], out: Path) -> dict:
         stdout, stderr = p.communicate()
         code = 124
         stderr += f"\nerror: timed out after {args.timeout}s (--timeout)"
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM to the sweep: its session of its own never got it
+        _stop_group(p, first=signal.SIGINT)
+        stdout, stderr = p.communicate()
+        (rundir / "log.txt").write_text(f"$ {' '.join(cmd)}\n{stdout}{stderr}\ninterrupted: the sweep was stopped\n")
+        (rundir / "INTERRUPTED").write_text("the sweep was stopped during this run: its outputs are incomplete\n")
+        raise
     wall = time.time() - t0
     (rundir / "log.txt").write_text(f"$ {' '.join(cmd)}\n{stdout}{stderr}")
     summary_path = rundir / "summary.json"
@@ -148,10 +155,9 @@ def run_one(combo, args, trainer_argv: list[str], out: Path) -> dict:
     return {"ok": True, "error": "", "wall_s": wall, "summary": json.loads(summary_path.read_text())}
 
 
-def _stop_group(p: subprocess.Popen) -> None:
-    import signal
-
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+def _stop_group(p: subprocess.Popen, first: int = signal.SIGTERM) -> None:
+    """Stop the run's session (launch and every rank): ``first``, then SIGKILL if it is still there 10 s later."""
+    for sig, wait in ((first, 10), (signal.SIGKILL, 10)):
         try:
             os.killpg(p.pid, sig)
         except ProcessLookupError:
@@ -372,11 +378,24 @@ def main(argv=None) -> int:
     if progress is not None:
         progress.start()
         task = progress.add_task("", total=len(combos))
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the sweep as Ctrl-C does
     try:
         for i, combo in enumerate(combos, 1):
             if progress is not None:
                 progress.update(task, description=combo.label)
-            r = run_one(combo, args, trainer_argv, out)
+            try:
+                r = run_one(combo, args, trainer_argv, out)
+            except KeyboardInterrupt:
+                if progress is not None:
+                    progress.stop()
+                    progress = None
+                print(
+                    f"sweep: interrupted during {combo.label} ({i - 1} of {len(combos)} layouts done, their runs in "
+                    f"{out / 'runs'}; no results.nc written); its ranks are stopped: run again with another --out",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return 130
             results.append(r)
             line = (
                 f"[{i}/{len(combos)}] {combo.label}: "

@@ -23,6 +23,7 @@ from conftest import (
     assert_clean_user_error,
     calibrated_env,
     clean_env,
+    descendants,
     launch,
     run,
     run_ranks,
@@ -373,6 +374,23 @@ def test_sweep_records_a_failed_layout_and_goes_on(tmp_path):
                "--out", str(tmp_path / "moe")], timeout=60)  # fmt: skip
     assert moe.returncode == 1 and "Traceback" not in moe.output, moe.output
     assert np.isnan(xr.open_dataset(tmp_path / "moe" / "results.nc")["est_total_bytes"].values).all()
+    # Ctrl-C (SIGINT to the sweep alone: each run has a session of its own) stops the running layout's ranks
+    out = tmp_path / "int"
+    with spawn([*SWEEP, "--max-iters", "100000", "--combos", "pp1-dpr1-dps2-cp1-tp1-ddp", "--out", str(out)],
+               stdout=subprocess.PIPE, stderr=subprocess.PIPE) as p:  # fmt: skip
+        history = out / "runs" / "pp1-dpr1-dps2-cp1-tp1-ddp" / "history.jsonl"
+        deadline = time.monotonic() + 60
+        while not (history.is_file() and history.read_text()) and time.monotonic() < deadline and p.poll() is None:
+            time.sleep(0.2)
+        started = descendants(p.pid)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and "sweep: interrupted during pp1-dpr1-dps2-cp1-tp1-ddp (0 of 1" in err, err
+    deadline = time.monotonic() + 10  # (a rank may take a moment to go)
+    while [q for q in started if Path(f"/proc/{q}").exists()] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert started and not [q for q in started if Path(f"/proc/{q}").exists()], started  # no rank left running
+    assert (history.parent / "INTERRUPTED").is_file() and not (out / "results.nc").exists()
     before = (tmp_path / "results.nc").read_bytes()  # a sweep into the same folder: refused, nothing replaced
     again = run([*SWEEP, "--combos", "pp1-dpr1-dps2-cp1-tp1-ddp", "--out", str(tmp_path)], timeout=60)
     assert_clean_user_error(again, f"--out {tmp_path} holds an earlier sweep (results.nc): give another --out")
