@@ -22,11 +22,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+from mmm.errors import UsageError, run_command
+
 MODEL = "--dim 2048 --n-layers 16 --n-heads 16 --seq-len 2048 --batch-size 8"
 
 
 def run(name: str, flags: list[str], out: Path) -> dict:
     cmd = [sys.executable, "-m", "mmm.examples.fsdp_tp", *flags, "--outdir", str(out), "--no-plots"]
+    print(f"float8_curve: run {name}: {' '.join(flags)}", flush=True)
     p = subprocess.run(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True)
     if p.returncode:
         print(p.stdout[-2000:], p.stderr[-4000:], sep="\n", file=sys.stderr)
@@ -49,6 +52,14 @@ def main() -> int:
     ap.add_argument("--tolerance", type=float, default=0.02, help="late mean gap allowed, relative [0.02]")
     ap.add_argument("--out", default=None, help="also write the result as JSON")
     ns = ap.parse_args()
+    if "--float8" in (ns.a + " " + ns.b).split():
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError(
+                "--float8 trains on an H100-class CUDA device and there is none here: check the script on a CPU "
+                'with a small --model and --a "--dtype bf16" --b "--dtype bf16" (the gap is then 0)'
+            )
     common = [*ns.model.split(), "--dataset", "pydoc", "--max-iters", str(ns.steps), "--seed", "0"]
     with tempfile.TemporaryDirectory() as tmp:
         a = run("a", [*common, *ns.a.split()], Path(tmp) / "a")
@@ -86,4 +97,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_command(main, "python benchmarks/float8_curve.py")

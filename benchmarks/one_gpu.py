@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from mmm.errors import UsageError, run_command
+
 MODEL = ["--dim", "2048", "--n-layers", "16", "--n-heads", "16", "--vocab-size", "32000", "--seq-len", "2048"]
 RUNS = {
     "bf16": ["--dtype", "bf16"],
@@ -119,6 +121,11 @@ def main() -> int:
         "--only", default=None, help=f"comma-separated runs of {', '.join(RUNS)} [{','.join(DEFAULT_RUNS)}]"
     )
     ns = ap.parse_args()
+    if not cuda_device():
+        raise UsageError(
+            "benchmarks/one_gpu.py measures one CUDA device's step (a 0.9 B-parameter model by default) and found "
+            "none here (torch.cuda.is_available() is False): run it on a GPU machine"
+        )
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     job = [*ns.model.split(), "--batch-size", str(ns.batch_size)]  # what the planner simulates
     steps = ["--max-iters", str(ns.iters), "--warmup", "5"]
@@ -163,5 +170,11 @@ def main() -> int:
     return 0
 
 
+def cuda_device() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run_command(main, "python benchmarks/one_gpu.py")

@@ -613,6 +613,24 @@ def test_launch_of_a_missing_script_fails_fast_without_traceback(rows):
          res.seconds)  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "script, needle",
+    [
+        ("one_gpu.py", "measures one CUDA device's step (a 0.9 B-parameter model by default) and found none"),
+        ("float8_curve.py", "--float8 trains on an H100-class CUDA device and there is none here"),
+    ],
+)
+def test_a_gpu_benchmark_on_a_machine_without_one_is_refused_before_it_starts(rows, script, needle):
+    """It started the 0.9 B-parameter yardstick on the CPU, silently, for as long as it took."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: the benchmark would run")
+    res = run([sys.executable, str(ROOT / "benchmarks" / script)], timeout=60)
+    assert res.returncode == 2 and needle in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.output
+    rows(f"python benchmarks/{script} (no GPU)", res.stderr.split("error: ", 1)[1].strip(), 2, res.seconds)
+
+
 def test_launch_refuses_before_any_rank_starts(tmp_path, rows):
     """A variable every rank would refuse is refused by launch itself, in one line, before any rank starts."""
     marker = tmp_path / "started"
