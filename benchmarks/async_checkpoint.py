@@ -15,7 +15,6 @@ async/sync ratios, each against the sync runs measured in the same invocation.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -24,6 +23,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from mmm.cli import positive_int
+from mmm.errors import ArgumentParser, UsageError, run_command
 
 SAVED = re.compile(
     r"checkpoint: step (\d+) saved to \S+ in ([\d.]+)s(?: in the background \(training held up ([\d.]+)s\))?"
@@ -62,17 +64,22 @@ def one_run(args, root: Path, asynchronous: bool, repeat: int) -> dict[str, floa
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--dim", type=int, default=768)
-    p.add_argument("--n-layers", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--steps", type=int, default=13, help="steps per run (step 1, a warm-up, is left out)")
-    p.add_argument("--every", type=int, default=4, help="save every N steps")
-    p.add_argument("--repeats", type=int, default=3, help="sync/async pairs, alternated")
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=positive_int, default=2, help="ranks of each run [2]")
+    p.add_argument("--dim", type=positive_int, default=768, help="the Llama's width [768]")
+    p.add_argument("--n-layers", type=positive_int, default=8, help="its blocks [8]")
+    p.add_argument("--seq-len", type=positive_int, default=64, help="tokens a sequence [64]")
+    p.add_argument("--batch-size", type=positive_int, default=4, help="global batch (sequences) [4]")
+    p.add_argument("--steps", type=positive_int, default=13, help="steps per run (step 1, a warm-up, is left out) [13]")
+    p.add_argument("--every", type=positive_int, default=4, help="save every N steps [4]")
+    p.add_argument("--repeats", type=positive_int, default=3, help="sync/async pairs, alternated [3]")
     p.add_argument("--root", type=Path, default=None, help="where the runs write (default: a fresh temporary folder)")
     args = p.parse_args()
+    if args.steps < args.every + 2 or args.every < 2:
+        raise UsageError(
+            f"--steps {args.steps} --every {args.every}: a run needs a save before its last step, the step after "
+            "it and a step that follows no save (--every >= 2, --steps >= --every + 2)"
+        )
     root = args.root or Path(tempfile.mkdtemp(prefix="async-ckpt-"))
     runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
     for repeat in range(args.repeats):
@@ -101,4 +108,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main, "python benchmarks/async_checkpoint.py")

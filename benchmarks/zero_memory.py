@@ -29,6 +29,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from mmm.cli import positive_int
+from mmm.errors import ArgumentParser, UsageError, run_command
+
 STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 MODEL = [
     "--depth",
@@ -47,12 +50,15 @@ MODEL = [
 ]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--outdir", type=Path, default=None)
+def main() -> int:
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", type=positive_int, default=4, help="ranks of each run [4]")
+    ap.add_argument("--outdir", type=Path, default=None, help="a new folder for the runs [a temporary one]")
     ap.add_argument("extra", nargs=argparse.REMAINDER, help="more vit flags after --")
     args = ap.parse_args()
+    earlier = [s for s in STRATEGIES if args.outdir is not None and (args.outdir / s).exists()]
+    if earlier:  # each run would refuse its folder, after the others had run
+        raise UsageError(f"--outdir {args.outdir} holds earlier runs ({', '.join(earlier)}): give a new one")
     root = args.outdir or Path(tempfile.mkdtemp(prefix="zero-mem-"))
     launch = str(Path(sys.executable).parent / "launch")
     extra = [a for a in args.extra if a != "--"]
@@ -81,6 +87,9 @@ def main() -> None:
         s = json.loads((out / "summary.json").read_text())
         worst = max(s["memory_per_rank"], key=lambda m: m["total_bytes"])
         rows.append((strategy, s["model"]["num_params"], worst, s["state_bytes_theory"]))
+    if not rows:
+        print(f"zero_memory: every run failed (their outputs: {root})", file=sys.stderr)
+        return 1
     print(
         f"\nper-rank state bytes, {args.ranks} ranks, fp32 + AdamW (Psi = {rows[0][1]:,} parameters); "
         "held right after the last backward, and the most gradient bytes held during it\n"
@@ -102,7 +111,8 @@ def main() -> None:
         json.dumps([{"strategy": s, "num_params": psi, "measured": m, "theory": t} for s, psi, m, t in rows], indent=1)
     )
     print(f"\nraw figures: {root / 'zero_memory.json'}")
+    return 0 if len(rows) == len(STRATEGIES) else 1
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main, "python benchmarks/zero_memory.py")
