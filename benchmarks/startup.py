@@ -114,10 +114,12 @@ def main() -> None:
             floors: dict[str, list[float]] = {}
             for launcher in launchers:
                 floor_launcher = "mpiexec" if launcher == "launch" else launcher
+                # launch's floor is mpiexec's: measured here unless mpiexec's row came first
+                own_floor = launcher != "launch" or "mpiexec" not in floors
                 mmm, phases = [], []
                 for _ in range(args.repeats):
-                    if launcher != "launch":
-                        floors.setdefault(launcher, []).append(one("floor", launcher, n, tmp)["startup_s"])
+                    if own_floor:
+                        floors.setdefault(floor_launcher, []).append(one("floor", floor_launcher, n, tmp)["startup_s"])
                     r = one("mmm", launcher, n, tmp)
                     mmm.append(r["startup_s"])
                     phases.append(r["phases"])
