@@ -14,8 +14,10 @@ benchmarks/overhead.py runs it beside the trainer.
 """
 
 import argparse
+import contextlib
 import json
 import os
+import sys
 import time
 
 import torch
@@ -36,6 +38,7 @@ from torch.distributed.tensor.parallel import (
 from mmm.data import local_batches, make_dataset
 from mmm.models.llama import Llama, LlamaConfig
 from mmm.parallel import materialize, meta_init
+from mmm.parallel.optim import fused_problem
 
 
 def main() -> None:
@@ -68,40 +71,44 @@ def main() -> None:
     with meta_init():
         model = Llama(cfg)
 
-    parallelize_module(
-        model,
-        mesh["tp"],
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-        },
-    )
-    for block in model.layers.values():
+    tp_plan = args.tp > 1  # as the trainer: no TP plan (nor its DTensor ops) on a tp axis of one rank
+    if tp_plan:
         parallelize_module(
-            block,
+            model,
             mesh["tp"],
             {
-                "attention_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(
-                    input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
-                ),
-                "attention.wq": ColwiseParallel(),
-                "attention.wk": ColwiseParallel(),
-                "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-                "ffn_norm": SequenceParallel(),
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-                "feed_forward.w3": ColwiseParallel(),
+                "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+                "norm": SequenceParallel(),
+                "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
             },
         )
+        for block in model.layers.values():
+            parallelize_module(
+                block,
+                mesh["tp"],
+                {
+                    "attention_norm": SequenceParallel(),
+                    "attention": PrepareModuleInput(
+                        input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+                    ),
+                    "attention.wq": ColwiseParallel(),
+                    "attention.wk": ColwiseParallel(),
+                    "attention.wv": ColwiseParallel(),
+                    "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                    "ffn_norm": SequenceParallel(),
+                    "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                    "feed_forward.w1": ColwiseParallel(),
+                    "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+                    "feed_forward.w3": ColwiseParallel(),
+                },
+            )
     for block in model.layers.values():
         fully_shard(block, mesh=mesh["dp"], reshard_after_forward=True)
     fully_shard(model, mesh=mesh["dp"], reshard_after_forward=False)
     materialize(model, device="cpu", seed=args.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    params = list(model.parameters())  # torch's fused AdamW where it takes these parameters, as the trainer's
+    fused = fused_problem(params) is None
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, fused=fused or None)
 
     data = make_dataset("synthetic", vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
     batches = local_batches(
@@ -117,13 +124,14 @@ def main() -> None:
     t_prev = time.perf_counter()
     for _ in range(args.max_iters):
         inputs, labels = next(batches)
-        with loss_parallel():
+        with loss_parallel() if tp_plan else contextlib.nullcontext():
             logits = model(inputs)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach().to_local())  # a replicated DTensor's local value: no communication
+        loss = loss.detach()  # (under a TP plan a replicated DTensor: its local value, no communication)
+        losses.append(loss.to_local() if tp_plan else loss)
         now = time.perf_counter()
         dts.append(now - t_prev)  # the whole iteration, as the trainer's dt
         t_prev = now
@@ -133,8 +141,14 @@ def main() -> None:
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump({"loss": losses, "dt": dts}, f)
+    # gloo's worker threads may free the last collective's tensors during interpreter shutdown and abort the
+    # process ("terminate called without an active exception"): leave together, then at once
+    dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
