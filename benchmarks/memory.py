@@ -17,12 +17,14 @@ its shards, one full parameter at a time.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from mmm.cli import positive_int
+from mmm.errors import ArgumentParser, UsageError, run_command
 
 COMMON = [
     "--strategy",
@@ -67,13 +69,16 @@ def peak(mark: dict) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ranks", type=int, default=8)
-    ap.add_argument("--dim", type=int, default=1024)
-    ap.add_argument("--n-layers", type=int, default=48)
-    ap.add_argument("--n-heads", type=int, default=16)
-    ap.add_argument("--outdir", type=Path, default=None)
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", type=positive_int, default=8, help="FSDP ranks [8]")
+    ap.add_argument("--dim", type=positive_int, default=1024, help="the large model's width [1024]")
+    ap.add_argument("--n-layers", type=positive_int, default=48, help="its blocks [48]")
+    ap.add_argument("--n-heads", type=positive_int, default=16, help="its attention heads [16]")
+    ap.add_argument("--outdir", type=Path, default=None, help="a new folder for the two runs [a temporary one]")
     args = ap.parse_args()
+    earlier = [n for n in ("tiny", "big") if args.outdir is not None and (args.outdir / n).exists()]
+    if earlier:  # the runs would refuse their folders, one after the other
+        raise UsageError(f"--outdir {args.outdir} holds earlier runs ({', '.join(earlier)}): give a new one")
     root = args.outdir or Path(tempfile.mkdtemp(prefix="memory-"))
     launch = str(Path(sys.executable).parent / "launch")
     batch = ["--batch-size", str(args.ranks)]
@@ -89,7 +94,7 @@ def main() -> None:
     print(
         f"\nFSDP over {args.ranks} ranks, fp32 + AdamW, one step; model {psi / 1e6:.0f}M parameters = "
         f"{whole / 2**30:.2f} GiB of fp32 weights (dim {args.dim}, {args.n_layers} layers); "
-        f"ideal sharded state {ideal / 2**30:.2f} GiB/rank (0.5x at 8 ranks)\n"
+        f"ideal sharded state {ideal / 2**30:.2f} GiB/rank ({ideal / whole:.3g}x the weights at {args.ranks} ranks)\n"
     )
     print("| rank | tiny peak GiB | after setup GiB (+growth) | after step 1 GiB (+growth) | growth / whole model |")
     print("|---:|---:|---:|---:|---:|")
@@ -100,8 +105,8 @@ def main() -> None:
         step = peak(big["memory"]["after_first_step"][r])
         worst = max(worst, (step - base) / whole)
         print(
-            f"| {r} | {base / 2**30:.2f} | {setup / 2**30:.2f} (+{(setup - base) / 2**30:.2f}) | "
-            f"{step / 2**30:.2f} (+{(step - base) / 2**30:.2f}) | {(step - base) / whole:.3f}x |"
+            f"| {r} | {base / 2**30:.2f} | {setup / 2**30:.2f} ({(setup - base) / 2**30:+.2f}) | "
+            f"{step / 2**30:.2f} ({(step - base) / 2**30:+.2f}) | {(step - base) / whole:.3f}x |"
         )
     print(
         f"\nworst rank: peak grows {worst:.3f}x of the whole model's fp32 weights "
@@ -125,4 +130,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main, "python benchmarks/memory.py")

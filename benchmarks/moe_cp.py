@@ -18,13 +18,15 @@ much as the layout: the core count is printed beside the tables.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from mmm.cli import positive_int
+from mmm.errors import ArgumentParser, UsageError, run_command
 
 LAUNCH = str(Path(sys.executable).parent / "launch")
 
@@ -100,12 +102,14 @@ def cp(root: Path, iters: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--what", choices=["moe", "cp", "both"], default="both")
-    ap.add_argument("--iters", type=int, default=8)
-    ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--outdir", type=Path, default=None)
+    ap.add_argument("--iters", type=positive_int, default=8, help="steps of each run [8]")
+    ap.add_argument("--ranks", type=positive_int, default=4, help="ranks of the experts' runs [4]")
+    ap.add_argument("--outdir", type=Path, default=None, help="a new folder for the runs [a temporary one]")
     args = ap.parse_args()
+    if args.outdir is not None and args.outdir.is_dir() and any(args.outdir.iterdir()):
+        raise UsageError(f"--outdir {args.outdir} holds earlier runs: give a new one (each run needs its own folder)")
     root = args.outdir or Path(tempfile.mkdtemp(prefix="moe-cp-"))
     if args.what in ("moe", "both"):
         moe(root, args.iters, args.ranks)
@@ -115,4 +119,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main, "python benchmarks/moe_cp.py")

@@ -14,13 +14,15 @@ the schedule: the script prints the core count beside the table.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from mmm.cli import positive_int
+from mmm.errors import ArgumentParser, UsageError, run_command
 
 LAUNCH = str(Path(sys.executable).parent / "launch")
 
@@ -63,11 +65,13 @@ def cp_scaling(root: Path, iters: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--what", choices=["bubble", "cp", "both"], default="both")
-    ap.add_argument("--iters", type=int, default=8)
-    ap.add_argument("--outdir", type=Path, default=None)
+    ap.add_argument("--iters", type=positive_int, default=8, help="steps of each run [8]")
+    ap.add_argument("--outdir", type=Path, default=None, help="a new folder for the runs [a temporary one]")
     args = ap.parse_args()
+    if args.outdir is not None and args.outdir.is_dir() and any(args.outdir.iterdir()):
+        raise UsageError(f"--outdir {args.outdir} holds earlier runs: give a new one (each run needs its own folder)")
     root = args.outdir or Path(tempfile.mkdtemp(prefix="pp-cp-"))
     if args.what in ("bubble", "both"):
         bubble(root, args.iters)
@@ -77,4 +81,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main, "python benchmarks/pp_cp.py")

@@ -254,7 +254,7 @@ def markdown(ds, *, cores: int | None = None) -> str:
         }
         label = str(ds["combo"].values[i])
         if not ds["ok"].values[i]:
-            lines.append(f"| {n} | {label} | failed: {ds['error'].values[i]} ||||||||")
+            lines.append(f"| {n} | {label} | failed: {ds['error'].values[i]} |" + " |" * 8)  # 11 cells, as the head
             continue
         mfu = f"{100 * v['mfu']:.1f}%" if v["mfu"] == v["mfu"] else "-"
         dtf, dtb = (f"{v[k]:.4f}" if v[k] == v[k] else "-" for k in ("dtf", "dtb"))  # no split under PP
@@ -281,7 +281,6 @@ def plots(ds, outdir: Path) -> None:
     from mmm.files import write_atomic
     from mmm.history import _ANSI
 
-    outdir.mkdir(parents=True, exist_ok=True)
     ok = [i for i in range(ds.sizes["combo"]) if ds["ok"].values[i]]
     labels = [str(ds["combo"].values[i]) for i in ok]
     tps = [float(ds["tokens_per_s"].values[i]) for i in ok]
@@ -289,6 +288,7 @@ def plots(ds, outdir: Path) -> None:
     dtb = [float(np.nan_to_num(ds["dtb"].values[i])) for i in ok]
     if not ok:
         return
+    outdir.mkdir(parents=True, exist_ok=True)
     import plotext as plt
 
     plt.clf()
@@ -362,8 +362,10 @@ def main(argv=None) -> int:
     out = Path(
         args.out or Path("outputs") / "sweep" / datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     )
-    from mmm.errors import UsageError
+    from mmm.errors import UsageError, folder_problem
 
+    if problem := folder_problem(f"--out {str(out)!r}", out):
+        raise UsageError(problem)
     earlier = [p for p in (out / "results.nc", *(out / "runs" / c.label for c in combos)) if p.exists()]
     if earlier:  # its runs would refuse their folders one by one, and its table replace the earlier one
         raise UsageError(
@@ -427,7 +429,8 @@ def main(argv=None) -> int:
     write_atomic(out / "results.md", table)
     plots(ds, out / "plots")
     print(table, flush=True)
-    print(f"wrote {out / 'results.nc'}, {out / 'results.md'}, {out / 'plots'}/", flush=True)
+    plotted = f", {out / 'plots'}/" if (out / "plots").is_dir() else " (no layout ran: no plots)"
+    print(f"wrote {out / 'results.nc'}, {out / 'results.md'}{plotted}", flush=True)
     return 0 if all(r["ok"] for r in results) else 1
 
 
