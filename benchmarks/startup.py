@@ -7,7 +7,7 @@ For every rank count and launcher it runs, alternately, the floor (benchmarks/st
 import torch, init gloo, one DDP step of the same model) and the trainer with ``--strategy ddp
 --max-iters 1`` on the same model and batch, each started with the clock (``MMM_LAUNCH_TIME``) set
 just before the launcher, and prints the median startup of each, their ratio (goal: <= 1.15), and
-the trainer's median phases (interpreter start, setup = imports + process group, mesh, model,
+the trainer's median phases (interpreter start, imports, process group, mesh, model,
 parallelize, first step). A `launch` row shows mmm's own launcher (which picks mpiexec or its local
 spawner) running the trainer, against the mpiexec floor.
 """
