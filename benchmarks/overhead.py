@@ -43,14 +43,14 @@ def run(cmd: list[str]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--ranks", type=int, default=4, help="ranks of both runs [4]")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree; dp is ranks / tp [2]")
+    p.add_argument("--steps", type=int, default=40, help="steps of each run [40]")
     p.add_argument(
         "--launcher", choices=("launch", "torchrun"), default="launch", help="launch: mpiexec where there is one"
     )
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=5, help="first steps left out of each run's mean dt [5]")
+    p.add_argument("--repeats", type=int, default=3, help="mmm/raw pairs, alternated; the median is reported [3]")
     args = p.parse_args()
     model = [
         "--dim",

@@ -42,16 +42,16 @@ from mmm.parallel.optim import fused_problem
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--n-layers", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--max-iters", type=int, default=20)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree; dp is the world size / tp [2]")
+    p.add_argument("--dim", type=int, default=256, help="the Llama's width [256]")
+    p.add_argument("--n-layers", type=int, default=4, help="its blocks [4]")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens a sequence [128]")
+    p.add_argument("--batch-size", type=int, default=16, help="global batch (sequences) [16]")
+    p.add_argument("--max-iters", type=int, default=20, help="steps [20]")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate [3e-3]")
+    p.add_argument("--seed", type=int, default=0, help="weights and batches, as the trainer's --seed [0]")
+    p.add_argument("--out", required=True, help="rank 0 writes every step's loss and dt here (JSON)")
     args = p.parse_args()
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

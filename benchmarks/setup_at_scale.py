@@ -56,8 +56,8 @@ def layout_flags(layout: str, world: int) -> list[str] | None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--worlds", default="64,512,4096,16384")
-    p.add_argument("--layouts", default="fsdp,hsdp,pp")
+    p.add_argument("--worlds", default="64,512,4096,16384", help="world sizes simulated, comma-separated [%(default)s]")
+    p.add_argument("--layouts", default="fsdp,hsdp,pp", help="layouts of each world, comma-separated [%(default)s]")
     p.add_argument(
         "--compare",
         action=argparse.BooleanOptionalAction,
