@@ -189,6 +189,14 @@ def test_the_mpiexec_first_on_path_is_taken_and_named(tmp_path):
     assert head == f"# 2 ranks (2 per host) on this machine via mpiexec (hydra: {fake}); scheduler: none", head
     # what each attempt adds is said too (Hydra: launch watches its ranks, through MMM_PID_DIR)
     assert added == "# and, new for each attempt: MMM_PID_DIR=<a new folder> (exported to the ranks)", added
+    # an activated environment's Open MPI first on PATH is passed over for a forced flavour of another MPI ...
+    own = Path(sys.executable).parent
+    pals = clean_env(PATH=f"{own}:{tmp_path}:/usr/bin:/bin", MMM_MPI_FLAVOR="pals")
+    res = run(launch("--dry-run", "--launcher", "mpiexec", "-n", "2", "python3", "-c", "pass"), env=pals)
+    assert res.returncode == 0 and f" {fake} -n 2 --ppn 2 " in res.stdout, res.output
+    # ... and where it is the only one, that is one line (PALS flags went to Open MPI's mpiexec, exit 213)
+    res = run(launch("--launcher", "mpiexec", "-n", "2", "true"), env={**pals, "PATH": f"{own}:/usr/bin:/bin"})
+    assert res.returncode == 2 and "MMM_MPI_FLAVOR=pals, but every mpiexec here is Open MPI's" in res.stderr, res.output
     assert f" {fake} -n 2 -ppn 2 -genv MASTER_ADDR 127.0.0.1 " in cmd, cmd  # Hydra's flags, to that mpiexec
 
 

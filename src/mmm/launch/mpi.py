@@ -7,7 +7,6 @@ Adding a flavour is adding a row.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -108,16 +107,40 @@ def venv_mpiexec() -> str | None:
 
 def find_mpiexec() -> str | None:
     """The ``mpiexec`` first on PATH (a site's MPI, a module loaded, another environment put first), else this
-    environment's own (``pip install 'mmm[mpi]'``: Open MPI), which an unactivated environment's PATH lacks."""
-    return shutil.which("mpiexec") or venv_mpiexec()
+    environment's own (``pip install 'mmm[mpi]'``: Open MPI), which an unactivated environment's PATH lacks.
+    With ``MMM_MPI_FLAVOR`` set to another flavour than Open MPI, an Open MPI ``mpiexec`` (pip's, in an
+    activated environment) is passed over for the next one; none left is one line naming what was found."""
+    found = list(dict.fromkeys(p for p in (*_all_on_path("mpiexec"), venv_mpiexec()) if p))
+    forced = mmm_env.get("MMM_MPI_FLAVOR")
+    if not forced or forced == "openmpi" or not found:
+        return found[0] if found else None
+    fits = [p for p in found if _detected_flavor(p) != "openmpi"]  # only Open MPI says so for sure
+    if not fits:
+        raise UsageError(
+            f"MMM_MPI_FLAVOR={forced}, but every mpiexec here is Open MPI's ({', '.join(found)}), which takes other "
+            f"flags: put your {forced} mpiexec's folder first on PATH (e.g. module load), or unset MMM_MPI_FLAVOR"
+        )
+    return fits[0]
+
+
+def _all_on_path(name: str) -> list[str]:
+    """Every executable ``name`` on PATH, in PATH's order."""
+    out = []
+    for folder in os.environ.get("PATH", "").split(os.pathsep):
+        cand = os.path.join(folder or ".", name)
+        if os.path.isfile(cand) and os.access(cand, os.X_OK):
+            out.append(cand)
+    return out
 
 
 def mpi_flavor(mpiexec: str) -> str:
     """openmpi, hydra (MPICH, Intel MPI) or pals (Cray/HPE), from ``mpiexec --version``;
     ``MMM_MPI_FLAVOR`` overrides."""
-    forced = mmm_env.get("MMM_MPI_FLAVOR")
-    if forced:
-        return forced
+    return mmm_env.get("MMM_MPI_FLAVOR") or _detected_flavor(mpiexec)
+
+
+def _detected_flavor(mpiexec: str) -> str:
+    """The flavour ``mpiexec --version`` names (:data:`UNRECOGNISED` when it names none)."""
     try:
         out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=20)
         text = (out.stdout + out.stderr).lower()

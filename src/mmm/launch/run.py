@@ -92,9 +92,14 @@ def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) 
     env = {**env, **session}
     child: list[subprocess.Popen] = []
     rc: int | None = None
+    in_foreground = _ctrl_c_reached_the_child()  # launch is the terminal's foreground job
     try:
         rc = _wait_forwarding(
-            lambda: _start_child(argv, env, watcher, box, child, own_group=sup is not None and sup.own_group),
+            # a group of its own unless launch is a terminal's foreground job: there a typed Ctrl-C, the
+            # terminal's input (rank 0's stdin) and job control stay the launcher's, as before
+            lambda: _start_child(
+                argv, env, watcher, box, child, own_group=sup is not None and sup.own_group and not in_foreground
+            ),
             signalled,
             stuck=watcher.stuck if watcher is not None and names_first else None,
             relay=_relay(sup, watcher, child),
@@ -139,7 +144,7 @@ def _relay(
     def deliver(signum: int) -> None:
         if watcher.signal_ranks(signum, later=signum in stops) or signum not in stops:
             return
-        if signum == signal.SIGINT and _ctrl_c_reached_the_child():
+        if signum == signal.SIGINT and child and _ctrl_c_reached_the_child(child[0].pid):
             return  # a Ctrl-C typed at the terminal: the launcher has it already (a second would abort it)
         if child and child[0].poll() is None:  # no rank noted yet: the launcher stops them
             child[0].send_signal(signum)
@@ -177,7 +182,8 @@ def _start_child(
 
 def _own_group_ending_with(parent: int) -> Callable[[], None]:
     """What the child runs before its program: a process group of its own, and (Linux) SIGTERM when ``parent``
-    (launch) dies, so that the launcher is never left running the ranks without launch."""
+    (launch) dies, so that the launcher is never left running the ranks without launch. Only async-signal-safe
+    work in the child: two system calls (the function is looked up before the fork)."""
     prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None  # before the fork
 
     def child() -> None:

@@ -19,14 +19,15 @@ _STOPPING = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")  # recorded: a job stoppe
 _PASSED_ON = ("SIGUSR1", "SIGUSR2")  # e.g. SIGUSR1: every mmm rank writes its stacks
 
 
-def _ctrl_c_reached_the_child() -> bool:
-    """A Ctrl-C typed in launch's terminal went to the whole foreground process group, the child included."""
+def _ctrl_c_reached_the_child(child: int | None = None) -> bool:
+    """A Ctrl-C typed in launch's terminal went to the whole foreground process group: whether that group is
+    the child's (process id ``child``; None: launch's own, which the child shares unless it has its own)."""
     try:
         fd = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)
     except OSError:
         return False  # no controlling terminal: someone sent it to launch alone
     try:
-        return os.tcgetpgrp(fd) == os.getpgrp()
+        return os.tcgetpgrp(fd) == (os.getpgid(child) if child is not None else os.getpgrp())
     except OSError:
         return False
     finally:
@@ -81,7 +82,7 @@ def _wait_forwarding(
         if relay is not None and signum in relay[0]:  # not in the handler: the watch's lock may be held here
             # also a Ctrl-C typed at a terminal: srun answers its own by printing the tasks' states only
             threading.Thread(target=relay[1], args=(signum,), name="mmm-relay-signal", daemon=True).start()
-        elif signum == signal.SIGINT and _ctrl_c_reached_the_child():
+        elif signum == signal.SIGINT and _ctrl_c_reached_the_child(holder[0].pid if holder else None):
             return  # a second SIGINT would make mpiexec abort instead of stopping the ranks
         elif holder and holder[0].poll() is None:
             holder[0].send_signal((instead or {}).get(signum, signum))

@@ -28,9 +28,10 @@ class Supervision:
     stops_ranks_at_once: tuple[str, ...] = ()
     # it exits 1 when it stopped the ranks on such a signal itself: launch says 128 + the signal, as theirs
     says_1_when_stopped: bool = False
-    # it runs in a process group of its own, so that a signal to launch's whole group (``timeout``'s, a shell's
-    # ``kill %1``) reaches the ranks through launch alone, not also through it (which would end them at once),
-    # and it is sent SIGTERM when launch dies (Linux's parent-death signal): it never outlives launch
+    # it runs in a process group of its own (unless launch is a terminal's foreground job), so that a signal to
+    # launch's whole group (``timeout``'s, a shell's ``kill %1``) reaches the ranks through launch alone, not also
+    # through it (which would end them at once), and it is sent SIGTERM when launch dies (Linux's parent-death
+    # signal): it never outlives launch
     own_group: bool = False
     # the variable naming the folder it keeps its session files in on launch's host: launch gives each run a
     # new one (a folder left by a killed run whose process id comes round again breaks the next) ...
