@@ -721,6 +721,9 @@ def test_a_value_that_begins_with_a_dash_is_shown_how_to_give(rows):
     assert "expected one argument; a value that begins with '-' goes after '=': --mpi-args=--oversubscribe" in line
     rows(f"launch {' '.join(argv)}", line, 2, time.perf_counter() - t0)
     assert parser.parse_args(["--mpi-args=--oversubscribe", "python3"]).mpi_args == ["--oversubscribe"]
+    with pytest.raises(UsageError) as caught:  # a value left out before another flag: no such hint
+        parser.parse_args(["--hostfile", "-n", "4", "python3"])
+    assert "goes after '='" not in str(caught.value), caught.value
 
 
 def test_help_reads_as_plain_text():

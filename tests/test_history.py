@@ -122,6 +122,15 @@ def test_a_resumed_history_leaves_out_its_own_warmup_and_keeps_the_last_recorded
     assert s["warmup_excluded"] == 4 and s["stats"]["dt"]["n"] == 3, s  # steps 1-2 and 4-5 out
     assert s["stats"]["dt"]["mean"] == pytest.approx(5 / 3) and s["stats"]["dt"]["last"] == 2.0, s
     assert s["stats"]["val"]["last"] == 6.0, s
+    short = History(tmp_path / "short", warmup=2)  # the two warm-ups would leave nothing: the first alone
+    for i in (1, 2):
+        short.update(i, dt=9.0)
+    short.finalize(plots=False)
+    short = History(tmp_path / "short", warmup=2, resume=2)
+    for i in (3, 4):
+        short.update(i, dt=1.0)
+    assert short.finalize(plots=False)["stats"]["dt"] == pytest.approx({"mean": 1.0, "std": 0.0, "min": 1.0,
+                                                                        "max": 1.0, "last": 1.0, "n": 2})  # fmt: skip
 
 
 def test_a_bad_update_is_refused_before_it_leaves_a_trace(tmp_path):
@@ -135,11 +144,15 @@ def test_a_bad_update_is_refused_before_it_leaves_a_trace(tmp_path):
         (lambda: h.update(7, iter=9, loss=1.0), "the step given twice (7 and iter=9)"),
         (lambda: h.update(24.7, loss=1.0), "step 24.7 is not a whole number"),
         (lambda: h.update(8, {1: 2.0}), "metric name 1 is not a string"),
+        (lambda: h.update({"step": 7, "iter": 7}), "the step given twice (7 and iter=7)"),
+        (lambda: h.update("7", loss=1.0), "step '7' is not a whole number"),
+        (lambda: h.update(float("nan"), loss=1.0), "step nan is not a whole number"),
     ]:
         with pytest.raises(UsageError, match=re.escape(needle)):
             call()
     assert h.steps() == [5, 6]
-    h.update(7.0, loss=3.0)  # a whole float is a step
+    mine = {"step": 7.0, "loss": 3.0}
+    assert h.update(mine) == {"iter": 7, "loss": 3.0} and mine == {"step": 7.0, "loss": 3.0}  # a whole float; as given
     h.finalize(print_plots=False)
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 3
 

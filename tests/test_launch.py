@@ -415,6 +415,8 @@ def _filtered(data: bytes, code: int, cut: int) -> bytes:
         (b"x: error: bad\n" + _EXIT_BOX, 2, b"x: error: bad\n"),  # a usage error ends with its own line
         (b"x: error: bad\n" + _EXIT_BOX, 3, b"x: error: bad\n" + _EXIT_BOX),  # any other failure keeps it
         (_KILLED_BOX + _EXIT_BOX + b"after\n", 2, _KILLED_BOX + b"after\n"),  # other boxes and lines stay
+        (b"prog: error: loss is nan at iter 3\n" + _EXIT_BOX, 65, b"prog: error: loss is nan at iter 3\n"),  # said
+        (b"bad data\n" + _EXIT_BOX, 65, b"bad data\n" + _EXIT_BOX),  # another program's 65, unsaid: kept
         (b"step 1\rstep 2\r-- not a rule\n" + _RULE, 2, b"step 1\rstep 2\r-- not a rule\n" + _RULE),
     ],
 )

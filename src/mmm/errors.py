@@ -135,10 +135,12 @@ class ArgumentParser(argparse.ArgumentParser):
         give it."""
         found = re.match(r"argument (\S+): expected one argument$", message)
         given = getattr(self, "_given", [])
+        ours = {o for a in self._actions for o in a.option_strings}
         for flag in found.group(1).split("/") if found else ():
             at = given.index(flag) if flag in given else -1
-            if 0 <= at < len(given) - 1 and given[at + 1].startswith("-"):
-                return f"; a value that begins with '-' goes after '=': {flag}={given[at + 1]}"
+            after = given[at + 1] if 0 <= at < len(given) - 1 else ""
+            if after.startswith("-") and after.split("=", 1)[0] not in ours:  # not a flag of ours: its value
+                return f"; a value that begins with '-' goes after '=': {flag}={after}"
         return ""
 
 

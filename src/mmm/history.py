@@ -200,19 +200,20 @@ class History:
         if step is not None and type(step) is not int and isinstance(step, Mapping):
             if values is not None:
                 raise TypeError("update(metrics, step=N): pass the step by keyword after a mapping")
-            values = dict(step)
-            step = values.pop(self.step_key, None)
-        for key in dict.fromkeys(("step", self.step_key)):  # the step by keyword: update(step=3, loss=...)
-            if key in metrics:
-                if step is not None:
-                    raise UsageError(f"History.update: the step given twice ({step} and {key}={metrics[key]})")
-                step = metrics.pop(key)
+            values, step = step, None
+        values = dict(values) if values is not None else None  # the caller's mapping is left as it was
+        for given in (values or {}, metrics):  # the step by name: update(step=3, ...), update({"iter": 3, ...})
+            for key in dict.fromkeys(("step", self.step_key)):
+                if key in given:
+                    if step is not None:
+                        raise UsageError(f"History.update: the step given twice ({step} and {key}={given[key]})")
+                    step = given.pop(key)
         if values is not None:
-            metrics = {k: v for k, v in values.items() if k != self.step_key} | metrics
+            metrics = values | metrics
         if step is None:  # the next index: one past the last step (0 first)
             step = self.rows[-1][self.step_key] + 1 if self.rows else 0
-        whole = _scalar(step) if type(step) is not int else step
-        if isinstance(whole, bool) or not isinstance(whole, (int, float)) or whole != int(whole):
+        whole = step if type(step) is int else _scalar(step) if hasattr(step, "item") else step
+        if type(whole) not in (int, float) or not math.isfinite(whole) or whole != int(whole):
             raise UsageError(f"History.update: step {step!r} is not a whole number")
         rec = {self.step_key: int(whole)}
         for k, v in metrics.items():
@@ -286,12 +287,15 @@ class History:
     # ------------------------------------------------------------------ summaries
     def warm_rows(self, warmup: int | None = None) -> set[int]:
         """The rows (indices) a warm-up leaves out of :meth:`stats`: the first ``warmup`` of the history, and
-        of this process after a resume (its first steps compile and fill caches again); none when that
-        would leave no row."""
+        of this process after a resume (its first steps compile and fill caches again); when that would leave
+        no row, the history's first ones alone; when even that would, none."""
         warmup = self.warmup if warmup is None else warmup
-        starts = {0, self._resumed_rows} if self._resumed_rows < len(self.rows) else {0}
-        out = {i for s in starts for i in range(s, min(s + warmup, len(self.rows)))}
-        return out if len(out) < len(self.rows) else set()
+        n = len(self.rows)
+        for starts in ({0, self._resumed_rows} if self._resumed_rows < n else {0}, {0}):  # both, else the first
+            out = {i for s in starts for i in range(s, min(s + warmup, n))}
+            if len(out) < n:
+                return out
+        return set()
 
     def stats(self, warmup: int | None = None) -> dict[str, dict[str, float]]:
         """mean/std/min/max of every metric with the warm-up's rows (:meth:`warm_rows`) left out, and its

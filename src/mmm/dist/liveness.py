@@ -236,7 +236,12 @@ def silent_ranks(wait_s: float = 3.0, linger_s: float = 5.0) -> list[int] | None
     whatever its main thread is doing, so a rank stuck in another collective is not named. Rank 0, the
     store's host, then waits up to ``linger_s`` for the live ranks to finish their own roll calls, so that
     none of them loses the store in the middle of one."""
-    with _stderr_without_store_warnings():
+    dist = sys.modules.get("torch.distributed")
+    try:  # rank 0 hosts the store: its requests cannot lose it, and its stderr is not held
+        client = dist is not None and dist.is_initialized() and dist.get_rank() != 0
+    except Exception:
+        client = False
+    with _stderr_without_store_warnings() if client else contextlib.nullcontext():
         return _roll_call(wait_s, linger_s)
 
 
@@ -307,7 +312,12 @@ def _stderr_without_store_warnings():
     except (AttributeError, OSError, ValueError):  # no memfd here, no stderr: as it is
         yield
         return
-    saved = os.dup(2)
+    try:
+        saved = os.dup(2)
+    except OSError:  # no descriptor 2 to hold
+        os.close(held)
+        yield
+        return
     os.dup2(held, 2)
     try:
         yield
@@ -319,8 +329,9 @@ def _stderr_without_store_warnings():
         with os.fdopen(held, "rb") as f:
             f.seek(0)
             text = drop_store_warnings(f.read())
-        while text:  # (a pipe may take part of it at a time)
-            text = text[os.write(2, text) :]
+        with contextlib.suppress(OSError):  # stderr closed, or its reader gone: nothing to tell
+            while text:  # (a pipe may take part of it at a time)
+                text = text[os.write(2, text) :]
 
 
 def _host_key(rank: int) -> str:

@@ -14,7 +14,9 @@ from typing import IO
 from mmm.errors import DIVERGED_EXIT
 
 USAGE_ERROR = 2
-SAID_BY_EVERY_RANK = (USAGE_ERROR, DIVERGED_EXIT)  # exit codes whose reason each rank gave in one line
+# a program's one-line error (mmm's: ``[rank N] prog: error: ...``, or rank 0's ``prog: error: ...``); without
+# one, another program's exit 65 (EX_DATAERR) keeps the box, the only place that names its rank
+_RANK_SAID = re.compile(rb"^(\[rank \d+\] )?\S[^:]*: error: ")
 # a box that adds nothing: a rank's exit after a Ctrl-C or a SIGTERM it was sent (the rank said it)
 _STOPPED = re.compile(rb"Exit code:\s+(130|143)\s*\n")
 _RULE = re.compile(rb"-{20,}\r?\n")  # the top and bottom line of a box
@@ -32,6 +34,8 @@ class ExitBoxFilter:
         self.tail = b""  # the start of a line that may be a rule
         self.mid_line = False  # part of the current line has gone out: the rest goes out too
         self.finished = False
+        self.rank_said = False  # a rank's one-line error went by
+        self.partial = b""  # the start of a line not yet ended (for rank_said)
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
 
@@ -48,7 +52,8 @@ class ExitBoxFilter:
         with self.lock:
             held = b"".join(self.held) + self.tail
             stopped = code in (130, 143) and _STOPPED.search(held)
-            if self.boxed and (code in SAID_BY_EVERY_RANK or stopped):  # drop the box to its bottom rule (all if cut)
+            said = code == USAGE_ERROR or code == DIVERGED_EXIT and self.rank_said
+            if self.boxed and (said or stopped):  # drop the box to its bottom rule (all if cut)
                 end = next((i for i in range(1, len(self.held)) if _RULE.fullmatch(self.held[i])), None)
                 held = b"".join(self.held[end + 1 :]) + self.tail if end is not None else b""
             self._write(held)
@@ -66,6 +71,10 @@ class ExitBoxFilter:
             source.close()
 
     def _feed(self, data: bytes) -> None:
+        if not self.rank_said:  # whole lines, however the pipe cut them
+            lines = (self.partial + data).splitlines(keepends=True)
+            self.partial = lines.pop()[-4096:] if lines and not lines[-1].endswith((b"\n", b"\r")) else b""
+            self.rank_said = any(_RANK_SAID.match(line) for line in lines)
         if self.finished:
             self._write(data)
             return
