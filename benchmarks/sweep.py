@@ -23,6 +23,7 @@ is 1 when any layout failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -142,7 +143,8 @@ def run_one(combo, args, trainer_argv: list[str], out: Path) -> dict:
         code = 124
         stderr += f"\nerror: timed out after {args.timeout}s (--timeout)"
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM to the sweep: its session of its own never got it
-        _stop_group(p, first=signal.SIGINT)
+        with signal_ignored(signal.SIGINT), signal_ignored(signal.SIGTERM):  # a second one must not cut it short
+            _stop_group(p, first=signal.SIGINT)
         stdout, stderr = p.communicate()
         (rundir / "log.txt").write_text(f"$ {' '.join(cmd)}\n{stdout}{stderr}\ninterrupted: the sweep was stopped\n")
         (rundir / "INTERRUPTED").write_text("the sweep was stopped during this run: its outputs are incomplete\n")
@@ -153,6 +155,15 @@ def run_one(combo, args, trainer_argv: list[str], out: Path) -> dict:
     if code != 0 or not summary_path.exists():
         return {"ok": False, "error": _error_line(stderr or stdout) + f" (exit {code})", "wall_s": wall}
     return {"ok": True, "error": "", "wall_s": wall, "summary": json.loads(summary_path.read_text())}
+
+
+@contextlib.contextmanager
+def signal_ignored(signum: int):
+    before = signal.signal(signum, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signum, before)
 
 
 def _stop_group(p: subprocess.Popen, first: int = signal.SIGTERM) -> None:
@@ -380,7 +391,7 @@ def main(argv=None) -> int:
     if progress is not None:
         progress.start()
         task = progress.add_task("", total=len(combos))
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the sweep as Ctrl-C does
+    before = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the sweep as Ctrl-C does
     try:
         for i, combo in enumerate(combos, 1):
             if progress is not None:
@@ -415,6 +426,7 @@ def main(argv=None) -> int:
             else:
                 print(line, flush=True)
     finally:
+        signal.signal(signal.SIGTERM, before)
         if progress is not None:
             progress.stop()
     ds = to_dataset(combos, results, request)

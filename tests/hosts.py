@@ -309,7 +309,10 @@ def _remove(id: int) -> None:
 
 # ---------------------------------------------------------------------- command line
 def _find(id: int | None) -> Hosts:
-    found = [c for c in clusters() if id is None or c.id == id]
+    up = list(clusters())
+    found = [c for c in up if id is None or c.id == id]
+    if not found and up:
+        raise SystemExit(f"hosts: cluster {id} is not up (up: {[c.id for c in up]})")
     if not found:
         raise SystemExit("hosts: no cluster is up; `scripts/hosts up 2` makes one")
     if len(found) > 1:
@@ -352,6 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{h} {hosts.address(h)}")
             return 0
         if args.what == "down":
+            if args.all and args.id is not None:
+                raise SystemExit(f"hosts: down --all removes every cluster; --id {args.id} names one: give one of them")
             if args.all:
                 for c in list(clusters()):
                     c.down()

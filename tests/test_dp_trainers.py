@@ -193,7 +193,7 @@ def test_zero2_optimizer_offload_runs_and_matches(tmp_path):
     base = [*VIT, "--strategy", "zero2"]
     _parallel(2, base, tmp_path / "plain")
     res = _parallel(2, [*base, "--offload-optimizer"], tmp_path / "offload", timeout=1200)
-    assert "--offload-optimizer: DeepSpeed's CPU Adam is loaded from " in res.stdout  # a silent build no more
+    assert "--offload-optimizer: DeepSpeed's CPU Adam is loaded (prebuilt, or from " in res.stdout  # not silent
     assert (
         max_rel_diff(jsonl(tmp_path / "offload" / "history.jsonl"), jsonl(tmp_path / "plain" / "history.jsonl")) <= 1e-4
     )

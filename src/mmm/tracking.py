@@ -131,12 +131,12 @@ class WandbTracker:
             again = f" ({span}, which it holds, not sent again)" if self.held > resume_step else ""
             log.info("wandb: run %s continued from step %d%s", self.run.id, resume_step + 1, again)
         elif kept and log is not None:
-            log.info(
-                "wandb: a new run %s from step %d (run %s keeps the steps of the line this run left)",
-                self.run.id,
-                resume_step + 1,
-                kept.get("id"),
+            why = (
+                f"run {kept.get('id')} is in project {kept.get('project')}"
+                if continue_run
+                else f"run {kept.get('id')} keeps the steps of the line this run left"
             )
+            log.info("wandb: a new run %s from step %d (%s)", self.run.id, resume_step + 1, why)
         self._write_id()
 
     def _read_id(self) -> dict[str, Any]:

@@ -140,8 +140,8 @@ def initialize(model: nn.Module, optimizer, *, config: dict[str, Any], device_ty
             )
         if mdist.info().is_main:  # a first use compiles it, silently: say why the start may take minutes
             get_logger().info(
-                "--offload-optimizer: DeepSpeed's CPU Adam is loaded from %s, or compiled there first (1-5 minutes, "
-                "once per environment)",
+                "--offload-optimizer: DeepSpeed's CPU Adam is loaded (prebuilt, or from %s), or compiled there first "
+                "(1-5 minutes, once per environment)",
                 _build_directory("cpu_adam"),
             )
     if device_type == "cpu":  # said, not guessed: DeepSpeed's guess warns on every rank that it found no GPU
