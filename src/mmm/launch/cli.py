@@ -104,6 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # between attempts, or while probing hosts: every probe already stopped
         print_error("interrupted (Ctrl-C); nothing is left running", prog=PROG)
         return 130
+    except BrokenPipeError:  # `launch --dry-run | head -1`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 0
 
 
 def _main(argv: Sequence[str] | None = None) -> int:

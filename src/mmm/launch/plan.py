@@ -61,7 +61,7 @@ class LaunchPlan:
             else "this machine"
         )
         how = self.mpi_flavor or ""
-        if self.launcher == "mpiexec" and self.argv[0] != venv_mpiexec():  # not this environment's own: which
+        if self.launcher == "mpiexec" and os.path.isabs(self.argv[0]) and self.argv[0] != venv_mpiexec():  # which
             how = f"{how}: {self.argv[0]}"
         return (
             f"{self.nproc} ranks ({self.ppn} per host) on {where} via {self.launcher}"
@@ -234,7 +234,14 @@ def plan_launch(
             *cmd,
         ]
         return LaunchPlan("srun", argv, total, ppn, alloc, add_env)
-    exe = find_mpiexec()
+    try:
+        exe = find_mpiexec()
+    except UsageError:  # none of the flavour asked for here (a login node, a module not loaded)
+        if not dry_run:
+            raise
+        exe = "mpiexec"  # named as is, as a missing srun is
+    if exe is None and dry_run:
+        exe = "mpiexec"
     if exe is None:
         raise UsageError(
             f"--launcher mpiexec: no mpiexec in {Path(sys.executable).parent} or on PATH; install MPI "
