@@ -182,8 +182,8 @@ def _start_child(
 
 def _own_group_ending_with(parent: int) -> Callable[[], None]:
     """What the child runs before its program: a process group of its own, and (Linux) SIGTERM when ``parent``
-    (launch) dies, so that the launcher is never left running the ranks without launch. Only async-signal-safe
-    work in the child: two system calls (the function is looked up before the fork)."""
+    (launch) dies, so that the launcher is never left running the ranks without launch. The child does as
+    little as it can between fork and exec: two system calls (``prctl`` is looked up before the fork)."""
     prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None  # before the fork
 
     def child() -> None:
