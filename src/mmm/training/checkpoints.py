@@ -77,13 +77,19 @@ class CheckpointPolicy:
     metadata. With no ``--checkpoint-dir`` (``checkpointer`` None) nothing is ever due."""
 
     def __init__(
-        self, checkpointer: Checkpointer | None, *, every: int = 0, extra_at=None, resumed: dict | None = None
+        self,
+        checkpointer: Checkpointer | None,
+        *,
+        every: int = 0,
+        extra_at=None,
+        resumed: dict | None = None,
+        continues: bool = False,
     ) -> None:
         self.checkpointer, self.every = checkpointer, every
         self.extra_at: Callable[[int], dict[str, Any]] | None = extra_at
         self.resumed = resumed
         """The metadata of the checkpoint the run resumed from (``mmm.json``: its step, its loss...), or None."""
-        self.continues = False
+        self.continues = continues
         """The resumed checkpoint is where the run's line left off (``--resume latest``, a relaunch, or the
         newest checkpoint by number), not a rollback to an earlier step."""
 
@@ -162,8 +168,10 @@ def open_checkpoints(
         async_save=options.checkpoint_async,
     )
     start, saved = resume(checkpointer, options.resume, startup, check)
-    policy = CheckpointPolicy(checkpointer, every=options.checkpoint_every, extra_at=extra_at, resumed=saved)
-    policy.continues = saved is not None and (
+    continues = saved is not None and (
         options.resume == "latest" or bool(restart_attempt()) or saved["step"] == latest_step(checkpointer.root)
+    )
+    policy = CheckpointPolicy(
+        checkpointer, every=options.checkpoint_every, extra_at=extra_at, resumed=saved, continues=continues
     )
     return policy, start
