@@ -344,16 +344,17 @@ def test_bad_checkpoint_flags_are_one_line(tmp_path):
 # --------------------------------------------------------------------------- memory
 @pytest.mark.slow
 def test_no_rank_holds_the_whole_model(tmp_path):
-    """8 ranks, FSDP, one step of a 76M-parameter Llama built on meta: every rank's peak resident memory
-    grows by less than 0.75x of the whole model's fp32 bytes over a tiny model's run (params + grads + AdamW
-    sharded 8 ways: 0.5x; measured 0.57-0.58x; unsharded state would be 4x, a whole model built first 3.5x).
+    """4 ranks, FSDP, one step of a 76M-parameter Llama built on meta: every rank's peak resident memory
+    grows by less than 1.5x of the whole model's fp32 bytes over a tiny model's run (params + grads + AdamW
+    sharded 4 ways: 1.0x; measured 1.07x; 3.2x with glibc's default mmap threshold, MMM_HOST_MALLOC=default;
+    unsharded state would be 4x, a whole model built first 3.5x on 8 ranks).
     The benchmark's default, a 608M model, shows the same at a size no rank could hold (docs/benchmarks.md)."""
     res = run(
         [
             sys.executable,
             str(Path(__file__).parents[1] / "benchmarks" / "memory.py"),
             "--ranks",
-            "8",
+            "4",
             "--dim",
             "512",
             "--n-heads",
@@ -368,9 +369,9 @@ def test_no_rank_holds_the_whole_model(tmp_path):
     assert res.returncode == 0, res.output
     data = json.loads((tmp_path / "memory.json").read_text())
     assert data["num_params"] > 75e6
-    assert data["worst_growth_ratio"] < 0.75, res.stdout
+    assert data["worst_growth_ratio"] < 1.5, res.stdout
     summary = json.loads((tmp_path / "big" / "summary.json").read_text())
-    assert len(summary["memory"]["after_setup"]) == 8 and summary["memory"]["after_setup"][0]["rss_bytes"] > 0
+    assert len(summary["memory"]["after_setup"]) == 4 and summary["memory"]["after_setup"][0]["rss_bytes"] > 0
 
 
 # --------------------------------------------------------------------------- the lean step
