@@ -15,6 +15,7 @@ import pytest
 from conftest import clean_env, launch, run, spawn
 from mmm import launch as L
 from mmm.errors import UsageError
+from mmm.launch import tempdirs
 from mmm.launch import watch as W
 from mmm.launch.output import ExitBoxFilter
 
@@ -278,6 +279,30 @@ def test_a_session_folder_left_by_a_killed_open_mpi_run_fails_no_later_run(tmp_p
     assert (_last_pid() - first) % pid_max < 2000, "more processes started meanwhile than the test covered"
     assert res.returncode == 0, res.output
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("ompi.")) == []
+
+
+def test_a_killed_launchs_folders_are_removed_by_the_next_launch(tmp_path):
+    """A SIGKILLed launch (the out-of-memory killer, a scheduler's hard stop) cannot remove its folders (the
+    ranks' process ids, the MPI launcher's session files): the next launch on the host removes them, and
+    keeps those of a running launch and of another host (a temporary folder several hosts share)."""
+    env = clean_env(TMPDIR=str(tmp_path))
+    sleeping = launch("-n", "2", "python3", "-c", "import time; time.sleep(120)")
+    with spawn(sleeping, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as p:
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob("mmm-*")) and time.monotonic() < deadline and p.poll() is None:
+            time.sleep(0.1)
+        time.sleep(1.0)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+    left = sorted(tmp_path.glob("mmm-*"))
+    assert left and all(f"-{p.pid}-" in f.name for f in left), left
+    running = Path(tempdirs.make("pids", str(tmp_path)))  # this test's process: running
+    ours = tempdirs.prefix("pids").split("-")[2]
+    other = tmp_path / f"mmm-pids-{'0' * 8 if ours != '0' * 8 else '1' * 8}-{p.pid}-1-abcdefgh"
+    other.mkdir()
+    res = run(launch("-n", "1", "python3", "-c", "pass"), env=env)
+    assert res.returncode == 0, res.output
+    assert sorted(tmp_path.glob("mmm-*")) == sorted([running, other]), left
 
 
 @pytest.mark.parametrize("where", ["--mpi-args", "param-file", "environment"])

@@ -11,6 +11,7 @@ from mmm import env as mmm_env
 from mmm import faults  # noqa: F401  (declares MMM_FAULT's and MMM_SAVE_FAULT's kinds: checked here too)
 from mmm.cli import nonempty_text, nonnegative_int, positive_int, shell_words
 from mmm.errors import ArgumentParser, UsageError, print_error
+from mmm.launch import tempdirs
 from mmm.launch.hostloss import plan_hosts
 from mmm.launch.plan import LAUNCHERS, LaunchPlan, new_run_id, plan_launch
 from mmm.launch.run import (
@@ -146,6 +147,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
         return 0
     if not args.quiet:
         print(f"launch: {plan.describe()}", file=sys.stderr, flush=True)
+    tempdirs.remove_left_behind()  # the folders of launches killed before they could remove them
 
     def probe(hostfile: str, env: Mapping[str, str]) -> LaunchPlan:
         return plan_launch(

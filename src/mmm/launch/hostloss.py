@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from mmm.errors import UsageError
+from mmm.launch import tempdirs
 from mmm.launch.mpi import FLAVORS
 from mmm.launch.plan import LaunchPlan
 from mmm.launch.supervision import session_folder
@@ -54,7 +55,7 @@ def lost_hosts(
     hosts = plan_hosts(plan)
     children: list[subprocess.Popen] = []
     stopping = threading.Event()  # Ctrl-C: a probe starting or waiting in its thread stops at once too
-    with tempfile.TemporaryDirectory(prefix="mmm-probe-") as folder:
+    with tempfile.TemporaryDirectory(prefix=tempdirs.prefix("probe")) as folder:
 
         def answers(host: str) -> bool:
             if stopping.is_set():

@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 from mmm.dist.ranks import without_launcher_vars
 from mmm.dist.rendezvous import free_port, unknown_host
 from mmm.errors import DIVERGED_EXIT, UsageError, print_error
+from mmm.launch import tempdirs
 from mmm.launch.hostloss import lost_hosts, plan_hosts, write_hostfile
 from mmm.launch.hosts import is_this_host
 from mmm.launch.mpi import export_flags
@@ -82,7 +82,7 @@ def run_attempt(plan: LaunchPlan, env: Mapping[str, str], signalled: list[int]) 
     if _watched(plan):
         # each other host's first rank starts a watcher that reports here (launch's host may run none)
         several = any(not is_this_host(h) for h in plan_hosts(plan))
-        watcher = RankWatch(tempfile.mkdtemp(prefix="mmm-pids-"), plan.nproc, listen=several, hosts=plan_hosts(plan))
+        watcher = RankWatch(tempdirs.make("pids"), plan.nproc, listen=several, hosts=plan_hosts(plan))
         watch_env = {"MMM_PID_DIR": str(watcher.folder), **({"MMM_WATCH": watcher.address} if several else {})}
         env = {**env, **watch_env}  # and exported to the other hosts' ranks (Open MPI passes only what it is told)
         if plan.launcher == "mpiexec":
@@ -222,7 +222,7 @@ def run_with_retries(
     fresh_port = "MASTER_PORT" in first.env
     chose_addr = "MASTER_ADDR" in first.env
     base = {**os.environ, **first.env}
-    folder = tempfile.mkdtemp(prefix="mmm-hosts-") if drop else None
+    folder = tempdirs.make("hosts") if drop else None
     try:
         return _attempts(replan, retries, quiet, probe, drop, folder, fresh_port, chose_addr, base)
     finally:

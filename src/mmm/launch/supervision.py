@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from mmm.launch import tempdirs
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ def session_folder(
     ``argv`` runs, as the variable that names it; nothing when it keeps none or the user placed them."""
     if sup is None or not sup.session_folder_var or placed_by_user(sup, argv, env):
         return {}
-    return {sup.session_folder_var: tempfile.mkdtemp(prefix="mmm-mpi-", dir=parent)}
+    return {sup.session_folder_var: tempdirs.make("mpi", parent)}
 
 
 def placed_by_user(sup: Supervision, argv: Sequence[str], env: Mapping[str, str]) -> bool:
