@@ -77,7 +77,7 @@ def test_split_module_list_keeps_full_names_and_runs_its_own_forward():
     [
         (
             dict(n_layers=6, schedule="gpipe", stages_per_rank=1, microbatches=2, local_batch=4, pp=4),
-            "n_layers=6 does not split evenly into 4 stages",
+            "the model's 6 blocks: no even split into 4 stages",
         ),
         (
             dict(n_layers=8, schedule="gpipe", stages_per_rank=1, microbatches=3, local_batch=4, pp=2),

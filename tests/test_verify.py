@@ -59,6 +59,18 @@ def test_a_tolerance_of_zero_fails_with_a_one_line_error():
             "no module of TinyLM has an 'attn_fn' attribute",
         ),
         (["--strategy", "ddp", "--tp", "2"], "--strategy ddp does not compose with tp"),
+        # what the model meets in its first step: token ids past its embedding, a tuple for logits, a TP plan
+        # that splits a layer and not its partner (every rank one line, not a traceback from inside torch)
+        (
+            ["--model", "own_lm:build", "--vocab-size", "256"],
+            "index past one of its embeddings (IndexError: index out of range in self); give batches within its "
+            "vocabulary and positions (--vocab-size 256, --seq-len 32)",
+        ),
+        (["--model", "own_lm:build_tuple"], "the model returned a tuple, not the logits"),
+        (
+            ["--model", "own_lm:build", "--tp", "2", "--tp-plan", "own_lm:UP_ONLY_PLAN"],
+            "with tp=2 a layer got an input of the wrong shape (mat1 and mat2 shapes cannot be multiplied",
+        ),
         # a pipeline split in registration order, checked on meta before the first step (every rank alike:
         # test_a_pipeline_split_out_of_forward_order_is_named), or by the stand-ins in the first real step for
         # a model that cannot run on meta (it reads a value): GPT-2's tok(x) + pos(p)

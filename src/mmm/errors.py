@@ -49,22 +49,36 @@ class Spelling:
     The library speaks its API, keyword arguments (:data:`API`: ``microbatches=3``, ``dp_replicate``);
     a command line passes its flags instead (:data:`mmm.cli.FLAGS`: ``--microbatches 3``,
     ``--dp-replicate``). ``flags`` maps a field to a flag of another name (``schedule`` ->
-    ``--pp-schedule``); any other field is its own name with dashes.
+    ``--pp-schedule``); any other field is its own name with dashes. ``keywords`` does the same for
+    keyword arguments of another name (``schedule`` -> ``pp_schedule``). Either may map a field to ""
+    where the caller cannot set it (its name is then empty: a check leaves that fix out). ``facts``
+    describes fields that are facts of the model rather than settings, as a format of the value
+    (``n_layers`` -> ``"the model's {} blocks"``).
     """
 
-    def __init__(self, *, flags: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        flags: Mapping[str, str] | None = None,
+        keywords: Mapping[str, str] | None = None,
+        facts: Mapping[str, str] | None = None,
+    ) -> None:
         self.flags = flags  # None: keyword arguments
+        self.keywords = dict(keywords or {})
+        self.facts = dict(facts or {})
 
     def name(self, field: str) -> str:
-        """The setting alone: ``stages_per_rank`` or ``--stages-per-rank``."""
+        """The setting alone: ``stages_per_rank`` or ``--stages-per-rank`` ("" where the caller cannot set it)."""
         if self.flags is None:
-            return field
+            return self.keywords.get(field, field)
         return self.flags.get(field, "--" + field.replace("_", "-"))
 
     def __call__(self, field: str, value: Any) -> str:
         """The setting and its value: ``split_points=[2, 4]`` or ``--split-points 2,4`` (a switch: ``--compile``)."""
+        if field in self.facts:
+            return self.facts[field].format(value)
         if self.flags is None:
-            return f"{field}={value!r}"
+            return f"{self.name(field)}={value!r}"
         if value is True:
             return self.name(field)
         if isinstance(value, (list, tuple)):
@@ -72,7 +86,7 @@ class Spelling:
         return f"{self.name(field)} {value}"
 
 
-API = Spelling()
+API = Spelling(facts={"n_layers": "the model's {} blocks"})  # a block count is not an argument of the API
 
 
 _ROLE = re.compile(r":(?:class|func|mod|meth|attr|data|exc|obj):`(~?)([^`]+)`")

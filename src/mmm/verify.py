@@ -36,7 +36,7 @@ from mmm import dist
 from mmm.cli import FLAGS, ArgumentParser, Flags, nonnegative_float, option, override, positive_int, random_seed
 from mmm.data import step_seed
 from mmm.dist import current
-from mmm.errors import RunError, UsageError
+from mmm.errors import RunError, Spelling, UsageError
 from mmm.log import get_logger, quiet_torchao
 from mmm.models.hf import HF_LLAMA_TP_PLAN
 from mmm.models.llama import Llama, LlamaConfig, llama_tp_plan
@@ -62,6 +62,11 @@ from mmm.training.config import Config, ParallelConfig
 from mmm.training.recipe import Recipe
 
 BUILTIN = ("llama", "llama-moe", "vit", "hf-llama")
+# how verify's checks name what they refuse: :func:`verify`'s keyword arguments (its schedule is pp_schedule;
+# it takes no split points) and the command line's flags; a block count is the model's, not a setting
+_BLOCKS = {"n_layers": "the model's {} blocks"}
+KEYWORDS = Spelling(keywords={"schedule": "pp_schedule", "split_points": ""}, facts=_BLOCKS)
+VERIFY_FLAGS = Spelling(flags={**FLAGS.flags, "split_points": ""}, facts=_BLOCKS)
 
 
 @dataclass
@@ -126,7 +131,39 @@ def _logits(out):
 def lm_loss(logits, targets):
     """Next-token cross entropy (logits may be a model output with ``.logits``)."""
     logits = _logits(logits)
+    if not isinstance(logits, torch.Tensor):
+        raise UsageError(
+            f"the model returned a {type(logits).__name__}, not the logits (a tensor of batch x seq x vocabulary) "
+            "or an object with .logits; make its forward return the logits (e.g. wrap it: return self.inner(x)[0])"
+        )
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+
+CANNOT_TAKE = "the model cannot take the batches"
+
+
+def _first_batch_problem(e: Exception, inputs: torch.Tensor) -> str | None:
+    """The line for a model that cannot take verify's batches (an embedding indexed past its size: token ids
+    or positions beyond the model's), None for any other failure (a bug keeps its traceback)."""
+    if not (isinstance(e, IndexError) and "index out of range" in str(e)):
+        return None
+    ids = f", ids {int(inputs.min())}-{int(inputs.max())}" if not inputs.is_floating_point() else ""
+    return (
+        f"{CANNOT_TAKE}: inputs of shape {tuple(inputs.shape)}{ids} index past one of its "
+        f"embeddings ({type(e).__name__}: {e}); give batches within its vocabulary and positions"
+    )
+
+
+def _tp_problem(e: Exception, mesh) -> str | None:
+    """The line for a TP plan that leaves a layer's input the wrong shape (a colwise layer without its rowwise
+    partner, a plan that splits one layer of a pair), None for any other failure."""
+    if not (mesh.tp_enabled and isinstance(e, RuntimeError) and "shapes cannot be multiplied" in str(e)):
+        return None
+    return (
+        f"with tp={mesh.tp} a layer got an input of the wrong shape ({str(e).splitlines()[0]}): the TP plan splits "
+        "a layer whose partner it leaves whole (each colwise layer needs the rowwise one that takes its output, "
+        "and norms between them stay unsplit); check the plan against the model's forward"
+    )
 
 
 def token_batches(vocab_size: int, seq_len: int, batch: int, seed: int = 0):
@@ -156,6 +193,7 @@ def verify(
     stages_per_rank: int = 1,
     cp_attention: str = "ring",
     device=None,
+    spell: Spelling = KEYWORDS,
 ) -> Verdict:
     """Train ``model_fn()`` for ``steps`` AdamW steps in one process (rank 0) and on ``mesh`` with
     ``spec``, on the global batches ``batch_fn(step)`` (each dp rank its slice), and compare the
@@ -167,7 +205,8 @@ def verify(
 
     Context parallel (``cp_attention`` ring or ulysses) needs a model with the ``attn_fn`` hook and a
     ``shard_positions(positions)`` method (:func:`mmm.parallel.context.context_parallel`): each cp rank
-    then trains its load-balanced share of every sequence."""
+    then trains its load-balanced share of every sequence. ``spell``: how refusals name the settings
+    (:data:`VERIFY_FLAGS`: the command line's flags)."""
     spec = spec or ParallelSpec()
     problems = compose_problems(spec, mesh.dims)  # before the reference run, not after it
     if mesh.pp_enabled:
@@ -183,12 +222,13 @@ def verify(
             stages_per_rank=stages_per_rank,
             microbatches=mesh.pp if microbatches is None else microbatches,
             local_batch=global_batch // mesh.dp if global_batch % mesh.dp == 0 else None,
+            spell=spell,
         )
-        problems += [p for p in ac_problems(spec.ac, mesh.dims, schedule=pp_schedule) if p not in problems]
+        problems += [p for p in ac_problems(spec.ac, mesh.dims, schedule=pp_schedule, spell=spell) if p not in problems]
     elif microbatches is not None:  # gradient accumulation over parts of each rank's batch
         global_batch = batch_fn(1)[0].shape[0]
         problems += accumulation_problems(
-            microbatches, global_batch // mesh.dp if global_batch % mesh.dp == 0 else None
+            microbatches, global_batch // mesh.dp if global_batch % mesh.dp == 0 else None, spell=spell
         )
     seq_len = 0
     if mesh.cp_enabled:
@@ -207,19 +247,33 @@ def verify(
     rank = tdist.get_rank() if tdist.is_initialized() else 0
 
     ref = torch.zeros(2, steps, dtype=torch.float64)
+    refused = [None]  # rank 0's one line for a model that cannot take the batches, or its loss's refusal
     if rank == 0:
         torch.manual_seed(seed)
         model = model_fn().to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         for step in range(1, steps + 1):
             inputs, targets = (t.to(device) for t in batch_fn(step))
-            loss = loss_fn(model(inputs), targets)
+            try:
+                loss = loss_fn(model(inputs), targets)
+            except UsageError as e:
+                refused[0] = str(e)
+            except Exception as e:
+                refused[0] = _first_batch_problem(e, inputs) if step == 1 else None
+                if refused[0] is None:
+                    raise  # a bug of the model's or of its loss: its traceback (the other ranks: lost contact)
+            if refused[0] is not None:
+                break
             loss.backward()
             ref[0, step - 1] = loss.item()
             ref[1, step - 1] = clip_grad_norm_(model.parameters(), 0.0)
             opt.step()
             opt.zero_grad()
         del model, opt
+    if tdist.is_initialized():  # every rank learns whether the reference ran
+        tdist.broadcast_object_list(refused, src=0)
+    if refused[0] is not None:
+        raise UsageError(refused[0])
     if tdist.is_initialized():  # on the device: NCCL has no CPU tensors
         ref = ref.to(device)
         tdist.broadcast(ref, src=0)
@@ -267,7 +321,14 @@ def verify(
             with loss_parallel_context(spec.loss_parallel and mesh.tp_enabled):
                 for i, (x, y) in enumerate(split_batch(inputs, targets, n)):
                     with deferred_gradient_sync(model, last=i == n - 1):
-                        part = loss_fn(model(x), y)
+                        try:
+                            out = model(x)
+                        except RuntimeError as e:  # every rank of the layout fails alike: one line on each
+                            problem = _tp_problem(e, mesh) if step == 1 else None
+                            if problem is None:
+                                raise
+                            raise UsageError(problem) from None
+                        part = loss_fn(out, y)
                         part.backward()
                     loss = loss + part.detach() / n
             scale_gradients_(model.parameters(), 1 / n)
@@ -583,22 +644,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     if missing:
         raise UsageError("; ".join(missing))
     spec = ParallelSpec(blocks=check.blocks, ac=par.ac, dp=par.strategy, **options)
-    verdict = verify(
-        model_fn,
-        mesh,
-        spec,
-        batch_fn=batch_fn,
-        loss_fn=loss_fn,
-        steps=check.steps,
-        lr=check.lr,
-        seed=check.seed,
-        rtol=check.rtol,
-        microbatches=par.microbatches,
-        pp_schedule=par.pipeline_schedule,
-        stages_per_rank=par.stages_per_rank,
-        cp_attention=par.cp_attention,
-        device=info.device,
-    )
+    try:
+        verdict = verify(
+            model_fn,
+            mesh,
+            spec,
+            batch_fn=batch_fn,
+            loss_fn=loss_fn,
+            steps=check.steps,
+            lr=check.lr,
+            seed=check.seed,
+            rtol=check.rtol,
+            microbatches=par.microbatches,
+            pp_schedule=par.pipeline_schedule,
+            stages_per_rank=par.stages_per_rank,
+            cp_attention=par.cp_attention,
+            device=info.device,
+            spell=VERIFY_FLAGS,
+        )
+    except UsageError as e:
+        if not str(e).startswith(CANNOT_TAKE) or check.model in BUILTIN:
+            raise
+        raise UsageError(f"{e} (--vocab-size {check.vocab_size}, --seq-len {check.seq_len})") from None
     if info.is_main:
         get_logger().info(
             "verify %s on %d ranks against one process:\n%s", check.model, info.world_size, verdict.table()

@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 TP_PLAN = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
+UP_ONLY_PLAN = {"blocks.*.up": "colwise"}  # its rowwise partner forgotten: down gets half of its input
 
 
 class Block(nn.Module):
@@ -33,6 +34,17 @@ class TinyLM(nn.Module):
 
 def build():
     return TinyLM()
+
+
+class TupleLM(TinyLM):
+    """Returns (logits, None), as some training code's models do."""
+
+    def forward(self, tokens):
+        return super().forward(tokens), None
+
+
+def build_tuple():
+    return TupleLM()
 
 
 class TinySequentialLM(TinyLM):

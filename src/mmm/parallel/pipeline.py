@@ -113,9 +113,10 @@ def pipeline_problems(
         elif list(split_points) != sorted(set(split_points)) or split_points[0] <= 0 or split_points[-1] >= n_layers:
             out.append(f"{spell('split_points', list(split_points))} must increase strictly within (0, {n_layers})")
     elif n_layers % num_stages:
+        split = spell.name("split_points")
         out.append(
-            f"{spell('n_layers', n_layers)} does not split evenly into {stages}; use a multiple of "
-            f"{num_stages} or {spell.name('split_points')}"
+            f"{spell('n_layers', n_layers)}: no even split into {stages}; use a multiple of {num_stages}"
+            + (f" or {split}" if split else f", or fewer stages ({spell.name('pp')})")
         )
     batch = accumulation_problems(microbatches, local_batch, spell=spell)  # the same rule as accumulation's
     out += batch
