@@ -141,8 +141,12 @@ def test_what_cannot_be_materialised_is_refused_by_name():
         materialize(model, device="cpu", seed=0)
     with meta_init():
         model = Llama(tiny_cfg())
-    with pytest.raises(UsageError, match="pass seed="):
+    with pytest.raises(UsageError, match="pass seed= so") as e:
         parallelize(model, SimpleNamespace(dims=ParallelDims(world_size=1)), device=torch.device("cpu"))
+    assert str(e.value).count("meta device") == 1, e.value
+    with pytest.raises(UsageError, match="Llama is on the meta device: pass device= and seed= so") as e:
+        parallelize(model, SimpleNamespace(dims=ParallelDims(world_size=1)))  # both missing: one problem
+    assert str(e.value).count("meta device") == 1, e.value
 
 
 UNINITIALISABLE = """

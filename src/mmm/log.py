@@ -69,6 +69,7 @@ def configure(
     if all_ranks:
         handler.addFilter(_RankFilter(rank, world_size))
     logger.addHandler(handler)
+    quiet_torchao()  # a user's script may import transformers (and it torchao) later: two filters, no import
     return logger
 
 
@@ -79,7 +80,7 @@ def quiet_torchao() -> None:
     """transformers imports torchao when it is installed (for its quantizers), and torchao's import says, on
     every rank of a run that uses neither, that its CUDA kernels do not load into a torch built without CUDA,
     and (torch) that it registers an Enum the deprecated way. Those two messages are dropped, nothing else
-    (call before transformers is imported; once is enough)."""
+    (call before transformers is imported; once is enough; :func:`configure` calls it)."""
     global _QUIETED
     if _QUIETED:
         return

@@ -249,9 +249,11 @@ def find_blocks(model: nn.Module, blocks: str | None = "auto") -> str | None:
         found = get_submodule(model, blocks)
         if not isinstance(found, BLOCK_CONTAINERS):
             what = "nothing" if found is None else type(found).__name__
+            auto = find_blocks(model, "auto")
             raise UsageError(
                 f"blocks={blocks!r} names {what} in {type(model).__name__}; it must name the "
-                "ModuleList, ModuleDict or Sequential of repeated blocks (or use blocks='auto')"
+                "ModuleList, ModuleDict or Sequential of repeated blocks (or use blocks='auto'"
+                + (f", which finds {auto!r})" if auto else ")")
             )
         return blocks
     best, best_params = None, 0
@@ -335,13 +337,12 @@ def parallelize(
     spec = (spec or ParallelSpec()).replace(**options) if options else (spec or ParallelSpec())
     problems = compose_problems(spec, mesh.dims)
     on_meta = has_meta_params(model)
-    if on_meta and seed is None:
+    missing = [f"{k}=" for k, v in (("device", device), ("seed", seed)) if v is None] if on_meta else []
+    if missing:  # (the weights depend on the seed and each parameter's name)
         problems.append(
-            f"{type(model).__name__} is on the meta device: pass seed= so parallelize() can "
-            "initialise its shards (the weights depend on the seed and each parameter's name)"
+            f"{type(model).__name__} is on the meta device: pass {' and '.join(missing)} so parallelize() can "
+            "materialise its shards (on the device) and initialise them (from the seed and each parameter's name)"
         )
-    if on_meta and device is None:
-        problems.append(f"{type(model).__name__} is on the meta device: pass device= to materialise it on")
     if mesh.dims.cp > 1 and _cp_attention_missing(model):  # each cp rank would attend to its own tokens only
         problems.append(
             f"the mesh has cp={mesh.dims.cp} but {type(model).__name__}'s attention is not context parallel: call "

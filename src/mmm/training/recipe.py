@@ -316,7 +316,13 @@ def load_recipe(spec: str) -> Recipe:
         raise UsageError(f"recipe {spec!r}: {module} has no {attr!r}")
     found = getattr(loaded, attr)
     if not isinstance(found, Recipe):
-        raise UsageError(f"recipe {spec!r} is a {type(found).__name__}, not an mmm.training.recipe.Recipe")
+        hint = (
+            " (a function that builds your model is enough for python -m mmm.verify --model; the trainer and "
+            "the planner take a Recipe: examples/own_recipe.py, docs/trainers.md)"
+            if callable(found)
+            else ""
+        )
+        raise UsageError(f"recipe {spec!r} is a {type(found).__name__}, not an mmm.training.recipe.Recipe{hint}")
     return found
 
 
