@@ -44,8 +44,9 @@ def test_a_pattern_that_matches_nothing_is_an_error():
     from mmm.errors import UsageError
     from mmm.parallel.tensor import resolve_plan
 
-    with pytest.raises(UsageError, match="'layers.\\*.attn.q' match no module of LlamaForCausalLM; its modules look"):
-        resolve_plan(tiny_llama(), {"layers.*.attn.q": "colwise"})
+    with pytest.raises(UsageError, match="'layers.\\*.attn.q' match no module of LlamaForCausalLM; its linear") as e:
+        resolve_plan(tiny_llama(), {"layers.*.attn.q": "colwise"})  # a plan for other names: the layers it has
+    assert "(what a plan splits): 'model.embed_tokens', 'model.layers.*.self_attn.q_proj'," in str(e.value), e.value
     with pytest.raises(UsageError, match="'model.layers.\\*.self_attn.q' match no module of .*; did you mean") as e:
         resolve_plan(tiny_llama(), {"model.layers.*.self_attn.q": "colwise"})  # a near miss: the nearest, as patterns
     assert "'model.layers.*.self_attn.q_proj'?" in str(e.value), str(e.value)

@@ -76,12 +76,16 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, Any], *, allow_missing: bo
             out[n] = st
     if missing and not allow_missing:
         close = closest_patterns(missing, names)
+        layers = _as_patterns(n for n, m in model.named_modules() if n and isinstance(m, (nn.Linear, nn.Embedding)))
         raise UsageError(
             f"TP plan pattern(s) {', '.join(repr(p) for p in missing)} match no module of "
             f"{type(model).__name__}; "
             + (
                 f"did you mean {' or '.join(repr(c) for c in close)}?"
                 if close
+                else f"its linear and embedding layers (what a plan splits): {', '.join(map(repr, layers[:10]))}"
+                + (", ..." if len(layers) > 10 else "")
+                if layers
                 else f"its modules look like {', '.join(names[:6])}{', ...' if len(names) > 6 else ''}"
                 if names
                 else "it has no submodules to shard (a plan names submodules, e.g. 'layers.*.wq')"
@@ -90,9 +94,14 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, Any], *, allow_missing: bo
     return out
 
 
+def _as_patterns(names) -> list[str]:
+    """Module names as patterns, each block's index as ``*`` (``layers.0.wq``, ``layers.1.wq`` -> ``layers.*.wq``)."""
+    return list(dict.fromkeys(re.sub(r"(?:(?<=\.)|^)\d+(?=\.|$)", "*", n) for n in names))
+
+
 def closest_patterns(patterns: list[str], names: list[str]) -> list[str]:
     """The module names most like ``patterns``, as patterns (a block's index as ``*``): two for each, four in all."""
-    shapes = list(dict.fromkeys(re.sub(r"(?:(?<=\.)|^)\d+(?=\.|$)", "*", n) for n in names))
+    shapes = _as_patterns(names)
     found: list[str] = []
     for pattern in patterns:
         found += [c for c in difflib.get_close_matches(pattern, shapes, n=2, cutoff=0.75) if c not in found]
