@@ -209,7 +209,8 @@ def split_model(
     if path is None:
         raise UsageError(
             f"{type(model).__name__} has no ModuleList, ModuleDict or Sequential of repeated blocks to split "
-            "into pipeline stages; name the one that holds them with the blocks setting (e.g. 'model.layers')"
+            "into pipeline stages; hold its blocks in one (self.layers = nn.ModuleList([...])), or name the one "
+            "that holds them with the blocks setting (e.g. 'model.layers')"
         )
     auto_pre, auto_post = outer_modules(model, path)
     pre = auto_pre if pre is None else list(pre)
@@ -490,7 +491,8 @@ def build_pipeline(
     if path is None:
         raise UsageError(
             f"{type(model).__name__} has no ModuleList, ModuleDict or Sequential of repeated blocks to split "
-            "into pipeline stages; name the one that holds them with the blocks setting (e.g. 'model.layers')"
+            "into pipeline stages; hold its blocks in one (self.layers = nn.ModuleList([...])), or name the one "
+            "that holds them with the blocks setting (e.g. 'model.layers')"
         )
     own = [
         name or type(model).__name__
