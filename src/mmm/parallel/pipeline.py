@@ -192,6 +192,14 @@ def _tensor_output(module, args, output):
     )
 
 
+def _no_blocks(model: nn.Module) -> str:
+    return (
+        f"{type(model).__name__} has no ModuleList, ModuleDict or Sequential of repeated blocks to split "
+        "into pipeline stages; hold its blocks in one (self.layers = nn.ModuleList([...])), or name the one "
+        "that holds them with the blocks setting (e.g. 'model.layers')"
+    )
+
+
 def split_model(
     model: nn.Module,
     layer_range: tuple[int, int],
@@ -207,11 +215,7 @@ def split_model(
     :func:`outer_modules`); the others become ``nn.Identity``. Dropped blocks are not copied."""
     path = find_blocks(model, blocks)
     if path is None:
-        raise UsageError(
-            f"{type(model).__name__} has no ModuleList, ModuleDict or Sequential of repeated blocks to split "
-            "into pipeline stages; hold its blocks in one (self.layers = nn.ModuleList([...])), or name the one "
-            "that holds them with the blocks setting (e.g. 'model.layers')"
-        )
+        raise UsageError(_no_blocks(model))
     auto_pre, auto_post = outer_modules(model, path)
     pre = auto_pre if pre is None else list(pre)
     post = auto_post if post is None else list(post)
@@ -489,11 +493,7 @@ def build_pipeline(
         raise UsageError("build_pipeline() needs a mesh with pp > 1 (init_mesh(pp=...)); use parallelize() without PP")
     path = find_blocks(model, spec.blocks)
     if path is None:
-        raise UsageError(
-            f"{type(model).__name__} has no ModuleList, ModuleDict or Sequential of repeated blocks to split "
-            "into pipeline stages; hold its blocks in one (self.layers = nn.ModuleList([...])), or name the one "
-            "that holds them with the blocks setting (e.g. 'model.layers')"
-        )
+        raise UsageError(_no_blocks(model))
     own = [
         name or type(model).__name__
         for name in _path_owners(path)
