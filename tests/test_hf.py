@@ -70,6 +70,10 @@ def test_blocks_found_automatically():
     from mmm.parallel.compose import find_blocks
 
     assert find_blocks(tiny_llama()) == "model.layers"
+    with pytest.raises(
+        UsageError, match="blocks='layers' names nothing in LlamaForCausalLM; .*which finds 'model.layers'"
+    ):
+        find_blocks(tiny_llama(), "layers")
 
 
 @pytest.fixture(scope="module")

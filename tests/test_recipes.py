@@ -176,12 +176,16 @@ def test_a_recipe_names_what_it_lacks_in_one_line(tmp_path, monkeypatch):
     from mmm.training.recipe import Recipe, load_recipe
 
     (tmp_path / "broken_recipe.py").write_text("import no_such_dependency\n")
-    (tmp_path / "bare_recipe.py").write_text("from mmm.training.recipe import Recipe\nBARE = Recipe()\n")
+    (tmp_path / "bare_recipe.py").write_text(
+        "from mmm.training.recipe import Recipe\nBARE = Recipe()\ndef build():\n    pass\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(UsageError, match="importing broken_recipe needs 'no_such_dependency', which is not installed"):
         load_recipe("broken_recipe:R")
     with pytest.raises(UsageError, match="bare_recipe has no 'MISSING'"):
         load_recipe("bare_recipe:MISSING")
+    with pytest.raises(UsageError, match="is a function, not an .*Recipe .a function that builds your model is enough"):
+        load_recipe("bare_recipe:build")  # a model's build function: verify takes it, the planner a recipe
     bare = load_recipe("bare_recipe:BARE")
     assert isinstance(bare, Recipe)
     with pytest.raises(UsageError, match="has no example_batch: the planner and mmm.verify need"):
