@@ -504,6 +504,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("machine"))
         elif item.path.name not in _SHARED_RUNS_SPREAD and _reads_a_shared_run(item):
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
+    if getattr(config.option, "loadgroup", False):  # a pytest-xdist worker under --dist loadgroup
+        items[:] = longest_first(items, recorded)
+
+
+def longest_first(items: list, recorded: dict[str, float]) -> list:
+    """``items`` with the longest work first (a group's tests, which run on one worker one after another,
+    as one unit: their recorded times summed; the tests of a unit keep their order), so that the workers
+    end together rather than one finishing a long test started late while the others sit idle (pytest-xdist
+    takes units in this order: pytest_configure turns its own reordering, by test count, off)."""
+
+    def unit(item) -> str:
+        group = item.get_closest_marker("xdist_group")
+        return group.args[0] if group is not None and group.args else item.nodeid
+
+    cost: dict[str, float] = {}
+    for item in items:
+        cost[unit(item)] = cost.get(unit(item), 0.0) + recorded.get(_node(item.nodeid), 0.0)
+    return sorted(items, key=lambda item: -cost[unit(item)])  # stable: a unit's tests in their order
 
 
 def pytest_configure(config):
@@ -511,6 +529,7 @@ def pytest_configure(config):
     groups above would silently not hold (measured: shared runs made twice, machine-wide tests side by side)."""
     if config.getoption("dist", "no") != "loadgroup":
         return
+    config.option.loadscopereorder = False  # the units in longest_first's order, not by how many tests each holds
     import xdist
 
     xdist_version = tuple(int(x) for x in xdist.__version__.split(".")[:2])
