@@ -221,6 +221,9 @@ def test_dry_run_in_a_slurm_job_without_srun_on_path_prints_the_command(tmp_path
         (["--launcher", "pbs", "python3"], "argument --launcher: invalid choice: 'pbs'"),
         ([], "no command to launch"),
         (["--hostfile", "/nonexistent/hosts", "python3"], "hostfile '/nonexistent/hosts' does not exist"),
+        # a launcher under launch: each rank would start a job of its own
+        (["-n", "2", "torchrun", "--nproc-per-node", "2", "train.py"], "torchrun is a launcher: launch starts"),
+        (["python3", "-m", "torch.distributed.run", "train.py"], "python3 -m torch.distributed.run is a launcher"),
     ],
 )
 def test_bad_launch_input(args, needle):

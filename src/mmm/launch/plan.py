@@ -102,6 +102,21 @@ def _check_program(program: str, env: Mapping[str, str]) -> None:
         raise UsageError(f"cannot start {program!r}: not found on PATH; check its spelling, or give its path")
 
 
+# launchers of their own: under launch each rank would start ranks of its own, in a job of its own
+_NESTED = {"torchrun", "mpiexec", "mpirun", "srun", "launch"}
+_NESTED_MODULES = {"torch.distributed.run", "torch.distributed.launch", "mmm.launch"}
+
+
+def _nested_launcher(command: Sequence[str]) -> str | None:
+    """The launcher ``command`` runs (``torchrun``, ``python -m torch.distributed.run``...), None for a program."""
+    name = os.path.basename(command[0])
+    if name in _NESTED:
+        return name
+    if name.startswith("python") and len(command) > 2 and command[1] == "-m" and command[2] in _NESTED_MODULES:
+        return f"{name} -m {command[2]}"
+    return None
+
+
 def new_run_id() -> str:
     """A launch's own id: its UTC time and 8 random hex digits."""
     return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(4)
@@ -126,6 +141,12 @@ def plan_launch(
     env = os.environ if env is None else env
     if not command:
         raise UsageError("no command to launch; e.g. `launch -n 4 python3 -m mmm --tp 2`")
+    nested = _nested_launcher(command)
+    if nested:
+        raise UsageError(
+            f"{nested} is a launcher: launch starts the ranks itself, and each would start ranks of its own, in "
+            f"jobs of their own; give launch the program (launch -n 4 python3 train.py), or run {nested} alone"
+        )
     if not dry_run:
         _check_program(command[0], env)
     if launcher not in LAUNCHERS:
