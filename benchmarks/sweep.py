@@ -139,13 +139,13 @@ def run_one(combo, args, trainer_argv: list[str], out: Path) -> dict:
         code = p.returncode
     except subprocess.TimeoutExpired:
         _stop_group(p)
-        stdout, stderr = p.communicate()
+        stdout, stderr = _rest(p)
         code = 124
         stderr += f"\nerror: timed out after {args.timeout}s (--timeout)"
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM to the sweep: its session of its own never got it
         with signal_ignored(signal.SIGINT), signal_ignored(signal.SIGTERM):  # a second one must not cut it short
             _stop_group(p, first=signal.SIGINT)
-        stdout, stderr = p.communicate()
+            stdout, stderr = _rest(p)
         (rundir / "log.txt").write_text(f"$ {' '.join(cmd)}\n{stdout}{stderr}\ninterrupted: the sweep was stopped\n")
         (rundir / "INTERRUPTED").write_text("the sweep was stopped during this run: its outputs are incomplete\n")
         raise
@@ -167,17 +167,55 @@ def signal_ignored(signum: int):
 
 
 def _stop_group(p: subprocess.Popen, first: int = signal.SIGTERM) -> None:
-    """Stop the run's session (launch and every rank): ``first``, then SIGKILL if it is still there 10 s later."""
-    for sig, wait in ((first, 10), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(p.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            p.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    """Stop the run: ``first`` to its session (launch passes it on to the ranks), then SIGKILL to the session
+    and to every process launch started (an MPI launcher may run in a process group of its own, its ranks
+    with it) if any is still there 10 s later; the pipes' other ends close with the last of them."""
+    started = _descendants(p.pid)
+    try:
+        os.killpg(p.pid, first)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (p.poll() is None or any(_alive(q) for q in started)):
+        time.sleep(0.1)
+    for pid in [*started, *_descendants(p.pid)]:
+        if _alive(pid):  # (one that ended: its id may be another process's by now)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+
+
+def _rest(p: subprocess.Popen) -> tuple[str, str]:
+    """What the stopped run still had to say (a process that escaped the stop keeps the pipes open: then
+    what came within 30 s)."""
+    try:
+        return p.communicate(timeout=30)
+    except subprocess.TimeoutExpired as e:
+        for f in (p.stdout, p.stderr):
+            f.close()
+        text = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr)]
+        return text[0], text[1] + "\n(the run's output is cut short: a process of it outlived the stop)"
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process ``pid`` started, their children too (Linux's /proc; none elsewhere)."""
+    found, todo = [], [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                kids = [int(k) for k in (task / "children").read_text().split()]
+                found += kids
+                todo += kids
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _stat(summary: dict, key: str) -> float:
