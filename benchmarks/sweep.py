@@ -167,24 +167,62 @@ def signal_ignored(signum: int):
 
 
 def _stop_group(p: subprocess.Popen, first: int = signal.SIGTERM) -> None:
-    """Stop the run: ``first`` to its session (launch passes it on to the ranks), then SIGKILL to the session
-    and to every process launch started (an MPI launcher may run in a process group of its own, its ranks
-    with it) if any is still there 10 s later; the pipes' other ends close with the last of them."""
-    started = _descendants(p.pid)
+    """Stop the run: ``first`` to its session (launch passes it on to the ranks); where anything of it is
+    still there 10 s later, SIGKILL to the session and to every process launch started (an MPI launcher may
+    run in a process group of its own, its ranks with it). Processes are held by pidfd where Linux has them,
+    and launch is not reaped before the end: no signal reaches a process that took over an id."""
+    held = _hold(_descendants(p.pid))
     try:
         os.killpg(p.pid, first)
     except ProcessLookupError:
         pass
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (p.poll() is None or any(_alive(q) for q in started)):
+    while time.monotonic() < deadline and (_running(p) or any(_signal(h, 0) for h in held)):
         time.sleep(0.1)
-    for pid in [*started, *_descendants(p.pid)]:
-        if _alive(pid):  # (one that ended: its id may be another process's by now)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(p.pid, signal.SIGKILL)
+    if _running(p) or any(_signal(h, 0) for h in held):
+        held += _hold(_descendants(p.pid))
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)  # launch's group: its id stays reserved until p.wait() below
+        for h in held:
+            _signal(h, signal.SIGKILL)
+    for h in held:
+        if isinstance(h, tuple):
+            os.close(h[1])
     p.wait()
+
+
+def _running(p: subprocess.Popen) -> bool:
+    """Whether launch runs, without reaping it (its process and group ids stay its own until p.wait())."""
+    try:
+        return os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+    except ChildProcessError:
+        return False
+
+
+def _hold(pids: list[int]) -> list:
+    """Each process as a (pid, pidfd) where Linux gives one (a signal through it reaches that process only),
+    else its id."""
+    held: list = []
+    for pid in pids:
+        try:
+            held.append((pid, os.pidfd_open(pid)))
+        except ProcessLookupError:
+            continue
+        except (AttributeError, OSError):
+            held.append(pid)
+    return held
+
+
+def _signal(h, sig: int) -> bool:
+    """Send ``sig`` (0: none) to a held process; whether it is still there."""
+    try:
+        if isinstance(h, tuple):
+            signal.pidfd_send_signal(h[1], sig)
+        else:
+            os.kill(h, sig)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _rest(p: subprocess.Popen) -> tuple[str, str]:
@@ -209,13 +247,6 @@ def _descendants(pid: int) -> list[int]:
                 found += kids
                 todo += kids
     return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _stat(summary: dict, key: str) -> float:

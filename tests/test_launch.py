@@ -223,7 +223,8 @@ def test_dry_run_in_a_slurm_job_without_srun_on_path_prints_the_command(tmp_path
         (["--hostfile", "/nonexistent/hosts", "python3"], "hostfile '/nonexistent/hosts' does not exist"),
         # a launcher under launch: each rank would start a job of its own
         (["-n", "2", "torchrun", "--nproc-per-node", "2", "train.py"], "torchrun is a launcher: launch starts"),
-        (["python3", "-m", "torch.distributed.run", "train.py"], "python3 -m torch.distributed.run is a launcher"),
+        (["python3", "-u", "-m", "torch.distributed.run", "x.py"], "python3 -m torch.distributed.run is a launcher"),
+        (["mpiexec.hydra", "-n", "2", "train.py"], "mpiexec.hydra is a launcher"),
     ],
 )
 def test_bad_launch_input(args, needle):
@@ -287,7 +288,8 @@ def test_a_session_folder_left_by_a_killed_open_mpi_run_fails_no_later_run(tmp_p
 def test_a_killed_launchs_folders_are_removed_by_the_next_launch(tmp_path):
     """A SIGKILLed launch (the out-of-memory killer, a scheduler's hard stop) cannot remove its folders (the
     ranks' process ids, the MPI launcher's session files): the next launch on the host removes them, and
-    keeps those of a running launch and of another host (a temporary folder several hosts share)."""
+    keeps those of a running launch and of another host (a temporary folder several hosts share; a
+    container with the host's name counts as another)."""
     env = clean_env(TMPDIR=str(tmp_path))
     sleeping = launch("-n", "2", "python3", "-c", "import time; time.sleep(120)")
     with spawn(sleeping, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as p:
@@ -301,11 +303,14 @@ def test_a_killed_launchs_folders_are_removed_by_the_next_launch(tmp_path):
     assert left and all(f"-{p.pid}-" in f.name for f in left), left
     running = Path(tempdirs.make("pids", str(tmp_path)))  # this test's process: running
     ours = tempdirs.prefix("pids").split("-")[2]
-    other = tmp_path / f"mmm-pids-{'0' * 8 if ours != '0' * 8 else '1' * 8}-{p.pid}-1-abcdefgh"
+    other = tmp_path / f"mmm-pids-{'0' * 8 if ours != '0' * 8 else '1' * 8}-{p.pid}-1-{p.pid}-abcdefgh"
     other.mkdir()
+    # a launch gone whose group runs on (a terminal's foreground job: its launcher and ranks shared its group)
+    group = tmp_path / f"mmm-mpi-{ours}-{p.pid}-1-{os.getpgid(0)}-abcdefgh"
+    group.mkdir()
     res = run(launch("-n", "1", "python3", "-c", "pass"), env=env)
     assert res.returncode == 0, res.output
-    assert sorted(tmp_path.glob("mmm-*")) == sorted([running, other]), left
+    assert sorted(tmp_path.glob("mmm-*")) == sorted([running, other, group]), left
 
 
 @pytest.mark.parametrize("where", ["--mpi-args", "param-file", "environment"])

@@ -142,16 +142,30 @@ def lm_loss(logits, targets):
 CANNOT_TAKE = "the model cannot take the batches"
 
 
-def _first_batch_problem(e: Exception, inputs: torch.Tensor) -> str | None:
-    """The line for a model that cannot take verify's batches (an embedding indexed past its size: token ids
-    or positions beyond the model's), None for any other failure (a bug keeps its traceback)."""
-    if not (isinstance(e, IndexError) and "index out of range" in str(e)):
-        return None
-    ids = f", ids {int(inputs.min())}-{int(inputs.max())}" if not inputs.is_floating_point() else ""
-    return (
-        f"{CANNOT_TAKE}: inputs of shape {tuple(inputs.shape)}{ids} index past one of its "
-        f"embeddings ({type(e).__name__}: {e}); give batches within its vocabulary and positions"
-    )
+def _embeddings_checked(model: torch.nn.Module, inputs: torch.Tensor) -> list:
+    """Hooks that refuse, in one line, ids past an embedding's rows (token ids past the vocabulary, positions
+    past the table) before the lookup: on a CPU an IndexError from inside torch, on a GPU a device-side
+    assert. Remove them after the first forward."""
+
+    def check(name: str):
+        def hook(module, args):
+            ids = args[0] if args else None
+            if isinstance(ids, torch.Tensor) and not ids.is_floating_point() and ids.numel():
+                low, high = int(ids.min()), int(ids.max())
+                if low < 0 or high >= module.num_embeddings:
+                    raise UsageError(
+                        f"{CANNOT_TAKE}: {name} (an embedding of {module.num_embeddings} rows) is given ids "
+                        f"{low}-{high} (inputs of shape {tuple(inputs.shape)}); give batches within its vocabulary "
+                        "and positions"
+                    )
+
+        return hook
+
+    return [
+        m.register_forward_pre_hook(check(name or type(model).__name__))
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Embedding)
+    ]
 
 
 def _tp_problem(e: Exception, mesh) -> str | None:
@@ -254,24 +268,23 @@ def verify(
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         for step in range(1, steps + 1):
             inputs, targets = (t.to(device) for t in batch_fn(step))
-            try:
+            hooks = _embeddings_checked(model, inputs) if step == 1 else []
+            try:  # (any other error is a bug of the model's or its loss: its traceback; the others lose contact)
                 loss = loss_fn(model(inputs), targets)
             except UsageError as e:
                 refused[0] = str(e)
-            except Exception as e:
-                refused[0] = _first_batch_problem(e, inputs) if step == 1 else None
-                if refused[0] is None:
-                    raise  # a bug of the model's or of its loss: its traceback (the other ranks: lost contact)
-            if refused[0] is not None:
                 break
+            finally:
+                for h in hooks:
+                    h.remove()
             loss.backward()
             ref[0, step - 1] = loss.item()
             ref[1, step - 1] = clip_grad_norm_(model.parameters(), 0.0)
             opt.step()
             opt.zero_grad()
         del model, opt
-    if tdist.is_initialized():  # every rank learns whether the reference ran
-        tdist.broadcast_object_list(refused, src=0)
+    if tdist.is_initialized():  # every rank learns whether the reference ran (NCCL: through this device)
+        tdist.broadcast_object_list(refused, src=0, device=device if device.type != "cpu" else None)
     if refused[0] is not None:
         raise UsageError(refused[0])
     if tdist.is_initialized():  # on the device: NCCL has no CPU tensors

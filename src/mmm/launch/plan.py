@@ -103,17 +103,27 @@ def _check_program(program: str, env: Mapping[str, str]) -> None:
 
 
 # launchers of their own: under launch each rank would start ranks of its own, in a job of its own
-_NESTED = {"torchrun", "mpiexec", "mpirun", "srun", "launch"}
+_NESTED = {"torchrun", "mpiexec", "mpirun", "prterun", "orterun", "srun"}  # and their flavours: mpiexec.hydra
 _NESTED_MODULES = {"torch.distributed.run", "torch.distributed.launch", "mmm.launch"}
 
 
 def _nested_launcher(command: Sequence[str]) -> str | None:
-    """The launcher ``command`` runs (``torchrun``, ``python -m torch.distributed.run``...), None for a program."""
+    """The launcher ``command`` runs (``torchrun``, ``mpiexec.hydra``, ``python -u -m torch.distributed.run``...),
+    None for a program."""
     name = os.path.basename(command[0])
-    if name in _NESTED:
+    if name.split(".")[0] in _NESTED:
         return name
-    if name.startswith("python") and len(command) > 2 and command[1] == "-m" and command[2] in _NESTED_MODULES:
-        return f"{name} -m {command[2]}"
+    if not name.startswith("python"):
+        return None
+    args = iter(command[1:])
+    for arg in args:  # the interpreter's own options come before -m
+        module = arg[2:] if arg.startswith("-m") and len(arg) > 2 else (next(args, "") if arg == "-m" else None)
+        if module is not None:
+            return f"{name} -m {module}" if module in _NESTED_MODULES else None
+        if not arg.startswith("-") or arg in ("-c", "-"):
+            return None  # a script, or code: the program itself
+        if arg in ("-W", "-X"):
+            next(args, None)  # (their value)
     return None
 
 

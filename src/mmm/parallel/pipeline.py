@@ -116,7 +116,7 @@ def pipeline_problems(
         split = spell.name("split_points")
         out.append(
             f"{spell('n_layers', n_layers)}: no even split into {stages}; use a multiple of {num_stages}"
-            + (f" or {split}" if split else f", or fewer stages ({spell.name('pp')})")
+            + (f" or {split}" if split else f", or fewer stages ({spell.name('pp')}, {spell.name('stages_per_rank')})")
         )
     batch = accumulation_problems(microbatches, local_batch, spell=spell)  # the same rule as accumulation's
     out += batch
