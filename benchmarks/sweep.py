@@ -461,6 +461,9 @@ def main(argv=None) -> int:
         progress.start()
         task = progress.add_task("", total=len(combos))
     before = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the sweep as Ctrl-C does
+    # Ctrl-C is the sweep's to handle (it stops the run in progress), also where it inherited SIGINT ignored (a
+    # shell's background job, `nohup ... &`): ignored, it would never reach the runs' own sessions
+    interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         for i, combo in enumerate(combos, 1):
             if progress is not None:
@@ -496,6 +499,7 @@ def main(argv=None) -> int:
                 print(line, flush=True)
     finally:
         signal.signal(signal.SIGTERM, before)
+        signal.signal(signal.SIGINT, interrupt)
         if progress is not None:
             progress.stop()
     ds = to_dataset(combos, results, request)

@@ -117,15 +117,19 @@ def run(cmd: list[str], *, env: dict[str, str] | None = None, timeout: float = 1
 @contextlib.contextmanager
 def spawn(cmd: list[str], *, env: dict[str, str] | None = None, preexec_fn=None, **kw) -> Iterator[subprocess.Popen]:
     """Start ``cmd`` in a new session (its own process group) and, when the block ends, pass or fail,
-    kill whatever of that group is still alive: a test never leaves ranks behind."""
+    kill whatever of that group is still alive: a test never leaves ranks behind. ``cmd`` starts with SIGINT
+    and SIGQUIT at their defaults, as a terminal's foreground job does, whatever this process inherited (a
+    suite started as a background job, `make test &`, ignores both, and an ignored signal stays ignored
+    across exec: a Python program then never sees a KeyboardInterrupt); ``preexec_fn`` runs after that."""
+
+    def start() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+        if preexec_fn is not None:
+            preexec_fn()
+
     p = subprocess.Popen(
-        cmd,
-        env=env or clean_env(),
-        text=True,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-        preexec_fn=preexec_fn,
-        **kw,
+        cmd, env=env or clean_env(), text=True, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=start, **kw
     )
     try:
         yield p
