@@ -284,7 +284,7 @@ def verify(
             opt.zero_grad()
         del model, opt
     if tdist.is_initialized():  # every rank learns whether the reference ran (NCCL: through this device)
-        tdist.broadcast_object_list(refused, src=0, device=device if device.type != "cpu" else None)
+        tdist.broadcast_object_list(refused, src=0, device=None if torch.device(device).type == "cpu" else device)
     if refused[0] is not None:
         raise UsageError(refused[0])
     if tdist.is_initialized():  # on the device: NCCL has no CPU tensors
